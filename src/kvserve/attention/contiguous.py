@@ -1,0 +1,32 @@
+"""A dense per-sequence KV cache: the reference path the paged engine is checked against."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.ops import sequence_attention
+
+
+class ContiguousKVCache:
+    """One sequence; k/v of every layer appended in order. Implements ``AttentionBackend``."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0  # tokens stored (same for every layer after a forward)
+
+    def attend(self, layer, q, k, v, window, scale):
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k])
+            self.values[layer] = torch.cat([self.values[layer], v])
+        keys = self.keys[layer]
+        q_start = keys.shape[0] - q.shape[0]
+        if layer == len(self.keys) - 1:
+            self.length = keys.shape[0]
+        return sequence_attention(q, keys, self.values[layer], q_start, window, scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)

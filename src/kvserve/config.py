@@ -1,0 +1,86 @@
+"""Frozen configuration records. One tree flows from the CLI down to the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3 style frequency scaling (``rope_type == "llama3"``) or linear scaling."""
+
+    rope_type: str = "none"  # "none" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Everything the forward pass needs to know about a decoder-only transformer.
+
+    The defaults describe a Llama: variants (qwen2, gemma3) only switch fields on.
+    """
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    rope_theta_local: float | None = None  # rope base of sliding-window layers (gemma3)
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[bool, ...] = ()  # per layer: True = sliding window attention
+    attention_bias: bool = False  # qwen2: bias on q, k, v projections
+    qk_norm: bool = False  # gemma3: RMSNorm on q and k per head
+    post_norms: bool = False  # gemma3: norms after attention and after the MLP
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    embedding_scale: float = 1.0  # gemma: hidden states scaled by sqrt(hidden_size) after embedding
+    attn_scale: float | None = None  # default 1/sqrt(head_dim)
+    tie_word_embeddings: bool = True
+    name: str = ""
+
+    @property
+    def kv_size_per_token(self) -> int:
+        """Elements of K plus V stored per token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window_layers) and self.sliding_window_layers[layer]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV pool. Its size comes from ``num_ctx`` (tokens per sequence, Ollama-like)
+    times ``max_num_seqs``, or from ``kv_cache_memory`` bytes (vLLM-like) when that is set."""
+
+    block_size: int = 16
+    num_ctx: int = 4096
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    cache_dtype: str = "f32"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+    dtype: str = "float32"
+    num_threads: int | None = None
+    seed: int = 0

@@ -1,0 +1,186 @@
+"""``LLMEngine``: add requests, call ``step`` until done, read ``RequestOutput``s. Synchronous."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.runner import ModelRunner
+from kvserve.engine.sampler import Sampler
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import PagedKVStorage, bytes_per_token
+from kvserve.models.loader import LoadedModel, load_model
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    num_blocks: int
+    max_model_len: int  # tokens one request may hold (prompt + output)
+
+
+def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> PoolSize:
+    """Blocks in the pool: ``kv_cache_memory`` bytes when given, else room for ``max_num_seqs``
+    sequences of ``num_ctx`` tokens each."""
+    bs = cache.block_size
+    if cache.num_ctx < 1:
+        raise ValueError(f"num_ctx must be >= 1, got {cache.num_ctx}")
+    if cache.kv_cache_memory is not None:
+        per_block = bs * bytes_per_token(model, cache.cache_dtype)
+        num_blocks = cache.kv_cache_memory // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {cache.kv_cache_memory} bytes holds no block of {per_block} bytes "
+                f"({bs} tokens); give at least {per_block}"
+            )
+        return PoolSize(num_blocks, min(cache.num_ctx, num_blocks * bs))
+    blocks_per_seq = -(-cache.num_ctx // bs)
+    return PoolSize(blocks_per_seq * max_num_seqs, cache.num_ctx)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        size = pool_size(loaded.config, config.cache, config.scheduler.max_num_seqs)
+        self.max_model_len = size.max_model_len
+        self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.storage = PagedKVStorage(
+            loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_dtype, loaded.model.device
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len)
+        self.runner = ModelRunner(loaded.model, self.storage, self.kv)
+        decode = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else str
+        self.sampler = Sampler(decode)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else ()
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress=None, auto_pull: bool = False) -> LLMEngine:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+        loaded = load_model(config.model, config.device, dtype, progress, auto_pull=auto_pull)
+        return cls(config, loaded)
+
+    # --- requests -------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt token ids")
+            return self.tokenizer.encode(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        request = Request(
+            request_id if request_id is not None else f"req-{next(self._ids)}",
+            self.tokenize_prompt(prompt),
+            params,
+            self.max_model_len,
+            self.eos_token_ids,
+            cache_salt,
+        )
+        self.scheduler.add_request(request)
+        self.outputs.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        request.metrics.finished_time = time.perf_counter()
+        return self.outputs.process(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- the loop -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.perf_counter()
+        for s in out.scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        ready, logits = self.runner.execute(out)
+        self.scheduler.update_after_step(out)
+        sampled = self.sampler.sample(logits, ready) if ready else []
+        now = time.perf_counter()
+        results = []
+        for request, (token, logprob) in zip(ready, sampled):
+            self._record_token(request, token, logprob, now)
+            request.check_stop_token()
+            output = self.outputs.process(request)
+            if request.is_finished:
+                request.metrics.finished_time = now
+                self.scheduler.finish(request, request.status)
+            results.append(output)
+        return results
+
+    def _record_token(self, request: Request, token: int, logprob, now: float) -> None:
+        m = request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.num_prompt_tokens += request.num_prompt_tokens
+        else:
+            m.itls.append(now - m.last_token_time)
+        m.last_token_time = now
+        m.num_generation_tokens += 1
+        self.num_generated_tokens += 1
+        request.append_token(token)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return final
+
+    # --- views ----------------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return bytes_per_token(self.model_config, self.config.cache.cache_dtype)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.storage.nbytes
+
+    def kv_bytes_in_use(self) -> int:
+        used = self.kv.num_blocks - self.kv.pool.num_free_blocks
+        return used * self.config.cache.block_size * self.kv_bytes_per_token
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def finish_with_error(self, request: Request, message: str) -> None:
+        request.error = message
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)

@@ -1,0 +1,56 @@
+"""Owns the model and the paged KV tensors; turns a ``SchedulerOutput`` into logits."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import PagedKVStorage
+from kvserve.models.decoder import DecoderLM
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, storage: PagedKVStorage, kv: KVCacheManager) -> None:
+        self.model = model
+        self.storage = storage
+        self.kv = kv
+        self.device = model.device
+        self.block_size = storage.block_size
+
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        """Run one forward over every scheduled token. Returns the requests whose known tokens are now
+        all computed, with their last-position logits ([len(ready), vocab] float32)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sequences: list[SequenceSlice] = []
+        logit_rows: list[int] = []
+        ready: list[Request] = []
+        bs = self.block_size
+        for s in out.scheduled:
+            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            table = self.kv.block_ids(r.request_id)
+            end = start + n
+            input_ids.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            num_blocks = -(-end // bs)
+            block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
+            sequences.append(SequenceSlice(len(input_ids) - n, n, end, block_table))
+            if end == r.num_tokens:
+                logit_rows.append(len(input_ids) - 1)
+                ready.append(r)
+        device = self.device
+        metadata = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), sequences)
+        hidden = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            PagedAttention(self.storage, metadata),
+        )
+        if not ready:
+            return [], hidden.new_empty((0, 0))
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        return ready, self.model.compute_logits(hidden.index_select(0, rows))

@@ -1,0 +1,78 @@
+"""Turns each ready request's logits into its next token.
+
+Order of operations (llama.cpp and vLLM agree on it): penalties on raw logits, then temperature,
+then top-k, top-p and min-p filters, then a draw from the request's own generator. Each request has
+its own seeded ``torch.Generator``, so a seeded request draws the same tokens whatever shares its batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from kvserve.engine.outputs import TokenLogprob
+from kvserve.engine.request import Request
+
+
+def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    p = request.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=logits.device)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+        ids, counts = torch.tensor(request.output_token_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """logits: [vocab], already divided by the temperature. Filtered entries become -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, decode_token) -> None:
+        self.decode_token = decode_token  # token id -> text, for logprob records
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
+        """logits: [len(requests), vocab] float32."""
+        results = []
+        for row, request in zip(logits, requests):
+            token = self._sample_one(row, request)
+            logprob = self._logprob(row, token, request.params.logprobs) if request.params.logprobs is not None else None
+            results.append((token, logprob))
+        return results
+
+    def _sample_one(self, row: torch.Tensor, request: Request) -> int:
+        p = request.params
+        needs_penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        x = apply_penalties(row.clone(), request) if needs_penalty else row
+        if p.greedy:
+            return int(torch.argmax(x))
+        x = filter_logits(x / p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = x.softmax(-1)
+        if request.generator is None:
+            request.generator = torch.Generator(device=row.device)
+            request.generator.manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
+        return int(torch.multinomial(probs, 1, generator=request.generator))
+
+    def _logprob(self, row: torch.Tensor, token: int, top_k: int) -> TokenLogprob:
+        logprobs = row.log_softmax(-1)
+        top = []
+        if top_k > 0:
+            values, ids = torch.topk(logprobs, top_k)
+            top = [(int(i), self.decode_token(int(i)), float(v)) for v, i in zip(values, ids)]
+        return TokenLogprob(token, self.decode_token(token), float(logprobs[token]), top)

@@ -1,0 +1,158 @@
+"""Continuous batching under a per-step token budget. Plain Python: no tensors.
+
+There are no separate prefill and decode phases. Every request has known tokens (prompt plus
+generated) and computed tokens (K/V in the cache); each step hands out a budget of tokens so that
+computed catches up with known:
+
+    step budget 512:  running decodes first, 1 token each     -> [r1:1] [r2:1] [r3:1]
+                      then waiting prompts, chunked to fit    -> [r4: 509 of 2000 prompt tokens]
+
+When blocks run out, the newest running request is preempted (its blocks freed, its progress reset;
+it is recomputed later, largely from the prefix cache) rather than failing anyone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.errors import KVServeError, PromptTooLongError
+from kvserve.kv.manager import KVCacheManager
+
+
+class QueueFullError(KVServeError):
+    """Too many requests are waiting."""
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- admission ------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        limit = self.max_model_len
+        if request.num_prompt_tokens >= limit:
+            raise PromptTooLongError(
+                f"the prompt is {request.num_prompt_tokens} tokens but the context limit is {limit} "
+                f"(room is needed for at least one new token); use a larger --num-ctx or a shorter prompt",
+                request.num_prompt_tokens,
+                limit,
+            )
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are already waiting; try again later")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new, out):
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+            # else: request itself was preempted and removed from running; i now points at the next
+        if out.preempted:  # no room for new work this step
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.metrics.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running.pop()  # the newest request goes first
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
+        """Advance computed counts. Returns the requests whose last known token was computed this
+        step: each of them gets one sampled token."""
+        ready = []
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.request.num_computed_tokens == s.request.num_tokens:
+                ready.append(s.request)
+        return ready

@@ -1,0 +1,102 @@
+"""A fixed pool of KV blocks with reference counts and an LRU queue of free blocks.
+
+A block is in exactly one of three states:
+
+    in use        ref_count > 0                       owned by one or more requests
+    cached-free   ref_count == 0, block_hash set      in the free queue, content still valid
+    free          ref_count == 0, block_hash None     in the free queue
+
+Allocation takes blocks from the head of the free queue (least recently freed first) and evicts
+their cached content. A prefix-cache hit on a cached-free block pulls it out of the queue.
+Pure bookkeeping: no tensors live here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvserve.kv.hashing import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None  # kept with the hash so a cache hit can be verified
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus cached-free)."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_queue.values() if b.block_hash is not None)
+
+    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        if count > len(self.free_queue):
+            raise RuntimeError(f"asked for {count} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(count):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            assert block.ref_count == 0
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop a reference on each block, in the given order; blocks reaching zero join the queue's
+        tail, so the first ones freed are the first ones evicted. Callers pass a request's blocks
+        in reverse so that tail blocks (least likely to be shared) go first."""
+        for block in blocks:
+            assert block.ref_count > 0, f"double free of block {block.block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:  # same content computed twice; keep the first copy
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.free_queue.values():
+            self._evict(block)

@@ -1,0 +1,125 @@
+"""Per-request block tables on top of the block pool, with automatic prefix caching.
+
+A request's block table is append-only while it runs:
+
+    token positions   0 ........ 15 | 16 ....... 31 | 32 .. 40
+    block table       [   b7        ,    b2         ,   b9    ]
+    slot of pos p  =  block_table[p // block_size] * block_size + p % block_size
+
+Full blocks are registered in the prefix cache when their tokens are scheduled; they are found again
+by chained hash (see ``hashing``). A prefix hit stops at least one token short of the request's
+known tokens, so the last token is always computed and yields logits.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvserve.kv.block_pool import BlockPool, KVBlock
+from kvserve.kv.hashing import extend_block_hashes
+
+
+class CacheableRequest(Protocol):
+    request_id: str
+    all_token_ids: list[int]
+    block_hashes: list[int]
+    num_computed_tokens: int
+    cache_salt: str | None
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    # --- lookup ---------------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: CacheableRequest) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, as blocks and a token count (not yet referenced)."""
+        if not self.enable_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt)
+        max_blocks = (len(tokens) - 1) // self.block_size  # leave at least one token to compute
+        hits: list[KVBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.lookup(
+                request.block_hashes[i], tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            )
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # --- allocation -----------------------------------------------------------------------------------
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_slots(
+        self, request: CacheableRequest, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
+        """Make room for ``num_new_tokens`` after the request's computed tokens (and after
+        ``computed_blocks``, a prefix hit being taken now). Returns False, changing nothing, when the
+        pool cannot supply the blocks."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        # cached-free hits leave the free queue when touched, so they do not count as available
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_count == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+            return False
+        self.pool.touch(computed_blocks)
+        blocks = self.req_blocks.setdefault(request.request_id, blocks)
+        if computed_blocks:  # prefix hits are taken only when the table is still empty
+            assert not blocks
+            self.num_cached_blocks[request.request_id] = len(computed_blocks)
+        blocks.extend(computed_blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.pool.allocate(num_new_blocks))
+        self.num_cached_blocks.setdefault(request.request_id, 0)
+        self._cache_full_blocks(request, total)
+        return True
+
+    def _cache_full_blocks(self, request: CacheableRequest, num_tokens: int) -> None:
+        """Register the blocks that are full once ``num_tokens`` tokens are computed."""
+        if not self.enable_caching:
+            return
+        tokens = request.all_token_ids
+        extend_block_hashes(request.block_hashes, tokens[:num_tokens], self.block_size, request.cache_salt)
+        blocks = self.req_blocks[request.request_id]
+        start = self.num_cached_blocks[request.request_id]
+        num_full = num_tokens // self.block_size
+        for i in range(start, num_full):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            self.pool.cache_block(blocks[i], request.block_hashes[i], chunk)
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def free(self, request: CacheableRequest) -> None:
+        """Release every block of the request, tail first (so tail blocks are evicted first)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    # --- views ----------------------------------------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,150 @@
+"""A decoder-only transformer forward for the Llama family, switched by ``ModelConfig`` fields.
+
+llama / SmolLM2 / Mistral: RMSNorm, RoPE, GQA attention, SwiGLU. qwen2 adds a bias on q, k, v.
+gemma3 switches on q/k norms, post-norms, GELU, embedding scaling and sliding-window layers.
+
+The forward takes a flat batch of tokens from any number of sequences, their explicit positions,
+and an ``AttentionBackend`` that owns the KV cache: it stores this step's k/v and attends over
+each sequence's history. The model itself holds no per-request state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ModelConfig
+from kvserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
+
+
+class AttentionBackend(Protocol):
+    """Stores k/v of this step's tokens in the cache and returns attention outputs."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+    ) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads, head_dim]."""
+        ...
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, hidden], q, k, v stacked
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden], gate then up
+    down: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
+class DecoderLM:
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.embed = w("token_embd.weight")  # [vocab, hidden]
+        self.final_norm = w("output_norm.weight")
+        self.lm_head = w("output.weight") if "output.weight" in weights else self.embed
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"blk.{i}."
+            bias = None
+            if p + "attn_q.bias" in weights:
+                bias = torch.cat([w(p + "attn_q.bias"), w(p + "attn_k.bias"), w(p + "attn_v.bias")])
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=w(p + "attn_norm.weight"),
+                    qkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
+                    qkv_bias=bias,
+                    o=w(p + "attn_output.weight"),
+                    ffn_norm=w(p + "ffn_norm.weight"),
+                    gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
+                    down=w(p + "ffn_down.weight"),
+                    q_norm=opt(p + "attn_q_norm.weight"),
+                    k_norm=opt(p + "attn_k_norm.weight"),
+                    post_attn_norm=opt(p + "post_attention_norm.weight"),
+                    post_ffn_norm=opt(p + "post_ffw_norm.weight"),
+                )
+            )
+        freq_factors = weights.get("rope_freqs")
+        self.rope = RotaryEmbedding(inverse_frequencies(config, config.rope_theta, freq_factors), device, dtype)
+        self.rope_local = self.rope
+        if config.rope_theta_local is not None:
+            self.rope_local = RotaryEmbedding(inverse_frequencies(config, config.rope_theta_local), device, dtype)
+        self.scale = config.attn_scale or config.head_dim**-0.5
+        self.q_dim = config.num_heads * config.head_dim
+        self.kv_dim = config.num_kv_heads * config.head_dim
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.hidden_act == "gelu_tanh":
+            return F.gelu(x, approximate="tanh")
+        return F.silu(x)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]. Returns final hidden states [num_tokens, hidden]."""
+        cfg = self.config
+        n = input_ids.shape[0]
+        x = self.embed[input_ids]
+        if cfg.embedding_scale != 1.0:
+            x = x * torch.tensor(cfg.embedding_scale, dtype=x.dtype, device=x.device)
+        max_pos = int(positions.max()) if n else 0
+        rope_tables = self.rope.tables(positions, max_pos)
+        local_tables = self.rope_local.tables(positions, max_pos) if self.rope_local is not self.rope else rope_tables
+        for i, layer in enumerate(self.layers):
+            sliding = cfg.is_sliding(i)
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+            q = q.view(n, cfg.num_heads, cfg.head_dim)
+            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            cos, sin = local_tables if sliding else rope_tables
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            window = cfg.sliding_window if sliding else None
+            o = attn.attend(i, q, k, v, window, self.scale)
+            h = F.linear(o.reshape(n, self.q_dim), layer.o)
+            if layer.post_attn_norm is not None:
+                h = rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
+            x = x + h
+            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            h = F.linear(self._act(gate) * up, layer.down)
+            if layer.post_ffn_norm is not None:
+                h = rms_norm(h, layer.post_ffn_norm, cfg.rms_norm_eps)
+            x = x + h
+        return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_seqs, hidden] -> float32 logits [num_seqs, vocab]."""
+        return F.linear(hidden, self.lm_head).float()

