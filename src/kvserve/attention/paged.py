@@ -4,14 +4,20 @@
     query_start       0                        5                       6
     context_len       5                        41                      19   (cached + this step)
 
-Each sequence's chunk attends causally to its history (read via its block table) plus itself.
+Prefill chunks attend one sequence at a time, causally, to their history plus themselves. Decode
+tokens (one query per sequence) are attended together in one batched call over block tables padded
+to the longest context, with a length mask:
+
+    block_tables [num_decodes, max_blocks]   ->  K [num_decodes, num_kv_heads, max_blocks * block_size, head_dim]
+    mask         key index < context_len (and > position - window in sliding-window layers)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.attention.ops import sequence_attention
 from kvserve.kv.storage import PagedKVStorage
@@ -26,13 +32,46 @@ class SequenceSlice:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """The single-token sequences of a step, attended in one call."""
+
+    token_rows: torch.Tensor  # [num_decodes] row of each decode token in the flat batch
+    block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    context_lens: torch.Tensor  # [num_decodes]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [num_decodes, 1, 1, keys]
+
+    def mask(self, window: int | None, num_keys: int) -> torch.Tensor:
+        if window not in self.masks:
+            keys = torch.arange(num_keys, device=self.context_lens.device)[None, :]
+            lens = self.context_lens[:, None]
+            allowed = keys < lens
+            if window is not None:
+                allowed &= keys > lens - 1 - window
+            self.masks[window] = allowed[:, None, None, :]
+        return self.masks[window]
+
+
+@dataclass(slots=True)
 class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each token
-    sequences: list[SequenceSlice]
+    sequences: list[SequenceSlice]  # sequences attended one by one (prefill chunks)
+    decodes: DecodeBatch | None = None  # single-token sequences attended together
+
+
+def build_decode_batch(
+    token_rows: list[int], tables: list[list[int]], context_lens: list[int], device: torch.device
+) -> DecodeBatch:
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return DecodeBatch(
+        torch.tensor(token_rows, dtype=torch.long, device=device),
+        torch.tensor(padded, dtype=torch.long, device=device),
+        torch.tensor(context_lens, dtype=torch.long, device=device),
+    )
 
 
 class PagedAttention:
-    """``AttentionBackend`` for one forward: writes this step's k/v, then attends per sequence."""
+    """``AttentionBackend`` for one forward: writes this step's k/v, then attends."""
 
     def __init__(self, storage: PagedKVStorage, metadata: PagedAttentionMetadata) -> None:
         self.storage = storage
@@ -47,4 +86,20 @@ class PagedAttention:
             out[s.query_start : s.query_start + s.query_len] = sequence_attention(
                 qs, keys.to(q.dtype), values.to(q.dtype), s.context_len - s.query_len, window, scale
             )
+        if self.metadata.decodes is not None:
+            self._attend_decodes(layer, q, out, window, scale)
         return out
+
+    def _attend_decodes(self, layer, q, out, window, scale) -> None:
+        d = self.metadata.decodes
+        kc, vc = self.storage.k[layer], self.storage.v[layer]
+        n, width = d.block_tables.shape
+        # [n, width, block_size, kv_heads, head_dim] -> [n, kv_heads, width * block_size, head_dim]
+        keys = kc[d.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        values = vc[d.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        qd = q.index_select(0, d.token_rows).unsqueeze(2)  # [n, heads, 1, head_dim]
+        mask = d.mask(window, keys.shape[2])
+        o = F.scaled_dot_product_attention(
+            qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+        )
+        out.index_copy_(0, d.token_rows, o.squeeze(2))

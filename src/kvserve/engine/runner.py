@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice
+from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice, build_decode_batch
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.manager import KVCacheManager
@@ -19,6 +19,7 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.block_size = storage.block_size
+        self.batch_decodes = True  # single-token sequences attended in one padded call
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run one forward over every scheduled token. Returns the requests whose known tokens are now
@@ -30,21 +31,30 @@ class ModelRunner:
         logit_rows: list[int] = []
         ready: list[Request] = []
         bs = self.block_size
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         for s in out.scheduled:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             table = self.kv.block_ids(r.request_id)
             end = start + n
+            num_blocks = -(-end // bs)
             input_ids.extend(r.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            num_blocks = -(-end // bs)
-            block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
-            sequences.append(SequenceSlice(len(input_ids) - n, n, end, block_table))
+            if n == 1 and self.batch_decodes:
+                decode_rows.append(len(input_ids) - 1)
+                decode_tables.append(table[:num_blocks])
+                decode_lens.append(end)
+            else:
+                block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
+                sequences.append(SequenceSlice(len(input_ids) - n, n, end, block_table))
             if end == r.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
                 ready.append(r)
         device = self.device
-        metadata = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), sequences)
+        decodes = build_decode_batch(decode_rows, decode_tables, decode_lens, device) if decode_rows else None
+        metadata = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), sequences, decodes)
         hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),

@@ -48,14 +48,26 @@ def read_hf_config(folder: Path) -> ModelConfig:
         cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{folder}: cannot read config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{folder}: config.json must hold a JSON object")
     cfg = cfg.get("text_config", cfg)
+    try:
+        return _config_from_dict(folder, cfg)
+    except KeyError as e:
+        raise ModelLoadError(f"{folder}: config.json lacks {e}") from None
+
+
+def _config_from_dict(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(f"{folder}: architecture {archs or '?'} is not supported ({', '.join(ARCHITECTURES)})")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-    rs = cfg.get("rope_scaling") or {}
+    # transformers 5 writes "rope_parameters" (theta and scaling together); older files use
+    # "rope_theta" and "rope_scaling"
+    rope_params = cfg.get("rope_parameters") or {}
+    rs = cfg.get("rope_scaling") or rope_params
     scaling = RopeScaling()
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "llama3":
@@ -74,7 +86,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         vocab_size=cfg["vocab_size"],
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 10000.0),
+        rope_theta=cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
         rope_scaling=scaling,
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias")),
         tie_word_embeddings=cfg.get("tie_word_embeddings", arch != "llama"),

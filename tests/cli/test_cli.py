@@ -1,0 +1,74 @@
+"""The ``kvserve`` command as a user runs it: real subprocesses, real model file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def kvserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_run_answers_paris_with_json_stats():
+    r = kvserve("run", "smollm2", "What is the capital of France?", "--temperature", "0", "--json", "-c", "1024")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)  # stdout is exactly one JSON object
+    assert "Paris" in record["text"]
+    for key in ("text", "prompt_tokens", "completion_tokens", "ttft_ms", "prefill_tok_s", "decode_tok_s", "kv_bytes"):
+        assert key in record
+    assert record["completion_tokens"] >= 2 and record["ttft_ms"] > 0
+    # KV bytes in use: every token's K and V in every layer at the cache type's width (f16 by default)
+    assert record["kv_bytes"] == (record["prompt_tokens"] + record["completion_tokens"]) * 2 * 30 * 3 * 64 * 2
+
+
+@pytest.mark.slow
+def test_run_streams_text_then_stats_line_and_reads_stdin():
+    r = kvserve("run", "smollm2", "--temperature", "0", "--max-tokens", "8", "-c", "512", stdin="Say hello.")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "TTFT" in r.stderr and "decode" in r.stderr and "tok/s" in r.stderr
+
+
+def _error_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_not_a_gguf_file(tmp_path):
+    f = tmp_path / "notes.gguf"
+    f.write_text("hello")
+    assert "not a GGUF file" in _error_line(kvserve("run", str(f), "hi"))
+
+
+def test_truncated_gguf(tmp_path):
+    from kvserve.models.registry import resolve
+
+    src = resolve("smollm2")
+    f = tmp_path / "cut.gguf"
+    with open(src, "rb") as a, open(f, "wb") as b:
+        b.write(a.read(300_000))
+    assert "truncated" in _error_line(kvserve("run", str(f), "hi"))
+
+
+def test_missing_model_and_unknown_name(tmp_path):
+    assert "no such file" in _error_line(kvserve("run", str(tmp_path / "nope.gguf"), "hi"))
+    assert "unknown model" in _error_line(kvserve("pull", "no-such-model"))
+
+
+def test_bad_flag_values():
+    assert "--num-ctx" in _error_line(kvserve("run", "smollm2", "hi", "--num-ctx", "0"))
+
+
+def test_list_shows_registry():
+    r = kvserve("list")
+    assert r.returncode == 0 and "smollm2" in r.stdout and "gemma3-270m" in r.stdout

@@ -1,0 +1,110 @@
+"""Shared models for engine tests: the real SmolLM2 (loaded once) and a tiny random llama."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvserve.attention.contiguous import ContiguousKVCache
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.models.loader import load_model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_model("smollm2")
+
+
+def write_tiny_llama(folder, seed: int = 0, vocab: int = 97, hidden: int = 64, layers: int = 2):
+    """A random-weight LlamaForCausalLM folder (config.json + safetensors), no tokenizer."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, inter = 4, 2, 128
+    hd = hidden // heads
+
+    def r(*shape, scale=0.2):
+        return (torch.randn(*shape, generator=g) * scale).contiguous()
+
+    w = {"model.embed_tokens.weight": r(vocab, hidden, scale=1.0), "model.norm.weight": 1 + r(hidden, scale=0.1),
+         "lm_head.weight": r(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": 1 + r(hidden, scale=0.1),
+              p + "post_attention_layernorm.weight": 1 + r(hidden, scale=0.1),
+              p + "self_attn.q_proj.weight": r(heads * hd, hidden), p + "self_attn.k_proj.weight": r(kv_heads * hd, hidden),
+              p + "self_attn.v_proj.weight": r(kv_heads * hd, hidden), p + "self_attn.o_proj.weight": r(hidden, heads * hd),
+              p + "mlp.gate_proj.weight": r(inter, hidden), p + "mlp.up_proj.weight": r(inter, hidden),
+              p + "mlp.down_proj.weight": r(hidden, inter)}
+    save_file(w, str(folder / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": inter,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))))
+
+
+def make_engine(loaded, *, num_ctx=1024, max_num_seqs=8, budget=512, block_size=16, prefix_caching=True,
+                kv_cache_memory=None, cache_dtype="f32") -> LLMEngine:
+    config = EngineConfig(
+        model=str(loaded.path),
+        cache=CacheConfig(block_size, num_ctx, kv_cache_memory, prefix_caching, cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+    )
+    return LLMEngine(config, loaded)
+
+
+def reference_greedy(loaded, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy tokens from the contiguous (non-paged) path: whole prompt, then one token at a time."""
+    model = loaded.model
+    cache = ContiguousKVCache(loaded.config.num_layers)
+    hidden = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+    out = []
+    for _ in range(num_tokens):
+        token = int(model.compute_logits(hidden[-1:]).argmax())
+        out.append(token)
+        pos = len(prompt) + len(out) - 1
+        hidden = model.forward(torch.tensor([token]), torch.tensor([pos]), cache)
+    return out
+
+
+def top2_gap(loaded, tokens: list[int]) -> float:
+    """Gap between the two largest next-token logits after ``tokens`` (reference path)."""
+    cache = ContiguousKVCache(loaded.config.num_layers)
+    hidden = loaded.model.forward(torch.tensor(tokens), torch.arange(len(tokens)), cache)
+    top = loaded.model.compute_logits(hidden[-1:])[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+NEAR_TIE = 1e-3
+
+
+def assert_same_or_near_tie(loaded, prompt: list[int], expected: list[int], got: list[int]) -> None:
+    """Exact match, or the first difference is a float near-tie in the reference (checked, not assumed)."""
+    if got == expected:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    assert i < min(len(expected), len(got)), f"lengths differ: {len(expected)} vs {len(got)}"
+    gap = top2_gap(loaded, prompt + expected[:i])
+    assert gap < NEAR_TIE, f"token {i} differs ({expected[i]} vs {got[i]}) and it is no near-tie: top-2 gap {gap}"
+
+
+@pytest.fixture
+def check_no_leaks():
+    """Yields a list to register engines in; fails the test if any of them ends with blocks allocated."""
+    engines: list[LLMEngine] = []
+    yield engines
+    for e in engines:
+        assert not e.has_unfinished_requests()
+        held = [b.block_id for b in e.kv.pool.blocks if b.ref_count]
+        assert not held, f"blocks still allocated after the test: {held}"
+        assert e.kv.pool.num_free_blocks == e.kv.num_blocks

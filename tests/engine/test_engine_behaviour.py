@@ -1,0 +1,181 @@
+"""Engine behaviour beyond exactness: sampling, stops, limits, aborts, prefix reuse, the Python API."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.errors import PromptTooLongError
+from tests.engine.conftest import make_engine
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 90) for _ in range(n)]
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_llama, check_no_leaks):
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = make_engine(tiny_llama)
+    check_no_leaks.append(alone)
+    [first] = [alone.add_request(_prompt(30), params).request_id]
+    solo = alone.run_to_completion()[first].token_ids
+    batched = make_engine(tiny_llama)
+    check_no_leaks.append(batched)
+    others = [batched.add_request(_prompt(20, s), SamplingParams(temperature=1.0, max_tokens=20)) for s in range(5)]
+    rid = batched.add_request(_prompt(30), params).request_id
+    assert others
+    assert batched.run_to_completion()[rid].token_ids == solo
+
+
+def test_different_seeds_differ(tiny_llama):
+    engine = make_engine(tiny_llama)
+    ids = [engine.add_request(_prompt(10), SamplingParams(temperature=1.5, seed=s, max_tokens=30, ignore_eos=True))
+           .request_id for s in (1, 2)]
+    final = engine.run_to_completion()
+    assert final[ids[0]].token_ids != final[ids[1]].token_ids
+
+
+def test_max_tokens_and_stop_token_ids(tiny_llama):
+    engine = make_engine(tiny_llama)
+    rid = engine.add_request(_prompt(10), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)).request_id
+    out = engine.run_to_completion()[rid]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    stop_at = out.token_ids[3]
+    rid = engine.add_request(_prompt(10), SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[stop_at])).request_id
+    out2 = engine.run_to_completion()[rid]
+    first = out.token_ids.index(stop_at)
+    assert out2.token_ids == out.token_ids[: first + 1]
+    assert out2.finish_reason == "stop" and out2.stop_reason == stop_at
+
+
+def test_context_limit_finishes_with_length(tiny_llama):
+    engine = make_engine(tiny_llama, num_ctx=40)
+    rid = engine.add_request(_prompt(30), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)).request_id
+    out = engine.run_to_completion()[rid]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+def test_prompt_too_long_is_a_clear_error(tiny_llama):
+    engine = make_engine(tiny_llama, num_ctx=32)
+    with pytest.raises(PromptTooLongError, match="32 tokens but the context limit is 32"):
+        engine.add_request(_prompt(32))
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_params_and_token_ids_raise_value_error(tiny_llama):
+    engine = make_engine(tiny_llama)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request([1, 2, 10_000])
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+
+
+def test_abort_mid_generation_frees_blocks(tiny_llama, check_no_leaks):
+    engine = make_engine(tiny_llama)
+    check_no_leaks.append(engine)
+    keep = engine.add_request(_prompt(50), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    drop = engine.add_request(_prompt(70, 2), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.block_ids(drop.request_id)
+    out = engine.abort_request(drop.request_id)
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.kv.block_ids(drop.request_id) == []
+    final = engine.run_to_completion()
+    assert len(final[keep.request_id].token_ids) == 20
+
+
+def test_logprobs_of_chosen_and_top_tokens(tiny_llama):
+    engine = make_engine(tiny_llama)
+    rid = engine.add_request(_prompt(10), SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)).request_id
+    out = engine.run_to_completion()[rid]
+    assert len(out.logprobs) == 5
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the chosen token is the most likely
+        assert lp.top[0][2] >= lp.top[1][2] >= lp.top[2][2]
+
+
+@pytest.mark.slow
+def test_shared_1000_token_prefix_is_served_from_cache(smollm2, check_no_leaks):
+    engine = make_engine(smollm2, num_ctx=1200, max_num_seqs=2)
+    check_no_leaks.append(engine)
+    prefix = _prompt(1000, 7)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = engine.add_request(prefix + [100, 101], params).request_id
+    out1 = engine.run_to_completion()[first]
+    second = engine.add_request(prefix + [200, 201, 202], params).request_id
+    out2 = engine.run_to_completion()[second]
+    assert out1.metrics.num_cached_tokens == 0
+    assert out2.metrics.num_cached_tokens >= 992
+    assert out2.metrics.ttft < out1.metrics.ttft  # 3 computed tokens against 1002
+
+
+@pytest.mark.slow
+def test_stop_strings_and_streamed_text(smollm2):
+    engine = make_engine(smollm2)
+    tok = smollm2.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30)).request_id
+    full = engine.run_to_completion()[rid]
+    assert "Paris" in full.text
+    stop = "Paris"
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop])).request_id
+    pieces = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.delta_text)
+            final = out
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert final.text == full.text[: full.text.index(stop)]
+    assert "".join(pieces) == final.text  # streamed deltas add up and never contain the stop string
+
+
+def test_async_engine_streams_and_aborts_on_disconnect(tiny_llama):
+    engine = make_engine(tiny_llama)
+    async_engine = AsyncLLMEngine(engine)
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = [o async for o in async_engine.generate(_prompt(20), params)]
+        assert outs[-1].finished and len(outs[-1].token_ids) == 12
+        assert [len(o.token_ids) for o in outs] == list(range(1, 13))
+        stream = async_engine.generate(_prompt(20, 3), SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        async for out in stream:
+            if len(out.token_ids) == 3:
+                break
+        await stream.aclose()  # what a server does when the client goes away
+
+    try:
+        asyncio.run(main())
+        with async_engine.lock:
+            assert not engine.has_unfinished_requests()
+            assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+    finally:
+        async_engine.shutdown()
+
+
+def test_python_api_generate_and_stream(tiny_llama):
+    from kvserve.llm import LLM
+
+    llm = LLM.__new__(LLM)  # reuse the loaded tiny model instead of loading from disk again
+    llm.engine = make_engine(tiny_llama)
+    llm.tokenizer = None
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([_prompt(10), _prompt(12, 2)], params)
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    streamed = list(llm.stream(_prompt(10), params))
+    assert streamed[-1].token_ids == outs[0].token_ids
+    partial = llm.stream(_prompt(10), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(partial)
+    partial.close()
+    assert not llm.engine.has_unfinished_requests()
