@@ -65,7 +65,12 @@ class CacheConfig:
     num_ctx: int = 4096
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
-    cache_dtype: str = "f32"
+    cache_type_k: str = "f32"
+    cache_type_v: str | None = None  # None: same as cache_type_k
+
+    @property
+    def cache_type_v_resolved(self) -> str:
+        return self.cache_type_v or self.cache_type_k
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,8 @@ class LLM:
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 512,
         block_size: int = 16,
-        cache_type: str = "f32",
+        cache_type_k: str = "f32",
+        cache_type_v: str | None = None,
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
         device: str = "auto",
@@ -35,7 +36,7 @@ class LLM:
     ) -> None:
         config = EngineConfig(
             model=model,
-            cache=CacheConfig(block_size, num_ctx, kv_cache_memory, enable_prefix_caching, cache_type),
+            cache=CacheConfig(block_size, num_ctx, kv_cache_memory, enable_prefix_caching, cache_type_k, cache_type_v),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             device=device,
         )

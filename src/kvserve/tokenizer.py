@@ -25,6 +25,18 @@ _QWEN2_PATTERN = (
 _SPLIT_PATTERNS = {"llama-bpe": _LLAMA3_PATTERN, "llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN,
                    "deepseek-r1-qwen": _QWEN2_PATTERN}
 
+# Chat formats of architectures whose GGUF files may lack tokenizer.chat_template.
+KNOWN_TEMPLATES = {
+    "gemma3": (
+        "{{ bos_token }}{% set sys = '' %}{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{% set sys = m['content'] + '\n\n' %}{% else %}"
+        "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+        "{% if loop.index0 == 1 and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+        "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+}
+
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
@@ -147,7 +159,8 @@ class Tokenizer:
         elif model == "llama":
             from kvserve.spm import build_spm_tokenizer
 
-            backend = build_spm_tokenizer(tokens, gf.get("tokenizer.ggml.scores"), token_types)
+            backend = build_spm_tokenizer(tokens, gf.get("tokenizer.ggml.scores"), token_types,
+                                          bool(gf.get("tokenizer.ggml.add_space_prefix", True)))
         else:
             raise ModelLoadError(f"{gf.path}: tokenizer model '{model}' is not supported (gpt2, llama are)")
         bos = gf.get("tokenizer.ggml.bos_token_id")
@@ -159,8 +172,12 @@ class Tokenizer:
         add_bos = gf.get("tokenizer.ggml.add_bos_token")
         if add_bos is None:
             add_bos = model == "llama"
-        return cls(backend, int(bos) if bos is not None else None, eos_ids, gf.get("tokenizer.chat_template"),
-                   bool(add_bos))
+        template = gf.get("tokenizer.chat_template") or KNOWN_TEMPLATES.get(gf.architecture)
+        if gf.architecture == "gemma3":  # Gemma ends its turns with <end_of_turn>
+            eot_id = backend.token_to_id("<end_of_turn>")
+            if eot_id is not None and eot_id not in eos_ids:
+                eos_ids.append(eot_id)
+        return cls(backend, int(bos) if bos is not None else None, eos_ids, template, bool(add_bos))
 
     @classmethod
     def from_hf_folder(cls, folder: Path) -> Tokenizer:

@@ -10,7 +10,7 @@ import pytest
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import PromptTooLongError
-from tests.engine.conftest import make_engine
+from tests.support import make_engine
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvserve.engine.sampling_params import SamplingParams
-from tests.engine.conftest import assert_same_or_near_tie, make_engine, reference_greedy
+from tests.support import assert_same_or_near_tie, make_engine, reference_greedy
 
 NUM_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

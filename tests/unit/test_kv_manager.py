@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kv_helpers import cached_ids, free_ids, leak_report, make_request, manager_snapshot, ref_counts
+from kvserve.engine.request import Request
+from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kv.hashing import hash_block
 
 
@@ -275,21 +277,38 @@ def test_salt_separates_caches(make_manager):
     kv.free(b)
 
 
-def test_prefix_counters(make_manager):
+def test_prefix_counters_count_recorded_lookups_only(make_manager):
     kv = make_manager(10)
-    assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
     a = make_request("a", range(10))
     prefill(kv, a)
-    assert (kv.prefix_queries, kv.prefix_hits) == (10, 0)
     kv.free(a)
-    kv.get_computed_blocks(make_request("b", range(10)))
-    assert (kv.prefix_queries, kv.prefix_hits) == (20, 8)
-    kv.get_computed_blocks(make_request("c", range(8)))
-    assert (kv.prefix_queries, kv.prefix_hits) == (28, 12)
-    kv.get_computed_blocks(make_request("d", [0, 1, 2]))
-    assert (kv.prefix_queries, kv.prefix_hits) == (31, 12)
-    kv.get_computed_blocks(make_request("e", [9, 9, 9, 9, 9]))
-    assert (kv.prefix_queries, kv.prefix_hits) == (36, 12)
+    hits, n = kv.get_computed_blocks(make_request("b", range(10)))
+    assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)  # a lookup alone counts nothing
+    kv.record_prefix_lookup(10, n)
+    assert (kv.prefix_queries, kv.prefix_hits) == (10, 8)
+    kv.record_prefix_lookup(5, 0)
+    assert (kv.prefix_queries, kv.prefix_hits) == (15, 8)
+
+
+def test_scheduler_counts_each_admission_once(make_scheduler):
+    """A request blocked in the waiting queue is looked up every step but counted when admitted."""
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=64, max_num_seqs=1)
+    a = Request("a", list(range(12)), SamplingParams(max_tokens=4, temperature=0), max_total_tokens=16)
+    b = Request("b", list(range(12)), SamplingParams(max_tokens=4, temperature=0), max_total_tokens=16)
+    sched.add_request(a)
+    sched.add_request(b)
+    blocked_steps = 0
+    while sched.has_unfinished:
+        out = sched.schedule()
+        blocked_steps += b.status.value == "waiting"
+        for r in sched.update_after_step(out):
+            r.append_token(99)
+            if r.check_stop_token():
+                sched.finish(r, r.status)
+    assert blocked_steps > 1  # b waited while a ran, and was admitted (and counted) once
+    assert sched.num_preemptions == 0
+    assert sched.kv.prefix_queries == 24
+    assert sched.kv.prefix_hits == 8  # b reused a's two full blocks of 4 (12 tokens, one short: 8)
 
 
 def test_caching_disabled(make_manager):

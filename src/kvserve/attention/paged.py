@@ -78,25 +78,26 @@ class PagedAttention:
         self.metadata = metadata
 
     def attend(self, layer, q, k, v, window, scale):
-        self.storage.write(layer, self.metadata.slot_mapping, k, v)
+        storage = self.storage
+        storage.write(layer, self.metadata.slot_mapping, k, v)
+        q = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
         out = torch.empty_like(q)
         for s in self.metadata.sequences:
-            keys, values = self.storage.gather(layer, s.block_table, s.context_len)
+            keys, values = storage.gather(layer, s.block_table, s.context_len, q.dtype)
             qs = q[s.query_start : s.query_start + s.query_len]
             out[s.query_start : s.query_start + s.query_len] = sequence_attention(
-                qs, keys.to(q.dtype), values.to(q.dtype), s.context_len - s.query_len, window, scale
+                qs, keys, values, s.context_len - s.query_len, window, scale
             )
         if self.metadata.decodes is not None:
             self._attend_decodes(layer, q, out, window, scale)
-        return out
+        return storage.v_codec.unrotate(out)  # values were summed in their rotated domain
 
     def _attend_decodes(self, layer, q, out, window, scale) -> None:
         d = self.metadata.decodes
-        kc, vc = self.storage.k[layer], self.storage.v[layer]
-        n, width = d.block_tables.shape
+        keys, values = self.storage.read_blocks(layer, d.block_tables, q.dtype)
         # [n, width, block_size, kv_heads, head_dim] -> [n, kv_heads, width * block_size, head_dim]
-        keys = kc[d.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        values = vc[d.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        keys = keys.flatten(1, 2).transpose(1, 2)
+        values = values.flatten(1, 2).transpose(1, 2)
         qd = q.index_select(0, d.token_rows).unsqueeze(2)  # [n, heads, 1, head_dim]
         mask = d.mask(window, keys.shape[2])
         o = F.scaled_dot_product_attention(

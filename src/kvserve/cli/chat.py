@@ -86,7 +86,7 @@ def cache_report(engine) -> str:
     per_block = engine.config.cache.block_size * engine.kv_bytes_per_token
     return (
         f"KV pool: {pool.num_blocks} blocks of {engine.config.cache.block_size} tokens "
-        f"({engine.kv_pool_bytes / 2**20:.1f} MiB, {engine.config.cache.cache_dtype})\n"
+        f"({engine.kv_pool_bytes / 2**20:.1f} MiB, K {engine.config.cache.cache_type_k}, V {engine.config.cache.cache_type_v_resolved})\n"
         f"  in use {in_use} (shared {shared}), cached-free {cached_free}, free {free}; "
         f"{in_use * per_block / 2**20:.2f} MiB in use"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.kv.codecs import CACHE_TYPES
 from kvserve.models.registry import DEFAULT_MODEL
 
 
@@ -24,17 +25,20 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
     g.add_argument("-c", "--num-ctx", type=int, default=4096, help="context length per sequence (tokens)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="size the KV pool by bytes instead of --num-ctx x --max-num-seqs (e.g. 1GiB)")
-    g.add_argument("--cache-type", default="f16", choices=["f32", "f16", "bf16"], help="KV cache element type")
+    g.add_argument("--cache-type", default="f16", choices=CACHE_TYPES, help="KV cache type of K and V (f16)")
+    g.add_argument("-ctk", "--cache-type-k", default=None, choices=CACHE_TYPES, help="KV cache type of K")
+    g.add_argument("-ctv", "--cache-type-v", default=None, choices=CACHE_TYPES, help="KV cache type of V")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests run at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    g.add_argument("--max-waiting", type=int, default=256, help="waiting requests; more are refused")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    for name in ("num_ctx", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("num_ctx", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     return EngineConfig(
@@ -44,9 +48,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             num_ctx=args.num_ctx,
             kv_cache_memory=args.kv_cache_memory,
             enable_prefix_caching=not args.no_prefix_caching,
-            cache_dtype=args.cache_type,
+            cache_type_k=args.cache_type_k or args.cache_type,
+            cache_type_v=args.cache_type_v or args.cache_type,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_waiting=args.max_waiting),
         device=args.device,
         num_threads=args.threads,
     )

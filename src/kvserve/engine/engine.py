@@ -34,7 +34,7 @@ def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> Pool
     if cache.num_ctx < 1:
         raise ValueError(f"num_ctx must be >= 1, got {cache.num_ctx}")
     if cache.kv_cache_memory is not None:
-        per_block = bs * bytes_per_token(model, cache.cache_dtype)
+        per_block = bs * bytes_per_token(model, cache.cache_type_k, cache.cache_type_v)
         num_blocks = cache.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -56,7 +56,8 @@ class LLMEngine:
         self.max_model_len = size.max_model_len
         self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.storage = PagedKVStorage(
-            loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_dtype, loaded.model.device
+            loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_type_k, loaded.model.device,
+            config.cache.cache_type_v,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len)
         self.runner = ModelRunner(loaded.model, self.storage, self.kv)
@@ -167,7 +168,7 @@ class LLMEngine:
     # --- views ----------------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return bytes_per_token(self.model_config, self.config.cache.cache_dtype)
+        return bytes_per_token(self.model_config, self.config.cache.cache_type_k, self.config.cache.cache_type_v)
 
     @property
     def kv_pool_bytes(self) -> int:

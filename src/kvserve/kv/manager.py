@@ -34,7 +34,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered
-        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_queries = 0  # tokens looked up by admitted requests
         self.prefix_hits = 0  # of which found in the cache
 
     # --- lookup ---------------------------------------------------------------------------------------
@@ -53,9 +53,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a blocked request's retries are not counted)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     # --- allocation -----------------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:

@@ -1,7 +1,8 @@
-"""Paged K/V tensors: one pair per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""Paged K/V storage: per layer, K and V each as codec parts ``[num_blocks, block_size, num_kv_heads, width]``.
 
 Written through a slot mapping (flat slot = block_id * block_size + offset), read through block
-tables. The element type is a property of the storage; bookkeeping never sees it.
+tables. K and V may use different codecs (``--cache-type-k`` / ``--cache-type-v``); the element
+type is a property of the storage only, bookkeeping never sees it.
 """
 
 from __future__ import annotations
@@ -9,46 +10,60 @@ from __future__ import annotations
 import torch
 
 from kvserve.config import ModelConfig
-
-CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-
-
-def cache_dtype(name: str) -> torch.dtype:
-    try:
-        return CACHE_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown KV cache type {name!r}; choose one of {', '.join(CACHE_DTYPES)}") from None
+from kvserve.kv.codecs import KVCodec, make_codec
 
 
-def bytes_per_token(config: ModelConfig, dtype_name: str) -> int:
-    """K plus V bytes per token over all layers: 2 x layers x kv_heads x head_dim x element size."""
-    return config.kv_size_per_token * torch.empty(0, dtype=cache_dtype(dtype_name)).element_size()
+def bytes_per_token(config: ModelConfig, cache_type_k: str, cache_type_v: str | None = None) -> int:
+    """K plus V bytes per token over all layers: layers x kv_heads x (bytes of a K vector + a V vector)."""
+    k = make_codec(cache_type_k, config.head_dim).bytes_per_vector()
+    v = make_codec(cache_type_v or cache_type_k, config.head_dim).bytes_per_vector()
+    return config.num_layers * config.num_kv_heads * (k + v)
 
 
 class PagedKVStorage:
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype_name: str, device: torch.device
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        cache_type: str,
+        device: torch.device,
+        cache_type_v: str | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = cache_dtype(dtype_name)
-        self.dtype_name = dtype_name
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(config.num_layers)]
+        self.k_codec: KVCodec = make_codec(cache_type, config.head_dim)
+        self.v_codec: KVCodec = make_codec(cache_type_v or cache_type, config.head_dim)
+        heads = config.num_kv_heads
+
+        def allocate(codec: KVCodec) -> list[torch.Tensor]:
+            return [torch.zeros((num_blocks, block_size, heads, w), dtype=d, device=device) for w, d in codec.part_specs()]
+
+        self.k = [allocate(self.k_codec) for _ in range(config.num_layers)]
+        self.v = [allocate(self.v_codec) for _ in range(config.num_layers)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(p.numel() * p.element_size() for layer in self.k + self.v for p in layer)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [num_tokens, num_kv_heads, head_dim] stored at their flat slots."""
-        kc, vc = self.k[layer], self.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k.to(self.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v.to(self.dtype))
+        """k, v: [num_tokens, num_kv_heads, head_dim] encoded and stored at their flat slots."""
+        for parts, codec, x in ((self.k[layer], self.k_codec, k), (self.v[layer], self.v_codec, v)):
+            for stored, encoded in zip(parts, codec.encode(x)):
+                stored.view(-1, *stored.shape[2:]).index_copy_(0, slot_mapping, encoded)
 
-    def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``num_tokens`` K/V of a sequence: [num_tokens, num_kv_heads, head_dim] each."""
-        k = self.k[layer].index_select(0, block_table).flatten(0, 1)[:num_tokens]
-        v = self.v[layer].index_select(0, block_table).flatten(0, 1)[:num_tokens]
+    def read_blocks(
+        self, layer: int, block_table: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded K and V of the given blocks: block_table [..., n] -> [..., n, block_size, heads, head_dim],
+        in the codec's attention domain (rotated for rotated codecs)."""
+        k = self.k_codec.decode([p[block_table] for p in self.k[layer]], dtype)
+        v = self.v_codec.decode([p[block_table] for p in self.v[layer]], dtype)
         return k, v
+
+    def gather(
+        self, layer: int, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``num_tokens`` K/V of one sequence: [num_tokens, num_kv_heads, head_dim] each."""
+        k, v = self.read_blocks(layer, block_table, dtype)
+        return k.flatten(0, 1)[:num_tokens], v.flatten(0, 1)[:num_tokens]

@@ -98,10 +98,13 @@ def _config_from_dict(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
         types = cfg.get("layer_types") or [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(fields["num_layers"])
         ]
+        per_type = rope_params if "full_attention" in rope_params else {}  # transformers 5: per layer type
         fields.update(qk_norm=True, post_norms=True, hidden_act="gelu_tanh",
                       embedding_scale=cfg["hidden_size"] ** 0.5, sliding_window=window,
                       sliding_window_layers=tuple(t == "sliding_attention" for t in types),
-                      rope_theta_local=cfg.get("rope_local_base_freq", 10000.0),
+                      rope_theta=per_type.get("full_attention", {}).get("rope_theta", fields["rope_theta"]),
+                      rope_theta_local=per_type.get("sliding_attention", {}).get(
+                          "rope_theta", cfg.get("rope_local_base_freq", 10000.0)),
                       attn_scale=cfg.get("query_pre_attn_scalar", head_dim) ** -0.5)
     return ModelConfig(**fields)
 

@@ -1,21 +1,16 @@
-"""Shared models for engine tests: the real SmolLM2 (loaded once) and a tiny random llama."""
+"""Helpers shared by the test packages: tiny random models, engines, the greedy reference path and
+the near-tie check."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from kvserve.attention.contiguous import ContiguousKVCache
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.models.loader import load_model
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    return load_model("smollm2")
 
 
 def write_tiny_llama(folder, seed: int = 0, vocab: int = 97, hidden: int = 64, layers: int = 2):
@@ -48,16 +43,11 @@ def write_tiny_llama(folder, seed: int = 0, vocab: int = 97, hidden: int = 64, l
     return folder
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))))
-
-
 def make_engine(loaded, *, num_ctx=1024, max_num_seqs=8, budget=512, block_size=16, prefix_caching=True,
-                kv_cache_memory=None, cache_dtype="f32") -> LLMEngine:
+                kv_cache_memory=None, cache_type_k="f32", cache_type_v=None) -> LLMEngine:
     config = EngineConfig(
         model=str(loaded.path),
-        cache=CacheConfig(block_size, num_ctx, kv_cache_memory, prefix_caching, cache_dtype),
+        cache=CacheConfig(block_size, num_ctx, kv_cache_memory, prefix_caching, cache_type_k, cache_type_v),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
     )
     return LLMEngine(config, loaded)
@@ -96,15 +86,3 @@ def assert_same_or_near_tie(loaded, prompt: list[int], expected: list[int], got:
     assert i < min(len(expected), len(got)), f"lengths differ: {len(expected)} vs {len(got)}"
     gap = top2_gap(loaded, prompt + expected[:i])
     assert gap < NEAR_TIE, f"token {i} differs ({expected[i]} vs {got[i]}) and it is no near-tie: top-2 gap {gap}"
-
-
-@pytest.fixture
-def check_no_leaks():
-    """Yields a list to register engines in; fails the test if any of them ends with blocks allocated."""
-    engines: list[LLMEngine] = []
-    yield engines
-    for e in engines:
-        assert not e.has_unfinished_requests()
-        held = [b.block_id for b in e.kv.pool.blocks if b.ref_count]
-        assert not held, f"blocks still allocated after the test: {held}"
-        assert e.kv.pool.num_free_blocks == e.kv.num_blocks

@@ -1,0 +1,258 @@
+"""KV codecs: how one K or V head-vector is stored in a block slot, and read back for attention.
+
+Every codec stores a token's ``[num_kv_heads, head_dim]`` as a few *parts*, each a tensor with a
+leading token dimension (codes, scales, norms). The paged storage keeps one
+``[num_blocks, block_size, num_kv_heads, part_width]`` tensor per part; bookkeeping never sees them.
+
+    type    parts (per head-vector of head_dim D)                     bits per element
+    f32     D x f32                                                   32
+    f16     D x f16                                                   16
+    bf16    D x bf16                                                  16
+    q8_0    D x int8, D/32 x f16 scale (llama.cpp q8_0)               8 + 16/32 = 8.5
+    q4_0    D/2 x u8 (two 4-bit codes), D/32 x f16 scale (q4_0)       4 + 16/32 = 4.5
+    fp8     D x e4m3, 1 x f16 scale per head-vector                   8 + 16/D
+    tqB     D*B/8 x u8 packed Lloyd-Max indices of the rotated        B + 16/D
+            vector, 1 x f16 norm (B = 2, 3, 4)
+
+Rotated codecs (tqB, after TurboQuant, arXiv 2504.19874) store ``R x`` for a fixed random orthogonal
+R (random signs, then a Walsh-Hadamard transform). Decoding stays in the rotated domain: attention
+rotates the query instead (q.k = Rq.Rk) and rotates the value sum back once at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+GROUP = 32  # q8_0 / q4_0 block size along head_dim, as in llama.cpp
+
+
+class KVCodec:
+    """Base: full-precision storage in ``dtype``. Subclasses override the parts and the transforms."""
+
+    name = "f32"
+    dtype = torch.float32
+    rotated = False
+
+    def __init__(self, head_dim: int) -> None:
+        self.head_dim = head_dim
+
+    def part_specs(self) -> list[tuple[int, torch.dtype]]:
+        """(width, dtype) of each stored part, per head-vector."""
+        return [(self.head_dim, self.dtype)]
+
+    def bytes_per_vector(self) -> int:
+        return sum(w * torch.empty(0, dtype=d).element_size() for w, d in self.part_specs())
+
+    def bits_per_element(self) -> float:
+        return self.bytes_per_vector() * 8 / self.head_dim
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: [..., head_dim] float -> parts [..., width_i]."""
+        return [x.to(self.dtype)]
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Parts [..., width_i] -> [..., head_dim] in ``dtype`` (rotated domain for rotated codecs)."""
+        return parts[0].to(dtype)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def unrotate(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class F16Codec(KVCodec):
+    name, dtype = "f16", torch.float16
+
+
+class BF16Codec(KVCodec):
+    name, dtype = "bf16", torch.bfloat16
+
+
+def _grouped(x: torch.Tensor) -> torch.Tensor:
+    return x.float().unflatten(-1, (-1, GROUP))  # [..., D/32, 32]
+
+
+class Q8_0Codec(KVCodec):
+    name = "q8_0"
+
+    def part_specs(self):
+        return [(self.head_dim, torch.int8), (self.head_dim // GROUP, torch.float16)]
+
+    def encode(self, x):
+        g = _grouped(x)
+        scale = (g.abs().amax(-1) / 127.0).to(torch.float16)
+        inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+        codes = torch.round(g * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return [codes.flatten(-2), scale]
+
+    def decode(self, parts, dtype):
+        codes, scale = parts
+        return (codes.to(dtype).unflatten(-1, (-1, GROUP)) * scale.to(dtype).unsqueeze(-1)).flatten(-2)
+
+
+class Q4_0Codec(KVCodec):
+    """llama.cpp q4_0: d = (value of largest magnitude) / -8, code = clamp(round(x / d) + 8, 0, 15)."""
+
+    name = "q4_0"
+
+    def part_specs(self):
+        return [(self.head_dim // 2, torch.uint8), (self.head_dim // GROUP, torch.float16)]
+
+    def encode(self, x):
+        g = _grouped(x)
+        idx = g.abs().argmax(-1, keepdim=True)
+        d = (g.gather(-1, idx).squeeze(-1) / -8.0).to(torch.float16)
+        inv = torch.where(d != 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+        codes = torch.clamp(torch.floor(g * inv.unsqueeze(-1) + 8.5), 0, 15).to(torch.uint8).flatten(-2)
+        return [pack_bits(codes, 4), d]
+
+    def decode(self, parts, dtype):
+        packed, d = parts
+        codes = unpack_bits(packed, 4, self.head_dim).to(dtype) - 8
+        return (codes.unflatten(-1, (-1, GROUP)) * d.to(dtype).unsqueeze(-1)).flatten(-2)
+
+
+class FP8Codec(KVCodec):
+    """e4m3 codes with one f16 scale per head-vector (amax maps to 448, e4m3's largest value)."""
+
+    name = "fp8"
+
+    def part_specs(self):
+        return [(self.head_dim, torch.uint8), (1, torch.float16)]
+
+    def encode(self, x):
+        x = x.float()
+        scale = (x.abs().amax(-1, keepdim=True) / 448.0).to(torch.float16)
+        inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+        codes = (x * inv).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        return [codes, scale]
+
+    def decode(self, parts, dtype):
+        codes, scale = parts
+        return codes.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
+
+
+# --- rotated low-bit codecs -----------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def lloyd_max_codebook(bits: int, iterations: int = 200) -> torch.Tensor:
+    """Optimal ``2**bits`` reconstruction levels for a standard normal variable (Lloyd's algorithm
+    on the exact Gaussian density): the MSE-optimal scalar quantizer for rotated coordinates."""
+    n = 2**bits
+    levels = torch.linspace(-2.5, 2.5, n, dtype=torch.float64) * (1 if bits > 1 else 0.4)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for _ in range(iterations):
+        edges = torch.cat([torch.tensor([-math.inf]), (levels[1:] + levels[:-1]) / 2, torch.tensor([math.inf])])
+        cdf = normal.cdf(edges)
+        pdf = torch.exp(normal.log_prob(edges)).nan_to_num(0.0)
+        mass = (cdf[1:] - cdf[:-1]).clamp_min(1e-30)
+        levels = (pdf[:-1] - pdf[1:]) / mass  # E[X | X in cell]
+    return levels.float()
+
+
+def hadamard(n: int) -> torch.Tensor:
+    assert n & (n - 1) == 0, "head_dim must be a power of two for the rotated codecs"
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+class RotatedCodec(KVCodec):
+    """Random-sign Hadamard rotation, Lloyd-Max indices per coordinate, one f16 norm per vector.
+
+    The stored norm is corrected so that the decoded vector has exactly the input's norm:
+    ``norm = |x| / |codebook[idx]|`` (MSE-optimal direction, unbiased length)."""
+
+    rotated = True
+
+    def __init__(self, head_dim: int, bits: int, seed: int = 0x5EED) -> None:
+        super().__init__(head_dim)
+        self.bits = bits
+        self.name = f"tq{bits}"
+        g = torch.Generator().manual_seed(seed + head_dim)
+        signs = torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
+        self.matrix = signs[:, None] * hadamard(head_dim)  # x @ matrix = H (signs * x)
+        self.codebook = lloyd_max_codebook(bits) / math.sqrt(head_dim)
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _tensors(self, device, dtype):
+        key = (device, dtype)
+        if key not in self._cache:
+            cb = self.codebook.to(device)
+            self._cache[key] = (self.matrix.to(device, dtype), cb, (cb[1:] + cb[:-1]) / 2)
+        return self._cache[key]
+
+    def part_specs(self):
+        return [(self.head_dim * self.bits // 8, torch.uint8), (1, torch.float16)]
+
+    def rotate(self, x):
+        return x @ self._tensors(x.device, x.dtype)[0]
+
+    def unrotate(self, x):
+        return x @ self._tensors(x.device, x.dtype)[0].T
+
+    def encode(self, x):
+        x = x.float()
+        matrix, codebook, edges = self._tensors(x.device, torch.float32)
+        y = x @ matrix
+        norm = y.norm(dim=-1, keepdim=True)
+        unit = y / norm.clamp_min(1e-30)
+        idx = torch.bucketize(unit, edges)
+        recon_norm = codebook[idx].norm(dim=-1, keepdim=True)
+        scale = (norm / recon_norm.clamp_min(1e-30)).to(torch.float16)
+        return [pack_bits(idx.to(torch.uint8), self.bits), scale]
+
+    def decode(self, parts, dtype):
+        packed, scale = parts
+        codebook = self._tensors(packed.device, torch.float32)[1].to(dtype)
+        idx = unpack_bits(packed, self.bits, self.head_dim)
+        return codebook[idx.long()] * scale.to(dtype)
+
+
+# --- bit packing ----------------------------------------------------------------------------------
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: [..., n] uint8 values < 2**bits -> [..., n * bits / 8] uint8 (little-endian bit order)."""
+    n = codes.shape[-1]
+    assert (n * bits) % 8 == 0
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
+    bit_planes = (codes.unsqueeze(-1) >> shifts) & 1  # [..., n, bits]
+    flat = bit_planes.flatten(-2).unflatten(-1, (-1, 8))  # [..., n * bits / 8, 8]
+    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32)).to(torch.uint8)
+    return (flat * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: [..., n * bits / 8] uint8 -> [..., n] uint8."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    bit_stream = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)  # [..., n * bits]
+    planes = bit_stream.unflatten(-1, (n, bits)).to(torch.int32)
+    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
+    return (planes * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+# --- registry -------------------------------------------------------------------------------------
+
+_SIMPLE = {c.name: c for c in (KVCodec, F16Codec, BF16Codec, Q8_0Codec, Q4_0Codec, FP8Codec)}
+ROTATED_BITS = {"tq4": 4, "tq3": 3, "tq2": 2}
+CACHE_TYPES = (*_SIMPLE, *ROTATED_BITS)
+
+
+def make_codec(name: str, head_dim: int) -> KVCodec:
+    if name in _SIMPLE:
+        codec = _SIMPLE[name](head_dim)
+        if name in ("q8_0", "q4_0") and head_dim % GROUP:
+            raise ValueError(f"{name} needs head_dim divisible by {GROUP}; this model has {head_dim}")
+        return codec
+    if name in ROTATED_BITS:
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"{name} needs a power-of-two head_dim; this model has {head_dim}")
+        return RotatedCodec(head_dim, ROTATED_BITS[name])
+    raise ValueError(f"unknown KV cache type {name!r}; choose one of {', '.join(CACHE_TYPES)}")

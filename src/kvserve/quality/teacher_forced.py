@@ -1,0 +1,62 @@
+"""Teacher-forced quality of a KV cache type against the f32 cache, on the user's own model.
+
+The text runs through the paged engine path in chunks: every chunk's queries read the K/V of all
+earlier tokens (and of the chunk itself) back from the cache under test, so the quantization error
+accumulates exactly as it does in serving. Per position we compare next-token distributions with
+the f32-cache run: KL divergence, top-1 agreement, and perplexity on the text's actual next tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice
+from kvserve.kv.storage import PagedKVStorage
+from kvserve.models.decoder import DecoderLM
+
+BLOCK_SIZE = 16
+
+
+def chunk_logprobs(model: DecoderLM, token_ids: list[int], cache_type_k: str, cache_type_v: str, chunk: int):
+    """Yields (start, log-probs [n, vocab]) per chunk, predicting tokens start+1 .. start+n."""
+    num_blocks = -(-len(token_ids) // BLOCK_SIZE)
+    storage = PagedKVStorage(model.config, num_blocks, BLOCK_SIZE, cache_type_k, model.device, cache_type_v)
+    table = torch.arange(num_blocks, device=model.device)
+    ids = torch.tensor(token_ids, device=model.device)
+    for start in range(0, len(token_ids) - 1, chunk):
+        end = min(start + chunk, len(token_ids) - 1)
+        positions = torch.arange(start, end, device=model.device)
+        metadata = PagedAttentionMetadata(positions.clone(), [SequenceSlice(0, end - start, end, table)])
+        hidden = model.forward(ids[start:end], positions, PagedAttention(storage, metadata))
+        yield start, model.compute_logits(hidden).log_softmax(-1)
+
+
+@dataclass(slots=True)
+class QualityScores:
+    kld: float  # mean KL(p_f32 || p_type) per position, nats
+    top1_agreement: float  # percent of positions whose argmax matches the f32 cache's
+    ppl: float  # perplexity of the text's next tokens
+    num_positions: int
+
+
+def reference_run(model: DecoderLM, token_ids: list[int], chunk: int) -> list[torch.Tensor]:
+    return [lp for _, lp in chunk_logprobs(model, token_ids, "f32", "f32", chunk)]
+
+
+def score(
+    model: DecoderLM, token_ids: list[int], reference: list[torch.Tensor], cache_type_k: str, cache_type_v: str,
+    chunk: int,
+) -> QualityScores:
+    kld_sum = agree = nll_sum = 0.0
+    count = 0
+    targets = torch.tensor(token_ids[1:], device=model.device)
+    for (start, logprobs), ref in zip(chunk_logprobs(model, token_ids, cache_type_k, cache_type_v, chunk), reference):
+        n = logprobs.shape[0]
+        kld_sum += float((ref.exp() * (ref - logprobs)).sum())
+        agree += int((ref.argmax(-1) == logprobs.argmax(-1)).sum())
+        nll_sum -= float(logprobs.gather(1, targets[start : start + n, None]).sum())
+        count += n
+    return QualityScores(kld_sum / count, 100.0 * agree / count, math.exp(nll_sum / count), count)

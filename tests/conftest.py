@@ -1,0 +1,37 @@
+"""Fixtures shared by every test package: the real SmolLM2 (loaded once), tiny random models, and a
+leak check for engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.models.loader import load_model
+from tests.support import write_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hd64(tmp_path_factory):
+    """head_dim 64, so every KV codec (32-element groups, power-of-two rotations) applies."""
+    return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny_llama_hd64"), seed=1, hidden=256)))
+
+
+@pytest.fixture
+def check_no_leaks():
+    """Yields a list to register engines in; fails the test if any of them ends with blocks allocated."""
+    engines = []
+    yield engines
+    for e in engines:
+        assert not e.has_unfinished_requests()
+        held = [b.block_id for b in e.kv.pool.blocks if b.ref_count]
+        assert not held, f"blocks still allocated after the test: {held}"
+        assert e.kv.pool.num_free_blocks == e.kv.num_blocks

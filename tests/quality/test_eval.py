@@ -1,0 +1,59 @@
+"""The KV-quality evaluator: teacher-forced through the real cache, rows as documented."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.quality.evaluate import evaluate, parse_type_pairs
+from kvserve.quality.teacher_forced import chunk_logprobs
+
+KEYS = {"cache_type_k", "cache_type_v", "bits_per_element", "kld", "top1_agreement", "ppl", "delta_ppl", "needle"}
+
+
+def test_parse_type_pairs():
+    assert parse_type_pairs("f16, q8_0/tq3,,tq4") == [("f16", "f16"), ("q8_0", "tq3"), ("tq4", "tq4")]
+    with pytest.raises(ValueError):
+        parse_type_pairs(" , ")
+
+
+def test_rows_on_tiny_model(tiny_llama_hd64):
+    tokens = [(i * 7919) % 90 + 3 for i in range(200)]
+    rows = evaluate(tiny_llama_hd64, tokens, [("f32", "f32"), ("q8_0", "q8_0"), ("tq4", "tq4"), ("tq2", "tq2")],
+                    chunk=64)
+    by = {r.cache_type_k: r for r in rows}
+    assert set(by["q8_0"].as_dict()) == KEYS
+    assert by["f32"].kld == 0 and by["f32"].top1_agreement == 100 and by["f32"].delta_ppl == 0
+    assert 0 < by["q8_0"].kld < by["tq4"].kld < by["tq2"].kld
+    assert by["q8_0"].bits_per_element == 8.5 and by["tq2"].bits_per_element == 2.25
+    assert by["q8_0"].needle is None  # no tokenizer: no needle trials
+
+
+def test_chunking_does_not_change_the_f32_reference(tiny_llama_hd64):
+    tokens = [(i * 31) % 90 + 3 for i in range(100)]
+    whole = next(chunk_logprobs(tiny_llama_hd64.model, tokens, "f32", "f32", 1000))[1]
+    chunked = [lp for _, lp in chunk_logprobs(tiny_llama_hd64.model, tokens, "f32", "f32", 16)]
+    import torch
+
+    assert torch.allclose(whole, torch.cat(chunked), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_eval_cli_on_smollm2(tmp_path):
+    out = tmp_path / "eval.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "kvserve", "eval", "smollm2", "--ctx", "512", "--cache-types", "q8_0,q4_0,tq4",
+         "--needle-lengths", "256", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = {row["cache_type_k"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"f32", "q8_0", "q4_0", "tq4"}
+    assert all(set(row) == KEYS for row in rows.values())
+    assert rows["q8_0"]["top1_agreement"] >= 98.0
+    assert rows["tq4"]["kld"] < rows["q4_0"]["kld"]  # the rotated 4.25-bit codec beats q4_0 (4.5 bits)
+    assert rows["f32"]["needle"] == 1.0
+    assert "KLD" in r.stdout
