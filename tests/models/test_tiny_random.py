@@ -446,16 +446,15 @@ def test_gguf_byte_level_tokenizer(tiny, ours_from_gguf):
 
 
 def test_transformers_loads_our_tiny_gguf_the_same(tiny, hf_reference):
-    """Optional cross-check: transformers' own GGUF loader reads the file we wrote to the same model."""
+    """Cross-check: transformers' own GGUF loader reads the file we wrote to the same model. For the
+    Llama-3-scaled spec it must not: its loader ignores rope_freqs.weight, which we apply."""
     arch, _, _, gguf_path = tiny
-    if SPECS[arch]["scaling"]:
-        pytest.skip("transformers' GGUF loader does not read rope_freqs.weight (Llama 3 scaling factors)")
-    try:
-        other = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        ).eval()
-    except Exception as e:  # pragma: no cover - depends on the transformers version
-        pytest.skip(f"transformers cannot load the tiny {arch} GGUF: {type(e).__name__}: {e}")
+    other = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
     ps, ref_logits, _ = hf_reference
     errs = [rel_err(hf_last_logits(other, p), ref) for p, ref in zip(ps, ref_logits)]
-    assert max(errs) < LOGITS_RTOL, errs
+    if SPECS[arch]["scaling"]:
+        assert max(errs) > 100 * LOGITS_RTOL, errs
+    else:
+        assert max(errs) < LOGITS_RTOL, errs

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvserve.kv.codecs import CACHE_TYPES
+from kvserve.kv.kv_types import KV_TYPES
+
+CACHE_TYPES = tuple(KV_TYPES)
 from kvserve.models.registry import DEFAULT_MODEL
 
 

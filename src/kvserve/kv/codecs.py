@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-GROUP = 32  # q8_0 / q4_0 block size along head_dim, as in llama.cpp
+from kvserve.kv.kv_types import GROUP, KV_TYPES, kv_type
 
 
 class KVCodec:
@@ -241,18 +241,13 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 # --- registry -------------------------------------------------------------------------------------
 
 _SIMPLE = {c.name: c for c in (KVCodec, F16Codec, BF16Codec, Q8_0Codec, Q4_0Codec, FP8Codec)}
-ROTATED_BITS = {"tq4": 4, "tq3": 3, "tq2": 2}
-CACHE_TYPES = (*_SIMPLE, *ROTATED_BITS)
+CACHE_TYPES = tuple(KV_TYPES)
 
 
 def make_codec(name: str, head_dim: int) -> KVCodec:
-    if name in _SIMPLE:
-        codec = _SIMPLE[name](head_dim)
-        if name in ("q8_0", "q4_0") and head_dim % GROUP:
-            raise ValueError(f"{name} needs head_dim divisible by {GROUP}; this model has {head_dim}")
-        return codec
-    if name in ROTATED_BITS:
-        if head_dim & (head_dim - 1):
-            raise ValueError(f"{name} needs a power-of-two head_dim; this model has {head_dim}")
-        return RotatedCodec(head_dim, ROTATED_BITS[name])
-    raise ValueError(f"unknown KV cache type {name!r}; choose one of {', '.join(CACHE_TYPES)}")
+    """The codec of a KV type (``kv_types.KV_TYPES`` states its exact storage cost)."""
+    spec = kv_type(name)
+    spec.check(head_dim)
+    codec = RotatedCodec(head_dim, spec.code_bits) if spec.rotated else _SIMPLE[name](head_dim)
+    assert codec.bytes_per_vector() == spec.bytes_per_vector(head_dim), f"{name} layout disagrees with KV_TYPES"
+    return codec

@@ -58,9 +58,7 @@ def load_model(
         config = read_model_config(gf)
         tokenizer = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") else None
         weights = load_gguf_weights(gf, config, progress)
-        weight_types: dict[str, int] = {}
-        for t in gf.tensors.values():
-            weight_types[t.tensor_type.name] = weight_types.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        weight_types = gf.header.bytes_by_type()
     try:
         lm = DecoderLM(config, weights, dev, dtype)
     except KeyError as e:

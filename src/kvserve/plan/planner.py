@@ -1,0 +1,266 @@
+"""Memory arithmetic: weights + KV cache + activations + runtime overhead, at each context length,
+and the largest context that fits a memory budget. Plain integers; no torch.
+
+Two totals, because the engine is moving:
+
+    total (plan)    weights as stored + KV with sliding-window layers holding min(ctx, window) tokens
+    today's engine  weights dequantized to --dtype at load + the paged pool as the engine allocates it
+                    today: ceil(ctx / block_size) blocks per sequence, every layer keeping every token
+
+Both add the same activations and runtime overhead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve.config import ModelConfig
+from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
+from kvserve.plan.source import ModelSpec
+
+MiB, GiB = 1 << 20, 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+QUERY_TILE = 1024  # queries per attention tile, as in kvserve.attention.ops.QUERY_TILE
+# Resident memory of the Python process before any weight or cache: VmRSS after
+# `python -c "import torch, kvserve"` measured 218.6 MiB (torch 2.13 CPU build, Python 3.11);
+# re-measure with measure_runtime_overhead(). A CUDA build adds its context on top.
+RUNTIME_OVERHEAD_BYTES = 220 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSettings:
+    contexts: tuple[int, ...]
+    kv_types: tuple[tuple[str, str], ...]  # (K type, V type) pairs to plan
+    memory: int  # bytes the model must fit in
+    memory_source: str = "--memory"
+    max_num_seqs: int = 1
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    dtype: str = "float32"  # the engine's compute dtype: weights are dequantized to it at load
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "memory"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.contexts or min(self.contexts) < 1:
+            raise ValueError(f"context lengths must be >= 1, got {list(self.contexts)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        for k, v in self.kv_types:
+            kv_type(k), kv_type(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Activations:
+    """Peak working memory of one engine step, in --dtype floats (f) unless noted. An upper bound:
+    the terms are summed although not all are alive at once.
+
+    hidden_states  chunk x (hidden + q + k + v + 2 x intermediate) f, chunk = min(budget, ctx)
+    attention      the larger of two paths, per layer (layers run one after another):
+      prefill      one query tile (min(chunk, 1024) queries) against ``keys`` = ctx keys:
+                     scores and their softmax  2 x heads x tile x keys f
+                     kernel copies of K (scaled) and, with GQA, K and V repeated to every head:
+                                               (3 if GQA else 1) x heads x keys x head_dim f
+                     the sequence's K and V gathered from the cache (+ decoded to f unless stored as f)
+      decode       every running sequence's single query at once: the same copies and gathered K/V for
+                   max_num_seqs x ctx keys, with 2 x heads x ctx f of scores per sequence
+    logits         one float32 row of vocab per sampled sequence (+ the --dtype row it comes from)
+
+    The attention terms follow torch's CPU math kernel (what runs for a masked tile): measured peak
+    for a [32 heads, 512, 16384] tile with 8 KV heads, float32: +2.80 GiB, this formula 2.75 GiB.
+    """
+
+    hidden_states: int
+    attention: int
+    logits: int
+    attention_path: str  # "prefill" or "decode": which path is larger
+
+    @property
+    def total(self) -> int:
+        return self.hidden_states + self.attention + self.logits
+
+
+@dataclass(frozen=True, slots=True)
+class ContextPlan:
+    ctx: int
+    kv_bytes: int  # every layer keeps every token, x max_num_seqs
+    kv_bytes_windowed: int  # sliding-window layers keep min(ctx, window) tokens, x max_num_seqs
+    engine_kv_pool_bytes: int  # the pool today's engine allocates for this ctx
+    activations: Activations
+    total: int  # weights as stored + kv_bytes_windowed + activations + overhead
+    engine_total: int  # weights at --dtype + engine_kv_pool_bytes + activations + overhead
+
+
+@dataclass(frozen=True, slots=True)
+class KVTypePlan:
+    cache_type_k: str
+    cache_type_v: str
+    bits_per_element_k: float
+    bits_per_element_v: float
+    bytes_per_token: int
+    contexts: tuple[ContextPlan, ...]
+    max_ctx: int  # largest ctx (<= the model's trained context) whose total fits; 0: none
+    engine_max_ctx: int  # the same for today's engine total
+
+    @property
+    def name(self) -> str:
+        return (
+            self.cache_type_k
+            if self.cache_type_k == self.cache_type_v
+            else f"{self.cache_type_k}/{self.cache_type_v}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: ModelSpec
+    settings: PlanSettings
+    engine_weight_bytes: int  # weights as today's engine holds them: dequantized to settings.dtype
+    runtime_overhead: int
+    kv: tuple[KVTypePlan, ...]
+    skipped: tuple[tuple[str, str], ...]  # (KV type, why it cannot store this model's head-vectors)
+
+
+def planned_kv_pool_bytes(
+    model_config: ModelConfig,
+    num_ctx: int,
+    max_num_seqs: int,
+    block_size: int,
+    cache_type_k: str,
+    cache_type_v: str | None = None,
+) -> int:
+    """Bytes of the paged pool the engine allocates for ``num_ctx`` tokens per sequence:
+    ceil(num_ctx / block_size) x max_num_seqs blocks of block_size tokens, every layer."""
+    num_blocks = -(-num_ctx // block_size) * max_num_seqs
+    return num_blocks * block_size * kv_bytes_per_token(model_config, cache_type_k, cache_type_v)
+
+
+def windowed_kv_bytes(
+    config: ModelConfig, ctx: int, cache_type_k: str, cache_type_v: str | None = None
+) -> int:
+    """KV bytes of one sequence of ``ctx`` tokens when sliding-window layers keep only their window."""
+    per_layer_token = kv_bytes_per_token_per_layer(config, cache_type_k, cache_type_v)
+    window = config.sliding_window
+    num_sliding = sum(1 for i in range(config.num_layers) if config.is_sliding(i)) if window else 0
+    tokens = num_sliding * min(ctx, window or ctx) + (config.num_layers - num_sliding) * ctx
+    return tokens * per_layer_token
+
+
+def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) -> Activations:
+    fb = DTYPE_BYTES[s.dtype]
+    c = config
+    chunk = min(s.max_num_batched_tokens, ctx)
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    hidden = chunk * (c.hidden_size + q_dim + 2 * kv_dim + 2 * c.intermediate_size) * fb
+    tile = min(chunk, QUERY_TILE)
+    all_sliding = bool(c.sliding_window) and all(c.is_sliding(i) for i in range(c.num_layers))
+    keys = min(ctx, c.sliding_window + tile) if all_sliding else ctx
+    # per key: the kernel's scaled K (and, with GQA, K and V repeated to every query head)
+    copies = (3 if c.num_heads != c.num_kv_heads else 1) * c.num_heads * c.head_dim * fb
+    # per gathered token: stored K and V of one layer plus their decoded copy (none when stored as --dtype)
+    gathered = c.num_kv_heads * sum(
+        kv_type(t).bytes_per_vector(c.head_dim)
+        + (0 if kv_type(t).torch_dtype == s.dtype else c.head_dim * fb)
+        for t in (k, v)
+    )
+    prefill = 2 * c.num_heads * tile * keys * fb + keys * copies + ctx * gathered
+    decode = s.max_num_seqs * ctx * (copies + gathered + 2 * c.num_heads * fb)
+    rows = min(s.max_num_seqs, chunk)
+    logits = rows * c.vocab_size * (4 if fb == 4 else 4 + fb)
+    if decode > prefill:
+        return Activations(hidden, decode, logits, "decode")
+    return Activations(hidden, prefill, logits, "prefill")
+
+
+def context_plan(
+    spec: ModelSpec, s: PlanSettings, k: str, v: str, ctx: int, engine_weights: int
+) -> ContextPlan:
+    c = spec.config
+    seqs = s.max_num_seqs
+    kv_full = ctx * kv_bytes_per_token(c, k, v) * seqs
+    kv_windowed = windowed_kv_bytes(c, ctx, k, v) * seqs
+    pool = planned_kv_pool_bytes(c, ctx, seqs, s.block_size, k, v)
+    act = activations(c, ctx, k, v, s)
+    fixed = act.total + RUNTIME_OVERHEAD_BYTES
+    return ContextPlan(
+        ctx,
+        kv_full,
+        kv_windowed,
+        pool,
+        act,
+        spec.stored_bytes + kv_windowed + fixed,
+        engine_weights + pool + fixed,
+    )
+
+
+def largest_fit(total: Callable[[int], int], limit: int, memory: int) -> int:
+    """Largest ctx in [1, limit] with total(ctx) <= memory (total grows with ctx); 0 when none fits."""
+    if total(1) > memory:
+        return 0
+    if total(limit) <= memory:
+        return limit
+    lo, hi = 1, limit  # total(lo) fits, total(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if total(mid) <= memory else (lo, mid)
+    return lo
+
+
+def make_plan(spec: ModelSpec, s: PlanSettings) -> Plan:
+    c = spec.config
+    engine_weights = spec.num_params * DTYPE_BYTES[s.dtype]
+    plans, skipped = [], []
+    for k, v in s.kv_types:
+        try:
+            bits_k, bits_v = kv_type(k).bits_per_element(c.head_dim), kv_type(v).bits_per_element(c.head_dim)
+        except ValueError as e:
+            skipped.append((k if k == v else f"{k}/{v}", str(e)))
+            continue
+
+        def at(ctx: int, k=k, v=v) -> ContextPlan:
+            return context_plan(spec, s, k, v, ctx, engine_weights)
+
+        limit = c.max_position_embeddings
+        plans.append(
+            KVTypePlan(
+                k,
+                v,
+                bits_k,
+                bits_v,
+                kv_bytes_per_token(c, k, v),
+                tuple(at(ctx) for ctx in s.contexts),
+                largest_fit(lambda n: at(n).total, limit, s.memory),
+                largest_fit(lambda n: at(n).engine_total, limit, s.memory),
+            )
+        )
+    if not plans:
+        raise ValueError("no KV cache type can store this model: " + "; ".join(r for _, r in skipped))
+    return Plan(spec, s, engine_weights, RUNTIME_OVERHEAD_BYTES, tuple(plans), tuple(skipped))
+
+
+def available_memory() -> tuple[int, str]:
+    """This machine's available memory: MemAvailable from /proc/meminfo, else free pages from sysconf."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"
+    except (ValueError, OSError, AttributeError):
+        raise ValueError(
+            "cannot tell this machine's available memory; give it with --memory (e.g. 16GiB)"
+        ) from None
+
+
+def measure_runtime_overhead() -> int:
+    """Resident bytes of a fresh ``python -c "import torch, kvserve"`` (takes seconds: not for tests)."""
+    code = "import torch, kvserve; print(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[1]) * 1024

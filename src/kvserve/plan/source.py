@@ -1,0 +1,146 @@
+"""What to plan for: any MODEL argument turned into a ``ModelConfig`` plus its weights' storage,
+without loading a single weight.
+
+    MODEL                          config from                       weights from
+    file.gguf                      the GGUF header                   tensor infos (ggml types)
+    registry name (smollm2)        the installed GGUF's header       tensor infos
+    folder / config.json (HF)      read_hf_config                    safetensors headers, else the parameter
+                                                                     count at config.json's torch_dtype
+    preset (Llama-3.1-8B)          published config.json values      parameter count x 2 (bf16)
+
+Chunked registry models (gemma3-270m) are read from their chunks when they have not been
+assembled yet: planning never writes a 250 MB file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvserve.config import ModelConfig
+from kvserve.errors import ModelLoadError, ModelNotFoundError
+from kvserve.models.gguf_config import read_model_config
+from kvserve.models.gguf_header import read_gguf_header
+from kvserve.plan.presets import PRESETS, find_preset, num_params
+
+_PARAM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    config: ModelConfig
+    source: str  # how the numbers were found, for the report
+    num_params: int
+    stored_bytes: int  # weights as stored (file types), the size a quantization-aware runtime holds
+    stored_by_type: dict[str, int] = field(default_factory=dict)
+
+
+def resolve_model(model: str) -> ModelSpec:
+    from kvserve.models.registry import REGISTRY
+
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_dir() or path.suffix == ".json":
+            return _from_hf(path)
+        return _from_gguf(path, str(path))
+    if model in REGISTRY:
+        return _from_registry(model)
+    preset = find_preset(model)
+    if preset is not None:
+        n = preset.num_params
+        return ModelSpec(preset.name, preset.config, f"preset ({preset.source})", n, 2 * n, {"BF16": 2 * n})
+    if model.endswith((".gguf", ".json")) or "/" in model:
+        raise ModelNotFoundError(f"{model}: no such file or folder")
+    raise ModelNotFoundError(
+        f"unknown model '{model}': not a file or folder, a registry model ({', '.join(REGISTRY)}) "
+        f"or a preset ({', '.join(PRESETS)})"
+    )
+
+
+def _from_gguf(source, shown: str) -> ModelSpec:
+    header = read_gguf_header(source)
+    config = read_model_config(header, require_supported=False)
+    return ModelSpec(
+        config.name or Path(shown).name,
+        config,
+        f"GGUF header of {shown}",
+        header.num_params,
+        header.num_weight_bytes,
+        header.bytes_by_type(),
+    )
+
+
+def _from_registry(name: str) -> ModelSpec:
+    from kvserve.models.registry import REGISTRY, installed_path
+
+    entry = REGISTRY[name]
+    path = installed_path(entry, assemble=False)  # a chunked model not yet assembled: its package folder
+    if path is None:
+        raise ModelNotFoundError(f"model '{name}' is not installed; run: kvserve pull {name}")
+    if path.is_file():
+        return _from_gguf(path, str(path))
+    chunks = [Path(p) for p in importlib.import_module(entry.module).chunk_paths()]
+    return _from_gguf(chunks, f"{chunks[0]} (+{len(chunks) - 1} chunks, not assembled)")
+
+
+def _from_hf(path: Path) -> ModelSpec:
+    from kvserve.models.hf_folder import read_hf_config  # imports torch: only on this path
+
+    if path.is_file():
+        if path.name != "config.json":
+            raise ModelLoadError(f"{path}: give a config.json or the folder holding one")
+        path = path.parent
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: a model folder needs a config.json (and safetensors weights)")
+    config = read_hf_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        n, by_type = safetensors_weights(files)
+        return ModelSpec(
+            path.name, config, f"HF folder {path} (safetensors headers)", n, sum(by_type.values()), by_type
+        )
+    dtype = _config_dtype(path / "config.json")
+    n = num_params(config)
+    label = f"{dtype} (no safetensors: parameter count from config.json)"
+    return ModelSpec(
+        path.name,
+        config,
+        f"HF config {path / 'config.json'}",
+        n,
+        n * _PARAM_BYTES[dtype],
+        {label: n * _PARAM_BYTES[dtype]},
+    )
+
+
+def _config_dtype(config_json: Path) -> str:
+    cfg = json.loads(config_json.read_text())
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or (cfg.get("text_config") or {}).get("torch_dtype")
+    return dtype if dtype in _PARAM_BYTES else "bfloat16"
+
+
+def safetensors_weights(files: list[Path]) -> tuple[int, dict[str, int]]:
+    """(parameter count, stored bytes per dtype) from the JSON headers of safetensors files:
+    ``u64 header length | {"name": {"dtype", "shape", "data_offsets": [begin, end]}, ...} | data``."""
+    num = 0
+    by_type: dict[str, int] = {}
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                if length > 100 << 20:
+                    raise ValueError(f"header of {length} bytes")
+                header = json.loads(fh.read(length))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = info["data_offsets"]
+                num += math.prod(info["shape"])
+                by_type[info["dtype"]] = by_type.get(info["dtype"], 0) + end - begin
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
+    return num, dict(sorted(by_type.items(), key=lambda kv: -kv[1]))

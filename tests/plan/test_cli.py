@@ -1,0 +1,114 @@
+"""``kvserve plan`` as a user runs it (subprocesses), plus its flag parsing and error lines in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.cli.plan import parse_contexts, parse_size
+from kvserve.kv.kv_types import KV_TYPES
+
+
+def kvserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"},
+    )
+
+
+def _error_line(returncode: int, stderr: str) -> str:
+    assert returncode == 1
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_json_with_a_context_list():
+    r = kvserve("plan", "smollm2", "--json", "--ctx", "1024,8k", "--memory", "4GiB", "--max-num-seqs", "2")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["model"]["num_layers"] == 30 and plan["settings"]["memory_bytes"] == 4 << 30
+    (f16,) = plan["kv_types"]
+    assert f16["name"] == "f16" and f16["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert [c["ctx"] for c in f16["contexts"]] == [1024, 8192]
+    assert f16["contexts"][0]["kv_bytes"] == 1024 * f16["bytes_per_token"] * 2
+    assert f16["max_ctx"] == 8192  # the model's trained context fits easily in 4 GiB
+
+
+def test_all_cache_types():
+    r = kvserve(
+        "plan", "Llama-3.1-8B", "--cache-types", "all", "--ctx", "131072", "--memory", "40GiB", "--json"
+    )
+    assert r.returncode == 0, r.stderr
+    types = json.loads(r.stdout)["kv_types"]
+    assert [t["name"] for t in types] == list(KV_TYPES)
+    by_name = {t["name"]: t for t in types}
+    assert by_name["f16"]["bytes_per_token"] == 131_072 and by_name["q8_0"]["bits_per_element_k"] == 8.5
+    assert by_name["f16"]["contexts"][0]["kv_bytes"] == 17_179_869_184
+    assert by_name["tq2"]["max_ctx"] > by_name["f16"]["max_ctx"]
+
+
+def test_table():
+    r = kvserve("plan", "smollm2", "--memory", "2GiB")
+    assert r.returncode == 0, r.stderr
+    for text in (
+        "weights (as stored)",
+        "KV cache",
+        "activations",
+        "runtime overhead",
+        "total (plan)",
+        "today's engine",
+        "largest context that fits in 2.00 GiB",
+        "23,040",
+    ):
+        assert text in r.stdout, text
+
+
+def test_unknown_preset_is_one_error_line():
+    r = kvserve("plan", "Llama-9B")
+    assert "unknown model 'Llama-9B'" in _error_line(r.returncode, r.stderr)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["Llama-3.1-8B", "--memory", "lots"], "--memory: not a size: 'lots'"),
+        (["Llama-3.1-8B", "--memory", "0GiB"], "not a size"),
+        (["Llama-3.1-8B", "-ctk", "q5_1"], "unknown KV cache type 'q5_1'"),
+        (["Llama-3.1-8B", "--cache-types", "f16,int4"], "unknown KV cache type 'int4'"),
+        (
+            ["Llama-3.1-8B", "--cache-types", "all", "-ctv", "q4_0"],
+            "--cache-types plans K and V of the same type",
+        ),
+        (["Llama-3.1-8B", "--ctx", "8k,lots"], "--ctx: 'lots' is not a context length"),
+        (["Llama-3.1-8B", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["Llama-3.1-8B", "--dtype", "int8"], "unknown dtype 'int8'"),
+        (["missing/model.gguf"], "no such file"),
+    ],
+)
+def test_bad_input_is_one_error_line(capsys, args, message):
+    from kvserve.cli.main import main
+
+    code = main(["plan", *args])
+    assert message in _error_line(code, capsys.readouterr().err)
+
+
+def test_sizes():
+    assert parse_size("16GiB") == parse_size("16G") == parse_size("16 gib") == 16 << 30
+    assert parse_size("16GB") == 16 * 10**9
+    assert parse_size("1.5MiB") == 3 << 19
+    assert parse_size("4096") == parse_size("4096B") == 4096
+
+
+def test_contexts():
+    assert parse_contexts("131072,8192,8k") == (8192, 131072)
+    assert parse_contexts("128K, 32k") == (32768, 131072)
