@@ -28,6 +28,17 @@ def test_run_answers_paris_with_json_stats():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("k,v,bits", [("q8_0", "q8_0", 8.5 + 8.5), ("tq3", "q4_0", 3.25 + 4.5)])
+def test_run_reports_kv_bytes_per_token_of_the_cache_types(k, v, bits):
+    r = kvserve("run", "smollm2", "Hi", "--temperature", "0", "--max-tokens", "2", "--json", "-c", "256",
+                "-ctk", k, "-ctv", v)
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)
+    assert (record["cache_type_k"], record["cache_type_v"]) == (k, v)
+    assert record["kv_bytes_per_token"] == 30 * 3 * 64 * bits / 8  # layers x kv_heads x head_dim x (K + V bits)
+
+
+@pytest.mark.slow
 def test_run_streams_text_then_stats_line_and_reads_stdin():
     r = kvserve("run", "smollm2", "--temperature", "0", "--max-tokens", "8", "-c", "512", stdin="Say hello.")
     assert r.returncode == 0, r.stderr

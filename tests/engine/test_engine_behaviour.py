@@ -140,6 +140,19 @@ def test_stop_strings_and_streamed_text(smollm2):
     assert "".join(pieces) == final.text  # streamed deltas add up and never contain the stop string
 
 
+def _wait_until_idle(engine, seconds: float = 10.0) -> None:
+    """Aborts are handed to the engine thread; give it (bounded) time to drain them."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with engine.lock:
+            if not engine.engine.has_unfinished_requests() and not engine._pending:
+                return
+        time.sleep(0.01)
+    raise AssertionError("the engine did not drain its aborts")
+
+
 def test_async_engine_streams_and_aborts_on_disconnect(tiny_llama):
     engine = make_engine(tiny_llama)
     async_engine = AsyncLLMEngine(engine)
@@ -157,9 +170,47 @@ def test_async_engine_streams_and_aborts_on_disconnect(tiny_llama):
 
     try:
         asyncio.run(main())
-        with async_engine.lock:
-            assert not engine.has_unfinished_requests()
-            assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+        _wait_until_idle(async_engine)
+        assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+    finally:
+        async_engine.shutdown()
+
+
+def test_async_engine_abort_from_elsewhere_ends_the_stream(tiny_llama):
+    engine = make_engine(tiny_llama)
+    async_engine = AsyncLLMEngine(engine)
+
+    async def main():
+        outs = []
+        async for out in async_engine.generate(_prompt(20), SamplingParams(temperature=0, max_tokens=10_000,
+                                                                           ignore_eos=True), request_id="x"):
+            outs.append(out)
+            if len(outs) == 2:
+                async_engine.abort("x")
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].finished and outs[-1].finish_reason == "abort"
+        _wait_until_idle(async_engine)
+        assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+    finally:
+        async_engine.shutdown()
+
+
+def test_async_engine_rejects_bad_requests_before_any_await(tiny_llama):
+    engine = make_engine(tiny_llama, num_ctx=32)
+    async_engine = AsyncLLMEngine(engine)
+
+    async def first(prompt, params=None):
+        return await async_engine.generate(prompt, params).__anext__()
+
+    try:
+        with pytest.raises(PromptTooLongError):
+            asyncio.run(first(_prompt(40)))
+        with pytest.raises(ValueError, match="seed"):
+            asyncio.run(first(_prompt(4), SamplingParams(seed=2**70)))
+        assert not engine.has_unfinished_requests()
     finally:
         async_engine.shutdown()
 
@@ -179,3 +230,16 @@ def test_python_api_generate_and_stream(tiny_llama):
     next(partial)
     partial.close()
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_engine_kv_bytes_per_token_match_the_formula_for_every_type(smollm2):
+    """2 x layers x kv_heads x head_dim x bits / 8, and the pool is exactly blocks x that."""
+    from kvserve.kv.kv_types import KV_TYPES
+
+    c = smollm2.config
+    for name, spec in KV_TYPES.items():
+        engine = make_engine(smollm2, num_ctx=64, max_num_seqs=1, cache_type_k=name)
+        expected = 2 * c.num_layers * c.num_kv_heads * c.head_dim * spec.bits_per_element(c.head_dim) / 8
+        assert engine.kv_bytes_per_token == expected, name
+        assert engine.kv_pool_bytes == engine.kv.num_blocks * 16 * expected, name

@@ -129,7 +129,9 @@ def test_random_interleavings_keep_bookkeeping_consistent(enable_caching, config
                 request = make_request(
                     f"r{n * 4 + k}", prompt, max_tokens, max_model_len, salt, (EOS,) if stops else ()
                 )
-                num_waiting = len(sched.waiting)
+                # requests that fit in free running slots do not count as waiting
+                free_slots = max(0, config["max_num_seqs"] - len(sched.running))
+                num_waiting = max(0, len(sched.waiting) - free_slots)
                 try:
                     sched.add_request(request)
                 except PromptTooLongError:

@@ -346,19 +346,21 @@ def test_empty_prompt_rejected(make_scheduler):
 
 
 def test_queue_full(make_scheduler):
-    sched = make_scheduler(max_waiting=2)
-    add(sched, "r0", range(3))
+    """max_waiting bounds the requests that cannot start: one free running slot absorbs one more."""
+    sched = make_scheduler(max_waiting=2, max_num_seqs=1)
+    add(sched, "r0", range(3))  # will take the free slot
     add(sched, "r1", range(10, 13))
-    with pytest.raises(QueueFullError):
-        add(sched, "r2", range(20, 23))
-    assert [r.request_id for r in sched.waiting] == ["r0", "r1"]
-    assert "r2" not in sched.requests
-    step(sched)  # both admitted: the queue has room again, and the rejected id is free
     add(sched, "r2", range(20, 23))
-    add(sched, "r3", range(30, 33))
     with pytest.raises(QueueFullError):
-        add(sched, "r4", range(40, 43))
-    for rid in ("r0", "r1", "r2", "r3"):
+        add(sched, "r3", range(30, 33))
+    assert [r.request_id for r in sched.waiting] == ["r0", "r1", "r2"]
+    assert "r3" not in sched.requests
+    step(sched)  # r0 runs; r1 and r2 wait: still full
+    with pytest.raises(QueueFullError):
+        add(sched, "r3", range(30, 33))
+    sched.abort("r1")  # room again, and the rejected id is free
+    add(sched, "r3", range(30, 33))
+    for rid in ("r0", "r2", "r3"):
         assert sched.abort(rid) is not None
 
 

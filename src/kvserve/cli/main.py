@@ -12,6 +12,9 @@ SUBCOMMANDS = {
     "run": "kvserve.cli.run",
     "pull": "kvserve.cli.models",
     "list": "kvserve.cli.models",
+    "plan": "kvserve.cli.plan",
+    "serve": "kvserve.cli.serve",
+    "eval": "kvserve.cli.eval",
 }
 
 

@@ -104,6 +104,9 @@ def result_record(engine, out: RequestOutput) -> dict:
         "decode_tok_s": round(m.decode_tok_s, 2) if m.decode_tok_s else None,
         "itl_ms_mean": round(1000 * sum(m.itls) / len(m.itls), 2) if m.itls else None,
         "kv_bytes": (m.num_prompt_tokens + m.num_generation_tokens) * engine.kv_bytes_per_token,
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "cache_type_k": engine.config.cache.cache_type_k,
+        "cache_type_v": engine.config.cache.cache_type_v_resolved,
         "kv_pool_bytes": engine.kv_pool_bytes,
     }
 

@@ -1,11 +1,13 @@
 """``AsyncLLMEngine``: the engine loop on a background thread, results streamed to asyncio callers.
 
-    caller (event loop)                     engine thread
-    generate() -> add_request  --lock-->    step() ... step() ...
-               <- asyncio.Queue <--------   RequestOutput per step, via call_soon_threadsafe
+    caller (event loop)                        engine thread
+    generate(): validate, enqueue "add"  --->  drain adds/aborts, step(), drain, step() ...
+                <- asyncio.Queue <-----------  one RequestOutput per step, via call_soon_threadsafe
 
-A caller that stops iterating (client disconnect, cancellation) aborts its request, which frees
-its KV blocks before the next step.
+Callers never wait for a step: requests are validated on the caller's side (errors raise at once)
+and handed over through a queue that the engine thread drains between steps, together with aborts.
+A caller that stops iterating (client disconnect, cancellation) aborts its request, which frees its
+KV blocks before the next step; an abort from elsewhere ends the caller's stream with an "abort".
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -29,7 +33,8 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.lock = threading.Lock()  # guards every engine call: step, add, abort
+        self.lock = threading.Lock()  # held by the engine thread while it changes engine state
+        self._pending: deque[tuple[str, Request | str]] = deque()  # ("add", request) / ("abort", id)
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
@@ -44,14 +49,15 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields one ``RequestOutput`` per step that produced a token; the last has ``finished``."""
+        """Yields one ``RequestOutput`` per step that produced a token; the last has ``finished``.
+        Invalid requests raise (ValueError, PromptTooLongError, QueueFullError) before any await."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead_error}")
+        request = self.engine.make_request(prompt, params, request_id, cache_salt)
+        self._admit(request)
         queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        with self.lock:
-            request = self.engine.add_request(prompt, params, request_id, cache_salt)
-            self._streams[request.request_id] = (loop, queue)
+        self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+        self._pending.append(("add", request))
         self._wakeup.set()
         finished = False
         try:
@@ -67,46 +73,80 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request.request_id)
 
-    def abort(self, request_id: str) -> None:
-        with self.lock:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+    def _admit(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        self.engine.scheduler.check_capacity(num_pending=self.num_pending_adds)
 
+    @property
+    def num_pending_adds(self) -> int:
+        """Requests accepted by ``generate`` that the engine thread has not taken in yet."""
+        return sum(1 for kind, _ in list(self._pending) if kind == "add")
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its stream (if still read) ends with finish_reason "abort"."""
+        self._pending.append(("abort", request_id))
+        self._wakeup.set()
+
+    # --- the engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopped:
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
             try:
                 with self.lock:
-                    outputs = self.engine.step()
+                    self._drain_pending()
+                    busy = self.engine.has_unfinished_requests()
+                    outputs = self.engine.step() if busy else []
             except BaseException as e:  # keep serving nothing rather than hanging every caller
                 log.exception("engine step failed")
                 self.dead_error = e
                 self._fail_all(e)
                 return
+            if not busy:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
             for output in outputs:
-                target = self._streams.get(output.request_id)
-                if target is None:
-                    continue
-                loop, queue = target
-                if output.finished:
-                    self._streams.pop(output.request_id, None)
+                self._deliver(output)
+
+    def _drain_pending(self) -> None:
+        while self._pending:
+            kind, item = self._pending.popleft()
+            if kind == "add":
                 try:
-                    loop.call_soon_threadsafe(queue.put_nowait, output)
-                except RuntimeError:  # the caller's loop is closed
-                    pass
+                    self.engine.add_prepared(item)
+                except Exception as e:  # a race the caller-side checks could not see
+                    self._deliver_error(item.request_id, e)
+            else:
+                output = self.engine.abort_request(item)
+                if output is not None:
+                    self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        target = self._streams.get(output.request_id)
+        if target is None:
+            return
+        if output.finished:
+            self._streams.pop(output.request_id, None)
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        target = self._streams.pop(request_id, None)
+        if target is not None:
+            try:
+                target[0].call_soon_threadsafe(target[1].put_nowait, error)
+            except RuntimeError:
+                pass
 
     def _fail_all(self, error: BaseException) -> None:
         with self.lock:
-            for request_id, (loop, queue) in list(self._streams.items()):
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, error)
-                except RuntimeError:
-                    pass
+            for request_id in list(self._streams):
+                self._deliver_error(request_id, error)
                 self.engine.abort_request(request_id)
-            self._streams.clear()
 
     def shutdown(self) -> None:
         self._stopped = True

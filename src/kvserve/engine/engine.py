@@ -89,6 +89,31 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         return [int(t) for t in prompt]
 
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Tokenize and validate a request without touching engine state (safe from any thread).
+        Raises ValueError or PromptTooLongError."""
+        request = Request(
+            request_id if request_id is not None else f"req-{next(self._ids)}",
+            self.tokenize_prompt(prompt),
+            params or SamplingParams(),
+            self.max_model_len,
+            self.eos_token_ids,
+            cache_salt,
+        )
+        self.scheduler.check_prompt(request)
+        return request
+
+    def add_prepared(self, request: Request) -> Request:
+        self.scheduler.add_request(request)
+        self.outputs.add(request)
+        return request
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -96,18 +121,7 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        params = params or SamplingParams()
-        request = Request(
-            request_id if request_id is not None else f"req-{next(self._ids)}",
-            self.tokenize_prompt(prompt),
-            params,
-            self.max_model_len,
-            self.eos_token_ids,
-            cache_salt,
-        )
-        self.scheduler.add_request(request)
-        self.outputs.add(request)
-        return request
+        return self.add_prepared(self.make_request(prompt, params, request_id, cache_salt))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -134,6 +148,13 @@ class LLMEngine:
         now = time.perf_counter()
         results = []
         for request, (token, logprob) in zip(ready, sampled):
+            if isinstance(token, Exception):  # this request's sampling failed; the others go on
+                request.error = f"sampling failed: {token}"
+                request.status = RequestStatus.FINISHED_ERROR
+                request.metrics.finished_time = now
+                results.append(self.outputs.process(request))
+                self.scheduler.finish(request, request.status)
+                continue
             self._record_token(request, token, logprob, now)
             request.check_stop_token()
             output = self.outputs.process(request)

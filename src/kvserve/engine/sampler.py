@@ -47,11 +47,16 @@ class Sampler:
     def __init__(self, decode_token) -> None:
         self.decode_token = decode_token  # token id -> text, for logprob records
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
-        """logits: [len(requests), vocab] float32."""
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int | Exception, TokenLogprob | None]]:
+        """logits: [len(requests), vocab] float32. A request whose draw fails gets the exception
+        instead of a token, so one bad request cannot stop the batch."""
         results = []
         for row, request in zip(logits, requests):
-            token = self._sample_one(row, request)
+            try:
+                token = self._sample_one(row, request)
+            except (RuntimeError, ValueError) as e:  # e.g. a distribution with no finite entry
+                results.append((e, None))
+                continue
             logprob = self._logprob(row, token, request.params.logprobs) if request.params.logprobs is not None else None
             results.append((token, logprob))
         return results

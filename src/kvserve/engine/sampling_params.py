@@ -47,6 +47,7 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

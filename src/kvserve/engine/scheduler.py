@@ -57,7 +57,8 @@ class Scheduler:
         self.num_preemptions = 0
 
     # --- admission ------------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def check_prompt(self, request: Request) -> None:
+        """Raise unless the request's prompt can ever be served."""
         limit = self.max_model_len
         if request.num_prompt_tokens >= limit:
             raise PromptTooLongError(
@@ -68,8 +69,21 @@ class Scheduler:
             )
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"{len(self.waiting)} requests are already waiting; try again later")
+
+    def check_capacity(self, num_pending: int = 0) -> None:
+        """Raise QueueFullError if one more request (after ``num_pending`` others not yet added) would
+        leave more than ``max_waiting`` requests unable to start: requests that fit in free running
+        slots do not count as waiting."""
+        free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        would_wait = max(0, len(self.waiting) + num_pending + 1 - free_slots)
+        if would_wait > self.config.max_waiting:
+            raise QueueFullError(
+                f"{would_wait - 1} requests are already waiting (limit {self.config.max_waiting}); try again later"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_prompt(request)
+        self.check_capacity()
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request

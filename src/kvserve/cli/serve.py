@@ -1,0 +1,101 @@
+"""``kvserve serve [MODEL]``: OpenAI- and Ollama-compatible HTTP APIs over one model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+from kvserve.cli.options import add_engine_args, load_engine, parse_bytes
+from kvserve.models.registry import DEFAULT_MODEL, REGISTRY
+from kvserve.server.config import DEFAULT_MAX_BODY_BYTES
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="serve a model over OpenAI- and Ollama-compatible HTTP APIs")
+    p.add_argument(
+        "model", nargs="?", default=None, help="registry name, .gguf file or HF folder (default smollm2)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY, else no key)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the registry name or the file's stem)",
+    )
+    p.add_argument(
+        "--max-body-size",
+        type=parse_bytes,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body; larger ones get 413 (default 4MiB)",
+    )
+    p.add_argument("--max-n", type=int, default=16, help="most choices one OpenAI request may ask for (n)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    add_engine_args(p, max_num_seqs=8)
+    p.set_defaults(handler=run, num_ctx=2048)
+
+
+def served_name(model: str | None, override: str | None) -> str:
+    if override:
+        return override
+    model = model or DEFAULT_MODEL
+    if model in REGISTRY:
+        return model
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name or model
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the model loads, not after, when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.server import ServerConfig, build_app
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be between 1 and 65535, got {args.port}")
+    config = ServerConfig(
+        model_name=served_name(args.model, args.served_model_name),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_size,
+        max_n=args.max_n,
+    )
+    check_port_free(args.host, args.port)
+    engine = load_engine(args)
+    app = build_app(AsyncLLMEngine(engine), config)
+    url = f"http://{args.host}:{args.port}"
+    print(
+        f"serving {config.model_name} on {url} (OpenAI: {url}/v1, Ollama: {url}/api, metrics: {url}/metrics; "
+        f"context {engine.max_model_len} tokens, {args.max_num_seqs} at once)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=5,
+    )
+    return 0

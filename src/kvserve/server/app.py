@@ -1,0 +1,87 @@
+"""``build_app``: the FastAPI app over one ``AsyncLLMEngine``, plus the operational endpoints.
+
+/v1/...        OpenAI (openai_api)          /api/...      Ollama (ollama_api)
+/health        200 while the engine runs    /metrics      Prometheus text format
+/v1/kvserve/cache   KV blocks: free, held, and each live request's block table
+/openapi.json  the OpenAPI spec (FastAPI), /docs its UI
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvserve import __version__
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server import ollama_api, openai_api
+from kvserve.server.config import ServerConfig
+from kvserve.server.engine_view import EngineView
+from kvserve.server.errors import install_error_handlers
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
+from kvserve.server.model_card import ModelCard
+from kvserve.server.serving import Serving
+
+ops = APIRouter(tags=["Operations"])
+
+
+@ops.get("/", response_class=PlainTextResponse)
+async def root() -> str:
+    return "kvserve is running"  # Ollama answers "Ollama is running"; some clients probe it
+
+
+@ops.get("/health")
+async def health(request: Request) -> JSONResponse:
+    serving: Serving = request.app.state.serving
+    if serving.async_engine.dead_error is not None:
+        return JSONResponse({"status": "error", "error": "the engine stopped after an internal error"}, 503)
+    return JSONResponse({"status": "ok", "model": serving.card.name})
+
+
+@ops.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body = await asyncio.to_thread(request.app.state.metrics.exposition)  # waits for the engine lock
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@ops.get("/v1/kvserve/cache")
+async def cache(request: Request) -> dict:
+    """Exact block accounting, taken between engine steps: ``held_blocks`` is the union of the
+    live requests' block tables, and every other block is free."""
+    view: EngineView = request.app.state.view
+    snapshot = await asyncio.to_thread(view.snapshot)
+    return snapshot.to_json()
+
+
+def build_app(async_engine: AsyncLLMEngine, config: ServerConfig, card: ModelCard | None = None) -> FastAPI:
+    """The app owns ``async_engine`` from now on: it shuts the engine down when the server stops."""
+    card = card or ModelCard.from_engine(async_engine.engine, config.model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(
+        title="kvserve",
+        version=__version__,
+        description="OpenAI- and Ollama-compatible streaming over the kvserve engine.",
+        lifespan=lifespan,
+    )
+    view = EngineView(async_engine)
+    app.state.view = view
+    app.state.metrics = ServerMetrics(view)
+    app.state.serving = Serving(async_engine, card, app.state.metrics, config)
+    install_error_handlers(app, app.state.metrics.record_error)
+    app.include_router(openai_api.router)
+    app.include_router(ollama_api.router)
+    app.include_router(ops)
+    app.add_middleware(JSONBodyMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)  # outermost: runs first
+    return app

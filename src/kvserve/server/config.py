@@ -1,0 +1,23 @@
+"""``ServerConfig``: what the HTTP layer needs beyond the engine's own config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_name: str  # the name clients send in "model" (an Ollama ":latest" tag is accepted too)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, every endpoint but /health and the docs needs it
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_n: int = 16  # most choices per OpenAI request (``n``)
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("the served model name must not be empty")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"the body size limit must be at least 1 KiB, got {self.max_body_bytes} bytes")

@@ -1,0 +1,61 @@
+"""Read-only snapshots of the engine's bookkeeping for ``/metrics`` and ``/v1/kvserve/cache``.
+
+A snapshot is taken under ``AsyncLLMEngine.lock``, so it never sees a step half done: every block
+with a reference belongs to a live request (``held_blocks`` is the union of ``requests``' tables,
+prefix-shared blocks counted once). Callers on the event loop run it in a worker thread, because
+the lock is held for a whole engine step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int  # free plus cached-free: what an allocation can take now
+    num_used_blocks: int
+    usage: float  # num_used_blocks / num_blocks
+    num_running: int
+    num_waiting: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found
+    num_preemptions: int
+    engine_alive: bool
+    requests: dict[str, list[int]] = field(default_factory=dict)  # request id -> block table
+    held_blocks: list[int] = field(default_factory=list)  # block ids with a reference, sorted
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class EngineView:
+    def __init__(self, async_engine: AsyncLLMEngine) -> None:
+        self.async_engine = async_engine
+
+    def snapshot(self, with_blocks: bool = True) -> EngineSnapshot:
+        engine = self.async_engine.engine
+        with self.async_engine.lock:
+            kv = engine.kv
+            num_free = kv.pool.num_free_blocks
+            snap = EngineSnapshot(
+                block_size=kv.block_size,
+                num_blocks=kv.num_blocks,
+                num_free_blocks=num_free,
+                num_used_blocks=kv.num_blocks - num_free,
+                usage=kv.usage,
+                num_running=len(engine.scheduler.running),
+                num_waiting=len(engine.scheduler.waiting) + self.async_engine.num_pending_adds,
+                prefix_cache_queries=kv.prefix_queries,
+                prefix_cache_hits=kv.prefix_hits,
+                num_preemptions=engine.num_preemptions,
+                engine_alive=self.async_engine.dead_error is None,
+            )
+            if with_blocks:
+                snap.requests = {rid: kv.block_ids(rid) for rid in list(kv.req_blocks)}
+                snap.held_blocks = [b.block_id for b in kv.pool.blocks if b.ref_count > 0]
+        return snap

@@ -1,0 +1,152 @@
+"""Errors as each API shapes them, with real status codes.
+
+    OpenAI  {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+    Ollama  {"error": "..."}
+
+Which shape a request gets depends on its path: ``/api/...`` is Ollama, everything else OpenAI.
+Ollama answers 503 where OpenAI answers 429 (a full queue), as Ollama itself does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.scheduler import QueueFullError
+from kvserve.errors import PromptTooLongError
+
+log = logging.getLogger(__name__)
+
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error with a status code and a message that tells the client what to do."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; its engine requests were aborted."""
+
+
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
+def openai_error_body(error: APIError) -> dict:
+    kind = OPENAI_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "server_error")
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
+
+
+def error_response(path: str, error: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+    if is_ollama_path(path):
+        status = 503 if error.status == 429 else error.status
+        return JSONResponse({"error": error.message}, status_code=status, headers=headers)
+    return JSONResponse(openai_error_body(error), status_code=error.status, headers=headers)
+
+
+def engine_error(e: Exception, param: str | None = None) -> APIError | None:
+    """Maps what ``AsyncLLMEngine.generate`` raises at admission onto an ``APIError``; None for
+    anything else (a bug: the caller re-raises it and the client gets a 500)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, PromptTooLongError):
+        return prompt_too_long(e.num_prompt_tokens, e.limit, param)
+    if isinstance(e, QueueFullError):
+        return APIError(429, f"the server is busy: {e}", code="queue_full")
+    if isinstance(e, EngineDeadError):
+        return APIError(
+            503, "the engine stopped after an internal error; restart the server", code="engine_dead"
+        )
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), param)
+    return None
+
+
+def prompt_too_long(num_tokens: int, limit: int, param: str | None = None) -> APIError:
+    return APIError(
+        400,
+        f"the prompt is {num_tokens} tokens but the context limit is {limit} tokens "
+        f"(the prompt and at least one new token must fit); shorten the prompt",
+        param,
+        "context_length_exceeded",
+    )
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error as one readable line; unknown fields say they are unsupported."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    kind = first.get("type")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ").removesuffix(".")
+    if kind == "extra_forbidden":
+        message = f"unsupported parameter '{field}'; see the README's table of supported parameters"
+    elif kind == "json_invalid":
+        field, message = None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+    elif not loc and kind == "missing":
+        message = "the request needs a JSON body"
+    elif not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        message = "the request body must be a JSON object"
+    else:
+        message = f"{field}: {msg}" if field else msg
+    return APIError(400, message, field)
+
+
+def install_error_handlers(app: FastAPI, on_error=None) -> None:
+    """``on_error(status)`` is called for every error response (metrics)."""
+
+    def respond(request: Request, error: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(error.status)
+        return error_response(request.url.path, error)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        messages = {
+            404: f"no such endpoint: {request.method} {request.url.path}",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }
+        message = messages.get(exc.status_code, str(exc.detail))
+        return respond(request, APIError(exc.status_code, message))
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("internal error on %s %s: %r", request.method, request.url.path, exc)
+        return respond(request, APIError(500, "internal server error; the server log has the details"))

@@ -1,0 +1,136 @@
+"""Prometheus metrics: per-request latencies and token counts recorded from ``RequestOutput`` metrics,
+engine state (queues, KV blocks, prefix cache, preemptions) read at scrape time.
+
+Names follow vLLM's where one exists, with a ``kvserve_`` prefix. Everything lives in one registry
+per app, so tests can build several apps in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.engine.outputs import RequestOutput
+from kvserve.server.engine_view import EngineView
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
+
+
+class EngineCollector(Collector):
+    """Engine state as of the scrape. The numbers come from one ``EngineView.snapshot`` (taken under
+    the engine lock), so they are consistent with each other."""
+
+    def __init__(self, view: EngineView) -> None:
+        self.view = view
+
+    def collect(self):
+        s = self.view.snapshot(with_blocks=False)
+        gauges = [
+            ("kvserve_num_requests_running", "Requests in the running batch", s.num_running),
+            ("kvserve_num_requests_waiting", "Requests waiting for a slot", s.num_waiting),
+            ("kvserve_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1)", s.usage),
+            ("kvserve_kv_cache_blocks", "KV blocks in the pool", s.num_blocks),
+            ("kvserve_kv_cache_free_blocks", "KV blocks free (cached-free included)", s.num_free_blocks),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            (
+                "kvserve_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                s.prefix_cache_queries,
+            ),
+            ("kvserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+            ("kvserve_num_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, view: EngineView) -> None:
+        disable_created_metrics()  # no *_created samples: they double the exposition for nothing
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "kvserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kvserve_inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvserve_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "kvserve_request_queue_time_seconds",
+            "Arrival to first scheduled",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvserve_prompt_tokens", "Prompt tokens of requests that started", registry=r
+        )
+        self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter(
+            "kvserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            "kvserve_request_errors", "Error responses by status code", ["status"], registry=r
+        )
+        r.register(EngineCollector(view))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record_error(self, status: int) -> None:
+        self.errors.labels(status=str(status)).inc()
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Feeds one request's outputs into the metrics: tokens as they come, latencies at the end
+    (aborted requests included, with finish reason "abort")."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+        self.last: RequestOutput | None = None
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        if self.last is None:
+            self.m.prompt_tokens.inc(out.metrics.num_prompt_tokens)
+            if out.metrics.ttft is not None:
+                self.m.ttft.observe(out.metrics.ttft)
+        self.m.generation_tokens.inc(len(out.new_token_ids))
+        self.last = out
+        if out.finished:
+            self.close()
+
+    def close(self) -> None:
+        """Call once the request ends, however it ends; later calls do nothing."""
+        if self.done:
+            return
+        self.done = True
+        if self.last is None:  # aborted before its first token
+            self.m.requests.labels(finish_reason="abort").inc()
+            return
+        m = self.last.metrics
+        for itl in m.itls:
+            self.m.itl.observe(itl)
+        if m.queue_time is not None:
+            self.m.queue.observe(m.queue_time)
+        e2e = (
+            m.e2e_latency
+            if m.e2e_latency is not None
+            else (m.last_token_time or m.arrival_time) - m.arrival_time
+        )
+        self.m.e2e.observe(e2e)
+        self.m.requests.labels(finish_reason=self.last.finish_reason or "abort").inc()

@@ -1,0 +1,90 @@
+"""Plain ASGI middleware: the API key check and the request body size limit.
+
+Both answer in the error shape of the API the path belongs to (see ``errors``).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.server.errors import APIError, error_response
+
+OPEN_PATHS = frozenset({"/", "/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class APIKeyMiddleware:
+    """Every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-api-key", b"")
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        if not secrets.compare_digest(given, self.api_key):
+            error = APIError(
+                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+            return await error_response(scope["path"], error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over ``max_bytes`` with 413: at once when Content-Length says so, else as soon
+    as the streamed (chunked) body crosses the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            error = None
+            if not length.isdigit():
+                error = APIError(400, f"invalid Content-Length header: {length.decode(errors='replace')!r}")
+            elif int(length) > self.max_bytes:
+                error = APIError(413, self._too_large(), code="body_too_large")
+            if error is not None:
+                return await error_response(scope["path"], error)(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # raised inside the endpoint's body read: FastAPI passes HTTPException through
+                    raise HTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class JSONBodyMiddleware:
+    """Every POST body here is JSON: read it as JSON whatever Content-Type says, as Ollama does
+    (its documented ``curl -d '{...}'`` examples send application/x-www-form-urlencoded)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)

@@ -1,0 +1,101 @@
+"""What the server says about its one model: names, size, digest, details (``/v1/models``, ``/api/tags``,
+``/api/show``, ``/api/ps``)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.engine.engine import LLMEngine
+
+
+def count_parameters(engine: LLMEngine) -> int:
+    """From the config, as a Llama-family decoder has them (norms included, biases left out)."""
+    c = engine.model_config
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size
+    per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return embeddings + c.num_layers * per_layer + c.hidden_size
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}".removesuffix(".0") + unit
+    return str(n)
+
+
+@dataclass(slots=True)
+class ModelCard:
+    name: str  # served name
+    path: Path
+    architecture: str
+    num_parameters: int
+    quantization: str  # the storage type holding most of the weight bytes
+    size_bytes: int  # on disk
+    context_length: int  # tokens one request may hold (the server's num_ctx)
+    kv_pool_bytes: int
+    device: str
+    modified: float  # unix time of the model file
+    chat_template: str
+    _digest: str | None = None
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, name: str) -> ModelCard:
+        loaded = engine.loaded
+        path = Path(loaded.path)
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+        types = loaded.weight_types or {"unknown": 0}
+        tokenizer = engine.tokenizer
+        return cls(
+            name=name,
+            path=path,
+            architecture=engine.model_config.architecture,
+            num_parameters=count_parameters(engine),
+            quantization=max(types, key=types.get),
+            size_bytes=sum(f.stat().st_size for f in files),
+            context_length=engine.max_model_len,
+            kv_pool_bytes=engine.kv_pool_bytes,
+            device=str(loaded.model.device),
+            modified=path.stat().st_mtime,
+            chat_template=(tokenizer.chat_template or "") if tokenizer else "",
+        )
+
+    @property
+    def ollama_name(self) -> str:
+        return self.name if ":" in self.name else f"{self.name}:latest"
+
+    def matches(self, requested: str | None) -> bool:
+        return requested in (self.name, self.ollama_name)
+
+    def digest(self) -> str:
+        """sha256 of the model file (of the file names and sizes for a folder); computed once, slow the
+        first time for a big file, so call it from a worker thread."""
+        with _digest_lock:
+            if self._digest is None:
+                h = hashlib.sha256()
+                if self.path.is_file():
+                    with open(self.path, "rb") as f:
+                        while chunk := f.read(1 << 22):
+                            h.update(chunk)
+                else:
+                    for p in sorted(self.path.iterdir()):
+                        h.update(f"{p.name}:{p.stat().st_size}\n".encode())
+                self._digest = h.hexdigest()
+            return self._digest
+
+    def details(self) -> dict:
+        return {
+            "parent_model": "",
+            "format": "gguf" if self.path.suffix == ".gguf" else "safetensors",
+            "family": self.architecture,
+            "families": [self.architecture],
+            "parameter_size": human_count(self.num_parameters),
+            "quantization_level": self.quantization,
+        }
+
+
+_digest_lock = threading.Lock()

@@ -1,0 +1,294 @@
+"""Ollama-compatible endpoints: ``/api/generate``, ``/api/chat`` (NDJSON streams by default), ``/api/tags``,
+``/api/ps``, ``/api/show``, ``/api/version``.
+
+A request's ``num_ctx`` cannot resize the KV pool: it may only shrink the context below the server's
+(the prompt must fit in it and generation stops at it); a larger one is refused with 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from datetime import UTC, datetime
+
+from fastapi import APIRouter, Request
+
+from kvserve import __version__
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.outputs import RequestOutput, TokenLogprob
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.server.errors import APIError, prompt_too_long
+from kvserve.server.ollama_schemas import ChatRequest, GenerateRequest, Options, ShowRequest
+from kvserve.server.serving import EngineStream, Serving, sampling_params
+from kvserve.server.streaming import cancel_on_disconnect, ndjson_line, ndjson_response
+
+router = APIRouter(tags=["Ollama"])
+
+NEVER = "9999-12-31T23:59:59Z"  # expires_at of a model that stays loaded
+PARAM_NAMES = {"repetition_penalty": "repeat_penalty", "logprobs": "top_logprobs"}
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _iso(unix_time: float) -> str:
+    return datetime.fromtimestamp(unix_time, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def ollama_params(
+    options: Options | None, num_prompt_tokens: int, server_ctx: int, logprobs: int | None
+) -> SamplingParams:
+    """Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9) except repeat_penalty, which is 1.0:
+    Ollama's 1.1 applies to the last 64 tokens, a window this engine does not have."""
+    o = options or Options()
+    ctx = server_ctx
+    if o.num_ctx is not None:
+        if o.num_ctx > server_ctx:
+            raise APIError(
+                400,
+                f"num_ctx {o.num_ctx} is larger than this server's context of {server_ctx} "
+                f"tokens; leave it out or restart the server with a larger --num-ctx",
+            )
+        ctx = o.num_ctx
+    if num_prompt_tokens >= ctx:
+        raise prompt_too_long(num_prompt_tokens, ctx)
+    room = ctx - num_prompt_tokens
+    max_tokens = room if o.num_predict in (None, -1, -2) else min(o.num_predict, room)
+    penalty = 1.0 if o.repeat_penalty is None or o.repeat_last_n == 0 else o.repeat_penalty
+    return sampling_params(
+        PARAM_NAMES,
+        max_tokens=max_tokens,
+        temperature=0.8 if o.temperature is None else o.temperature,
+        top_k=40 if o.top_k is None else o.top_k,
+        top_p=0.9 if o.top_p is None else o.top_p,
+        min_p=o.min_p or 0.0,
+        repetition_penalty=penalty,
+        presence_penalty=o.presence_penalty or 0.0,
+        frequency_penalty=o.frequency_penalty or 0.0,
+        seed=None if o.seed in (None, -1) else o.seed,
+        stop=tuple(o.stop or ()),
+        logprobs=logprobs,
+    )
+
+
+def _logprobs(entries: list[TokenLogprob] | None) -> list[dict] | None:
+    if entries is None:
+        return None
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for _, t, lp in e.top],
+        }
+        for e in entries
+    ]
+
+
+def _timings(out: RequestOutput, received: float) -> dict:
+    """Nanoseconds, as Ollama reports them. load: request received -> handed to the engine (the model
+    is loaded at startup); prompt_eval: first scheduled -> first token; eval: first -> last token."""
+    m = out.metrics
+    end = m.finished_time or time.perf_counter()
+    first_token = m.first_token_time or end
+
+    def ns(seconds: float) -> int:
+        return max(0, int(seconds * 1e9))
+
+    return {
+        "total_duration": ns(end - received),
+        "load_duration": ns(m.arrival_time - received),
+        "prompt_eval_count": m.num_prompt_tokens,
+        "prompt_eval_duration": ns(first_token - (m.first_scheduled_time or m.arrival_time)),
+        "eval_count": m.num_generation_tokens,
+        "eval_duration": ns(m.decode_time),
+    }
+
+
+def _done_reason(out: RequestOutput) -> str:
+    if out.finish_reason == "error":
+        raise APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+class Reply:
+    """Builds the objects of one /api/generate or /api/chat reply."""
+
+    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool) -> None:
+        self.model = model
+        self.chat = chat
+        self.received = received
+        self.want_logprobs = want_logprobs
+
+    def part(self, text: str, out: RequestOutput | None = None, done: bool = False) -> dict:
+        obj: dict = {"model": self.model, "created_at": _now()}
+        if self.chat:
+            obj["message"] = {"role": "assistant", "content": text}
+        else:
+            obj["response"] = text
+        obj["done"] = done
+        if self.want_logprobs and out is not None and not done:
+            obj["logprobs"] = _logprobs(out.new_logprobs)
+        return obj
+
+    def final(self, out: RequestOutput, text: str = "") -> dict:
+        obj = self.part(text, out, done=True)
+        obj["done_reason"] = _done_reason(out)
+        if not self.chat:
+            obj["context"] = list(out.prompt_token_ids) + list(out.token_ids)
+        if self.want_logprobs and text:
+            obj["logprobs"] = _logprobs(out.logprobs)
+        return obj | _timings(out, self.received)
+
+
+async def _reply(request: Request, stream: EngineStream, reply: Reply, streaming: bool):
+    if streaming:
+        return ndjson_response(_lines(stream, reply), cleanup=stream.aclose)
+    try:
+        final = await cancel_on_disconnect(request, _last(stream))
+    finally:
+        await stream.aclose()
+    return reply.final(final, final.text)
+
+
+async def _last(stream: EngineStream) -> RequestOutput:
+    last = None
+    async with aclosing(stream.__aiter__()) as outputs:
+        async for out in outputs:
+            last = out
+    return last
+
+
+async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
+    try:
+        async with aclosing(stream.__aiter__()) as outputs:
+            async for out in outputs:
+                if out.delta_text or (reply.want_logprobs and out.new_logprobs):
+                    yield ndjson_line(reply.part(out.delta_text, out))
+                if out.finished:
+                    yield ndjson_line(reply.final(out))
+    except (APIError, EngineDeadError) as e:
+        yield ndjson_line({"error": e.message if isinstance(e, APIError) else f"the engine failed: {e}"})
+
+
+def _load_reply(model: str, chat: bool) -> dict:
+    """What Ollama answers to an empty prompt: the model is loaded (it always is here)."""
+    obj: dict = {"model": model, "created_at": _now()}
+    obj |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return obj | {"done": True, "done_reason": "load"}
+
+
+@router.post("/api/generate")
+async def generate(body: GenerateRequest, request: Request):
+    received = time.perf_counter()
+    serving = _serving(request)
+    serving.check_model(body.model)
+    if not body.prompt and not body.context:
+        return _load_reply(body.model, chat=False)
+    if body.raw and body.system:
+        raise APIError(400, "system has no effect with raw: true; put it in the prompt")
+    context = list(body.context or [])
+    if body.raw:
+        ids = context + await serving.encode_text(body.prompt or "", add_special=not context)
+    else:
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        messages.append({"role": "user", "content": body.prompt or ""})
+        ids = context + await serving.encode_chat(messages, add_special=not context)
+    return await _run(request, serving, body, ids, chat=False, received=received)
+
+
+@router.post("/api/chat")
+async def chat(body: ChatRequest, request: Request):
+    received = time.perf_counter()
+    serving = _serving(request)
+    serving.check_model(body.model)
+    if not body.messages:
+        return _load_reply(body.model, chat=True)
+    ids = await serving.encode_chat([{"role": m.role, "content": m.content} for m in body.messages])
+    return await _run(request, serving, body, ids, chat=True, received=received)
+
+
+async def _run(request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float):
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs)
+    stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")
+    reply = Reply(body.model, chat, received, logprobs is not None)
+    return await _reply(request, stream, reply, body.stream is not False)
+
+
+# --- models -----------------------------------------------------------------------------------------
+async def _model_entry(serving: Serving) -> dict:
+    card = serving.card
+    digest = await asyncio.to_thread(card.digest)
+    return {
+        "name": card.ollama_name,
+        "model": card.ollama_name,
+        "modified_at": _iso(card.modified),
+        "size": card.size_bytes,
+        "digest": digest,
+        "details": card.details(),
+    }
+
+
+@router.get("/api/tags")
+async def tags(request: Request) -> dict:
+    return {"models": [await _model_entry(_serving(request))]}
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> dict:
+    serving = _serving(request)
+    card = serving.card
+    entry = await _model_entry(serving)
+    size = card.size_bytes + card.kv_pool_bytes
+    entry |= {
+        "expires_at": NEVER,
+        "size": size,
+        "size_vram": size if card.device.startswith("cuda") else 0,
+        "context_length": card.context_length,
+    }
+    del entry["modified_at"]
+    return {"models": [entry]}
+
+
+@router.post("/api/show")
+async def show(body: ShowRequest, request: Request) -> dict:
+    serving = _serving(request)
+    serving.check_model(body.model_name)
+    card = serving.card
+    c = serving.async_engine.engine.model_config
+    arch = card.architecture
+    info = {
+        "general.architecture": arch,
+        "general.parameter_count": card.num_parameters,
+        f"{arch}.context_length": c.max_position_embeddings,
+        f"{arch}.embedding_length": c.hidden_size,
+        f"{arch}.feed_forward_length": c.intermediate_size,
+        f"{arch}.block_count": c.num_layers,
+        f"{arch}.attention.head_count": c.num_heads,
+        f"{arch}.attention.head_count_kv": c.num_kv_heads,
+        f"{arch}.rope.freq_base": c.rope_theta,
+        f"{arch}.vocab_size": c.vocab_size,
+    }
+    return {
+        "modelfile": f"FROM {card.path}\nPARAMETER num_ctx {card.context_length}\n",
+        "parameters": f"num_ctx {card.context_length}",
+        "template": card.chat_template,  # jinja2 (the model's own), not a Go template
+        "details": card.details(),
+        "model_info": info,
+        "capabilities": ["completion"],
+        "modified_at": _iso(card.modified),
+    }
+
+
+@router.get("/api/version")
+async def version() -> dict:
+    return {"version": __version__}

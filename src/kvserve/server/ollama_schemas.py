@@ -1,0 +1,167 @@
+"""Pydantic models of the Ollama requests we accept.
+
+Unknown fields and options are refused (400). Options that only matter when a model is loaded
+(``num_gpu``, ``use_mmap``, ...) are accepted and ignored; sampling options we cannot honour are
+accepted only with their no-op value (``typical_p: 1``, ``mirostat: 0``, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+DURATION = re.compile(r"^-?(\d+(\.\d+)?|(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+)$")
+
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "template": (None, ""),
+    "format": (None, ""),
+    "images": (None, []),
+    "tools": (None, []),
+    "think": (None, False),
+    "tool_calls": (None, []),
+    "thinking": (None, ""),
+    "tool_name": (None, ""),
+    "typical_p": (None, 1.0),
+    "tfs_z": (None, 1.0),
+    "mirostat": (None, 0),
+}
+
+
+def neutral_only(value: Any, info: ValidationInfo) -> Any:
+    if value not in NEUTRAL_VALUES[info.field_name]:
+        raise ValueError("not supported by this server; leave it out")
+    return value
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Options(Strict):
+    num_ctx: int | None = Field(None, ge=1)
+    num_predict: int | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # -1: random, as in Ollama
+    stop: list[str] | None = None
+    repeat_penalty: float | None = Field(None, gt=0)
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    num_batch: int | None = Field(None, ge=1)  # no effect: the engine batches by --max-num-batched-tokens
+    # no-op values only
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    mirostat: int | None = None
+    # ignored: no effect without mirostat, deprecated, or load-time settings of a model already loaded
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    penalize_newline: bool | None = None
+    num_keep: int | None = None
+    numa: bool | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+    num_thread: int | None = None
+
+    check_neutral = field_validator("typical_p", "tfs_z", "mirostat")(neutral_only)
+
+    @field_validator("num_predict")
+    @classmethod
+    def predict_values(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value not in (-1, -2):
+            raise ValueError(
+                "num_predict must be -1 (until the context is full), -2 (fill the context) or >= 1"
+            )
+        return value
+
+    @field_validator("repeat_last_n")
+    @classmethod
+    def whole_context_only(cls, value: int | None) -> int | None:
+        if value not in (None, -1, 0):
+            raise ValueError("only -1 (the whole context) and 0 (no repeat penalty) are supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def non_empty_stops(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(not s for s in value):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+
+class GenerationFields(Strict):
+    model: str
+    stream: bool | None = True
+    options: Options | None = None
+    keep_alive: str | float | None = None  # validated, then ignored: the model stays loaded
+    format: Any = None
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    check_neutral = field_validator("format", "think")(neutral_only)
+
+    @field_validator("keep_alive")
+    @classmethod
+    def duration(cls, value: str | float | None) -> str | float | None:
+        if isinstance(value, str) and not DURATION.match(value.strip()):
+            raise ValueError(f"not a duration: {value!r} (use e.g. 5m, 1h, 30s or -1)")
+        return value
+
+    @model_validator(mode="after")
+    def top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+class GenerateRequest(GenerationFields):
+    prompt: str | None = None
+    system: str | None = None
+    context: list[int] | None = None
+    raw: bool | None = False
+    suffix: str | None = None
+    template: str | None = None
+    images: list[Any] | None = None
+
+    check_generate_neutral = field_validator("suffix", "template", "images")(neutral_only)
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str = ""
+    images: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+    thinking: str | None = None
+    tool_name: str | None = None
+
+    check_neutral = field_validator("images", "tool_calls", "thinking", "tool_name")(neutral_only)
+
+
+class ChatRequest(GenerationFields):
+    messages: list[Message] | None = None
+    tools: list[Any] | None = None
+
+    check_chat_neutral = field_validator("tools")(neutral_only)
+
+
+class ShowRequest(Strict):
+    model: str | None = None
+    name: str | None = None  # the older spelling
+    verbose: bool | None = None
+
+    @property
+    def model_name(self) -> str | None:
+        return self.model or self.name

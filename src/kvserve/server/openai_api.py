@@ -1,0 +1,269 @@
+"""OpenAI-compatible endpoints: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.server.errors import APIError, openai_error_body
+from kvserve.server.openai_format import (
+    ChunkMaker,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    prompt_usage,
+    usage,
+)
+from kvserve.server.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvserve.server.serving import EngineStream, Serving, merge, sampling_params
+from kvserve.server.streaming import SSE_DONE, cancel_on_disconnect, sse_event, sse_response
+
+router = APIRouter(tags=["OpenAI"])
+
+PARAM_NAMES = {"repetition_penalty": "repetition_penalty", "logprobs": "top_logprobs"}
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def _params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, choice: int
+) -> SamplingParams:
+    seed = body.seed
+    if seed is not None and choice:
+        seed = (seed + choice) % 2**64  # the n choices of a seeded request differ, reproducibly
+    return sampling_params(
+        PARAM_NAMES,
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=seed,
+        stop=tuple(body.stop or ()),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+    )
+
+
+def _check_common(body: SamplingFields, serving: Serving) -> int:
+    serving.check_model(body.model)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    n = body.n or 1
+    if n > serving.config.max_n:
+        raise APIError(400, f"n must be at most {serving.config.max_n}, got {n}", "n")
+    return n
+
+
+def _stream_error(e: Exception) -> dict:
+    if isinstance(e, APIError):
+        return openai_error_body(e)
+    return openai_error_body(APIError(503, f"the engine failed: {e}", code="engine_dead"))
+
+
+# --- /v1/chat/completions ---------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    serving = _serving(request)
+    n = _check_common(body, serving)
+    if body.max_tokens is not None and body.max_completion_tokens not in (None, body.max_tokens):
+        raise APIError(400, "give max_completion_tokens or max_tokens, not both", "max_tokens")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = [_params(body, max_tokens, logprobs, i) for i in range(n)]
+    prompt = await serving.encode_chat([m.for_template() for m in body.messages])
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await serving.start_all(
+        [(prompt, p, f"{response_id}-{i}") for i, p in enumerate(params)], param="messages"
+    )
+    maker = ChunkMaker(response_id, int(time.time()), body.model, "chat.completion.chunk", body.include_usage)
+    if body.stream:
+        return sse_response(_chat_events(streams, maker, n, logprobs is not None), cleanup=_closer(streams))
+    try:
+        finals = await cancel_on_disconnect(request, _collect(streams))
+    finally:
+        await _closer(streams)()
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": out.text, "refusal": None},
+            "logprobs": chat_logprobs(out.logprobs),
+            "finish_reason": finish_reason(out),
+        }
+        for i, out in enumerate(finals)
+    ]
+    return maker.final("chat.completion", choices, usage(*prompt_usage([finals]), finals))
+
+
+async def _chat_events(
+    streams: list[EngineStream], maker: ChunkMaker, n: int, want_logprobs: bool
+) -> AsyncIterator[bytes]:
+    for i in range(n):
+        first = {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        yield sse_event(maker.chunk([first]))
+    finals: list[RequestOutput] = []
+    try:
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                if out.delta_text or (want_logprobs and out.new_logprobs):
+                    delta = {
+                        "index": i,
+                        "delta": {"content": out.delta_text},
+                        "logprobs": chat_logprobs(out.new_logprobs),
+                        "finish_reason": None,
+                    }
+                    yield sse_event(maker.chunk([delta]))
+                if out.finished:
+                    finals.append(out)
+                    done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out)}
+                    yield sse_event(maker.chunk([done]))
+    except (APIError, EngineDeadError) as e:
+        yield sse_event(_stream_error(e))
+        yield SSE_DONE
+        return
+    if maker.include_usage:
+        yield sse_event(maker.chunk([], usage(*prompt_usage([finals]), finals)))
+    yield SSE_DONE
+
+
+# --- /v1/completions --------------------------------------------------------------------------------
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    serving = _serving(request)
+    n = _check_common(body, serving)
+    if body.best_of not in (None, 1, n):
+        raise APIError(400, "best_of other than n is not supported", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise APIError(
+            400, "echo with logprobs needs prompt logprobs, which this server does not compute", "echo"
+        )
+    prompts = await _completion_prompts(body, serving)
+    params = [_params(body, body.max_tokens or 16, body.logprobs, j) for j in range(n)]
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await serving.start_all(
+        [(ids, params[j], f"{response_id}-{p * n + j}") for p, ids in enumerate(prompts) for j in range(n)],
+        param="prompt",
+    )
+    echoes = [serving.decode(ids) if body.echo else "" for ids in prompts for _ in range(n)]
+    maker = ChunkMaker(response_id, int(time.time()), body.model, "text_completion", body.include_usage)
+    if body.stream:
+        events = _completion_events(streams, maker, echoes, n, body.logprobs)
+        return sse_response(events, cleanup=_closer(streams))
+    try:
+        finals = await cancel_on_disconnect(request, _collect(streams))
+    finally:
+        await _closer(streams)()
+    choices = [
+        {
+            "index": i,
+            "text": echoes[i] + out.text,
+            "logprobs": completion_logprobs(out.logprobs, 0, body.logprobs or 0),
+            "finish_reason": finish_reason(out),
+        }
+        for i, out in enumerate(finals)
+    ]
+    groups = [finals[p * n : (p + 1) * n] for p in range(len(prompts))]
+    return maker.final("text_completion", choices, usage(*prompt_usage(groups), finals))
+
+
+async def _completion_prompts(body: CompletionRequest, serving: Serving) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt or any(len(p) == 0 for p in prompt):
+        raise APIError(400, "prompt must not be empty", "prompt")
+    return [await serving.encode_text(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+async def _completion_events(
+    streams: list[EngineStream], maker: ChunkMaker, echoes: list[str], n: int, num_logprobs: int | None
+) -> AsyncIterator[bytes]:
+    offsets = [len(e) for e in echoes]
+    for i, echo in enumerate(echoes):
+        if echo:
+            yield sse_event(
+                maker.chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
+            )
+    finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
+    try:
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                want_logprobs = num_logprobs is not None and out.new_logprobs
+                if out.delta_text or want_logprobs:
+                    logprobs = completion_logprobs(out.new_logprobs, offsets[i], num_logprobs or 0)
+                    offsets[i] += len(out.delta_text)
+                    choice = {"index": i, "text": out.delta_text, "logprobs": logprobs, "finish_reason": None}
+                    yield sse_event(maker.chunk([choice]))
+                if out.finished:
+                    finals[i] = out
+                    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": finish_reason(out)}
+                    yield sse_event(maker.chunk([choice]))
+    except (APIError, EngineDeadError) as e:
+        yield sse_event(_stream_error(e))
+        yield SSE_DONE
+        return
+    if maker.include_usage:
+        groups = [finals[p * n : (p + 1) * n] for p in range(len(finals) // n)]
+        yield sse_event(maker.chunk([], usage(*prompt_usage(groups), finals)))
+    yield SSE_DONE
+
+
+# --- shared -----------------------------------------------------------------------------------------
+async def _collect(streams: list[EngineStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async with aclosing(merge(streams)) as outputs:
+        async for i, out in outputs:
+            if out.finished:
+                finals[i] = out
+    return finals  # type: ignore[return-value]
+
+
+def _closer(streams: list[EngineStream]):
+    async def close() -> None:
+        for stream in streams:
+            await stream.aclose()
+
+    return close
+
+
+# --- /v1/models -------------------------------------------------------------------------------------
+def _model_object(serving: Serving) -> dict:
+    card = serving.card
+    return {
+        "id": card.name,
+        "object": "model",
+        "created": int(card.modified),
+        "owned_by": "kvserve",
+        "max_model_len": card.context_length,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_object(_serving(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> dict:
+    serving = _serving(request)
+    serving.check_model(model)
+    return _model_object(serving)

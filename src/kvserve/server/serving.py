@@ -1,0 +1,196 @@
+"""The one bridge from HTTP handlers to the ``AsyncLLMEngine``: prompts in, ``RequestOutput`` streams out.
+
+``Serving.start`` admits a request before the handler commits to a status code, so admission errors
+(prompt too long, queue full, bad token ids) become proper 4xx responses instead of mid-stream
+failures. An ``EngineStream`` that is closed early (client gone, handler cancelled) aborts its
+request, which frees its KV blocks before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.server.config import ServerConfig
+from kvserve.server.errors import APIError, engine_error
+from kvserve.server.metrics import RequestTracker, ServerMetrics
+from kvserve.server.model_card import ModelCard
+
+
+def sampling_params(param_names: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
+    """``SamplingParams(**kwargs)`` with its ValueError turned into a 400. ``param_names`` maps our
+    field names to the API's, so the message names what the client sent."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        message = str(e)
+        for ours, theirs in (param_names or {}).items():
+            if message.startswith(ours + " "):
+                message = theirs + message[len(ours) :]
+        raise APIError(400, message) from None
+
+
+class EngineStream:
+    """One admitted engine request. Iterate it once; leaving the iteration early aborts the request."""
+
+    def __init__(
+        self, agen: AsyncIterator[RequestOutput], first: asyncio.Future, tracker: RequestTracker
+    ) -> None:
+        self._agen = agen
+        self._first = first
+        self._tracker = tracker
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            out = await self._first
+            self._tracker.observe(out)
+            yield out
+            async for out in self._agen:
+                self._tracker.observe(out)
+                yield out
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Aborts the request unless it finished. Not while another task is iterating the stream."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._first.done():
+            self._first.cancel()  # cancels generate() at its wait: it aborts the request
+            await asyncio.wait([self._first])
+        elif not self._first.cancelled():
+            self._first.exception()  # retrieved, so asyncio does not log it
+        await self._agen.aclose()
+        self._tracker.close()
+
+
+class Serving:
+    def __init__(
+        self, async_engine: AsyncLLMEngine, card: ModelCard, metrics: ServerMetrics, config: ServerConfig
+    ) -> None:
+        self.async_engine = async_engine
+        self.config = config
+        self.card = card
+        self.metrics = metrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.async_engine.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        tokenizer = self.async_engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompts as token ids (/v1/completions)")
+        return tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if not self.card.matches(name):
+            raise APIError(
+                404,
+                f"model '{name}' not found; this server serves '{self.card.name}'",
+                "model",
+                "model_not_found",
+            )
+
+    # --- prompts --------------------------------------------------------------------------------------
+    async def encode_chat(self, messages: list[dict[str, Any]], add_special: bool = True) -> list[int]:
+        """The messages through the model's chat template, ending with the assistant's turn."""
+        tokenizer = self.tokenizer
+
+        def encode() -> list[int]:
+            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special)
+
+        try:
+            return await asyncio.to_thread(encode)
+        except TemplateError as e:
+            raise APIError(400, f"the model's chat template rejected the messages: {e}", "messages") from None
+
+    async def encode_text(self, text: str, add_special: bool = True) -> list[int]:
+        tokenizer = self.tokenizer
+        return await asyncio.to_thread(tokenizer.encode, text, add_special)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    # --- generation -----------------------------------------------------------------------------------
+    async def start(
+        self, prompt: list[int], params: SamplingParams, request_id: str, param: str | None = None
+    ) -> EngineStream:
+        """Admits the request or raises ``APIError``. ``param`` names the prompt field in errors."""
+        agen = self.async_engine.generate(prompt, params, request_id)
+        first = asyncio.ensure_future(agen.__anext__())
+        # generate() calls add_request before its first await, and a new task runs before the task
+        # that created it resumes from sleep(0): after one turn, admission has happened or failed
+        try:
+            await asyncio.sleep(0)
+        except BaseException:  # cancelled right here: do not leave the request running unowned
+            first.cancel()
+            await asyncio.wait([first])
+            raise
+        if first.done() and not first.cancelled() and first.exception() is not None:
+            error = first.exception()
+            mapped = engine_error(error, param) if isinstance(error, Exception) else None
+            if mapped is None:
+                raise error
+            raise mapped from None
+        return EngineStream(agen, first, self.metrics.tracker())
+
+    async def start_all(
+        self, requests: list[tuple[list[int], SamplingParams, str]], param: str | None = None
+    ) -> list[EngineStream]:
+        """Admits every request or none: on a failure the ones already admitted are aborted."""
+        streams: list[EngineStream] = []
+        try:
+            for prompt, params, request_id in requests:
+                streams.append(await self.start(prompt, params, request_id, param))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams
+
+
+async def merge(streams: list[EngineStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several streams as they come. Closing the merge closes every stream it
+    started; use it under ``contextlib.aclosing`` so that happens at once, not at garbage collection."""
+    if len(streams) == 1:
+        async with aclosing(streams[0].__aiter__()) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: EngineStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+            queue.put_nowait((index, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,71 @@
+"""Sampling filters and penalties on hand-made logits (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvserve.engine.request import Request
+from kvserve.engine.sampler import Sampler, apply_penalties, filter_logits
+from kvserve.engine.sampling_params import SamplingParams
+
+LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
+
+
+def kept(x: torch.Tensor) -> list[int]:
+    return [i for i, v in enumerate(x.tolist()) if v != -math.inf]
+
+
+def test_top_k_keeps_the_k_largest():
+    assert kept(filter_logits(LOGITS.clone(), 2, 1.0, 0.0)) == [0, 1]
+    assert kept(filter_logits(LOGITS.clone(), 0, 1.0, 0.0)) == [0, 1, 2, 3, 4]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    assert kept(filter_logits(LOGITS.clone(), 0, 0.5, 0.0)) == [0]  # 0.5 alone reaches 0.5
+    assert kept(filter_logits(LOGITS.clone(), 0, 0.7, 0.0)) == [0, 1]  # 0.75 >= 0.7
+    assert kept(filter_logits(LOGITS.clone(), 0, 0.8, 0.0)) == [0, 1, 2]
+
+
+def test_min_p_is_relative_to_the_top_probability():
+    assert kept(filter_logits(LOGITS.clone(), 0, 1.0, 0.3)) == [0, 1, 2]  # >= 0.15
+    assert kept(filter_logits(LOGITS.clone(), 0, 1.0, 0.6)) == [0]
+
+
+def _request(output: list[int], **params) -> Request:
+    r = Request("r", [0, 1], SamplingParams(**params), max_total_tokens=100)
+    for t in output:
+        r.append_token(t)
+    return r
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([2.0, -2.0, 1.0, 4.0])
+    out = apply_penalties(logits.clone(), _request([3], repetition_penalty=2.0))  # seen: 0, 1 (prompt), 3
+    assert out.tolist() == [1.0, -4.0, 1.0, 2.0]
+
+
+def test_presence_and_frequency_penalties_use_output_counts():
+    logits = torch.zeros(4)
+    out = apply_penalties(logits.clone(), _request([2, 2, 3], presence_penalty=0.5, frequency_penalty=0.25))
+    assert out.tolist() == [0.0, 0.0, -1.0, -0.75]
+
+
+def test_greedy_takes_the_argmax_even_with_filters():
+    s = Sampler(str)
+    r = _request([], temperature=0, top_k=1)
+    assert s.sample(torch.tensor([[0.1, 3.0, 2.0]]), [r])[0][0] == 1
+
+
+def test_seeded_draws_follow_the_distribution():
+    s = Sampler(str)
+    counts = [0, 0, 0]
+    r = _request([], temperature=1.0, seed=7)
+    for _ in range(3000):
+        counts[s.sample(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [r])[0][0]] += 1
+    assert abs(counts[0] / 3000 - 0.6) < 0.04 and abs(counts[2] / 3000 - 0.1) < 0.03
+    r2 = _request([], temperature=1.0, seed=7)
+    again = [s.sample(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [r2])[0][0] for _ in range(50)]
+    r3 = _request([], temperature=1.0, seed=7)
+    assert again == [s.sample(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [r3])[0][0] for _ in range(50)]

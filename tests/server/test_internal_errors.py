@@ -1,0 +1,116 @@
+"""Failures inside the server, in-process over a stand-in engine (no model): a bug answers 500 in the
+API's error shape without a traceback; a dead engine answers 503 and /health says so."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.kv.manager import KVCacheManager
+from kvserve.server import ServerConfig, build_app
+from kvserve.server.model_card import ModelCard
+
+SECRET = "secret-internal-detail"
+
+
+class StubTokenizer:
+    chat_template = ""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+        return "prompt"
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        if "explode" in text:
+            raise RuntimeError(SECRET)
+        return [1, 2, 3]
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+class StubAsyncEngine:
+    """Just what the server reads; ``generate`` fails the way it is told to."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.dead_error = None
+        self.num_pending_adds = 0
+        self.lock = threading.Lock()
+        self.engine = SimpleNamespace(
+            tokenizer=StubTokenizer(),
+            max_model_len=64,
+            kv=KVCacheManager(8, 4),
+            scheduler=SimpleNamespace(running=[], waiting=[]),
+            num_preemptions=0,
+        )
+
+    async def generate(self, prompt, params=None, request_id=None, cache_salt=None):
+        raise self.error
+        yield  # an async generator, like the real one
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_client(error: BaseException) -> tuple[TestClient, StubAsyncEngine]:
+    card = ModelCard(
+        name="stub",
+        path=Path("stub.gguf"),
+        architecture="llama",
+        num_parameters=1,
+        quantization="F32",
+        size_bytes=1,
+        context_length=64,
+        kv_pool_bytes=1,
+        device="cpu",
+        modified=0.0,
+        chat_template="",
+    )
+    engine = StubAsyncEngine(error)
+    app = build_app(engine, ServerConfig(model_name="stub"), card)  # type: ignore[arg-type]
+    return TestClient(app, raise_server_exceptions=False), engine
+
+
+CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
+GENERATE = {"model": "stub", "prompt": "hi", "stream": False}
+
+
+@pytest.mark.parametrize("body", [CHAT, {**CHAT, "stream": True}])
+def test_a_bug_in_the_engine_is_a_500_without_details(body):
+    client, _ = make_client(RuntimeError(SECRET))
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and "internal server error" in error["message"]
+    assert SECRET not in r.text and "Traceback" not in r.text
+
+
+def test_a_bug_before_the_engine_is_a_500_in_ollama_shape():
+    client, _ = make_client(RuntimeError("unused"))
+    r = client.post("/api/generate", json={**GENERATE, "prompt": "explode"})
+    assert r.status_code == 500 and set(r.json()) == {"error"}
+    assert SECRET not in r.text and "Traceback" not in r.text
+
+
+def test_a_dead_engine_is_503_and_unhealthy():
+    client, engine = make_client(EngineDeadError("the engine stopped"))
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    r = client.post("/api/generate", json=GENERATE)
+    assert r.status_code == 503 and "restart" in r.json()["error"]
+    engine.dead_error = RuntimeError("boom")
+    assert client.get("/health").status_code == 503
+
+
+def test_internal_errors_are_counted():
+    client, _ = make_client(RuntimeError(SECRET))
+    client.post("/v1/chat/completions", json=CHAT)
+    client.post("/v1/chat/completions", json={**CHAT, "model": "other"})
+    r = client.get("/metrics")
+    assert 'kvserve_request_errors_total{status="500"} 1.0' in r.text
+    assert 'kvserve_request_errors_total{status="404"} 1.0' in r.text

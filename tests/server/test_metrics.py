@@ -1,0 +1,63 @@
+"""``/metrics`` in Prometheus text format, fed by real requests."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+EXPECTED = {
+    "kvserve_time_to_first_token_seconds": "histogram",
+    "kvserve_inter_token_latency_seconds": "histogram",
+    "kvserve_e2e_request_latency_seconds": "histogram",
+    "kvserve_request_queue_time_seconds": "histogram",
+    "kvserve_prompt_tokens": "counter",
+    "kvserve_generation_tokens": "counter",
+    "kvserve_requests": "counter",
+    "kvserve_request_errors": "counter",
+    "kvserve_num_requests_running": "gauge",
+    "kvserve_num_requests_waiting": "gauge",
+    "kvserve_kv_cache_usage_ratio": "gauge",
+    "kvserve_kv_cache_blocks": "gauge",
+    "kvserve_kv_cache_free_blocks": "gauge",
+    "kvserve_prefix_cache_queries": "counter",
+    "kvserve_prefix_cache_hits": "counter",
+    "kvserve_num_preemptions": "counter",
+}
+
+
+def test_metrics_follow_requests(idle):
+    before = idle.metrics()
+    prompt = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Count to ten, slowly."}],
+        "temperature": 0,
+        "max_tokens": 5,
+        "ignore_eos": True,
+    }
+    with idle.client() as c:
+        first = c.post("/v1/chat/completions", json=prompt).json()
+        c.post("/v1/chat/completions", json=prompt)  # same prompt: prefix cache hits
+        c.post("/v1/chat/completions", json={**prompt, "model": "nope"})  # a 404
+        text = c.get("/metrics")
+    assert text.headers["content-type"].startswith("text/plain")
+    families = {f.name: f.type for f in text_string_to_metric_families(text.text)}
+    for name, kind in EXPECTED.items():
+        assert families.get(name) == kind, name
+    after = idle.metrics()
+
+    def grew(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("kvserve_time_to_first_token_seconds_count") == 2
+    assert grew("kvserve_inter_token_latency_seconds_count") == 2 * 4  # 5 tokens: 4 gaps each
+    assert grew("kvserve_e2e_request_latency_seconds_count") == 2
+    assert grew("kvserve_generation_tokens_total") == 10
+    assert grew("kvserve_prompt_tokens_total") == 2 * first["usage"]["prompt_tokens"]
+    assert grew('kvserve_requests_total{finish_reason="length"}') == 2
+    assert grew('kvserve_request_errors_total{status="404"}') == 1
+    assert grew("kvserve_prefix_cache_hits_total") >= 16
+    assert grew("kvserve_prefix_cache_queries_total") == 2 * first["usage"]["prompt_tokens"]
+    assert after["kvserve_kv_cache_blocks"] == 256 and after["kvserve_kv_cache_usage_ratio"] == 0
+    assert after["kvserve_num_requests_running"] == 0 and after["kvserve_num_requests_waiting"] == 0
