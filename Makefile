@@ -34,6 +34,7 @@ run: model
 
 test: test-setup
 	$(KVSERVE) pull smollm2
+	$(KVSERVE) pull gemma3-270m
 	$(PY) -m pytest -q
 
 clean:
