@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+import sys
+
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.kv.kv_types import KV_TYPES
-
-CACHE_TYPES = tuple(KV_TYPES)
 from kvserve.models.registry import DEFAULT_MODEL
 
+CACHE_TYPES = (*KV_TYPES, "auto")
 
-def parse_bytes(text: str) -> int:
+
+def parse_bytes(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     try:
@@ -26,8 +30,10 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("-c", "--num-ctx", type=int, default=4096, help="context length per sequence (tokens)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="size the KV pool by bytes instead of --num-ctx x --max-num-seqs (e.g. 1GiB)")
-    g.add_argument("--cache-type", default="f16", choices=CACHE_TYPES, help="KV cache type of K and V (f16)")
+                   help="size the KV pool by bytes instead of --num-ctx x --max-num-seqs (e.g. 1GiB), "
+                        "or 'auto': that pool if this machine's free memory holds it, else as much as fits")
+    g.add_argument("--cache-type", default="f16", choices=CACHE_TYPES,
+                   help="KV cache type of K and V (f16); 'auto' picks the best measured type that fits")
     g.add_argument("-ctk", "--cache-type-k", default=None, choices=CACHE_TYPES, help="KV cache type of K")
     g.add_argument("-ctv", "--cache-type-v", default=None, choices=CACHE_TYPES, help="KV cache type of V")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -43,15 +49,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     for name in ("num_ctx", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    cache_type_k = args.cache_type_k or args.cache_type
+    cache_type_v = args.cache_type_v or args.cache_type
+    kv_cache_memory = args.kv_cache_memory
+    if "auto" in (cache_type_k, cache_type_v) or kv_cache_memory == "auto":
+        from kvserve.plan.auto import resolve_auto
+
+        auto = resolve_auto(args.model or DEFAULT_MODEL, args.num_ctx, args.max_num_seqs, args.block_size,
+                            args.max_num_batched_tokens, "float32", cache_type_k, cache_type_v, kv_cache_memory)
+        cache_type_k, cache_type_v, kv_cache_memory = auto.cache_type_k, auto.cache_type_v, auto.kv_cache_memory
+        print(auto.message, file=sys.stderr)
     return EngineConfig(
         model=args.model or DEFAULT_MODEL,
         cache=CacheConfig(
             block_size=args.block_size,
             num_ctx=args.num_ctx,
-            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=not args.no_prefix_caching,
-            cache_type_k=args.cache_type_k or args.cache_type,
-            cache_type_v=args.cache_type_v or args.cache_type,
+            cache_type_k=cache_type_k,
+            cache_type_v=cache_type_v,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting),
@@ -67,6 +83,8 @@ def load_engine(args: argparse.Namespace):
     from kvserve.engine.engine import LLMEngine
 
     config = engine_config(args)
+    if not sys.stderr.isatty():
+        return LLMEngine.from_config(config, auto_pull=True)
     with Progress(TextColumn("loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), transient=True, console=_stderr_console()) as progress:
         task = progress.add_task(config.model, total=None)

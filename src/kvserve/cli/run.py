@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
 from kvserve.cli.chat import interactive_chat
+from kvserve.cli.live import LiveAnswer
 from kvserve.cli.options import add_engine_args, load_engine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -74,16 +76,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def generate_streaming(engine, prompt_ids: list[int], params: SamplingParams, echo: bool = True) -> RequestOutput:
+    """Run one request to the end, echoing its text: with a live status line on a terminal, plainly
+    otherwise. Ctrl-C stops the answer (the request is aborted) rather than the program."""
     request = engine.add_request(prompt_ids, params)
     final = None
+    live = LiveAnswer(engine) if echo and sys.stdout.isatty() else None
     try:
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if echo and output.delta_text:
-                    sys.stdout.write(output.delta_text)
-                    sys.stdout.flush()
-                if output.finished:
-                    final = output
+        with live or contextlib.nullcontext():
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if live is not None:
+                        live.update(output)
+                    elif echo and output.delta_text:
+                        sys.stdout.write(output.delta_text)
+                        sys.stdout.flush()
+                    if output.finished:
+                        final = output
     except KeyboardInterrupt:
         final = engine.abort_request(request.request_id)
         if final is None:

@@ -16,6 +16,8 @@ from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
+from kvserve.errors import PromptTooLongError
+from kvserve.kv.auto_type import context_advice
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import PagedKVStorage, bytes_per_token
 from kvserve.models.loader import LoadedModel, load_model
@@ -106,7 +108,12 @@ class LLMEngine:
             self.eos_token_ids,
             cache_salt,
         )
-        self.scheduler.check_prompt(request)
+        try:
+            self.scheduler.check_prompt(request)
+        except PromptTooLongError as e:
+            cache = self.config.cache
+            advice = context_advice(self.model_config, e.num_prompt_tokens, cache.cache_type_k, cache.cache_type_v_resolved)
+            raise PromptTooLongError(f"{e}; {advice}", e.num_prompt_tokens, e.limit) from None
         return request
 
     def add_prepared(self, request: Request) -> Request:

@@ -63,7 +63,7 @@ class Scheduler:
         if request.num_prompt_tokens >= limit:
             raise PromptTooLongError(
                 f"the prompt is {request.num_prompt_tokens} tokens but the context limit is {limit} "
-                f"(room is needed for at least one new token); use a larger --num-ctx or a shorter prompt",
+                f"(room is needed for at least one new token)",
                 request.num_prompt_tokens,
                 limit,
             )

@@ -60,7 +60,9 @@ class DecoderLM:
         self.dtype = dtype
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype)
+            # popped so each source tensor is freed as soon as its (fused) copy exists: the load
+            # never holds the weights twice
+            return weights.pop(name).to(device=device, dtype=dtype)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None

@@ -4,7 +4,8 @@ and the largest context that fits a memory budget. Plain integers; no torch.
 Two totals, because the engine is moving:
 
     total (plan)    weights as stored + KV with sliding-window layers holding min(ctx, window) tokens
-    today's engine  weights dequantized to --dtype at load + the paged pool as the engine allocates it
+    today's engine  weights dequantized to --dtype at load + the file's pages mapped while loading +
+                    the paged pool as the engine allocates it
                     today: ceil(ctx / block_size) blocks per sequence, every layer keeping every token
 
 Both add the same activations and runtime overhead.
@@ -92,7 +93,7 @@ class ContextPlan:
     engine_kv_pool_bytes: int  # the pool today's engine allocates for this ctx
     activations: Activations
     total: int  # weights as stored + kv_bytes_windowed + activations + overhead
-    engine_total: int  # weights at --dtype + engine_kv_pool_bytes + activations + overhead
+    engine_total: int  # weights at --dtype + the mapped file + engine_kv_pool_bytes + activations + overhead
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,7 @@ def context_plan(
         pool,
         act,
         spec.stored_bytes + kv_windowed + fixed,
-        engine_weights + pool + fixed,
+        engine_weights + spec.stored_bytes + pool + fixed,  # the file stays mapped while it loads
     )
 
 
