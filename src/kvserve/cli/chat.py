@@ -78,15 +78,22 @@ def _command(text, engine, params, system, history):
 
 
 def cache_report(engine) -> str:
+    """The KV pool as blocks (in use, shared, cached-free, free) and bytes by K and V type."""
     pool = engine.kv.pool
+    cache = engine.config.cache
     in_use = sum(1 for b in pool.blocks if b.ref_count > 0)
     shared = sum(1 for b in pool.blocks if b.ref_count > 1)
     cached_free = pool.num_cached_free_blocks
     free = pool.num_free_blocks - cached_free
-    per_block = engine.config.cache.block_size * engine.kv_bytes_per_token
+    cfg = engine.model_config
+    per_vector_tokens = cfg.num_layers * cfg.num_kv_heads * cache.block_size  # head-vectors per block, K or V
+    k_block = per_vector_tokens * engine.storage.k_codec.bytes_per_vector()
+    v_block = per_vector_tokens * engine.storage.v_codec.bytes_per_vector()
+    mib = 2**20
     return (
-        f"KV pool: {pool.num_blocks} blocks of {engine.config.cache.block_size} tokens "
-        f"({engine.kv_pool_bytes / 2**20:.1f} MiB, K {engine.config.cache.cache_type_k}, V {engine.config.cache.cache_type_v_resolved})\n"
-        f"  in use {in_use} (shared {shared}), cached-free {cached_free}, free {free}; "
-        f"{in_use * per_block / 2**20:.2f} MiB in use"
+        f"KV pool: {pool.num_blocks} blocks of {cache.block_size} tokens, {engine.kv_pool_bytes / mib:.1f} MiB\n"
+        f"  blocks: in use {in_use} (shared {shared}), cached-free {cached_free}, free {free}\n"
+        f"  K {cache.cache_type_k}: {in_use * k_block / mib:.2f} MiB in use of {pool.num_blocks * k_block / mib:.1f} MiB\n"
+        f"  V {cache.cache_type_v_resolved}: {in_use * v_block / mib:.2f} MiB in use of "
+        f"{pool.num_blocks * v_block / mib:.1f} MiB"
     )

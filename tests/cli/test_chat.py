@@ -1,0 +1,36 @@
+"""The interactive chat's commands, driven through its command handler (no terminal needed)."""
+
+from __future__ import annotations
+
+from kvserve.cli.chat import _command, cache_report
+from kvserve.engine.sampling_params import SamplingParams
+from tests.support import make_engine
+
+
+def test_show_cache_reports_blocks_and_bytes_by_k_and_v_type(tiny_llama_hd64):
+    engine = make_engine(tiny_llama_hd64, num_ctx=64, max_num_seqs=2, cache_type_k="q8_0", cache_type_v="tq3")
+    a = engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    report = cache_report(engine)
+    in_use = len({b for rid in (a.request_id, "req-1") for b in engine.kv.block_ids(rid)})
+    assert f"in use {in_use} (shared 2)" in report  # two full 16-token blocks shared by the prompts
+    # per block: layers x kv_heads x block_size head-vectors, 68 bytes each (q8_0) / 26 (tq3) at head_dim 64
+    per_k, per_v = 2 * 2 * 16 * 68, 2 * 2 * 16 * 26
+    assert f"K q8_0: {in_use * per_k / 2**20:.2f} MiB" in report
+    assert f"V tq3: {in_use * per_v / 2**20:.2f} MiB" in report
+    engine.run_to_completion()
+    assert "in use 0 (shared 0)" in cache_report(engine)
+
+
+def test_set_parameter_and_clear(tiny_llama):
+    engine = make_engine(tiny_llama)
+    params, system, history = _command("/set parameter temperature 0.2", engine, SamplingParams(), None, [1])
+    assert params.temperature == 0.2 and history == [1]
+    params, _, _ = _command("/set parameter num_predict 7", engine, params, None, [])
+    assert params.max_tokens == 7
+    params2, _, _ = _command("/set parameter top_p 5", engine, params, None, [])  # invalid: unchanged
+    assert params2 == params
+    assert _command("/clear", engine, params, "sys", [1, 2])[2] == []
+    assert _command("/set system be brief", engine, params, None, [])[1] == "be brief"
+    assert _command("/bye", engine, params, None, []) is None
