@@ -87,5 +87,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
     dtype: str = "float32"
+    weights: str = "f32"  # weight format of the projections: f32 | bf16 (models.linear)
     num_threads: int | None = None
     seed: int = 0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvserve.errors import ModelLoadError, ModelNotFoundError
 from kvserve.models.loader import load_model
@@ -212,3 +213,10 @@ def test_folder_config_missing_required_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     err = load_error(str(tmp_path))
     assert "num_attention_heads" in str(err)
+
+
+def test_unknown_weight_format_is_a_clear_error():
+    from kvserve.models.linear import make_linear
+
+    with pytest.raises(ValueError, match="unknown weight format 'int4'"):
+        make_linear(torch.zeros(2, 2), None, "int4", torch.device("cpu"), torch.float32)

@@ -425,13 +425,13 @@ def test_gguf_weights_equal_folder_weights(tiny, ours_from_folder, ours_from_ggu
     """After un-permuting, Q and K from the GGUF are exactly the HF projections."""
     a, b = ours_from_folder.model, ours_from_gguf.model
     for la, lb in zip(a.layers, b.layers):
-        assert torch.equal(la.qkv, lb.qkv)
-        assert (la.qkv_bias is None) == (lb.qkv_bias is None)
-        if la.qkv_bias is not None:
-            assert torch.equal(la.qkv_bias, lb.qkv_bias)
-        assert torch.equal(la.gate_up, lb.gate_up)
-        assert torch.equal(la.o, lb.o) and torch.equal(la.down, lb.down)
-    assert torch.equal(a.lm_head, b.lm_head)
+        assert torch.equal(la.qkv.weight, lb.qkv.weight)
+        assert (la.qkv.bias is None) == (lb.qkv.bias is None)
+        if la.qkv.bias is not None:
+            assert torch.equal(la.qkv.bias, lb.qkv.bias)
+        assert torch.equal(la.gate_up.weight, lb.gate_up.weight)
+        assert torch.equal(la.o.weight, lb.o.weight) and torch.equal(la.down.weight, lb.down.weight)
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
 
 
 def test_gguf_byte_level_tokenizer(tiny, ours_from_gguf):

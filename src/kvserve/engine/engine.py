@@ -76,7 +76,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
-        loaded = load_model(config.model, config.device, dtype, progress, auto_pull=auto_pull)
+        loaded = load_model(config.model, config.device, dtype, progress, auto_pull=auto_pull,
+                            weight_format=config.weights)
         return cls(config, loaded)
 
     # --- requests -------------------------------------------------------------------------------------

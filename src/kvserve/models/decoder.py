@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
+from kvserve.models.linear import Linear, make_linear
 from kvserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
 
 
@@ -33,13 +34,14 @@ class AttentionBackend(Protocol):
 
 @dataclass(slots=True)
 class LayerWeights:
+    """Norm weights as tensors; projections as ``Linear`` callables (see ``models.linear``)."""
+
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, hidden], q, k, v stacked
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # hidden -> q_dim + 2 * kv_dim: q, k, v stacked (with qwen2's bias)
+    o: Linear
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden], gate then up
-    down: torch.Tensor
+    gate_up: Linear  # hidden -> 2 * intermediate: gate then up
+    down: Linear
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
@@ -53,11 +55,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class DecoderLM:
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        weight_format: str = "f32",
     ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.weight_format = weight_format
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return make_linear(weight, bias, weight_format, device, dtype)
 
         def w(name: str) -> torch.Tensor:
             # popped so each source tensor is freed as soon as its (fused) copy exists: the load
@@ -69,7 +80,7 @@ class DecoderLM:
 
         self.embed = w("token_embd.weight")  # [vocab, hidden]
         self.final_norm = w("output_norm.weight")
-        self.lm_head = w("output.weight") if "output.weight" in weights else self.embed
+        self.lm_head = linear(w("output.weight") if "output.weight" in weights else self.embed)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
@@ -79,12 +90,13 @@ class DecoderLM:
             self.layers.append(
                 LayerWeights(
                     attn_norm=w(p + "attn_norm.weight"),
-                    qkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
-                    qkv_bias=bias,
-                    o=w(p + "attn_output.weight"),
+                    qkv=linear(
+                        torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]), bias
+                    ),
+                    o=linear(w(p + "attn_output.weight")),
                     ffn_norm=w(p + "ffn_norm.weight"),
-                    gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
-                    down=w(p + "ffn_down.weight"),
+                    gate_up=linear(torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")])),
+                    down=linear(w(p + "ffn_down.weight")),
                     q_norm=opt(p + "attn_q_norm.weight"),
                     k_norm=opt(p + "attn_k_norm.weight"),
                     post_attn_norm=opt(p + "post_attention_norm.weight"),
@@ -121,7 +133,7 @@ class DecoderLM:
         for i, layer in enumerate(self.layers):
             sliding = cfg.is_sliding(i)
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
             q = q.view(n, cfg.num_heads, cfg.head_dim)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -134,13 +146,13 @@ class DecoderLM:
             k = apply_rotary(k, cos, sin)
             window = cfg.sliding_window if sliding else None
             o = attn.attend(i, q, k, v, window, self.scale)
-            h = F.linear(o.reshape(n, self.q_dim), layer.o)
+            h = layer.o(o.reshape(n, self.q_dim))
             if layer.post_attn_norm is not None:
                 h = rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
             x = x + h
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            h = F.linear(self._act(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            h = layer.down(self._act(gate) * up)
             if layer.post_ffn_norm is not None:
                 h = rms_norm(h, layer.post_ffn_norm, cfg.rms_norm_eps)
             x = x + h
@@ -149,4 +161,4 @@ class DecoderLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_seqs, hidden] -> float32 logits [num_seqs, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -40,6 +40,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
     auto_pull: bool = False,
+    weight_format: str = "f32",
 ) -> LoadedModel:
     start = time.perf_counter()
     path = resolve(model, auto_pull=auto_pull)
@@ -60,7 +61,7 @@ def load_model(
         weights = load_gguf_weights(gf, config, progress)
         weight_types = gf.header.bytes_by_type()
     try:
-        lm = DecoderLM(config, weights, dev, dtype)
+        lm = DecoderLM(config, weights, dev, dtype, weight_format)
     except KeyError as e:
         raise ModelLoadError(f"{path}: tensor {e} is missing from the model file") from None
     return LoadedModel(path, config, lm, tokenizer, time.perf_counter() - start, weight_types)

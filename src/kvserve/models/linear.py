@@ -1,0 +1,43 @@
+"""Weight formats for the model's matrix multiplies.
+
+    f32    dense float32 weights: the reference, every exactness test runs on it
+    bf16   dense bfloat16 weights (activations cast to bf16 for the matmul, the residual stream stays
+           f32): half the bytes read per decode step. Measured on SmolLM2 over 1,024 tokens of text:
+           KLD 0.00066 against f32, top-1 agreement 98.0%, decode 1.5x faster on this CPU.
+
+A projection is a callable ``x [num_tokens, in] -> [num_tokens, out]``; the model does not care which.
+(int8 with dynamic per-tensor activations was measured and rejected: 3.5x faster decode, but SmolLM2's
+activation outliers push its KLD to 1.1.)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+WEIGHT_FORMATS = {"f32": None, "bf16": torch.bfloat16}
+
+
+class Linear(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.weight = weight.to(dtype)
+        self.bias = None if bias is None else bias.to(dtype)
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device, dtype: torch.dtype
+) -> Linear:
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    target = WEIGHT_FORMATS[fmt] or dtype
+    return DenseLinear(weight.to(device), None if bias is None else bias.to(device), target)
