@@ -100,7 +100,7 @@ def test_totals_add_up_and_show_both_engines():
             p.total == spec.stored_bytes + p.kv_bytes_windowed + p.activations.total + RUNTIME_OVERHEAD_BYTES
         )
         assert p.engine_total == (
-            plan.engine_weight_bytes + spec.stored_bytes + p.engine_kv_pool_bytes + p.activations.total
+            plan.engine_weight_bytes + spec.mapped_bytes + p.engine_kv_pool_bytes + p.activations.total
             + RUNTIME_OVERHEAD_BYTES
         )
 

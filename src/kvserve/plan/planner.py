@@ -194,7 +194,7 @@ def context_plan(
         pool,
         act,
         spec.stored_bytes + kv_windowed + fixed,
-        engine_weights + spec.stored_bytes + pool + fixed,  # the file stays mapped while it loads
+        engine_weights + spec.mapped_bytes + pool + fixed,  # a GGUF stays mapped while it loads
     )
 
 

@@ -212,8 +212,9 @@ def render(plan: Plan, console) -> None:
     row(
         "today's engine",
         [p.engine_total for p in first.contexts],
-        f"weights {s.dtype} {fmt_bytes(plan.engine_weight_bytes)} + the file mapped while loading, "
-        f"pool of {s.block_size}-token blocks",
+        f"weights {s.dtype} {fmt_bytes(plan.engine_weight_bytes)}"
+        + (" + the GGUF mapped while loading" if plan.model.mapped_bytes else "")
+        + f", pool of {s.block_size}-token blocks",
     )
     console.print(table)
 

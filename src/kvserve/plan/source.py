@@ -38,6 +38,7 @@ class ModelSpec:
     num_params: int
     stored_bytes: int  # weights as stored (file types), the size a quantization-aware runtime holds
     stored_by_type: dict[str, int] = field(default_factory=dict)
+    mapped_bytes: int = 0  # file bytes the loader memory-maps (GGUF), resident while it loads
 
 
 def resolve_model(model: str) -> ModelSpec:
@@ -72,6 +73,7 @@ def _from_gguf(source, shown: str) -> ModelSpec:
         header.num_params,
         header.num_weight_bytes,
         header.bytes_by_type(),
+        mapped_bytes=header.num_weight_bytes,
     )
 
 
