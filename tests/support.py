@@ -10,7 +10,6 @@ import torch
 from kvserve.attention.contiguous import ContiguousKVCache
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.models.loader import load_model
 
 
 def write_tiny_llama(folder, seed: int = 0, vocab: int = 97, hidden: int = 64, layers: int = 2):

@@ -13,7 +13,6 @@ class ContiguousKVCache:
     def __init__(self, num_layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.length = 0  # tokens stored (same for every layer after a forward)
 
     def attend(self, layer, q, k, v, window, scale):
         if self.keys[layer] is None:
@@ -23,10 +22,4 @@ class ContiguousKVCache:
             self.values[layer] = torch.cat([self.values[layer], v])
         keys = self.keys[layer]
         q_start = keys.shape[0] - q.shape[0]
-        if layer == len(self.keys) - 1:
-            self.length = keys.shape[0]
         return sequence_attention(q, keys, self.values[layer], q_start, window, scale)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)

@@ -203,14 +203,6 @@ class LLMEngine:
     def kv_pool_bytes(self) -> int:
         return self.storage.nbytes
 
-    def kv_bytes_in_use(self) -> int:
-        used = self.kv.num_blocks - self.kv.pool.num_free_blocks
-        return used * self.config.cache.block_size * self.kv_bytes_per_token
-
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
-
-    def finish_with_error(self, request: Request, message: str) -> None:
-        request.error = message
-        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
