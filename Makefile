@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 MODEL ?= smollm2
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test setup test-setup model lint clean
+.PHONY: run test bench setup test-setup model lint clean
 
 $(VENV)/.setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ test: test-setup
 	$(KVSERVE) pull smollm2
 	$(KVSERVE) pull gemma3-270m
 	$(PY) -m pytest -q
+
+# Side-by-side speed against llama.cpp (compiles llama-cpp-python once: ~15 minutes on 2 cores).
+bench: model
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet -e '.[peers]'
+	$(KVSERVE) bench $(MODEL) --compare llama.cpp --prompt-lens 128,1024 --gen 32 --cache-types f16,q8_0 \
+		--concurrency 1,16 --json docs/bench.json --plot docs/bench.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

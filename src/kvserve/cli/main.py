@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "plan": "kvserve.cli.plan",
     "serve": "kvserve.cli.serve",
     "eval": "kvserve.cli.eval",
+    "bench": "kvserve.cli.bench",
 }
 
 

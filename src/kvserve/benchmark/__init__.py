@@ -1,0 +1,1 @@
+"""``kvserve bench``: our engine and peers on the same workload, measured side by side."""

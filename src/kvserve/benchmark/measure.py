@@ -1,0 +1,74 @@
+"""One benchmark row: a workload (prompt length, new tokens, concurrency, KV type) and what it measured.
+
+Prefill tok/s = prompt tokens / TTFT. Decode tok/s = (new tokens - 1) / (last token - first token).
+Aggregate tok/s = all new tokens / wall time from the first request to the last token.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class BenchRow:
+    engine: str
+    cache_type: str
+    prompt_len: int
+    concurrency: int
+    ttft_ms: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    aggregate_tok_s: float
+    peak_rss_bytes: int
+    kv_bytes: int
+    cached_prompt_tokens: int = 0
+    gen: int = 0
+    repeats: int = 1
+    spread: float = 0.0  # (max - min) / median of the decode tok/s over the repeats
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def median_row(rows: list[BenchRow]) -> BenchRow:
+    """Each numeric field's median over repeats of one workload; ``spread`` says how much decode moved."""
+    first = rows[0]
+    out = BenchRow(**first.as_dict())
+    for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s", "itl_p50_ms", "itl_p99_ms", "aggregate_tok_s"):
+        setattr(out, name, statistics.median(getattr(r, name) for r in rows))
+    out.peak_rss_bytes = max(r.peak_rss_bytes for r in rows)
+    out.repeats = len(rows)
+    decode = [r.decode_tok_s for r in rows]
+    out.spread = (max(decode) - min(decode)) / out.decode_tok_s if out.decode_tok_s else 0.0
+    return out
+
+
+def measured_bandwidth(num_bytes: int = 512 << 20) -> float:
+    """Memory read bandwidth in bytes/s: the best of a few sums over a tensor larger than any cache."""
+    import time
+
+    import torch
+
+    x = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best

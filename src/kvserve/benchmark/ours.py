@@ -1,0 +1,54 @@
+"""The workload through kvserve's own engine."""
+
+from __future__ import annotations
+
+import time
+
+from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.sampling_params import SamplingParams
+
+
+class KVServeRunner:
+    name = "kvserve"
+
+    def __init__(self, loaded, weights: str = "f32") -> None:
+        self.loaded = loaded
+        self.weights = weights
+
+    def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
+        num_ctx = max(len(p) for p in prompts) + gen + 16
+        engine = LLMEngine(
+            EngineConfig(model=str(self.loaded.path),
+                         cache=CacheConfig(num_ctx=num_ctx, cache_type_k=cache_type),
+                         scheduler=SchedulerConfig(max_num_seqs=len(prompts))),
+            self.loaded,
+        )
+        params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+        if shared_prefix:  # a first request puts the shared prefix into the prefix cache
+            engine.add_request(shared_prefix + [prompts[0][-1]], SamplingParams(temperature=0, max_tokens=1))
+            engine.run_to_completion()
+        start = time.perf_counter()
+        ids = [engine.add_request(p, params).request_id for p in prompts]
+        final = engine.run_to_completion()
+        wall = time.perf_counter() - start
+        outs = [final[i] for i in ids]
+        m = outs[0].metrics
+        itls = [x for o in outs for x in o.metrics.itls]
+        return BenchRow(
+            engine=self.name,
+            cache_type=cache_type,
+            prompt_len=len(prompts[0]),
+            concurrency=len(prompts),
+            ttft_ms=m.ttft * 1e3,
+            prefill_tok_s=m.prefill_tok_s or 0.0,
+            decode_tok_s=m.decode_tok_s or 0.0,
+            itl_p50_ms=percentile(itls, 0.5) * 1e3,
+            itl_p99_ms=percentile(itls, 0.99) * 1e3,
+            aggregate_tok_s=sum(len(o.token_ids) for o in outs) / wall,
+            peak_rss_bytes=peak_rss_bytes(),
+            kv_bytes=engine.kv_pool_bytes,
+            cached_prompt_tokens=m.num_cached_tokens,
+            gen=gen,
+        )

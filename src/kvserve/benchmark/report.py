@@ -1,0 +1,83 @@
+"""The bench table (with ratios against peers and the bandwidth roofline) and its plots."""
+
+from __future__ import annotations
+
+import sys
+
+from kvserve.benchmark.measure import BenchRow
+from kvserve.kv.kv_types import kv_bytes_per_token
+
+WEIGHT_BYTES = {"f32": 4, "bf16": 2}
+
+
+def roofline(loaded, rows: list[BenchRow], bandwidth: float, weights: str) -> dict[int, tuple[int, float]]:
+    """For each of our rows (by index): bytes read per decoded token and the fraction of the bandwidth
+    roofline reached. A step reads every weight once for all streams, plus each stream's KV so far."""
+    config = loaded.config
+    weight_bytes = config_weight_bytes(loaded, weights)
+    out = {}
+    for i, r in enumerate(rows):
+        if r.engine != "kvserve":
+            continue
+        context = r.prompt_len + r.gen // 2
+        per_token = weight_bytes / r.concurrency + context * kv_bytes_per_token(config, r.cache_type)
+        rate = r.aggregate_tok_s if r.concurrency > 1 else r.decode_tok_s
+        out[i] = (int(per_token), per_token * rate / bandwidth)
+    return out
+
+
+def config_weight_bytes(loaded, weights: str) -> int:
+    """Bytes of weights one decode step reads: every projection and the output head, at the weight format."""
+    c = loaded.config
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v
+    per_layer += c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    return (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * WEIGHT_BYTES[weights]
+
+
+def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]], bandwidth: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("engine", "KV", "prompt", "conc", "TTFT ms", "prefill tok/s", "decode tok/s", "ITL p50/p99 ms",
+                  "aggr tok/s", "spread", "roofline", "vs llama.cpp (prefill, decode)",
+                  title=f"kvserve bench (memory bandwidth {bandwidth / 1e9:.1f} GB/s)")
+    peers = {(r.cache_type, r.prompt_len): r for r in rows if r.engine == "llama.cpp"}
+    for i, r in enumerate(rows):
+        peer = peers.get((r.cache_type, r.prompt_len)) if r.engine == "kvserve" and r.concurrency == 1 else None
+        ratio = (f"{r.prefill_tok_s / peer.prefill_tok_s:.2f}x, {r.decode_tok_s / peer.decode_tok_s:.2f}x"
+                 if peer else "")
+        if r.engine == "kvserve" and r.concurrency > 1:
+            single = peers.get((r.cache_type, r.prompt_len))
+            ratio = f"aggregate {r.aggregate_tok_s / single.decode_tok_s:.2f}x its 1 stream" if single else ""
+        roof_text = f"{roof[i][1] * 100:.0f}% ({roof[i][0] / 2**20:.0f} MiB/tok)" if i in roof else ""
+        table.add_row(r.engine, r.cache_type, str(r.prompt_len), str(r.concurrency), f"{r.ttft_ms:.0f}",
+                      f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.2f}", f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}",
+                      f"{r.aggregate_tok_s:.1f}", f"{r.spread * 100:.0f}%", roof_text, ratio)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)  # files and pipes get every column
+
+
+def write_plot(rows: list[BenchRow], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[tuple[str, str], list[BenchRow]] = {}
+    for r in rows:
+        if r.concurrency == 1:
+            series.setdefault((r.engine, r.cache_type), []).append(r)
+    for (engine, kv), rs in sorted(series.items()):
+        rs.sort(key=lambda r: r.prompt_len)
+        x = [r.prompt_len for r in rs]
+        ax1.plot(x, [r.decode_tok_s for r in rs], marker="o", label=f"{engine} {kv}")
+        ax2.plot(x, [r.ttft_ms for r in rs], marker="o", label=f"{engine} {kv}")
+    ax1.set(xlabel="context (prompt tokens)", ylabel="decode tok/s", title="Decode speed vs context", xscale="log")
+    ax2.set(xlabel="prompt tokens", ylabel="TTFT ms", title="Time to first token", xscale="log", yscale="log")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

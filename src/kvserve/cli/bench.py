@@ -1,0 +1,101 @@
+"""``kvserve bench``: TTFT, prefill and decode speed, ITL, aggregate throughput, memory; with peers
+measured in the same run (A B A B ...), and the ratios printed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+from kvserve.models.registry import DEFAULT_MODEL
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+    return values
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser("bench", help="measure speed (and compare with peers in the same run)")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--prompt-lens", type=_ints, default=[128, 1024])
+    p.add_argument("--gen", type=int, default=64, help="new tokens per request")
+    p.add_argument("--cache-types", default="f16")
+    p.add_argument("--concurrency", type=_ints, default=[1])
+    p.add_argument("--prefix-share", type=int, default=0, help="tokens of a prefix already in the cache")
+    p.add_argument("--compare", default="", help="peers to run alongside: llama.cpp")
+    p.add_argument("--repeats", type=int, default=3, help="A B pairs per workload; medians are reported")
+    p.add_argument("--weights", default="f32", choices=("f32", "bf16"))
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT")
+    p.add_argument("--plot", default=None, metavar="OUT.png")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from kvserve.benchmark.measure import measured_bandwidth, median_row
+    from kvserve.benchmark.ours import KVServeRunner
+    from kvserve.benchmark.report import print_table, roofline, write_plot
+    from kvserve.models.loader import load_model
+
+    if args.gen < 2 or args.repeats < 1:
+        raise ValueError("--gen must be >= 2 and --repeats >= 1")
+    torch.set_num_threads(args.threads)
+    peers = _peers(args)
+    console = Console(stderr=True)
+    loaded = load_model(args.model, auto_pull=True, weight_format=args.weights)
+    runners = [KVServeRunner(loaded, args.weights), *peers]
+    rng = random.Random(0)
+    vocab = min(loaded.config.vocab_size, 32000)
+    shared = [rng.randrange(100, vocab) for _ in range(args.prefix_share)]
+    rows = []
+    for cache_type in [c.strip() for c in args.cache_types.split(",") if c.strip()]:
+        for plen in args.prompt_lens:
+            for conc in args.concurrency:
+                prompts = [shared + [rng.randrange(100, vocab) for _ in range(max(1, plen - len(shared)))]
+                           for _ in range(conc)]
+                active = [r for r in runners if getattr(r, "supports", lambda *a: True)(cache_type, conc)]
+                active[0].run([prompts[0][:16]], 2, cache_type)  # warm-up
+                results = {r.name: [] for r in active}
+                for _ in range(args.repeats):  # A B A B ...
+                    for r in active:
+                        results[r.name].append(r.run(prompts, args.gen, cache_type, shared or None))
+                for name, rs in results.items():
+                    row = median_row(rs)
+                    rows.append(row)
+                    console.print(f"{name} {cache_type} prompt {plen} x{conc}: TTFT {row.ttft_ms:.0f} ms, "
+                                  f"decode {row.decode_tok_s:.1f} tok/s, aggregate {row.aggregate_tok_s:.1f}")
+    bandwidth = measured_bandwidth()
+    print_table(rows, roofline(loaded, rows, bandwidth, args.weights), bandwidth)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump([r.as_dict() for r in rows], f, indent=2)
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    if args.plot:
+        write_plot(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _peers(args) -> list:
+    from kvserve.benchmark.peers import LlamaCppRunner
+    from kvserve.models.registry import resolve
+
+    peers = []
+    for name in [p.strip() for p in args.compare.split(",") if p.strip()]:
+        if name != "llama.cpp":
+            raise ValueError(f"unknown peer {name!r}; supported: llama.cpp")
+        path = resolve(args.model, auto_pull=True)
+        if path.is_dir():
+            raise ValueError("llama.cpp needs a GGUF file, not an HF folder")
+        peers.append(LlamaCppRunner(str(path), args.threads))
+    return peers

@@ -1,0 +1,42 @@
+"""``kvserve bench`` produces the documented rows, JSON and plot (speeds are not asserted: benchmarks
+are not tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KEYS = {"engine", "cache_type", "prompt_len", "concurrency", "ttft_ms", "prefill_tok_s", "decode_tok_s",
+        "itl_p50_ms", "itl_p99_ms", "aggregate_tok_s", "peak_rss_bytes", "kv_bytes"}
+
+
+def kvserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_bench_rows_json_and_plot(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    r = kvserve("bench", "smollm2", "--prompt-lens", "16,32", "--gen", "4", "--concurrency", "1,2",
+                "--cache-types", "f16,q8_0", "--repeats", "1", "--json", str(out), "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 2 * 2
+    assert all(KEYS <= set(row) for row in rows)
+    assert {(row["cache_type"], row["prompt_len"], row["concurrency"]) for row in rows} == {
+        (t, p, c) for t in ("f16", "q8_0") for p in (16, 32) for c in (1, 2)}
+    for row in rows:
+        assert row["engine"] == "kvserve" and row["decode_tok_s"] > 0 and row["ttft_ms"] > 0
+        assert row["kv_bytes"] > 0 and row["peak_rss_bytes"] > 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert "roofline" in r.stdout
+
+
+def test_bench_rejects_unknown_peers_and_bad_lists():
+    r = kvserve("bench", "smollm2", "--compare", "vllm")
+    assert r.returncode == 1 and "unknown peer 'vllm'" in r.stderr
+    r = kvserve("bench", "smollm2", "--prompt-lens", "0,12")
+    assert r.returncode == 2 and "positive integers" in r.stderr
