@@ -48,7 +48,7 @@ def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]], bandwi
                  if peer else "")
         if r.engine == "kvserve" and r.concurrency > 1:
             single = peers.get((r.cache_type, r.prompt_len))
-            ratio = f"aggregate {r.aggregate_tok_s / single.decode_tok_s:.2f}x its 1 stream" if single else ""
+            ratio = f"aggregate {r.aggregate_tok_s / single.decode_tok_s:.2f}x llama.cpp's 1 stream" if single else ""
         roof_text = f"{roof[i][1] * 100:.0f}% ({roof[i][0] / 2**20:.0f} MiB/tok)" if i in roof else ""
         table.add_row(r.engine, r.cache_type, str(r.prompt_len), str(r.concurrency), f"{r.ttft_ms:.0f}",
                       f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.2f}", f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}",
