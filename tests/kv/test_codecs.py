@@ -11,7 +11,8 @@ from kvserve.attention.ops import sequence_attention
 from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice, build_decode_batch
 from kvserve.config import ModelConfig
 from kvserve.kv.codecs import CACHE_TYPES, lloyd_max_codebook, make_codec, pack_bits, unpack_bits
-from kvserve.kv.storage import PagedKVStorage, bytes_per_token
+from kvserve.kv.kv_types import kv_bytes_per_token as bytes_per_token
+from kvserve.kv.storage import PagedKVStorage
 
 # Relative error |decode(encode(x)) - x| / |x| on Gaussian data, head_dim 64: the bounds we state.
 GAUSSIAN_BOUNDS = {"f32": 0.0, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.01, "fp8": 0.04, "q4_0": 0.12,

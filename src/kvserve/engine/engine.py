@@ -19,7 +19,8 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import PromptTooLongError
 from kvserve.kv.auto_type import context_advice
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.storage import PagedKVStorage, bytes_per_token
+from kvserve.kv.kv_types import kv_bytes_per_token, pool_num_blocks
+from kvserve.kv.storage import PagedKVStorage
 from kvserve.models.loader import LoadedModel, load_model
 
 
@@ -36,7 +37,7 @@ def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> Pool
     if cache.num_ctx < 1:
         raise ValueError(f"num_ctx must be >= 1, got {cache.num_ctx}")
     if cache.kv_cache_memory is not None:
-        per_block = bs * bytes_per_token(model, cache.cache_type_k, cache.cache_type_v)
+        per_block = bs * kv_bytes_per_token(model, cache.cache_type_k, cache.cache_type_v)
         num_blocks = cache.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -44,8 +45,7 @@ def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> Pool
                 f"({bs} tokens); give at least {per_block}"
             )
         return PoolSize(num_blocks, min(cache.num_ctx, num_blocks * bs))
-    blocks_per_seq = -(-cache.num_ctx // bs)
-    return PoolSize(blocks_per_seq * max_num_seqs, cache.num_ctx)
+    return PoolSize(pool_num_blocks(cache.num_ctx, max_num_seqs, bs), cache.num_ctx)
 
 
 class LLMEngine:
@@ -197,7 +197,7 @@ class LLMEngine:
     # --- views ----------------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return bytes_per_token(self.model_config, self.config.cache.cache_type_k, self.config.cache.cache_type_v)
+        return kv_bytes_per_token(self.model_config, self.config.cache.cache_type_k, self.config.cache.cache_type_v)
 
     @property
     def kv_pool_bytes(self) -> int:

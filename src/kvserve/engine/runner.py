@@ -19,7 +19,6 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.block_size = storage.block_size
-        self.batch_decodes = True  # single-token sequences attended in one padded call
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run one forward over every scheduled token. Returns the requests whose known tokens are now
@@ -42,7 +41,7 @@ class ModelRunner:
             input_ids.extend(r.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1 and self.batch_decodes:
+            if n == 1:  # single-token sequences are attended together in one padded call
                 decode_rows.append(len(input_ids) - 1)
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(end)

@@ -93,13 +93,10 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        self._finish(request, status)
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -8,7 +8,7 @@ the first pair whose pool fits the budget. Torch-free.
 from __future__ import annotations
 
 from kvserve.config import ModelConfig
-from kvserve.kv.kv_types import kv_bytes_per_token
+from kvserve.kv.kv_types import kv_bytes_per_token, pool_bytes
 
 # (K type, V type, measured KLD on SmolLM2 at 2,048 tokens)
 QUALITY_ORDER: tuple[tuple[str, str, float], ...] = (
@@ -25,12 +25,6 @@ QUALITY_ORDER: tuple[tuple[str, str, float], ...] = (
     ("tq3", "tq3", 0.29617),
     ("tq2", "tq2", 1.14651),
 )
-
-
-def pool_bytes(config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, k: str, v: str) -> int:
-    """Bytes of the pool the engine allocates for ``max_num_seqs`` sequences of ``num_ctx`` tokens."""
-    blocks = -(-num_ctx // block_size) * max_num_seqs
-    return blocks * block_size * kv_bytes_per_token(config, k, v)
 
 
 def choose_cache_types(

@@ -108,3 +108,17 @@ def kv_bytes_per_token_per_layer(
 def kv_bytes_per_token(config: ModelConfig, cache_type_k: str, cache_type_v: str | None = None) -> int:
     """K plus V bytes of one token over all layers (every layer keeping every token)."""
     return config.num_layers * kv_bytes_per_token_per_layer(config, cache_type_k, cache_type_v)
+
+
+def pool_num_blocks(num_ctx: int, max_num_seqs: int, block_size: int) -> int:
+    """Blocks of the engine's pool sized by context: ceil(num_ctx / block_size) per sequence."""
+    return -(-num_ctx // block_size) * max_num_seqs
+
+
+def pool_bytes(
+    config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, cache_type_k: str,
+    cache_type_v: str | None = None,
+) -> int:
+    """Bytes the engine allocates for ``max_num_seqs`` sequences of ``num_ctx`` tokens."""
+    return pool_num_blocks(num_ctx, max_num_seqs, block_size) * block_size * kv_bytes_per_token(
+        config, cache_type_k, cache_type_v)

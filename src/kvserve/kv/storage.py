@@ -11,12 +11,6 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.kv.codecs import KVCodec, make_codec
-from kvserve.kv.kv_types import kv_bytes_per_token
-
-
-def bytes_per_token(config: ModelConfig, cache_type_k: str, cache_type_v: str | None = None) -> int:
-    """K plus V bytes per token over all layers: layers x kv_heads x (bytes of a K vector + a V vector)."""
-    return kv_bytes_per_token(config, cache_type_k, cache_type_v)
 
 
 class PagedKVStorage:

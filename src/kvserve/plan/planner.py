@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
-from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
+from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type, pool_bytes
 from kvserve.plan.source import ModelSpec
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -136,8 +136,7 @@ def planned_kv_pool_bytes(
 ) -> int:
     """Bytes of the paged pool the engine allocates for ``num_ctx`` tokens per sequence:
     ceil(num_ctx / block_size) x max_num_seqs blocks of block_size tokens, every layer."""
-    num_blocks = -(-num_ctx // block_size) * max_num_seqs
-    return num_blocks * block_size * kv_bytes_per_token(model_config, cache_type_k, cache_type_v)
+    return pool_bytes(model_config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v)
 
 
 def windowed_kv_bytes(
