@@ -15,6 +15,12 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_q4():
+    """SmolLM2 in the fast decode format: Q4_1 tensors as 4-bit groups, the Q8_0 head as int8."""
+    return load_model("smollm2", weight_format="q4")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))))
 

@@ -80,6 +80,9 @@ class SchedulerConfig:
     max_waiting: int = 256
 
 
+WEIGHT_CHOICES = ("auto", "q4", "int8", "bf16", "f32")  # see models.linear
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str
@@ -87,6 +90,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
     dtype: str = "float32"
-    weights: str = "f32"  # weight format of the projections: f32 | bf16 (models.linear)
+    weights: str = "auto"  # weight format of the projections: auto | f32 | bf16 | int8 | q4 (models.linear)
     num_threads: int | None = None
     seed: int = 0

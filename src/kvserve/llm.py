@@ -32,6 +32,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
         device: str = "auto",
+        weights: str = "auto",
         auto_pull: bool = False,
     ) -> None:
         config = EngineConfig(
@@ -39,6 +40,7 @@ class LLM:
             cache=CacheConfig(block_size, num_ctx, kv_cache_memory, enable_prefix_caching, cache_type_k, cache_type_v),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             device=device,
+            weights=weights,
         )
         self.engine = LLMEngine.from_config(config, auto_pull=auto_pull)
         self.tokenizer = self.engine.tokenizer

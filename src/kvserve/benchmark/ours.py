@@ -13,9 +13,8 @@ from kvserve.engine.sampling_params import SamplingParams
 class KVServeRunner:
     name = "kvserve"
 
-    def __init__(self, loaded, weights: str = "f32") -> None:
+    def __init__(self, loaded) -> None:
         self.loaded = loaded
-        self.weights = weights
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16

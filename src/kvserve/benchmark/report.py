@@ -7,14 +7,11 @@ import sys
 from kvserve.benchmark.measure import BenchRow
 from kvserve.kv.kv_types import kv_bytes_per_token
 
-WEIGHT_BYTES = {"f32": 4, "bf16": 2}
-
-
-def roofline(loaded, rows: list[BenchRow], bandwidth: float, weights: str) -> dict[int, tuple[int, float]]:
+def roofline(loaded, rows: list[BenchRow], bandwidth: float) -> dict[int, tuple[int, float]]:
     """For each of our rows (by index): bytes read per decoded token and the fraction of the bandwidth
     roofline reached. A step reads every weight once for all streams, plus each stream's KV so far."""
     config = loaded.config
-    weight_bytes = config_weight_bytes(loaded, weights)
+    weight_bytes = step_weight_bytes(loaded.model)
     out = {}
     for i, r in enumerate(rows):
         if r.engine != "kvserve":
@@ -26,12 +23,11 @@ def roofline(loaded, rows: list[BenchRow], bandwidth: float, weights: str) -> di
     return out
 
 
-def config_weight_bytes(loaded, weights: str) -> int:
-    """Bytes of weights one decode step reads: every projection and the output head, at the weight format."""
-    c = loaded.config
-    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v
-    per_layer += c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    return (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * WEIGHT_BYTES[weights]
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every projection and the output head, as the model
+    holds them (f32, bf16, int8 or 4-bit: see models.linear)."""
+    layers = sum(lin.nbytes for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    return layers + model.lm_head.nbytes
 
 
 def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]], bandwidth: float) -> None:

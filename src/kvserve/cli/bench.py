@@ -8,6 +8,7 @@ import json
 import random
 import sys
 
+from kvserve.config import WEIGHT_CHOICES
 from kvserve.models.registry import DEFAULT_MODEL
 
 
@@ -31,7 +32,7 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--prefix-share", type=int, default=0, help="tokens of a prefix already in the cache")
     p.add_argument("--compare", default="", help="peers to run alongside: llama.cpp")
     p.add_argument("--repeats", type=int, default=3, help="A B pairs per workload; medians are reported")
-    p.add_argument("--weights", default="f32", choices=("f32", "bf16"))
+    p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES)
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT")
     p.add_argument("--plot", default=None, metavar="OUT.png")
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     peers = _peers(args)
     console = Console(stderr=True)
     loaded = load_model(args.model, auto_pull=True, weight_format=args.weights)
-    runners = [KVServeRunner(loaded, args.weights), *peers]
+    runners = [KVServeRunner(loaded), *peers]
     rng = random.Random(0)
     vocab = min(loaded.config.vocab_size, 32000)
     shared = [rng.randrange(100, vocab) for _ in range(args.prefix_share)]
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                     console.print(f"{name} {cache_type} prompt {plen} x{conc}: TTFT {row.ttft_ms:.0f} ms, "
                                   f"decode {row.decode_tok_s:.1f} tok/s, aggregate {row.aggregate_tok_s:.1f}")
     bandwidth = measured_bandwidth()
-    print_table(rows, roofline(loaded, rows, bandwidth, args.weights), bandwidth)
+    print_table(rows, roofline(loaded, rows, bandwidth), bandwidth)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump([r.as_dict() for r in rows], f, indent=2)

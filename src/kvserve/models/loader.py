@@ -42,6 +42,8 @@ def load_model(
     auto_pull: bool = False,
     weight_format: str = "f32",
 ) -> LoadedModel:
+    """weight_format: one of ``models.linear.WEIGHT_FORMATS``, or "auto": q4 for a GGUF file on the CPU
+    (its 4-bit tensors stay 4-bit), f32 otherwise."""
     start = time.perf_counter()
     path = resolve(model, auto_pull=auto_pull)
     dev = pick_device(device)
@@ -60,6 +62,8 @@ def load_model(
         tokenizer = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") else None
         weights = load_gguf_weights(gf, config, progress)
         weight_types = gf.header.bytes_by_type()
+    if weight_format == "auto":
+        weight_format = "q4" if dev.type == "cpu" and not path.is_dir() else "f32"
     try:
         lm = DecoderLM(config, weights, dev, dtype, weight_format)
     except KeyError as e:

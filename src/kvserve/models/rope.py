@@ -38,7 +38,8 @@ def _llama3_scale(inv_freq: torch.Tensor, s) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables grown on demand; ``apply`` rotates q or k at explicit positions."""
+    """cos/sin tables grown on demand (sin with the rotation's sign folded into its first half);
+    ``apply_rotary`` rotates q and k at explicit positions."""
 
     def __init__(self, inv_freq: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
         self.inv_freq = inv_freq
@@ -53,7 +54,9 @@ class RotaryEmbedding:
         freqs = torch.outer(t, self.inv_freq)  # [length, head_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(self.device, self.dtype)
-        self.sin = emb.sin().to(self.device, self.dtype)
+        sin = emb.sin()
+        sin[:, : sin.shape[1] // 2].neg_()  # sign folded in: apply_rotary needs no negation
+        self.sin = sin.to(self.device, self.dtype)
 
     def tables(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each position: [num_tokens, 1, head_dim] (broadcast over heads)."""
@@ -65,6 +68,5 @@ class RotaryEmbedding:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, num_heads, head_dim]."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1); sin carries the (-, +) signs
     return x * cos + rotated * sin

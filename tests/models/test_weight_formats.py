@@ -1,0 +1,86 @@
+"""The weight formats of ``models.linear``: each row of a batch is computed exactly as it would be
+alone, int8 and 4-bit stay within stated error of f32, and q4 takes the 4-bit path only for tensors
+that are 4-bit already (the conversion is then exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.models.linear import INT4_GROUP, DenseLinear, Int4Linear, Int8Linear, int4_groups, make_linear
+
+CPU = torch.device("cpu")
+
+
+def four_bit_weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """A weight as a GGUF Q4_1 tensor dequantizes: per group of 32, lo + scale * q with q in 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    groups = inp // INT4_GROUP
+    q = torch.randint(0, 16, (out, groups, INT4_GROUP), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # every group spans its full range, as the quantizer makes it
+    scale = torch.rand(out, groups, 1, generator=g) * 0.01 + 1e-3
+    lo = -torch.rand(out, groups, 1, generator=g) * 0.1
+    return (lo + scale * q).view(out, inp)
+
+
+def formats(weight):
+    return {fmt: make_linear(weight, None, fmt, CPU, torch.float32) for fmt in ("f32", "bf16", "int8", "q4")}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_each_row_computed_as_alone(fmt):
+    """Integer accumulation with per-row scales (the dense BLAS formats may differ in the last bit
+    between a GEMV and a GEMM)."""
+    lin = formats(four_bit_weight(256, 192))[fmt]
+    x = torch.randn(19, 192, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 30, 192)
+    batched = lin(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(lin(x[i : i + 1])[0], batched[i])
+    assert torch.equal(lin(x[3:10]), batched[3:10])
+
+
+def test_q4_takes_four_bit_tensors_exactly_and_falls_back_to_int8():
+    w4 = four_bit_weight(128, 256)
+    codes, scale, lo, exact = int4_groups(w4)
+    assert exact
+    recovered = (lo[..., None] + scale[..., None] * codes.view(128, -1, INT4_GROUP).float()).view(128, 256)
+    assert torch.allclose(recovered, w4, rtol=0, atol=1e-6)
+    assert isinstance(make_linear(w4, None, "q4", CPU, torch.float32), Int4Linear)
+    dense = torch.randn(128, 256)
+    assert not int4_groups(dense)[3]
+    assert isinstance(make_linear(dense, None, "q4", CPU, torch.float32), Int8Linear)
+    assert isinstance(make_linear(dense, None, "f32", CPU, torch.float32), DenseLinear)
+
+
+@pytest.mark.parametrize("fmt, bound", [("bf16", 0.01), ("int8", 0.01), ("q4", 0.01)])
+def test_close_to_f32_with_activation_outliers(fmt, bound):
+    """Relative error of the output, with a few activation channels 100x the rest (as SmolLM2 has):
+    int8's two activation digits keep it as small as bf16's."""
+    w = four_bit_weight(384, 256, seed=2)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3))
+    x[:, [5, 77, 200]] *= 100
+    lins = formats(w)
+    ref = lins["f32"](x)
+    err = (lins[fmt](x) - ref).norm() / ref.norm()
+    assert 0 < err < bound
+
+
+def test_int8_one_digit_would_not_do():
+    """Why two activation digits: against the int8 weights themselves, an outlier channel makes one
+    digit's rounding error over 100x the two digits'."""
+    lin = Int8Linear(torch.randn(256, 256), None)
+    x = torch.randn(4, 256)
+    x[:, 9] *= 300
+    exact = x @ lin.weight.t()
+    amax = x.abs().amax(1, keepdim=True)
+    one_digit = ((x * 127 / amax).round() * amax / 127) @ lin.weight.t()
+    assert (lin(x) - exact).norm() * 100 < (one_digit - exact).norm()
+
+
+def test_unknown_format_and_bias():
+    with pytest.raises(ValueError, match="unknown weight format"):
+        make_linear(torch.randn(4, 32), None, "int3", CPU, torch.float32)
+    w, b = four_bit_weight(64, 64), torch.randn(64)
+    x = torch.randn(3, 64)
+    for fmt, lin in ((f, make_linear(w, b, f, CPU, torch.float32)) for f in ("int8", "q4")):
+        assert torch.allclose(lin(x), x @ w.t() + b, rtol=0, atol=0.05), fmt
