@@ -97,7 +97,7 @@ def test_attention_from_codes_equals_attention_on_dequantized(name):
     codec_k, codec_v = storage.k_codec, storage.v_codec
     kd = codec_k.unrotate(codec_k.decode(codec_k.encode(k), torch.float32))
     vd = codec_v.unrotate(codec_v.decode(codec_v.encode(v), torch.float32))
-    ref = sequence_attention(q, kd, vd, 0, None, 0.125)
+    ref = sequence_attention(q, kd.transpose(0, 1), vd.transpose(0, 1), 0, None, 0.125)
     assert torch.allclose(out_pre, ref[:12], atol=1e-5, rtol=1e-4)
     assert torch.allclose(out_dec, ref[12:], atol=1e-5, rtol=1e-4)
 

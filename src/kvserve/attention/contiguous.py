@@ -22,4 +22,4 @@ class ContiguousKVCache:
             self.values[layer] = torch.cat([self.values[layer], v])
         keys = self.keys[layer]
         q_start = keys.shape[0] - q.shape[0]
-        return sequence_attention(q, keys, self.values[layer], q_start, window, scale)
+        return sequence_attention(q, keys.transpose(0, 1), self.values[layer].transpose(0, 1), q_start, window, scale)

@@ -28,12 +28,11 @@ def sequence_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None, scale: float
 ) -> torch.Tensor:
     """q: [num_q, num_heads, head_dim] at positions q_start..q_start+num_q-1;
-    k, v: [num_keys, num_kv_heads, head_dim] at positions 0..num_keys-1 (num_keys = q_start + num_q).
-    Returns [num_q, num_heads, head_dim]."""
-    num_q, num_keys = q.shape[0], k.shape[0]
-    kt = k.transpose(0, 1)  # [num_kv_heads, num_keys, head_dim]
-    vt = v.transpose(0, 1)
-    gqa = q.shape[1] != k.shape[1]
+    k, v: head-major [num_kv_heads, num_keys, head_dim] at positions 0..num_keys-1
+    (num_keys = q_start + num_q). Returns [num_q, num_heads, head_dim]."""
+    num_q, num_keys = q.shape[0], k.shape[1]
+    kt, vt = k, v
+    gqa = q.shape[1] != k.shape[0]
     out = torch.empty_like(q)
     for start in range(0, num_q, QUERY_TILE):
         end = min(start + QUERY_TILE, num_q)

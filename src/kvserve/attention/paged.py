@@ -9,6 +9,7 @@ tokens (one query per sequence) are attended together in one batched call over b
 to the longest context, with a length mask:
 
     block_tables [num_decodes, max_blocks]   ->  K [num_decodes, num_kv_heads, max_blocks * block_size, head_dim]
+                                                 (one index_select of head-major blocks, no transpose)
     mask         key index < context_len (and > position - window in sliding-window layers)
 """
 
@@ -38,6 +39,7 @@ class DecodeBatch:
     token_rows: torch.Tensor  # [num_decodes] row of each decode token in the flat batch
     block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
     context_lens: torch.Tensor  # [num_decodes]
+    only_decodes: bool = False  # the step's tokens are exactly these, in order (rows 0..n-1)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [num_decodes, 1, 1, keys]
 
     def mask(self, window: int | None, num_keys: int) -> torch.Tensor:
@@ -59,7 +61,8 @@ class PagedAttentionMetadata:
 
 
 def build_decode_batch(
-    token_rows: list[int], tables: list[list[int]], context_lens: list[int], device: torch.device
+    token_rows: list[int], tables: list[list[int]], context_lens: list[int], device: torch.device,
+    num_tokens: int | None = None,
 ) -> DecodeBatch:
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
@@ -67,6 +70,7 @@ def build_decode_batch(
         torch.tensor(token_rows, dtype=torch.long, device=device),
         torch.tensor(padded, dtype=torch.long, device=device),
         torch.tensor(context_lens, dtype=torch.long, device=device),
+        only_decodes=num_tokens == len(token_rows) and token_rows == list(range(len(token_rows))),
     )
 
 
@@ -81,6 +85,9 @@ class PagedAttention:
         storage = self.storage
         storage.write(layer, self.metadata.slot_mapping, k, v)
         q = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
+        d = self.metadata.decodes
+        if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
+            return storage.v_codec.unrotate(self._decode_attention(layer, q, window, scale))
         out = torch.empty_like(q)
         for s in self.metadata.sequences:
             keys, values = storage.gather(layer, s.block_table, s.context_len, q.dtype)
@@ -88,19 +95,16 @@ class PagedAttention:
             out[s.query_start : s.query_start + s.query_len] = sequence_attention(
                 qs, keys, values, s.context_len - s.query_len, window, scale
             )
-        if self.metadata.decodes is not None:
-            self._attend_decodes(layer, q, out, window, scale)
+        if d is not None:
+            out.index_copy_(0, d.token_rows, self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale))
         return storage.v_codec.unrotate(out)  # values were summed in their rotated domain
 
-    def _attend_decodes(self, layer, q, out, window, scale) -> None:
+    def _decode_attention(self, layer, q, window, scale) -> torch.Tensor:
+        """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]."""
         d = self.metadata.decodes
-        keys, values = self.storage.read_blocks(layer, d.block_tables, q.dtype)
-        # [n, width, block_size, kv_heads, head_dim] -> [n, kv_heads, width * block_size, head_dim]
-        keys = keys.flatten(1, 2).transpose(1, 2)
-        values = values.flatten(1, 2).transpose(1, 2)
-        qd = q.index_select(0, d.token_rows).unsqueeze(2)  # [n, heads, 1, head_dim]
+        keys, values = self.storage.read_blocks(layer, d.block_tables, q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])
         o = F.scaled_dot_product_attention(
-            qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
         )
-        out.index_copy_(0, d.token_rows, o.squeeze(2))
+        return o.squeeze(2)

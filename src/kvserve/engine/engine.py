@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig
+from kvserve.engine.malloc import keep_freed_pages
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import Request, RequestStatus
@@ -18,8 +19,8 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import PromptTooLongError
 from kvserve.kv.auto_type import context_advice
-from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.kv_types import kv_bytes_per_token, pool_num_blocks
+from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.models.loader import LoadedModel, load_model
 
@@ -50,6 +51,7 @@ def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> Pool
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        keep_freed_pages()
         self.config = config
         self.loaded = loaded
         self.model_config = loaded.config

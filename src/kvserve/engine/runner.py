@@ -52,7 +52,9 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
                 ready.append(r)
         device = self.device
-        decodes = build_decode_batch(decode_rows, decode_tables, decode_lens, device) if decode_rows else None
+        decodes = None
+        if decode_rows:
+            decodes = build_decode_batch(decode_rows, decode_tables, decode_lens, device, len(input_ids))
         metadata = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), sequences, decodes)
         hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),

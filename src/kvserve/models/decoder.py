@@ -49,6 +49,8 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype != weight.dtype:  # a bf16 projection output (q4 weights) is normalized in f32
+        x = x.to(weight.dtype)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one op: ~60 of them per decode step
 
 

@@ -6,9 +6,10 @@
     int8   int8 weights with one scale per output row; activations split per token into two int8
            digits (x ~ s * (q1 + q2 / 254)), so the product is exact integer arithmetic and the only
            rounding that matters is the weights'.
-    q4     4-bit weights in groups of 32 (a scale and an offset each) for every tensor that is
-           already 4-bit in the file (GGUF Q4_0, Q4_1, Q4_K: the conversion is exact up to bf16
-           scales), int8 as above for the rest (SmolLM2's Q8_0 embedding / output head). The matmul
+    q4     4-bit weights in groups of 32 (a scale and an offset each) for every tensor whose groups
+           are exactly such a grid already (GGUF Q4_1, whose groups span their codes 0..15: the
+           conversion is exact up to bf16 scales), int8 as above for the rest (SmolLM2's Q8_0
+           embedding / output head; Q4_0 and Q4_K groups that do not span the full grid). The matmul
            is torch's int4 CPU kernel with bf16 activations. The fast decode format.
 
 Measured on SmolLM2 (Q4_1) over 1,024 tokens of text, teacher-forced, against f32 (tests/quality
@@ -126,10 +127,9 @@ class Int4Linear:
         self.nbytes = self.packed.numel() + self.scales_zeros.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_zeros
-        ).to(in_dtype)
+        """Returns bf16 (exactly what the kernel produced): the consumers (residual add, RoPE, the
+        activation) promote it as they go, which saves a conversion op per call."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_zeros)
         return y if self.bias is None else y + self.bias
 
 
