@@ -123,3 +123,23 @@ def test_unsupported_shapes_are_clear_errors():
         make_codec("q8_0", 80)
     with pytest.raises(ValueError, match="unknown KV cache type"):
         make_codec("q3_k", 64)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_rotated_decode_reads_the_codes_pack_bits_wrote(bits):
+    """The fast table / word unpacking of the rotated codecs against the bit-plane reference."""
+    from kvserve.kv.codecs import RotatedCodec
+
+    codec = RotatedCodec(64, bits)
+    codes = torch.randint(0, 2**bits, (5, 3, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert torch.equal(unpack_bits(packed, bits, 64), codes)
+    assert torch.equal(codec._values(packed, torch.float32), codec.codebook[codes.long()])
+
+
+def test_nibble_unpacking_equals_bit_unpacking():
+    from kvserve.kv.codecs import unpack_nibbles
+
+    codes = torch.randint(0, 16, (7, 2, 64), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
+    packed = pack_bits(codes, 4)
+    assert torch.equal(unpack_nibbles(packed), codes)

@@ -72,7 +72,10 @@ def write_plot(rows: list[BenchRow], path: str) -> None:
         ax2.plot(x, [r.ttft_ms for r in rs], marker="o", label=f"{engine} {kv}")
     ax1.set(xlabel="context (prompt tokens)", ylabel="decode tok/s", title="Decode speed vs context", xscale="log")
     ax2.set(xlabel="prompt tokens", ylabel="TTFT ms", title="Time to first token", xscale="log", yscale="log")
+    lens = sorted({r.prompt_len for rs in series.values() for r in rs})
     for ax in (ax1, ax2):
+        ax.minorticks_off()
+        ax.set_xticks(lens, [str(n) for n in lens])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

