@@ -96,7 +96,8 @@ class PagedAttention:
                 qs, keys, values, s.context_len - s.query_len, window, scale
             )
         if d is not None:
-            out.index_copy_(0, d.token_rows, self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale))
+            decoded = self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale)
+            out.index_copy_(0, d.token_rows, decoded)
         return storage.v_codec.unrotate(out)  # values were summed in their rotated domain
 
     def _decode_attention(self, layer, q, window, scale) -> torch.Tensor:

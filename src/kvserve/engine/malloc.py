@@ -30,5 +30,6 @@ def keep_freed_pages() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    mmap_ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX))
+    _done = mmap_ok and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done

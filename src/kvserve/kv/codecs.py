@@ -229,7 +229,8 @@ class RotatedCodec(KVCodec):
             table = self._byte_tables[key]
             return table.index_select(0, packed.flatten().int()).view(*packed.shape[:-1], self.head_dim)
         words = packed.unflatten(-1, (-1, self.bits)).int()  # 8 codes in `bits` little-endian bytes
-        word = (words << (8 * torch.arange(self.bits, device=packed.device, dtype=torch.int32))).sum(-1, dtype=torch.int32)
+        byte_shifts = 8 * torch.arange(self.bits, device=packed.device, dtype=torch.int32)
+        word = (words << byte_shifts).sum(-1, dtype=torch.int32)
         shifts = torch.arange(8, device=packed.device, dtype=torch.int32) * self.bits
         codes = (word.unsqueeze(-1) >> shifts) & ((1 << self.bits) - 1)
         return codebook.index_select(0, codes.flatten()).view(*packed.shape[:-1], self.head_dim)

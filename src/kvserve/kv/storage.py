@@ -34,7 +34,8 @@ class PagedKVStorage:
         self.v_codec: KVCodec = make_codec(cache_type_v or cache_type, config.head_dim)
 
         def allocate(codec: KVCodec) -> list[torch.Tensor]:
-            return [torch.zeros((heads, num_blocks, block_size, w), dtype=d, device=device) for w, d in codec.part_specs()]
+            return [torch.zeros((heads, num_blocks, block_size, w), dtype=d, device=device)
+                    for w, d in codec.part_specs()]
 
         self.k = [allocate(self.k_codec) for _ in range(config.num_layers)]
         self.v = [allocate(self.v_codec) for _ in range(config.num_layers)]
@@ -51,7 +52,8 @@ class PagedKVStorage:
             for stored, encoded in zip(parts, codec.encode(x)):
                 stored.view(-1, stored.shape[-1]).index_copy_(0, flat, encoded.transpose(0, 1).flatten(0, 1))
 
-    def _read(self, parts: list[torch.Tensor], codec: KVCodec, block_tables: torch.Tensor, dtype) -> torch.Tensor:
+    def _read(self, parts: list[torch.Tensor], codec: KVCodec, block_tables: torch.Tensor, dtype
+              ) -> torch.Tensor:
         rows = (self._head_offsets + block_tables.unsqueeze(-2)).flatten()  # [..., heads, n] -> block rows
         blocks = [p.view(-1, self.block_size * p.shape[-1]).index_select(0, rows) for p in parts]
         shape = (*block_tables.shape[:-1], self.num_kv_heads, block_tables.shape[-1] * self.block_size, -1)

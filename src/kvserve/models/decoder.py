@@ -138,7 +138,8 @@ class DecoderLM:
             qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
             if layer.q_norm is not None:
                 q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-                qk = torch.cat([rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)], 1)
+                eps = cfg.rms_norm_eps
+                qk = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)], 1)
             cos, sin = local_tables if sliding else rope_tables
             q, k = apply_rotary(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # q and k in one go
             window = cfg.sliding_window if sliding else None

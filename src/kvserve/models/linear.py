@@ -119,7 +119,9 @@ class Int4Linear:
     """4-bit groups through torch's int4 CPU matmul, bf16 activations. The kernel's convention is
     w = (q - 8) * scale + zero, so zero = lo + 8 * scale."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         zero = lo + 8 * scale
         self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
@@ -129,7 +131,8 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Returns bf16 (exactly what the kernel produced): the consumers (residual add, RoPE, the
         activation) promote it as they go, which saves a conversion op per call."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_zeros)
+        x = x.to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
         return y if self.bias is None else y + self.bias
 
 
@@ -141,7 +144,9 @@ def make_linear(
     weight = weight.to(device)
     bias = None if bias is None else bias.to(device)
     if fmt in ("int8", "q4") and device.type != "cpu":
-        raise ValueError(f"--weights {fmt} uses torch's CPU integer kernels; use f32 or bf16 on {device.type}")
+        raise ValueError(
+            f"--weights {fmt} uses torch's CPU integer kernels; use f32 or bf16 on {device.type}"
+        )
     if fmt == "q4" and weight.shape[1] % INT4_GROUP == 0:
         codes, scale, lo, exact = int4_groups(weight)
         if exact:
