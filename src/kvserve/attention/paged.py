@@ -80,17 +80,21 @@ class PagedAttention:
     def __init__(self, storage: PagedKVStorage, metadata: PagedAttentionMetadata) -> None:
         self.storage = storage
         self.metadata = metadata
+        # index rows shared by every layer of this forward
+        self.slot_rows = storage.slot_rows(metadata.slot_mapping)
+        self.sequence_rows = [storage.block_rows(s.block_table) for s in metadata.sequences]
+        self.decode_rows = None if metadata.decodes is None else storage.block_rows(metadata.decodes.block_tables)
 
     def attend(self, layer, q, k, v, window, scale):
         storage = self.storage
-        storage.write(layer, self.metadata.slot_mapping, k, v)
+        storage.write(layer, self.slot_rows, k, v)
         q = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
         d = self.metadata.decodes
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
             return storage.v_codec.unrotate(self._decode_attention(layer, q, window, scale))
         out = torch.empty_like(q)
-        for s in self.metadata.sequences:
-            keys, values = storage.gather(layer, s.block_table, s.context_len, q.dtype)
+        for s, rows in zip(self.metadata.sequences, self.sequence_rows):
+            keys, values = storage.gather(layer, rows, s.context_len, q.dtype)
             qs = q[s.query_start : s.query_start + s.query_len]
             out[s.query_start : s.query_start + s.query_len] = sequence_attention(
                 qs, keys, values, s.context_len - s.query_len, window, scale
@@ -103,7 +107,7 @@ class PagedAttention:
     def _decode_attention(self, layer, q, window, scale) -> torch.Tensor:
         """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]."""
         d = self.metadata.decodes
-        keys, values = self.storage.read_blocks(layer, d.block_tables, q.dtype)  # [n, kv_heads, keys, head_dim]
+        keys, values = self.storage.read_blocks(layer, self.decode_rows, q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]

@@ -218,11 +218,12 @@ class RotatedCodec(KVCodec):
         ~800K codes per layer: a 2- or 4-bit byte goes through a 256-entry table of its codebook
         values in one lookup, 3-bit codes are cut from 24-bit words (the bit-plane ``unpack_bits``
         took 1.6 tok/s at 4K)."""
-        codebook = self._tensors(packed.device, torch.float32)[1].to(dtype)
         per_byte = 8 // self.bits if 8 % self.bits == 0 else 0
+        codebook = self._tensors(packed.device, torch.float32)[1]
         if per_byte:
             key = (packed.device, dtype)
             if key not in self._byte_tables:
+                codebook = codebook.to(dtype)
                 byte = torch.arange(256, device=packed.device)[:, None]
                 shifts = torch.arange(per_byte, device=packed.device) * self.bits
                 self._byte_tables[key] = codebook[(byte >> shifts) & ((1 << self.bits) - 1)]
@@ -233,7 +234,7 @@ class RotatedCodec(KVCodec):
         word = (words << byte_shifts).sum(-1, dtype=torch.int32)
         shifts = torch.arange(8, device=packed.device, dtype=torch.int32) * self.bits
         codes = (word.unsqueeze(-1) >> shifts) & ((1 << self.bits) - 1)
-        return codebook.index_select(0, codes.flatten()).view(*packed.shape[:-1], self.head_dim)
+        return codebook.to(dtype).index_select(0, codes.flatten()).view(*packed.shape[:-1], self.head_dim)
 
 
 # --- bit packing ----------------------------------------------------------------------------------

@@ -11,10 +11,20 @@ indexing was 14x slower, measured). K and V may use different codecs (``--cache-
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvserve.config import ModelConfig
 from kvserve.kv.codecs import KVCodec, make_codec
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRows:
+    """Block tables turned into rows of the head-major pools, and the shape they read back as."""
+
+    rows: torch.Tensor
+    shape: tuple[int, ...]
 
 
 class PagedKVStorage:
@@ -45,31 +55,37 @@ class PagedKVStorage:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for layer in self.k + self.v for p in layer)
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [num_tokens, num_kv_heads, head_dim] encoded and stored at their flat slots."""
-        flat = (self._head_offsets * self.block_size + slot_mapping[None, :]).flatten()  # [heads * tokens]
+    def slot_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The flat row of each (head, token) slot: computed once per forward, used by every layer."""
+        return (self._head_offsets * self.block_size + slot_mapping[None, :]).flatten()  # [heads * tokens]
+
+    def block_rows(self, block_tables: torch.Tensor) -> BlockRows:
+        """The head-major block rows of block_tables [..., n]: computed once per forward."""
+        rows = (self._head_offsets + block_tables.unsqueeze(-2)).flatten()  # [..., heads, n] -> block rows
+        shape = (*block_tables.shape[:-1], self.num_kv_heads, block_tables.shape[-1] * self.block_size, -1)
+        return BlockRows(rows, shape)
+
+    def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_tokens, num_kv_heads, head_dim] encoded and stored at their ``slot_rows``."""
         for parts, codec, x in ((self.k[layer], self.k_codec, k), (self.v[layer], self.v_codec, v)):
             for stored, encoded in zip(parts, codec.encode(x)):
-                stored.view(-1, stored.shape[-1]).index_copy_(0, flat, encoded.transpose(0, 1).flatten(0, 1))
+                stored.view(-1, stored.shape[-1]).index_copy_(0, slot_rows, encoded.transpose(0, 1).flatten(0, 1))
 
-    def _read(self, parts: list[torch.Tensor], codec: KVCodec, block_tables: torch.Tensor, dtype
-              ) -> torch.Tensor:
-        rows = (self._head_offsets + block_tables.unsqueeze(-2)).flatten()  # [..., heads, n] -> block rows
-        blocks = [p.view(-1, self.block_size * p.shape[-1]).index_select(0, rows) for p in parts]
-        shape = (*block_tables.shape[:-1], self.num_kv_heads, block_tables.shape[-1] * self.block_size, -1)
-        return codec.decode([b.view(shape) for b in blocks], dtype)
+    def _read(self, parts: list[torch.Tensor], codec: KVCodec, block_rows: BlockRows, dtype) -> torch.Tensor:
+        blocks = [p.view(-1, self.block_size * p.shape[-1]).index_select(0, block_rows.rows) for p in parts]
+        return codec.decode([b.view(block_rows.shape) for b in blocks], dtype)
 
     def read_blocks(
-        self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype
+        self, layer: int, block_rows: BlockRows, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded K and V of the given blocks: block_tables [..., n] -> [..., kv_heads, n * block_size,
+        """Decoded K and V of the given blocks: block tables [..., n] -> [..., kv_heads, n * block_size,
         head_dim], in the codec's attention domain (rotated for rotated codecs)."""
-        return (self._read(self.k[layer], self.k_codec, block_tables, dtype),
-                self._read(self.v[layer], self.v_codec, block_tables, dtype))
+        return (self._read(self.k[layer], self.k_codec, block_rows, dtype),
+                self._read(self.v[layer], self.v_codec, block_rows, dtype))
 
     def gather(
-        self, layer: int, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype = torch.float32
+        self, layer: int, block_rows: BlockRows, num_tokens: int, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_tokens`` K/V of one sequence: head-major [num_kv_heads, num_tokens, head_dim]."""
-        k, v = self.read_blocks(layer, block_table, dtype)
+        k, v = self.read_blocks(layer, block_rows, dtype)
         return k[:, :num_tokens], v[:, :num_tokens]
