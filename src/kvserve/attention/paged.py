@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import native_decode
 from kvserve.attention.ops import sequence_attention
 from kvserve.kv.storage import PagedKVStorage
 
@@ -83,7 +84,10 @@ class PagedAttention:
         # index rows shared by every layer of this forward
         self.slot_rows = storage.slot_rows(metadata.slot_mapping)
         self.sequence_rows = [storage.block_rows(s.block_table) for s in metadata.sequences]
-        self.decode_rows = None if metadata.decodes is None else storage.block_rows(metadata.decodes.block_tables)
+        self.native = None if metadata.decodes is None else native_decode.for_storage(storage)
+        self.decode_rows = None
+        if metadata.decodes is not None and self.native is None:
+            self.decode_rows = storage.block_rows(metadata.decodes.block_tables)
 
     def attend(self, layer, q, k, v, window, scale):
         storage = self.storage
@@ -107,6 +111,8 @@ class PagedAttention:
     def _decode_attention(self, layer, q, window, scale) -> torch.Tensor:
         """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]."""
         d = self.metadata.decodes
+        if self.native is not None:  # reads the blocks in place, quantized or not
+            return self.native(layer, q, d.block_tables, d.context_lens, window, scale)
         keys, values = self.storage.read_blocks(layer, self.decode_rows, q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])
         o = F.scaled_dot_product_attention(

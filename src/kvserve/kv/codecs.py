@@ -135,6 +135,10 @@ class FP8Codec(KVCodec):
         codes, scale = parts
         return codes.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
 
+    def code_table(self) -> torch.Tensor:
+        """The f32 value of each of the 256 codes (for kernels that decode by lookup)."""
+        return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
 
 # --- rotated low-bit codecs -----------------------------------------------------------------------
 
@@ -213,6 +217,23 @@ class RotatedCodec(KVCodec):
         packed, scale = parts
         return self._values(packed, dtype) * scale.to(dtype)
 
+    def code_table(self) -> torch.Tensor:
+        """For kernels that decode by lookup: 2-/4-bit codes -> [256, codes per byte] values of each
+        byte; 3-bit codes -> the 8 levels (unit-norm domain, times the stored norm)."""
+        if 8 % self.bits:
+            return self._tensors(torch.device("cpu"), torch.float32)[1]
+        return self._byte_table(torch.device("cpu"), torch.float32)
+
+    def _byte_table(self, device, dtype) -> torch.Tensor:
+        key = (device, dtype)
+        if key not in self._byte_tables:
+            per_byte = 8 // self.bits
+            codebook = self._tensors(device, torch.float32)[1].to(dtype)
+            byte = torch.arange(256, device=device)[:, None]
+            shifts = torch.arange(per_byte, device=device) * self.bits
+            self._byte_tables[key] = codebook[(byte >> shifts) & ((1 << self.bits) - 1)]
+        return self._byte_tables[key]
+
     def _values(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Codebook values of the packed codes, [..., head_dim]. A decode step at 4K context unpacks
         ~800K codes per layer: a 2- or 4-bit byte goes through a 256-entry table of its codebook
@@ -221,13 +242,7 @@ class RotatedCodec(KVCodec):
         per_byte = 8 // self.bits if 8 % self.bits == 0 else 0
         codebook = self._tensors(packed.device, torch.float32)[1]
         if per_byte:
-            key = (packed.device, dtype)
-            if key not in self._byte_tables:
-                codebook = codebook.to(dtype)
-                byte = torch.arange(256, device=packed.device)[:, None]
-                shifts = torch.arange(per_byte, device=packed.device) * self.bits
-                self._byte_tables[key] = codebook[(byte >> shifts) & ((1 << self.bits) - 1)]
-            table = self._byte_tables[key]
+            table = self._byte_table(packed.device, dtype)
             return table.index_select(0, packed.flatten().int()).view(*packed.shape[:-1], self.head_dim)
         words = packed.unflatten(-1, (-1, self.bits)).int()  # 8 codes in `bits` little-endian bytes
         byte_shifts = 8 * torch.arange(self.bits, device=packed.device, dtype=torch.int32)

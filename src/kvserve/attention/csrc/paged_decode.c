@@ -1,0 +1,379 @@
+/* Paged decode attention on the CPU, reading (possibly quantized) KV blocks in place.
+ *
+ * One query token per sequence. Work is split into tasks of (sequence, kv head, partition), a
+ * partition being a fixed range of PARTITION positions (a grid over absolute positions, so a
+ * sequence's result never depends on the batch it is in or on the thread count):
+ *
+ *     positions  0 ........ 255 | 256 ....... 511 | 512 .. ctx-1
+ *     task       (seq, kvh, 0)    (seq, kvh, 1)     (seq, kvh, 2)     -> (max, sum, acc) each
+ *     combine    out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M)
+ *
+ * Inside a task each block is decoded into a small f32 buffer (one block, in L1) and consumed at
+ * once by every query head of the kv head's group (GQA): the cache is read once, never expanded
+ * into a full-precision temporary. Storage is head-major [kv_heads, num_blocks, block_size, width]
+ * per part (codes, scales), as in kv/storage.py.
+ */
+#include <float.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_FP8, KV_TQ2, KV_TQ3, KV_TQ4 };
+
+#define GROUP 32
+#define PARTITION 256
+
+typedef struct {
+    int kind;
+    const uint8_t *codes;   /* part 0 of the layer */
+    const uint8_t *scales;  /* part 1 (q8_0/q4_0: f16 per group; fp8/tq: f16 per vector) or NULL */
+    int64_t code_stride;    /* bytes per head-vector in part 0 */
+    int64_t scale_stride;   /* bytes per head-vector in part 1 */
+    const float *table;     /* fp8: 256 values; tq2/tq4: 256 x codes-per-byte; tq3: 8 levels */
+} kv_part;
+
+static inline float half_to_float(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+static void halves_to_floats(const uint16_t *h, float *restrict dst, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) dst[i] = half_to_float(h[i]);
+}
+
+/* Packed codes decode fastest in a "lane order" that is not the element order: all low nibbles of
+ * a group, then all high nibbles. Scores do not care about the order of a dot product, so the kernel
+ * decodes keys and values in lane order, permutes the query into it once per task and the value sum
+ * back out of it at the end. lane_order[i] = element stored in lane i of a decoded head-vector. */
+static void lane_order(int kind, int D, int *order) {
+    for (int i = 0; i < D; i++) order[i] = i;
+    if (kind == KV_Q4_0) /* per group of 32: 16 low nibbles (even elements), then 16 high (odd) */
+        for (int i = 0; i < D; i++) order[i] = i / GROUP * GROUP + (i % GROUP < 16 ? 2 * (i % 16) : 2 * (i % 16) + 1);
+    if (kind == KV_TQ4) /* D/2 bytes: their low nibbles, then their high nibbles */
+        for (int i = 0; i < D; i++) order[i] = i < D / 2 ? 2 * i : 2 * (i - D / 2) + 1;
+    if (kind == KV_TQ2) /* D/4 bytes: code k of every byte, k = 0..3 */
+        for (int i = 0; i < D; i++) order[i] = 4 * (i % (D / 4)) + i / (D / 4);
+    if (kind == KV_TQ3) /* D/8 24-bit words: code k of every word, k = 0..7 */
+        for (int i = 0; i < D; i++) order[i] = 8 * (i % (D / 8)) + i / (D / 8);
+}
+
+/* nrows head-vectors starting at flat row `row` -> dst [nrows, D] f32, each in lane order. */
+static void decode_rows(const kv_part *p, int64_t row, int nrows, int D, float *restrict dst) {
+    const uint8_t *c = p->codes + row * p->code_stride;
+    const uint16_t *s = p->scales ? (const uint16_t *)(p->scales + row * p->scale_stride) : NULL;
+    const float *cb = p->table;
+    int n = nrows * D;
+    switch (p->kind) {
+    case KV_F32:
+        memcpy(dst, c, (size_t)n * 4);
+        break;
+    case KV_F16:
+        halves_to_floats((const uint16_t *)c, dst, n);
+        break;
+    case KV_BF16: {
+        const uint16_t *h = (const uint16_t *)c;
+        uint32_t *d = (uint32_t *)dst;
+        for (int i = 0; i < n; i++) d[i] = (uint32_t)h[i] << 16;
+        break;
+    }
+    case KV_Q8_0: {
+        const int8_t *q = (const int8_t *)c;
+        float d[n / GROUP];
+        halves_to_floats(s, d, n / GROUP);
+        for (int g = 0; g < n / GROUP; g++)
+            for (int j = 0; j < GROUP; j++) dst[g * GROUP + j] = (float)q[g * GROUP + j] * d[g];
+        break;
+    }
+    case KV_Q4_0: {
+        float d[n / GROUP];
+        halves_to_floats(s, d, n / GROUP);
+        for (int g = 0; g < n / GROUP; g++) {
+            const uint8_t *b = c + g * (GROUP / 2);
+            float *o = dst + g * GROUP;
+            for (int j = 0; j < GROUP / 2; j++) o[j] = (float)((int)(b[j] & 15) - 8) * d[g];
+            for (int j = 0; j < GROUP / 2; j++) o[GROUP / 2 + j] = (float)((int)(b[j] >> 4) - 8) * d[g];
+        }
+        break;
+    }
+    case KV_FP8:
+        for (int r = 0; r < nrows; r++) {
+            float d = half_to_float(s[r]);
+            for (int j = 0; j < D; j++) dst[r * D + j] = cb[c[r * D + j]] * d;
+        }
+        break;
+    case KV_TQ4: /* cb: [256][2], the value of each nibble is cb[2 * nibble] */
+        for (int r = 0; r < nrows; r++) {
+            const uint8_t *b = c + (int64_t)r * (D / 2);
+            float d = half_to_float(s[r]), *o = dst + r * D;
+            for (int j = 0; j < D / 2; j++) o[j] = cb[2 * (b[j] & 15)] * d;
+            for (int j = 0; j < D / 2; j++) o[D / 2 + j] = cb[2 * (b[j] >> 4)] * d;
+        }
+        break;
+    case KV_TQ2: /* cb: [256][4], the value of each 2-bit code is cb[4 * code] */
+        for (int r = 0; r < nrows; r++) {
+            const uint8_t *b = c + (int64_t)r * (D / 4);
+            float d = half_to_float(s[r]), *o = dst + r * D;
+            for (int k = 0; k < 4; k++)
+                for (int j = 0; j < D / 4; j++) o[k * (D / 4) + j] = cb[4 * ((b[j] >> (2 * k)) & 3)] * d;
+        }
+        break;
+    case KV_TQ3: /* cb: the 8 levels */
+        for (int r = 0; r < nrows; r++) {
+            const uint8_t *b = c + (int64_t)r * (D * 3 / 8);
+            float d = half_to_float(s[r]), *o = dst + r * D;
+            uint32_t words[D / 8];
+            for (int w = 0; w < D / 8; w++)
+                words[w] = b[3 * w] | (uint32_t)b[3 * w + 1] << 8 | (uint32_t)b[3 * w + 2] << 16;
+            for (int k = 0; k < 8; k++)
+                for (int w = 0; w < D / 8; w++) o[k * (D / 8) + w] = cb[(words[w] >> (3 * k)) & 7] * d;
+        }
+        break;
+    }
+}
+
+/* e^x for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial); branch-free so that
+ * the softmax loop vectorizes. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float k = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, 4);
+    return p * two_k;
+}
+
+typedef struct {
+    int num_heads, num_kv_heads, head_dim, num_blocks, block_size, window;
+    float scale;
+    const float *q;  /* [n, num_heads, head_dim] */
+    const int64_t *block_tables;
+    int64_t table_stride;
+    const int64_t *context_lens;
+    kv_part k, v;
+} problem;
+
+/* scores[g * PARTITION + r] = scale * (q_g . row_r) for the nr decoded rows of a block, every query
+ * head g of the group. G is a constant in each specialization (see block_scores), so the per-head
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void block_scores_g(const float *q, const float *rows, int nr, int D,
+                                                                 float scale, float *scores, const int G) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        for (int r = 0; r < nr; r++) {
+            __m512 a[G];
+            for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                __m512 k = _mm512_loadu_ps(rows + r * D + d);
+                for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k, a[g]);
+            }
+            for (int g = 0; g < G; g++) scores[g * PARTITION + r] = _mm512_reduce_add_ps(a[g]) * scale;
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < nr; r++) {
+            float dot = 0.0f;
+            for (int d = 0; d < D; d++) dot += q[g * D + d] * rows[r * D + d];
+            scores[g * PARTITION + r] = dot * scale;
+        }
+}
+
+/* acc_g += sum_r w[g * PARTITION + r] * row_r for every query head g; acc_g at out + g * (D + 2). */
+static inline __attribute__((always_inline)) void block_accumulate_g(const float *w, const float *rows, int nr,
+                                                                     int D, float *out, const int G) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        for (int d = 0; d < D; d += 16) {
+            __m512 a[G];
+            for (int g = 0; g < G; g++) a[g] = _mm512_loadu_ps(out + g * (D + 2) + d);
+            for (int r = 0; r < nr; r++) {
+                __m512 v = _mm512_loadu_ps(rows + r * D + d);
+                for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * PARTITION + r]), v, a[g]);
+            }
+            for (int g = 0; g < G; g++) _mm512_storeu_ps(out + g * (D + 2) + d, a[g]);
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < nr; r++)
+            for (int d = 0; d < D; d++) out[g * (D + 2) + d] += w[g * PARTITION + r] * rows[r * D + d];
+}
+
+#define DISPATCH_G(call_g, G)                                                                            \
+    switch (G) {                                                                                         \
+    case 1: call_g(1); break;                                                                            \
+    case 2: call_g(2); break;                                                                            \
+    case 3: call_g(3); break;                                                                            \
+    case 4: call_g(4); break;                                                                            \
+    case 5: call_g(5); break;                                                                            \
+    case 6: call_g(6); break;                                                                            \
+    case 8: call_g(8); break;                                                                            \
+    default: call_g(G); break;                                                                           \
+    }
+
+static void block_scores(const float *q, const float *rows, int nr, int D, float scale, float *scores, int G) {
+#define SCORES(g) block_scores_g(q, rows, nr, D, scale, scores, g)
+    DISPATCH_G(SCORES, G)
+#undef SCORES
+}
+
+static void block_accumulate(const float *w, const float *rows, int nr, int D, float *out, int G) {
+#define ACCUMULATE(g) block_accumulate_g(w, rows, nr, D, out, g)
+    DISPATCH_G(ACCUMULATE, G)
+#undef ACCUMULATE
+}
+
+/* One partition of one kv head of one sequence -> out[G][D + 2]: acc..., max, sum. */
+static void attend_partition(const problem *P, int seq, int kvh, int part, float *out, float *scores,
+                             float *block) {
+    int D = P->head_dim, G = P->num_heads / P->num_kv_heads, bs = P->block_size;
+    int64_t ctx = P->context_lens[seq];
+    int64_t lo = P->window > 0 && ctx > P->window ? ctx - P->window : 0;
+    int64_t begin = (int64_t)part * PARTITION, end = begin + PARTITION;
+    if (begin < lo) begin = lo;
+    if (end > ctx) end = ctx;
+    int len = (int)(end - begin);
+    for (int g = 0; g < G; g++) {
+        float *o = out + g * (D + 2);
+        memset(o, 0, sizeof(float) * D);
+        o[D] = -FLT_MAX;
+        o[D + 1] = 0.0f;
+    }
+    if (len <= 0) return;
+    const float *q_elems = P->q + ((int64_t)seq * P->num_heads + (int64_t)kvh * G) * D;
+    float q[G * D];
+    int order[D];
+    lane_order(P->k.kind, D, order);
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < D; i++) q[g * D + i] = q_elems[g * D + order[i]];
+    const int64_t *table = P->block_tables + seq * P->table_stride;
+    for (int pass = 0; pass < 2; pass++) {
+        const kv_part *kv = pass == 0 ? &P->k : &P->v;
+        for (int64_t t = begin; t < end;) {
+            int64_t b = t / bs, off = t % bs;
+            int nr = (int)(bs - off < end - t ? bs - off : end - t);
+            decode_rows(kv, ((int64_t)kvh * P->num_blocks + table[b]) * bs + off, nr, D, block);
+            int i0 = (int)(t - begin);
+            if (pass == 0)
+                block_scores(q, block, nr, D, P->scale, scores + i0, G);
+            else
+                block_accumulate(scores + i0, block, nr, D, out, G);
+            t += nr;
+        }
+        if (pass == 1) { /* the value sums back from the values' lane order */
+            lane_order(P->v.kind, D, order);
+            float lanes[D];
+            for (int g = 0; g < G; g++) {
+                float *acc = out + g * (D + 2);
+                memcpy(lanes, acc, sizeof(float) * D);
+                for (int i = 0; i < D; i++) acc[order[i]] = lanes[i];
+            }
+        }
+        if (pass == 0) {
+            for (int g = 0; g < G; g++) {
+                float *s = scores + g * PARTITION, m = -FLT_MAX, l = 0.0f;
+                for (int i = 0; i < len; i++) m = s[i] > m ? s[i] : m;
+                for (int i = 0; i < len; i++) {
+                    s[i] = exp_nonpositive(s[i] - m);
+                    l += s[i];
+                }
+                out[g * (D + 2) + D] = m;
+                out[g * (D + 2) + D + 1] = l;
+            }
+        }
+    }
+}
+
+static int num_partitions(int64_t ctx) { return (int)((ctx + PARTITION - 1) / PARTITION); }
+
+/* Returns 0, or -1 when the workspace could not be allocated. */
+int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim, const float *q, float *out,
+                           const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                           int num_blocks, int block_size, int window, float scale,
+                           int k_kind, const void *k_codes, const void *k_scales, int64_t k_code_stride,
+                           int64_t k_scale_stride, const float *k_table,
+                           int v_kind, const void *v_codes, const void *v_scales, int64_t v_code_stride,
+                           int64_t v_scale_stride, const float *v_table, int num_threads) {
+    problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q,
+                 block_tables, table_stride, context_lens,
+                 {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
+                 {v_kind, v_codes, v_scales, v_code_stride, v_scale_stride, v_table}};
+    int G = num_heads / num_kv_heads, D = head_dim;
+    int64_t *first = malloc(sizeof(int64_t) * (n + 1)); /* first task of each sequence */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int i = 0; i < n; i++) first[i + 1] = first[i] + (int64_t)num_kv_heads * num_partitions(context_lens[i]);
+    int64_t num_tasks = first[n];
+    float *partials = malloc(sizeof(float) * (size_t)num_tasks * G * (D + 2));
+    if (!partials) {
+        free(first);
+        return -1;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_tasks > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)G * PARTITION);
+        float *block = malloc(sizeof(float) * (size_t)block_size * D);
+        if (!scores || !block) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int seq = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            if (failed) continue;
+            while (first[seq + 1] <= task) seq++;
+            while (first[seq] > task) seq--;
+            int64_t local = task - first[seq];
+            int parts = num_partitions(context_lens[seq]);
+            attend_partition(&P, seq, (int)(local / parts), (int)(local % parts),
+                             partials + task * G * (D + 2), scores, block);
+        }
+        free(scores);
+        free(block);
+    }
+    if (!failed) {
+        for (int i = 0; i < n; i++) {
+            int parts = num_partitions(context_lens[i]);
+            for (int h = 0; h < num_heads; h++) {
+                int kvh = h / G, g = h % G;
+                const float *base = partials + (first[i] + (int64_t)kvh * parts) * G * (D + 2) + g * (D + 2);
+                int64_t step = (int64_t)G * (D + 2);
+                float M = -FLT_MAX, L = 0.0f;
+                for (int p = 0; p < parts; p++) M = base[p * step + D] > M ? base[p * step + D] : M;
+                float *o = out + ((int64_t)i * num_heads + h) * D;
+                memset(o, 0, sizeof(float) * D);
+                for (int p = 0; p < parts; p++) {
+                    const float *part = base + p * step;
+                    if (part[D + 1] == 0.0f) continue;
+                    float w = exp_nonpositive(part[D] - M);
+                    L += part[D + 1] * w;
+                    for (int d = 0; d < D; d++) o[d] += part[d] * w;
+                }
+                float inv = L > 0.0f ? 1.0f / L : 0.0f;
+                for (int d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+    }
+    free(partials);
+    free(first);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,91 @@
+"""Decode attention through the C kernel ``csrc/paged_decode.c``: reads the paged, possibly
+quantized blocks in place instead of gathering and dequantizing every sequence's history into a
+full-precision temporary each layer (what the torch path does).
+
+The kernel computes each (sequence, head) from its own blocks on a fixed grid of 256-position
+partitions, so a sequence's output is bitwise the same alone or in any batch, with any thread count.
+CPU only; on other devices, or where the kernel cannot be built, ``for_storage`` returns None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+from kvserve.attention import native
+from kvserve.kv.codecs import KVCodec
+from kvserve.kv.storage import PagedKVStorage
+
+# codec name -> kind in paged_decode.c
+KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8": 5, "tq2": 6, "tq3": 7, "tq4": 8}
+
+_i, _i64, _p, _f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_PART = [_i, _p, _p, _i64, _i64, _p]  # kind, codes, scales, code stride, scale stride, table
+_ARGTYPES = [_i, _i, _i, _i, _p, _p, _p, _i64, _p, _i, _i, _i, _f, *_PART, *_PART, _i]
+
+
+class NativeDecodeAttention:
+    """Decode attention over one ``PagedKVStorage``; argument packs per layer built once. Holds the
+    storage's tensor addresses, not the storage: it lives exactly as long as its ``for_storage`` entry."""
+
+    def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
+        self.num_kv_heads, self.num_blocks, self.block_size = storage.num_kv_heads, storage.num_blocks, storage.block_size
+        self.kernel = library.paged_decode_attention
+        self.kernel.argtypes = _ARGTYPES
+        self.kernel.restype = _i
+        self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
+        self.layer_args = [
+            (*self._part(storage.k[layer], storage.k_codec, self._tables[0]),
+             *self._part(storage.v[layer], storage.v_codec, self._tables[1]))
+            for layer in range(len(storage.k))
+        ]
+
+    @staticmethod
+    def _table(codec: KVCodec) -> torch.Tensor | None:
+        table = getattr(codec, "code_table", None)
+        return None if table is None else table().contiguous()
+
+    @staticmethod
+    def _part(parts: list[torch.Tensor], codec: KVCodec, table: torch.Tensor | None) -> tuple:
+        codes, scales = parts[0], parts[1] if len(parts) > 1 else None
+        assert all(p.is_contiguous() for p in parts)
+        return (
+            KINDS[codec.name], codes.data_ptr(), 0 if scales is None else scales.data_ptr(),
+            codes.shape[-1] * codes.element_size(), 0 if scales is None else scales.shape[-1] * scales.element_size(),
+            0 if table is None else table.data_ptr(),
+        )
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+        window: int | None, scale: float,
+    ) -> torch.Tensor:
+        """q: [n, heads, head_dim] (one query per sequence); block_tables [n, max_blocks] int64;
+        context_lens [n] int64. Returns [n, heads, head_dim] in q's dtype."""
+        n, heads, head_dim = q.shape
+        qf = q.float().contiguous()
+        out = torch.empty_like(qf)
+        rc = self.kernel(
+            n, heads, self.num_kv_heads, head_dim, qf.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), context_lens.data_ptr(), self.num_blocks, self.block_size, window or 0, scale,
+            *self.layer_args[layer], torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("paged decode attention: could not allocate its workspace")
+        return out.to(q.dtype)
+
+
+_BY_STORAGE: weakref.WeakKeyDictionary[PagedKVStorage, NativeDecodeAttention | None] = weakref.WeakKeyDictionary()
+
+
+def for_storage(storage: PagedKVStorage) -> NativeDecodeAttention | None:
+    """The kernel for this storage, or None (not on CPU, a codec it does not know, no compiler)."""
+    if storage not in _BY_STORAGE:
+        kernel = None
+        codecs_known = all(c.name in KINDS for c in (storage.k_codec, storage.v_codec))
+        if storage.k[0][0].device.type == "cpu" and codecs_known:
+            library = native.load("paged_decode")
+            kernel = None if library is None else NativeDecodeAttention(storage, library)
+        _BY_STORAGE[storage] = kernel
+    return _BY_STORAGE[storage]

@@ -1,0 +1,99 @@
+"""The C decode-attention kernel against the torch path over the same stored blocks, every KV type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention import native, native_decode
+from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, build_decode_batch
+from kvserve.config import ModelConfig
+from kvserve.kv.storage import PagedKVStorage
+
+BLOCK = 16
+NUM_BLOCKS = 96
+
+pytestmark = pytest.mark.skipif(native.load("paged_decode") is None, reason="no C compiler on this machine")
+
+
+def config(heads=6, kv_heads=2, head_dim=64) -> ModelConfig:
+    return ModelConfig(architecture="llama", num_layers=2, hidden_size=heads * head_dim, intermediate_size=8,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=8,
+                       max_position_embeddings=4096)
+
+
+def filled_storage(cfg, cache_type, context_lens, seed=0):
+    """Storage with random k/v written for sequences of the given lengths; their shuffled block tables."""
+    g = torch.Generator().manual_seed(seed)
+    storage = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, cache_type, torch.device("cpu"))
+    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables = []
+    for n in context_lens:
+        table = [free.pop() for _ in range(-(-n // BLOCK))]
+        tables.append(table)
+        slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)])
+        for layer in range(cfg.num_layers):
+            k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g)
+            v = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g)
+            storage.write(layer, storage.slot_rows(slots), k, v)
+    return storage, tables
+
+
+def decode(storage, tables, lens, q, layer, window, use_native):
+    batch = build_decode_batch(list(range(len(lens))), tables, lens, torch.device("cpu"), len(lens))
+    native_decode._BY_STORAGE.pop(storage, None)
+    if not use_native:
+        native_decode._BY_STORAGE[storage] = None
+    attn = PagedAttention(storage, PagedAttentionMetadata(torch.zeros(0, dtype=torch.long), [], batch))
+    assert (attn.native is not None) == use_native
+    return attn._decode_attention(layer, storage.k_codec.rotate(q), window, 0.125)
+
+
+@pytest.mark.parametrize("cache_type", list(native_decode.KINDS))
+def test_matches_torch_path_for_every_kv_type(cache_type):
+    cfg = config()
+    lens = [1, 17, 255, 256, 257, 700]  # around the 256-position partitions and 16-token blocks
+    storage, tables = filled_storage(cfg, cache_type, lens)
+    q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(1))
+    for layer, window in ((0, None), (1, 100)):
+        ours = decode(storage, tables, lens, q, layer, window, True)
+        reference = decode(storage, tables, lens, q, layer, window, False)
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
+
+
+def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch():
+    cfg = config(heads=9, kv_heads=3)
+    lens = [300, 5, 1030, 64]
+    storage, tables = filled_storage(cfg, "q8_0", lens, seed=3)
+    q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(4))
+    batched = decode(storage, tables, lens, q, 0, None, True)
+    for i in range(len(lens)):
+        alone = decode(storage, [tables[i]], [lens[i]], q[i : i + 1], 0, None, True)
+        assert torch.equal(alone[0], batched[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(decode(storage, tables, lens, q, 0, None, True), batched)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_without_a_compiler_the_torch_path_stays(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        assert native.load("paged_decode") is None
+    finally:
+        native.load.cache_clear()
+
+
+def test_a_broken_build_falls_back_with_the_reason(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-DPAGED_DECODE_FAIL", "-include", "missing-header.h"])
+    native.load.cache_clear()
+    try:
+        assert native.load("paged_decode") is None
+        assert "missing-header.h" in caplog.text
+    finally:
+        native.load.cache_clear()
