@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention import native, native_decode
+from kvserve import native
+from kvserve.attention import native_decode
 from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, build_decode_batch
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import PagedKVStorage

@@ -84,3 +84,19 @@ def test_unknown_format_and_bias():
     x = torch.randn(3, 64)
     for fmt, lin in ((f, make_linear(w, b, f, CPU, torch.float32)) for f in ("int8", "q4")):
         assert torch.allclose(lin(x), x @ w.t() + b, rtol=0, atol=0.05), fmt
+
+
+def test_int8_head_rows_alone_equal_batched_and_only_weights_are_rounded():
+    """The output head's kernel (f32 activations, int8 rows): row tiles of four plus a tail, each row
+    the same bits alone; the error is the int8 weights' alone."""
+    from kvserve.models.linear import Int8HeadLinear
+
+    weight = torch.randn(300, 192, generator=torch.Generator().manual_seed(2))
+    head = make_linear(weight, None, "int8", CPU, torch.float32, head=True)
+    assert isinstance(head, Int8HeadLinear)
+    x = torch.randn(19, 192, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 30, 192)
+    batched = head(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(head(x[i : i + 1])[0], batched[i])
+    rounded = head.q.double() * head.row_scale.double()[:, None]  # exactly the weights the kernel holds
+    torch.testing.assert_close(batched.double(), x.double() @ rounded.T, rtol=1e-5, atol=1e-4)

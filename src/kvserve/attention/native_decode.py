@@ -1,4 +1,4 @@
-"""Decode attention through the C kernel ``csrc/paged_decode.c``: reads the paged, possibly
+"""Decode attention through the C kernel ``native/paged_decode.c``: reads the paged, possibly
 quantized blocks in place instead of gathering and dequantizing every sequence's history into a
 full-precision temporary each layer (what the torch path does).
 
@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from kvserve.attention import native
+from kvserve import native
 from kvserve.kv.codecs import KVCodec
 from kvserve.kv.storage import PagedKVStorage
 

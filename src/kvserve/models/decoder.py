@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.models.linear import Linear, make_linear
+from kvserve.models.norms import add_rms_norm, rms_norm
 from kvserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
 
 
@@ -48,12 +49,6 @@ class LayerWeights:
     post_ffn_norm: torch.Tensor | None = None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype != weight.dtype:  # a bf16 projection output (q4 weights) is normalized in f32
-        x = x.to(weight.dtype)
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one op: ~60 of them per decode step
-
-
 class DecoderLM:
     def __init__(
         self,
@@ -68,8 +63,8 @@ class DecoderLM:
         self.dtype = dtype
         self.weight_format = weight_format
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return make_linear(weight, bias, weight_format, device, dtype)
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False) -> Linear:
+            return make_linear(weight, bias, weight_format, device, dtype, head)
 
         def w(name: str) -> torch.Tensor:
             # popped so each source tensor is freed as soon as its (fused) copy exists: the load
@@ -81,7 +76,7 @@ class DecoderLM:
 
         self.embed = w("token_embd.weight")  # [vocab, hidden]
         self.final_norm = w("output_norm.weight")
-        self.lm_head = linear(w("output.weight") if "output.weight" in weights else self.embed)
+        self.lm_head = linear(w("output.weight") if "output.weight" in weights else self.embed, head=True)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
@@ -131,14 +126,18 @@ class DecoderLM:
         max_pos = int(positions.max()) if n else 0
         rope_tables = self.rope.tables(positions, max_pos)
         local_tables = self.rope_local.tables(positions, max_pos) if self.rope_local is not self.rope else rope_tables
+        eps = cfg.rms_norm_eps
+        pending = None  # the last block's output, added to the residual stream by the next norm
         for i, layer in enumerate(self.layers):
             sliding = cfg.is_sliding(i)
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            if pending is None:
+                h = rms_norm(x, layer.attn_norm, eps)
+            else:
+                x, h = add_rms_norm(x, pending, layer.attn_norm, eps)
             qkv = layer.qkv(h).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
             qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
             if layer.q_norm is not None:
                 q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-                eps = cfg.rms_norm_eps
                 qk = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)], 1)
             cos, sin = local_tables if sliding else rope_tables
             q, k = apply_rotary(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # q and k in one go
@@ -146,15 +145,15 @@ class DecoderLM:
             o = attn.attend(i, q, k, v, window, self.scale)
             h = layer.o(o.reshape(n, self.q_dim))
             if layer.post_attn_norm is not None:
-                h = rms_norm(h, layer.post_attn_norm, cfg.rms_norm_eps)
-            x = x + h
-            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+                h = rms_norm(h, layer.post_attn_norm, eps)
+            x, h = add_rms_norm(x, h, layer.ffn_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            h = layer.down(self._act(gate) * up)
+            pending = layer.down(self._act(gate) * up)
             if layer.post_ffn_norm is not None:
-                h = rms_norm(h, layer.post_ffn_norm, cfg.rms_norm_eps)
-            x = x + h
-        return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+                pending = rms_norm(pending, layer.post_ffn_norm, eps)
+        if pending is None:
+            return rms_norm(x, self.final_norm, eps)
+        return add_rms_norm(x, pending, self.final_norm, eps)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

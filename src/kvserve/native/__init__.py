@@ -1,4 +1,4 @@
-"""Builds the C kernels in ``csrc/`` on first use and loads them with ctypes.
+"""Builds the C kernels of this directory on first use and loads them with ctypes.
 
 No build step for the user: the first call compiles the source with the machine's C compiler
 (``$CC``, else ``cc``/``gcc``) for this exact CPU (``-march=native``) into a cache directory, later
@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCE_DIR = Path(__file__).parent
 # Not -ffast-math: for shared objects gcc then links crtfastmath.o, which flushes denormals to zero
 # for the whole process. These flags allow only what the loops need to vectorize (reordered sums).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
@@ -68,7 +68,7 @@ def _build(cc: str, source: Path, target: Path) -> None:
 
 @cache
 def load(name: str) -> ctypes.CDLL | None:
-    """The compiled ``csrc/<name>.c``, or None when native kernels are off or cannot be built."""
+    """The compiled ``<name>.c``, or None when native kernels are off or cannot be built."""
     if os.environ.get("KVSERVE_NATIVE", "1") == "0":
         return None
     cc = compiler()

@@ -65,6 +65,33 @@ static void lane_order(int kind, int D, int *order) {
         for (int i = 0; i < D; i++) order[i] = 8 * (i % (D / 8)) + i / (D / 8);
 }
 
+/* tq2/tq4 rows: codes of `bits` bits, code k of each byte into lanes [k * D/per_byte, ...). The levels
+ * (at most 16) sit in one register and are picked with a permute instead of a memory gather. */
+static void decode_small_codes(int bits, const uint8_t *c, const uint16_t *s, const float *cb, int nrows, int D,
+                               float *restrict dst) {
+    int per_byte = 8 / bits, bytes = D / per_byte, mask = (1 << bits) - 1;
+    float levels[16] = {0};
+    for (int i = 0; i <= mask; i++) levels[i] = cb[per_byte * i];
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *b = c + (int64_t)r * bytes;
+        float d = half_to_float(s[r]), *o = dst + (int64_t)r * D;
+        int j = 0;
+#if defined(__AVX512F__)
+        __m512 lv = _mm512_loadu_ps(levels), dv = _mm512_set1_ps(d);
+        __m512i m = _mm512_set1_epi32(mask);
+        for (; j + 16 <= bytes; j += 16) {
+            __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + j)));
+            for (int k = 0; k < per_byte; k++) {
+                __m512i code = _mm512_and_si512(_mm512_srli_epi32(x, bits * k), m);
+                _mm512_storeu_ps(o + k * bytes + j, _mm512_mul_ps(_mm512_permutexvar_ps(code, lv), dv));
+            }
+        }
+#endif
+        for (; j < bytes; j++)
+            for (int k = 0; k < per_byte; k++) o[k * bytes + j] = levels[(b[j] >> (bits * k)) & mask] * d;
+    }
+}
+
 /* nrows head-vectors starting at flat row `row` -> dst [nrows, D] f32, each in lane order. */
 static void decode_rows(const kv_part *p, int64_t row, int nrows, int D, float *restrict dst) {
     const uint8_t *c = p->codes + row * p->code_stride;
@@ -98,8 +125,17 @@ static void decode_rows(const kv_part *p, int64_t row, int nrows, int D, float *
         for (int g = 0; g < n / GROUP; g++) {
             const uint8_t *b = c + g * (GROUP / 2);
             float *o = dst + g * GROUP;
+#if defined(__AVX512F__)
+            __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b)), eight = _mm512_set1_epi32(8);
+            __m512 dv = _mm512_set1_ps(d[g]);
+            __m512i lo = _mm512_sub_epi32(_mm512_and_si512(x, _mm512_set1_epi32(15)), eight);
+            __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(x, 4), eight);
+            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), dv));
+            _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), dv));
+#else
             for (int j = 0; j < GROUP / 2; j++) o[j] = (float)((int)(b[j] & 15) - 8) * d[g];
             for (int j = 0; j < GROUP / 2; j++) o[GROUP / 2 + j] = (float)((int)(b[j] >> 4) - 8) * d[g];
+#endif
         }
         break;
     }
@@ -110,20 +146,8 @@ static void decode_rows(const kv_part *p, int64_t row, int nrows, int D, float *
         }
         break;
     case KV_TQ4: /* cb: [256][2], the value of each nibble is cb[2 * nibble] */
-        for (int r = 0; r < nrows; r++) {
-            const uint8_t *b = c + (int64_t)r * (D / 2);
-            float d = half_to_float(s[r]), *o = dst + r * D;
-            for (int j = 0; j < D / 2; j++) o[j] = cb[2 * (b[j] & 15)] * d;
-            for (int j = 0; j < D / 2; j++) o[D / 2 + j] = cb[2 * (b[j] >> 4)] * d;
-        }
-        break;
     case KV_TQ2: /* cb: [256][4], the value of each 2-bit code is cb[4 * code] */
-        for (int r = 0; r < nrows; r++) {
-            const uint8_t *b = c + (int64_t)r * (D / 4);
-            float d = half_to_float(s[r]), *o = dst + r * D;
-            for (int k = 0; k < 4; k++)
-                for (int j = 0; j < D / 4; j++) o[k * (D / 4) + j] = cb[4 * ((b[j] >> (2 * k)) & 3)] * d;
-        }
+        decode_small_codes(p->kind == KV_TQ4 ? 4 : 2, c, s, cb, nrows, D, dst);
         break;
     case KV_TQ3: /* cb: the 8 levels */
         for (int r = 0; r < nrows; r++) {
