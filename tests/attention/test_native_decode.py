@@ -98,3 +98,23 @@ def test_a_broken_build_falls_back_with_the_reason(monkeypatch, tmp_path, caplog
         assert "missing-header.h" in caplog.text
     finally:
         native.load.cache_clear()
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0", "q4_0"])
+def test_the_c_writer_stores_the_codecs_own_codes(cache_type):
+    """Every part of the storage written by the C writer equals what the codec's torch encode stores
+    (q4_0 has no C writer: the fallback must be used)."""
+    cfg = config()
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=g)[:77]
+    k = torch.randn(77, cfg.num_kv_heads, cfg.head_dim, generator=g) * torch.logspace(-3, 2, cfg.head_dim)
+    v = torch.randn(77, cfg.num_kv_heads, cfg.head_dim, generator=g).to(torch.bfloat16)  # as q4 weights give
+    stored = []
+    for use_native in (True, False):
+        storage = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, cache_type, torch.device("cpu"))
+        write = native_decode.writer_for_storage(storage) if use_native else storage.write
+        assert isinstance(write, native_decode.NativeKVWrite) == use_native
+        write(1, storage.slot_rows(slots), k, v)
+        stored.append([p.clone() for p in storage.k[1] + storage.v[1]])
+    for ours, theirs in zip(*stored):
+        assert torch.equal(ours, theirs)

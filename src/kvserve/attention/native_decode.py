@@ -76,7 +76,56 @@ class NativeDecodeAttention:
         return out.to(q.dtype)
 
 
+WRITE_KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3}  # kinds in kv_write.c
+
+
+class NativeKVWrite:
+    """Encodes and stores this step's k/v in one C pass (``native/kv_write.c``) for the codecs it
+    knows (f32, f16, bf16, q8_0), the same codes as the codec's torch ``encode``; others keep
+    ``PagedKVStorage.write``."""
+
+    def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
+        self.storage = weakref.ref(storage)  # not the storage: the entry must not keep its key alive
+        self.kernel = library.kv_write
+        self.kernel.argtypes = [_i, _p, _i, _i, _i, _p, _p, _i64, _p, _i64]
+        self.layer_args = [
+            [self._part(parts, codec) for parts, codec in ((storage.k[layer], storage.k_codec),
+                                                           (storage.v[layer], storage.v_codec))]
+            for layer in range(len(storage.k))
+        ]
+
+    @staticmethod
+    def _part(parts: list[torch.Tensor], codec: KVCodec) -> tuple | None:
+        if codec.name not in WRITE_KINDS:
+            return None
+        codes, scales = parts[0], parts[1] if len(parts) > 1 else None
+        return (WRITE_KINDS[codec.name], codes.data_ptr(), codes.shape[-1] * codes.element_size(),
+                0 if scales is None else scales.data_ptr(),
+                0 if scales is None else scales.shape[-1] * scales.element_size())
+
+    def __call__(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_args, v_args = self.layer_args[layer]
+        if k_args is None or v_args is None:
+            return self.storage().write(layer, slot_rows, k, v)
+        tokens, heads, head_dim = k.shape
+        for x, (kind, codes, code_stride, scales, scale_stride) in ((k, k_args), (v, v_args)):
+            x = x.float().contiguous()
+            self.kernel(kind, x.data_ptr(), tokens, heads, head_dim, slot_rows.data_ptr(), codes, code_stride,
+                        scales, scale_stride)
+
+
 _BY_STORAGE: weakref.WeakKeyDictionary[PagedKVStorage, NativeDecodeAttention | None] = weakref.WeakKeyDictionary()
+
+
+_WRITERS: weakref.WeakKeyDictionary[PagedKVStorage, NativeKVWrite | None] = weakref.WeakKeyDictionary()
+
+
+def writer_for_storage(storage: PagedKVStorage):
+    """A callable ``(layer, slot_rows, k, v)`` that stores k/v: the C writer on CPU, else ``storage.write``."""
+    if storage not in _WRITERS:
+        library = native.load("kv_write") if storage.k[0][0].device.type == "cpu" else None
+        _WRITERS[storage] = None if library is None else NativeKVWrite(storage, library)
+    return _WRITERS[storage] or storage.write
 
 
 def for_storage(storage: PagedKVStorage) -> NativeDecodeAttention | None:

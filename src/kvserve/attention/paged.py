@@ -84,6 +84,7 @@ class PagedAttention:
         # index rows shared by every layer of this forward
         self.slot_rows = storage.slot_rows(metadata.slot_mapping)
         self.sequence_rows = [storage.block_rows(s.block_table) for s in metadata.sequences]
+        self.write = native_decode.writer_for_storage(storage)
         self.native = None if metadata.decodes is None else native_decode.for_storage(storage)
         self.decode_rows = None
         if metadata.decodes is not None and self.native is None:
@@ -91,7 +92,7 @@ class PagedAttention:
 
     def attend(self, layer, q, k, v, window, scale):
         storage = self.storage
-        storage.write(layer, self.slot_rows, k, v)
+        self.write(layer, self.slot_rows, k, v)
         q = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
         d = self.metadata.decodes
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch

@@ -1,0 +1,78 @@
+/* Encodes this step's K or V and stores it at its slots of the paged, head-major storage, in one
+ * pass: for q8_0 the torch path is ~10 ops per write (group, amax, scale, round, clamp, scatter),
+ * 120 a decode step. Bit-for-bit the same codes as kv/codecs.py (round half to even, the f16 scale
+ * rounded before its inverse is taken).
+ *
+ *   x [tokens, kv_heads, D] f32  --(slot_rows[h * tokens + t])-->  codes/scales row of (h, t)
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0 };
+#define GROUP 32
+
+static inline uint16_t float_to_half(float f) {
+    _Float16 h = (_Float16)f; /* round to nearest even, as torch */
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+
+static inline float half_to_float(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even (finite inputs), as torch */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static void encode_vector(int kind, const float *x, int D, uint8_t *code, uint8_t *scale) {
+    switch (kind) {
+    case KV_F32:
+        memcpy(code, x, sizeof(float) * D);
+        break;
+    case KV_F16:
+        for (int i = 0; i < D; i++) ((uint16_t *)code)[i] = float_to_half(x[i]);
+        break;
+    case KV_BF16:
+        for (int i = 0; i < D; i++) ((uint16_t *)code)[i] = float_to_bf16(x[i]);
+        break;
+    case KV_Q8_0:
+        for (int g = 0; g < D / GROUP; g++) {
+            const float *xg = x + g * GROUP;
+            float amax = 0.0f;
+            for (int j = 0; j < GROUP; j++) {
+                float a = xg[j] < 0 ? -xg[j] : xg[j];
+                amax = a > amax ? a : amax;
+            }
+            uint16_t d = float_to_half(amax / 127.0f);
+            float df = half_to_float(d), inv = df > 0.0f ? 1.0f / df : 0.0f;
+            ((uint16_t *)scale)[g] = d;
+            int8_t *q = (int8_t *)code + g * GROUP;
+            for (int j = 0; j < GROUP; j++) {
+                float r = __builtin_rintf(xg[j] * inv);
+                q[j] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            }
+        }
+        break;
+    }
+}
+
+void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const int64_t *slot_rows, uint8_t *codes,
+              int64_t code_stride, uint8_t *scales, int64_t scale_stride) {
+#pragma omp parallel for if (tokens >= 64)
+    for (int t = 0; t < tokens; t++)
+        for (int h = 0; h < kv_heads; h++) {
+            int64_t row = slot_rows[(int64_t)h * tokens + t];
+            encode_vector(kind, x + ((int64_t)t * kv_heads + h) * D, D, codes + row * code_stride,
+                          scales ? scales + row * scale_stride : NULL);
+        }
+}
