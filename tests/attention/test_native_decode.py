@@ -100,10 +100,10 @@ def test_a_broken_build_falls_back_with_the_reason(monkeypatch, tmp_path, caplog
         native.load.cache_clear()
 
 
-@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "tq4"])
 def test_the_c_writer_stores_the_codecs_own_codes(cache_type):
     """Every part of the storage written by the C writer equals what the codec's torch encode stores
-    (q4_0 has no C writer: the fallback must be used)."""
+    (tq4 has no C writer: its fallback must give the same)."""
     cfg = config()
     g = torch.Generator().manual_seed(5)
     slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=g)[:77]

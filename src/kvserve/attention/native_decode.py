@@ -76,12 +76,12 @@ class NativeDecodeAttention:
         return out.to(q.dtype)
 
 
-WRITE_KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3}  # kinds in kv_write.c
+WRITE_KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}  # kinds in kv_write.c
 
 
 class NativeKVWrite:
     """Encodes and stores this step's k/v in one C pass (``native/kv_write.c``) for the codecs it
-    knows (f32, f16, bf16, q8_0), the same codes as the codec's torch ``encode``; others keep
+    knows (f32, f16, bf16, q8_0, q4_0), the same codes as the codec's torch ``encode``; others keep
     ``PagedKVStorage.write``."""
 
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:

@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0 };
+enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0 };
 #define GROUP 32
 
 static inline uint16_t float_to_half(float f) {
@@ -60,6 +60,29 @@ static void encode_vector(int kind, const float *x, int D, uint8_t *code, uint8_
             for (int j = 0; j < GROUP; j++) {
                 float r = __builtin_rintf(xg[j] * inv);
                 q[j] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            }
+        }
+        break;
+    case KV_Q4_0: /* llama.cpp: d = (the value of largest magnitude) / -8, code = clamp(floor(x / d + 8.5), 0, 15) */
+        for (int g = 0; g < D / GROUP; g++) {
+            const float *xg = x + g * GROUP;
+            float amax = 0.0f, vmax = 0.0f;
+            for (int j = 0; j < GROUP; j++) {
+                float a = xg[j] < 0 ? -xg[j] : xg[j];
+                if (a > amax) { /* the first of equal magnitudes, as torch's argmax */
+                    amax = a;
+                    vmax = xg[j];
+                }
+            }
+            uint16_t d = float_to_half(vmax / -8.0f);
+            float df = half_to_float(d), inv = df != 0.0f ? 1.0f / df : 0.0f;
+            ((uint16_t *)scale)[g] = d;
+            uint8_t *q = code + g * (GROUP / 2);
+            for (int j = 0; j < GROUP / 2; j++) {
+                float lo = __builtin_floorf(xg[2 * j] * inv + 8.5f), hi = __builtin_floorf(xg[2 * j + 1] * inv + 8.5f);
+                lo = lo < 0.0f ? 0.0f : lo > 15.0f ? 15.0f : lo;
+                hi = hi < 0.0f ? 0.0f : hi > 15.0f ? 15.0f : hi;
+                q[j] = (uint8_t)lo | (uint8_t)hi << 4;
             }
         }
         break;
