@@ -76,7 +76,7 @@ class NativeDecodeAttention:
         return out.to(q.dtype)
 
 
-WRITE_KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4}  # kinds in kv_write.c
+WRITABLE = ("f32", "f16", "bf16", "q8_0", "q4_0")  # kv_write.c numbers them as KINDS does
 
 
 class NativeKVWrite:
@@ -96,10 +96,10 @@ class NativeKVWrite:
 
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec) -> tuple | None:
-        if codec.name not in WRITE_KINDS:
+        if codec.name not in WRITABLE:
             return None
         codes, scales = parts[0], parts[1] if len(parts) > 1 else None
-        return (WRITE_KINDS[codec.name], codes.data_ptr(), codes.shape[-1] * codes.element_size(),
+        return (KINDS[codec.name], codes.data_ptr(), codes.shape[-1] * codes.element_size(),
                 0 if scales is None else scales.data_ptr(),
                 0 if scales is None else scales.shape[-1] * scales.element_size())
 
