@@ -18,8 +18,8 @@ def four_bit_weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
     groups = inp // INT4_GROUP
     q = torch.randint(0, 16, (out, groups, INT4_GROUP), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15  # every group spans its full range, as the quantizer makes it
-    scale = torch.rand(out, groups, 1, generator=g) * 0.01 + 1e-3
-    lo = -torch.rand(out, groups, 1, generator=g) * 0.1
+    scale = (torch.rand(out, groups, 1, generator=g) * 0.01 + 1e-3).half().float()  # f16, as Q4_1 stores them
+    lo = (-torch.rand(out, groups, 1, generator=g) * 0.1).half().float()
     return (lo + scale * q).view(out, inp)
 
 
@@ -100,3 +100,65 @@ def test_int8_head_rows_alone_equal_batched_and_only_weights_are_rounded():
         assert torch.equal(head(x[i : i + 1])[0], batched[i])
     rounded = head.q.double() * head.row_scale.double()[:, None]  # exactly the weights the kernel holds
     torch.testing.assert_close(batched.double(), x.double() @ rounded.T, rtol=1e-5, atol=1e-4)
+
+
+def exact_product(x: torch.Tensor, lin: Int4Linear, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T + (0 if lin.bias is None else lin.bias.double())).float()
+
+
+def check_int4_kernel(lin: Int4Linear, w: torch.Tensor, bound: float) -> None:
+    """Rows alone = batched across row tiles (6) and row blocks (96), one thread = two; the error
+    against the exact product is the two activation digits' alone (the weights are exact)."""
+    x = torch.randn(200, w.shape[1], generator=torch.Generator().manual_seed(4)) * torch.linspace(0.01, 30, w.shape[1])
+    x[:, 7] *= 100  # an outlier channel, as SmolLM2's activations have
+    batched = lin(x)
+    for i in (0, 5, 6, 95, 96, 101, 199):
+        assert torch.equal(lin(x[i : i + 1])[0], batched[i])
+    assert torch.equal(lin(x[90:107]), batched[90:107])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), batched)
+    finally:
+        torch.set_num_threads(threads)
+    exact = exact_product(x, lin, w)
+    assert float((batched - exact).norm() / exact.norm()) < bound
+
+
+def test_int4_kernel_rows_invariant_and_exact_up_to_the_activation_digits():
+    """Outputs not a multiple of the 16-wide panel, with a bias (qwen2's q/k/v)."""
+    w, b = four_bit_weight(200, 96, seed=5), torch.randn(200)
+    lin = make_linear(w, b, "q4", CPU, torch.float32)
+    assert isinstance(lin, Int4Linear) and lin.kernel is not None and lin.out_features == 200
+    check_int4_kernel(lin, w, bound=2e-4)
+
+
+def test_int4_kernel_without_avx512_gives_the_same_arithmetic(monkeypatch, tmp_path):
+    """The portable C loop (what a CPU without AVX-512 VNNI compiles), built here by switching AVX-512 off."""
+    from kvserve import native
+    from kvserve.models import linear
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512f"])
+    native.load.cache_clear()
+    linear._int4_matmul_kernel.cache_clear()
+    try:
+        w, b = four_bit_weight(48, 64, seed=6), torch.randn(48)
+        lin = make_linear(w, b, "q4", CPU, torch.float32)
+        assert lin.kernel is not None and list(tmp_path.rglob("int4_matmul-*.so"))
+        check_int4_kernel(lin, w, bound=2e-4)
+    finally:
+        native.load.cache_clear()
+        linear._int4_matmul_kernel.cache_clear()
+
+
+def test_int4_without_the_kernel_uses_torchs(monkeypatch):
+    from kvserve.models import linear
+
+    monkeypatch.setattr(linear, "_int4_matmul_kernel", lambda: None)
+    w = four_bit_weight(64, 64, seed=7)
+    lin = make_linear(w, None, "q4", CPU, torch.float32)
+    assert lin.kernel is None and lin.scales_zeros.dtype == torch.bfloat16
+    x = torch.randn(5, 64)
+    exact = exact_product(x, lin, w)
+    assert float((lin(x).float() - exact).norm() / exact.norm()) < 0.01  # bf16 activations

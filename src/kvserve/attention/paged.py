@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import native_decode
+from kvserve.attention import native_paged
 from kvserve.attention.ops import sequence_attention
 from kvserve.kv.storage import PagedKVStorage
 
@@ -83,9 +83,9 @@ class PagedAttention:
         self.metadata = metadata
         # index rows shared by every layer of this forward
         self.slot_rows = storage.slot_rows(metadata.slot_mapping)
-        self.sequence_rows = [storage.block_rows(s.block_table) for s in metadata.sequences]
-        self.write = native_decode.writer_for_storage(storage)
-        self.native = None if metadata.decodes is None else native_decode.for_storage(storage)
+        self.sequence_rows: list[torch.Tensor | None] = [None] * len(metadata.sequences)
+        self.write = native_paged.writer_for_storage(storage)
+        self.native = native_paged.for_storage(storage)
         self.decode_rows = None
         if metadata.decodes is not None and self.native is None:
             self.decode_rows = storage.block_rows(metadata.decodes.block_tables)
@@ -98,22 +98,31 @@ class PagedAttention:
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
             return storage.v_codec.unrotate(self._decode_attention(layer, q, window, scale))
         out = torch.empty_like(q)
-        for s, rows in zip(self.metadata.sequences, self.sequence_rows):
-            keys, values = storage.gather(layer, rows, s.context_len, q.dtype)
+        for i, s in enumerate(self.metadata.sequences):
             qs = q[s.query_start : s.query_start + s.query_len]
-            out[s.query_start : s.query_start + s.query_len] = sequence_attention(
-                qs, keys, values, s.context_len - s.query_len, window, scale
-            )
+            q_start = s.context_len - s.query_len
+            if self.native is not None:  # reads the blocks in place, quantized or not
+                o = self.native.prefill(layer, qs, q_start, s.block_table, window, scale)
+            else:
+                keys, values = storage.gather(layer, self._sequence_rows(i), s.context_len, q.dtype)
+                o = sequence_attention(qs, keys, values, q_start, window, scale)
+            out[s.query_start : s.query_start + s.query_len] = o
         if d is not None:
             decoded = self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale)
             out.index_copy_(0, d.token_rows, decoded)
         return storage.v_codec.unrotate(out)  # values were summed in their rotated domain
 
+    def _sequence_rows(self, i: int) -> torch.Tensor:
+        """Storage rows of prefill sequence i's blocks, computed once per forward (shared by every layer)."""
+        if self.sequence_rows[i] is None:
+            self.sequence_rows[i] = self.storage.block_rows(self.metadata.sequences[i].block_table)
+        return self.sequence_rows[i]
+
     def _decode_attention(self, layer, q, window, scale) -> torch.Tensor:
         """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]."""
         d = self.metadata.decodes
         if self.native is not None:  # reads the blocks in place, quantized or not
-            return self.native(layer, q, d.block_tables, d.context_lens, window, scale)
+            return self.native.decode(layer, q, d.block_tables, d.context_lens, window, scale)
         keys, values = self.storage.read_blocks(layer, self.decode_rows, q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])
         o = F.scaled_dot_product_attention(

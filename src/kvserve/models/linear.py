@@ -6,11 +6,12 @@
     int8   int8 weights with one scale per output row; activations split per token into two int8
            digits (x ~ s * (q1 + q2 / 254)), so the product is exact integer arithmetic and the only
            rounding that matters is the weights'.
-    q4     4-bit weights in groups of 32 (a scale and an offset each) for every tensor whose groups
+    q4     4-bit weights in groups of 32 (an f16 scale and offset each) for every tensor whose groups
            are exactly such a grid already (GGUF Q4_1, whose groups span their codes 0..15: the
-           conversion is exact up to bf16 scales), int8 as above for the rest (SmolLM2's Q8_0
-           embedding / output head; Q4_0 and Q4_K groups that do not span the full grid). The matmul
-           is torch's int4 CPU kernel with bf16 activations. The fast decode format.
+           conversion is exact), int8 as above for the rest (SmolLM2's Q8_0 embedding / output
+           head; Q4_0 and Q4_K groups that do not span the full grid). The matmul is
+           ``native/int4_matmul.c`` (f32 activations as two int8 digits, exact integer group sums),
+           torch's int4 CPU kernel (bf16 activations) where it cannot be built. The fast format.
 
 Measured on SmolLM2 (Q4_1) over 1,024 tokens of text, teacher-forced, against f32 (tests/quality
 pins the bounds):
@@ -18,7 +19,7 @@ pins the bounds):
     format   KLD       top-1    decode vs f32
     bf16     0.00066   98.0%    1.5x
     int8     0.0045    96.5%    ~1.6x
-    q4       0.0019    97.7%    ~2.8x
+    q4       0.0017    98.0%    ~4x      (0.0019 / 97.7% through torch's bf16-activation kernel)
 
 Each format computes every row of a batch exactly as it would alone (per-row activation scales,
 integer accumulation), so batched, chunked and single-token runs agree bit for bit within a format.
@@ -139,38 +140,84 @@ def _int8_matmul_kernel():
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """Asymmetric 4-bit codes per group of 32 along the input: w ~ lo + scale * q, q in 0..15.
-    Returns (codes int32 [out, in], scale, lo [out, groups], exact), exact when every weight is
-    recovered (the tensor was 4-bit in its file)."""
+    """Asymmetric 4-bit codes per group of 32 along the input: w ~ lo + scale * q, q in 0..15, with
+    scale and lo rounded to f16 (as GGUF's Q4_1 stores them). Returns (codes int32 [out, in], scale,
+    lo [out, groups], exact), exact when every weight is recovered (the tensor was 4-bit in its file)."""
     n, k = weight.shape
     g = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-20)
+    scale = ((hi - lo) / 15).clamp_min(1e-7).half().float()
+    lo = lo.half().float()
     q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15)
     err = (q * scale[..., None] + lo[..., None] - g).abs().amax(-1)
-    exact = bool((err <= 1e-3 * scale).all())
+    exact = bool((err <= 1e-3 * scale).all()) and bool(torch.isfinite(lo).all() and torch.isfinite(scale).all())
     return q.to(torch.int32).view(n, k), scale, lo, exact
 
 
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The layout ``native/int4_matmul.c`` reads: per panel of 16 outputs and group of 32 inputs,
+    320 bytes = 256 of codes (chunk c: k-quads 2c and 2c + 1 as low and high nibbles, byte
+    4 * lane + i = output lane's code at k = 4 * quad + i) + 16 f16 scales + 16 f16 offsets.
+    Outputs are padded to a multiple of 16 with zero weights."""
+    n, k = codes.shape
+    panels, groups = -(-n // 16), k // INT4_GROUP
+    pad = panels * 16 - n
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scale, lo = (torch.cat([t, t.new_zeros(pad, groups)]) for t in (scale, lo))
+    q = codes.to(torch.uint8).view(panels, 16, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # P G chunk half lane i
+    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(panels, groups, 256)
+
+    def halves(t: torch.Tensor) -> torch.Tensor:
+        return t.half().view(panels, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, halves(scale), halves(lo)], -1).contiguous()
+
+
 class Int4Linear:
-    """4-bit groups through torch's int4 CPU matmul, bf16 activations. The kernel's convention is
-    w = (q - 8) * scale + zero, so zero = lo + 8 * scale."""
+    """4-bit groups (codes 0..15, an f16 scale and offset per 32 inputs: Q4_1's grid) through
+    ``native/int4_matmul.c``: f32 activations split per token into two int8 digits, exact integer
+    group sums (AVX-512 VNNI), f32 group scaling. Against torch's int4 CPU kernel (bf16 activations)
+    it is ~50x more accurate (relative output error ~5e-5 vs ~3e-3) and, measured on SmolLM2's
+    shapes, ~2x faster at one row and ~1.5x at 512. Where the kernel cannot be built, torch's kernel
+    (its convention w = (q - 8) * scale + zero, so zero = lo + 8 * scale; returns bf16)."""
 
     def __init__(
         self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
+        self.out_features, self.in_features = codes.shape
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.kernel = _int4_matmul_kernel()
+        if self.kernel is not None:
+            self.packed = pack_int4(codes, scale, lo)
+            self.nbytes = self.packed.numel()
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         zero = lo + 8 * scale
         self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.bias = None if bias is None else bias.float()
         self.nbytes = self.packed.numel() + self.scales_zeros.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Returns bf16 (exactly what the kernel produced): the consumers (residual add, RoPE, the
-        activation) promote it as they go, which saves a conversion op per call."""
-        x = x.to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
-        return y if self.bias is None else y + self.bias
+        if self.kernel is None:
+            x = x.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
+            return y if self.bias is None else y + self.bias
+        xf = x.float().contiguous()
+        y = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        self.kernel(xf.data_ptr(), self.packed.data_ptr(), bias, xf.shape[0], self.out_features, self.in_features,
+                    y.data_ptr(), torch.get_num_threads())
+        return y
+
+
+@cache
+def _int4_matmul_kernel():
+    lib = native.load("int4_matmul")
+    if lib is None:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.int4_matmul.argtypes = [p, p, p, i, i, i, p, i]
+    return lib.int4_matmul
 
 
 def make_linear(

@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0 }; /* the first kinds of paged_decode.c, same numbers */
+enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0 }; /* the first kinds of paged_attention.c, same numbers */
 #define GROUP 32
 
 static inline uint16_t float_to_half(float f) {

@@ -1,9 +1,13 @@
-"""Decode attention through the C kernel ``native/paged_decode.c``: reads the paged, possibly
+"""Attention through the C kernels of ``native/paged_attention.c``, which read the paged, possibly
 quantized blocks in place instead of gathering and dequantizing every sequence's history into a
 full-precision temporary each layer (what the torch path does).
 
-The kernel computes each (sequence, head) from its own blocks on a fixed grid of 256-position
-partitions, so a sequence's output is bitwise the same alone or in any batch, with any thread count.
+    decode   one query per sequence, a batch of sequences: each (sequence, head) on a fixed grid of
+             256-position partitions, so a sequence's output is the same bits alone or in any batch,
+             with any thread count.
+    prefill  a chunk of one sequence's queries, flash-style (online softmax over 16-key tiles): a
+             query's output is the same bits whether the prompt comes whole or in chunks.
+
 CPU only; on other devices, or where the kernel cannot be built, ``for_storage`` returns None.
 """
 
@@ -18,23 +22,26 @@ from kvserve import native
 from kvserve.kv.codecs import KVCodec
 from kvserve.kv.storage import PagedKVStorage
 
-# codec name -> kind in paged_decode.c
+# codec name -> kind in paged_attention.c
 KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8": 5, "tq2": 6, "tq3": 7, "tq4": 8}
 
 _i, _i64, _p, _f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _PART = [_i, _p, _p, _i64, _i64, _p]  # kind, codes, scales, code stride, scale stride, table
-_ARGTYPES = [_i, _i, _i, _i, _p, _p, _p, _i64, _p, _i, _i, _i, _f, *_PART, *_PART, _i]
+_DECODE_ARGS = [_i, _i, _i, _i, _p, _p, _p, _i64, _p, _i, _i, _i, _f, *_PART, *_PART, _i]
+_PREFILL_ARGS = [_i, _i64, _i, _i, _i, _p, _p, _p, _i, _i, _i, _f, *_PART, *_PART, _i]
 
 
-class NativeDecodeAttention:
-    """Decode attention over one ``PagedKVStorage``; argument packs per layer built once. Holds the
-    storage's tensor addresses, not the storage: it lives exactly as long as its ``for_storage`` entry."""
+class NativePagedAttention:
+    """Decode and prefill attention over one ``PagedKVStorage``; argument packs per layer built once.
+    Holds the storage's tensor addresses, not the storage: it lives exactly as long as its
+    ``for_storage`` entry."""
 
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
         self.num_kv_heads, self.num_blocks, self.block_size = storage.num_kv_heads, storage.num_blocks, storage.block_size
-        self.kernel = library.paged_decode_attention
-        self.kernel.argtypes = _ARGTYPES
-        self.kernel.restype = _i
+        self.decode_kernel = library.paged_decode_attention
+        self.prefill_kernel = library.paged_prefill_attention
+        for kernel, args in ((self.decode_kernel, _DECODE_ARGS), (self.prefill_kernel, _PREFILL_ARGS)):
+            kernel.argtypes, kernel.restype = args, _i
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         self.layer_args = [
             (*self._part(storage.k[layer], storage.k_codec, self._tables[0]),
@@ -57,7 +64,7 @@ class NativeDecodeAttention:
             0 if table is None else table.data_ptr(),
         )
 
-    def __call__(
+    def decode(
         self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
         window: int | None, scale: float,
     ) -> torch.Tensor:
@@ -66,13 +73,30 @@ class NativeDecodeAttention:
         n, heads, head_dim = q.shape
         qf = q.float().contiguous()
         out = torch.empty_like(qf)
-        rc = self.kernel(
+        rc = self.decode_kernel(
             n, heads, self.num_kv_heads, head_dim, qf.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), context_lens.data_ptr(), self.num_blocks, self.block_size, window or 0, scale,
             *self.layer_args[layer], torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError("paged decode attention: could not allocate its workspace")
+        return out.to(q.dtype)
+
+    def prefill(
+        self, layer: int, q: torch.Tensor, q_start: int, block_table: torch.Tensor, window: int | None, scale: float
+    ) -> torch.Tensor:
+        """q: [n, heads, head_dim], one sequence's queries at positions q_start .. q_start + n - 1 (their
+        keys already stored); block_table [blocks] int64. Returns [n, heads, head_dim] in q's dtype."""
+        n, heads, head_dim = q.shape
+        qf = q.float().contiguous()
+        out = torch.empty_like(qf)
+        table = block_table.contiguous()
+        rc = self.prefill_kernel(
+            n, q_start, heads, self.num_kv_heads, head_dim, qf.data_ptr(), out.data_ptr(), table.data_ptr(),
+            self.num_blocks, self.block_size, window or 0, scale, *self.layer_args[layer], torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("paged prefill attention: could not allocate its workspace")
         return out.to(q.dtype)
 
 
@@ -114,7 +138,7 @@ class NativeKVWrite:
                         scales, scale_stride)
 
 
-_BY_STORAGE: weakref.WeakKeyDictionary[PagedKVStorage, NativeDecodeAttention | None] = weakref.WeakKeyDictionary()
+_BY_STORAGE: weakref.WeakKeyDictionary[PagedKVStorage, NativePagedAttention | None] = weakref.WeakKeyDictionary()
 
 
 _WRITERS: weakref.WeakKeyDictionary[PagedKVStorage, NativeKVWrite | None] = weakref.WeakKeyDictionary()
@@ -128,13 +152,13 @@ def writer_for_storage(storage: PagedKVStorage):
     return _WRITERS[storage] or storage.write
 
 
-def for_storage(storage: PagedKVStorage) -> NativeDecodeAttention | None:
+def for_storage(storage: PagedKVStorage) -> NativePagedAttention | None:
     """The kernel for this storage, or None (not on CPU, a codec it does not know, no compiler)."""
     if storage not in _BY_STORAGE:
         kernel = None
         codecs_known = all(c.name in KINDS for c in (storage.k_codec, storage.v_codec))
         if storage.k[0][0].device.type == "cpu" and codecs_known:
-            library = native.load("paged_decode")
-            kernel = None if library is None else NativeDecodeAttention(storage, library)
+            library = native.load("paged_attention")
+            kernel = None if library is None else NativePagedAttention(storage, library)
         _BY_STORAGE[storage] = kernel
     return _BY_STORAGE[storage]

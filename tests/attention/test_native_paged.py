@@ -1,4 +1,5 @@
-"""The C decode-attention kernel against the torch path over the same stored blocks, every KV type."""
+"""The C attention kernels (decode and prefill) against the torch path over the same stored blocks,
+every KV type; their invariances (batch, threads, chunking) bit for bit."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ import pytest
 import torch
 
 from kvserve import native
-from kvserve.attention import native_decode
-from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, build_decode_batch
+from kvserve.attention import native_paged
+from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice, build_decode_batch
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import PagedKVStorage
 
 BLOCK = 16
 NUM_BLOCKS = 96
 
-pytestmark = pytest.mark.skipif(native.load("paged_decode") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(native.load("paged_attention") is None, reason="no C compiler on this machine")
 
 
 def config(heads=6, kv_heads=2, head_dim=64) -> ModelConfig:
@@ -42,15 +43,15 @@ def filled_storage(cfg, cache_type, context_lens, seed=0):
 
 def decode(storage, tables, lens, q, layer, window, use_native):
     batch = build_decode_batch(list(range(len(lens))), tables, lens, torch.device("cpu"), len(lens))
-    native_decode._BY_STORAGE.pop(storage, None)
+    native_paged._BY_STORAGE.pop(storage, None)
     if not use_native:
-        native_decode._BY_STORAGE[storage] = None
+        native_paged._BY_STORAGE[storage] = None
     attn = PagedAttention(storage, PagedAttentionMetadata(torch.zeros(0, dtype=torch.long), [], batch))
     assert (attn.native is not None) == use_native
     return attn._decode_attention(layer, storage.k_codec.rotate(q), window, 0.125)
 
 
-@pytest.mark.parametrize("cache_type", list(native_decode.KINDS))
+@pytest.mark.parametrize("cache_type", list(native_paged.KINDS))
 def test_matches_torch_path_for_every_kv_type(cache_type):
     cfg = config()
     lens = [1, 17, 255, 256, 257, 700]  # around the 256-position partitions and 16-token blocks
@@ -79,12 +80,56 @@ def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch():
         torch.set_num_threads(threads)
 
 
+def prefill(storage, table, context_len, q, layer, window, use_native):
+    """q: the last len(q) queries of a sequence of context_len tokens whose k/v are stored."""
+    seq = SequenceSlice(0, q.shape[0], context_len, torch.tensor(table))
+    native_paged._BY_STORAGE.pop(storage, None)
+    if not use_native:
+        native_paged._BY_STORAGE[storage] = None
+    attn = PagedAttention(storage, PagedAttentionMetadata(torch.zeros(0, dtype=torch.long), [seq]))
+    assert (attn.native is not None) == use_native
+    attn.write = lambda *args: None  # the k/v are in the storage already
+    k = v = torch.zeros(q.shape[0], storage.num_kv_heads, q.shape[2])
+    return attn.attend(layer, q, k, v, window, 0.125)
+
+
+@pytest.mark.parametrize("cache_type", list(native_paged.KINDS))
+def test_prefill_matches_torch_path_for_every_kv_type(cache_type):
+    """A whole prompt and a later chunk (queries from position 200), causal and windowed."""
+    cfg = config()
+    storage, tables = filled_storage(cfg, cache_type, [333])
+    q = torch.randn(333, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(1))
+    for layer, window in ((0, None), (1, 100)):
+        for chunk in (q, q[200:]):
+            ours = prefill(storage, tables[0], 333, chunk, layer, window, True)
+            reference = prefill(storage, tables[0], 333, chunk, layer, window, False)
+            torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
+
+
+def test_prefill_gives_the_same_bits_whole_or_in_chunks():
+    """Chunks that cut through query tiles and KV blocks; one thread = two."""
+    cfg = config(heads=9, kv_heads=3)
+    storage, tables = filled_storage(cfg, "f32", [531], seed=6)
+    q = torch.randn(531, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(7))
+    for window in (None, 70):
+        whole = prefill(storage, tables[0], 531, q, 0, window, True)
+        cuts = [0, 5, 37, 256, 300, 531]
+        for a, b in zip(cuts, cuts[1:]):
+            assert torch.equal(prefill(storage, tables[0], b, q[a:b], 0, window, True), whole[a:b]), (a, b)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(prefill(storage, tables[0], 531, q, 0, window, True), whole)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_without_a_compiler_the_torch_path_stays(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
     native.load.cache_clear()
     try:
-        assert native.load("paged_decode") is None
+        assert native.load("paged_attention") is None
     finally:
         native.load.cache_clear()
 
@@ -94,7 +139,7 @@ def test_a_broken_build_falls_back_with_the_reason(monkeypatch, tmp_path, caplog
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-DPAGED_DECODE_FAIL", "-include", "missing-header.h"])
     native.load.cache_clear()
     try:
-        assert native.load("paged_decode") is None
+        assert native.load("paged_attention") is None
         assert "missing-header.h" in caplog.text
     finally:
         native.load.cache_clear()
@@ -112,8 +157,8 @@ def test_the_c_writer_stores_the_codecs_own_codes(cache_type):
     stored = []
     for use_native in (True, False):
         storage = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, cache_type, torch.device("cpu"))
-        write = native_decode.writer_for_storage(storage) if use_native else storage.write
-        assert isinstance(write, native_decode.NativeKVWrite) == use_native
+        write = native_paged.writer_for_storage(storage) if use_native else storage.write
+        assert isinstance(write, native_paged.NativeKVWrite) == use_native
         write(1, storage.slot_rows(slots), k, v)
         stored.append([p.clone() for p in storage.k[1] + storage.v[1]])
     for ours, theirs in zip(*stored):

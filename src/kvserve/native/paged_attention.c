@@ -186,6 +186,7 @@ typedef struct {
     int num_heads, num_kv_heads, head_dim, num_blocks, block_size, window;
     float scale;
     const float *q;  /* [n, num_heads, head_dim] */
+    float *out;      /* prefill: [n, num_heads, head_dim] */
     const int64_t *block_tables;
     int64_t table_stride;
     const int64_t *context_lens;
@@ -336,7 +337,7 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
                            int64_t k_scale_stride, const float *k_table,
                            int v_kind, const void *v_codes, const void *v_scales, int64_t v_code_stride,
                            int64_t v_scale_stride, const float *v_table, int num_threads) {
-    problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q,
+    problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q, out,
                  block_tables, table_stride, context_lens,
                  {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
                  {v_kind, v_codes, v_scales, v_code_stride, v_scale_stride, v_table}};
@@ -399,5 +400,254 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
     }
     free(partials);
     free(first);
+    return failed ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * Prefill attention: a chunk of consecutive queries of one sequence (positions q_start ..) against its
+ * history, causal (and windowed), flash-style: per query an online softmax over 64-key tiles.
+ *
+ * Tasks are (kv head, tile of QUERY_TILE queries); a task decodes each key tile of the history once
+ * into L1 (any KV type, as decode does), transposes the keys to [head_dim][64] so sixty-four scores
+ * are four FMA chains per query (no horizontal sums), and feeds every query head of the group. Key
+ * tiles sit on a fixed grid of absolute positions and masked lanes contribute exact zeros, so a
+ * query's arithmetic depends only on its position and the keys: a prompt gives the same bits whole
+ * or in chunks, on any number of threads.
+ */
+#define QUERY_TILE 32
+#define KEY_TILE 64
+#define ROWS 6 /* query rows scored together: 6 x 4 independent FMA chains */
+
+#if defined(__AVX512F__)
+static inline __m512 exp_nonpositive_v(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+typedef struct {
+    float *q;      /* [rows][D], keys' lane order, pre-scaled */
+    float *acc;    /* [rows][D], values' lane order */
+    float *m, *l;  /* [rows] running max and sum */
+    float *keys, *values, *kt; /* one key tile: [KEY_TILE][D] each, keys transposed [D][KEY_TILE] */
+} prefill_work;
+
+/* Bit j set when key kb + j is visible from position pos (causal, window). */
+static inline uint64_t visible_keys(int64_t pos, int64_t kb, int window) {
+    int64_t hi = pos - kb, lo = window > 0 ? pos - window + 1 - kb : 0;
+    if (lo < 0) lo = 0;
+    if (hi > KEY_TILE - 1) hi = KEY_TILE - 1;
+    if (hi < lo) return 0;
+    uint64_t upto = hi == 63 ? ~0ull : (1ull << (hi + 1)) - 1;
+    return upto & ~((1ull << lo) - 1);
+}
+
+/* Online-softmax state of one row for its scores s[0..KEY_TILE) over the tile's visible keys: turns
+ * s into the weights p (0 for hidden keys), returns alpha, the factor for the row's old sums. */
+static inline float softmax_update(prefill_work *w, int row, float *s, uint64_t visible) {
+    float m_tile = -FLT_MAX, sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(-FLT_MAX);
+    for (int v = 0; v < KEY_TILE / 16; v++)
+        mv = _mm512_mask_max_ps(mv, (__mmask16)(visible >> (16 * v)), mv, _mm512_loadu_ps(s + 16 * v));
+    m_tile = _mm512_reduce_max_ps(mv);
+#else
+    for (int j = 0; j < KEY_TILE; j++)
+        if (visible >> j & 1) m_tile = s[j] > m_tile ? s[j] : m_tile;
+#endif
+    float m_old = w->m[row], m_new = m_tile > m_old ? m_tile : m_old, alpha = exp_nonpositive(m_old - m_new);
+#if defined(__AVX512F__)
+    __m512 parts = _mm512_setzero_ps();
+    for (int v = 0; v < KEY_TILE / 16; v++) {
+        __mmask16 mask = (__mmask16)(visible >> (16 * v));
+        __m512 p = _mm512_maskz_mov_ps(mask, exp_nonpositive_v(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * v),
+                                                                              _mm512_set1_ps(m_new))));
+        _mm512_storeu_ps(s + 16 * v, p);
+        parts = _mm512_add_ps(parts, p);
+    }
+    sum = _mm512_reduce_add_ps(parts);
+#else
+    for (int j = 0; j < KEY_TILE; j++) {
+        s[j] = visible >> j & 1 ? exp_nonpositive(s[j] - m_new) : 0.0f;
+        sum += s[j];
+    }
+#endif
+    w->l[row] = w->l[row] * alpha + sum;
+    w->m[row] = m_new;
+    return alpha;
+}
+
+/* acc_r = acc_r * alpha_r + sum_j p_r[j] * values[j] for rows r0 .. r0 + nr (each lane summed in key
+ * order); the rows share every value vector loaded. */
+static void accumulate_values(prefill_work *w, int r0, int nr, int D, float p[][KEY_TILE], const float *alpha,
+                              const float *values) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        for (int d = 0; d < D; d += 16) {
+            __m512 a[ROWS];
+            for (int r = 0; r < nr; r++)
+                a[r] = _mm512_mul_ps(_mm512_loadu_ps(w->acc + (int64_t)(r0 + r) * D + d), _mm512_set1_ps(alpha[r]));
+            for (int j = 0; j < KEY_TILE; j++) {
+                __m512 v = _mm512_loadu_ps(values + (int64_t)j * D + d);
+                for (int r = 0; r < nr; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), v, a[r]);
+            }
+            for (int r = 0; r < nr; r++) _mm512_storeu_ps(w->acc + (int64_t)(r0 + r) * D + d, a[r]);
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < nr; r++) {
+        float *acc = w->acc + (int64_t)(r0 + r) * D;
+        for (int d = 0; d < D; d++) {
+            float a = acc[d] * alpha[r];
+            for (int j = 0; j < KEY_TILE; j++) a += p[r][j] * values[(int64_t)j * D + d];
+            acc[d] = a;
+        }
+    }
+}
+
+/* Rows [r0, r0 + nr) (row = query * G + head in group) against the key tile at kb. */
+static void prefill_key_tile(prefill_work *w, int r0, int nr, int G, int D, int64_t first_pos, int64_t kb, int window) {
+    float s[ROWS][KEY_TILE], alpha[ROWS];
+#if defined(__AVX512F__)
+    __m512 a[ROWS][KEY_TILE / 16];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < KEY_TILE / 16; v++) a[r][v] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const float *kd = w->kt + (int64_t)d * KEY_TILE;
+        __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16), k2 = _mm512_loadu_ps(kd + 32), k3 = _mm512_loadu_ps(kd + 48);
+        for (int r = 0; r < nr; r++) {
+            __m512 qd = _mm512_set1_ps(w->q[(int64_t)(r0 + r) * D + d]);
+            a[r][0] = _mm512_fmadd_ps(qd, k0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(qd, k1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(qd, k2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(qd, k3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < KEY_TILE / 16; v++) _mm512_storeu_ps(s[r] + 16 * v, a[r][v]);
+#else
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < KEY_TILE; j++) {
+            float dot = 0.0f;
+            for (int d = 0; d < D; d++) dot += w->q[(int64_t)(r0 + r) * D + d] * w->kt[(int64_t)d * KEY_TILE + j];
+            s[r][j] = dot;
+        }
+#endif
+    for (int r = 0; r < nr; r++) {
+        uint64_t visible = visible_keys(first_pos + (r0 + r) / G, kb, window);
+        if (visible) {
+            alpha[r] = softmax_update(w, r0 + r, s[r], visible);
+        } else { /* nothing visible: the row's sums stay exactly as they are */
+            alpha[r] = 1.0f;
+            memset(s[r], 0, sizeof(s[r]));
+        }
+    }
+    accumulate_values(w, r0, nr, D, s, alpha, w->values);
+}
+
+/* Decoded rows of positions [t, t + n) of one kv head -> dst [n][D] (walking the block table). */
+static void decode_positions(const problem *P, const kv_part *part, const int64_t *table, int kvh, int64_t t,
+                             int n, float *dst) {
+    const int D = P->head_dim, bs = P->block_size;
+    for (int64_t end = t + n; t < end;) {
+        int64_t b = t / bs, off = t % bs;
+        int nr = (int)(bs - off < end - t ? bs - off : end - t);
+        decode_rows(part, ((int64_t)kvh * P->num_blocks + table[b]) * bs + off, nr, D, dst);
+        dst += (int64_t)nr * D;
+        t += nr;
+    }
+}
+
+static void prefill_task(const problem *P, const int64_t *table, int64_t q_start, int kvh, int t0, int tn,
+                         prefill_work *w) {
+    const int D = P->head_dim, G = P->num_heads / P->num_kv_heads, rows = tn * G;
+    int order[D];
+    lane_order(P->k.kind, D, order);
+    for (int row = 0; row < rows; row++) {
+        const float *qe = P->q + ((int64_t)(t0 + row / G) * P->num_heads + (int64_t)kvh * G + row % G) * D;
+        for (int i = 0; i < D; i++) w->q[(int64_t)row * D + i] = qe[order[i]] * P->scale;
+        memset(w->acc + (int64_t)row * D, 0, sizeof(float) * D);
+        w->m[row] = -FLT_MAX;
+        w->l[row] = 0.0f;
+    }
+    const int64_t first_pos = q_start + t0, last_pos = first_pos + tn - 1;
+    const int64_t lo = P->window > 0 && first_pos - P->window + 1 > 0 ? first_pos - P->window + 1 : 0;
+    for (int64_t kb = lo / KEY_TILE * KEY_TILE; kb <= last_pos; kb += KEY_TILE) {
+        const int nk = (int)(last_pos + 1 - kb < KEY_TILE ? last_pos + 1 - kb : KEY_TILE);
+        decode_positions(P, &P->k, table, kvh, kb, nk, w->keys);
+        decode_positions(P, &P->v, table, kvh, kb, nk, w->values);
+        memset(w->keys + (int64_t)nk * D, 0, sizeof(float) * (size_t)(KEY_TILE - nk) * D);
+        memset(w->values + (int64_t)nk * D, 0, sizeof(float) * (size_t)(KEY_TILE - nk) * D);
+        for (int j = 0; j < KEY_TILE; j++)
+            for (int d = 0; d < D; d++) w->kt[(int64_t)d * KEY_TILE + j] = w->keys[(int64_t)j * D + d];
+        /* rows whose query sees some key of this tile: query position >= kb */
+        const int first_row = (int)(kb > first_pos ? (kb - first_pos) * G : 0);
+        for (int r0 = first_row; r0 < rows; r0 += ROWS)
+            prefill_key_tile(w, r0, rows - r0 < ROWS ? rows - r0 : ROWS, G, D, first_pos, kb, P->window);
+    }
+    lane_order(P->v.kind, D, order);
+    for (int row = 0; row < rows; row++) {
+        float *o = P->out + ((int64_t)(t0 + row / G) * P->num_heads + (int64_t)kvh * G + row % G) * D;
+        const float *acc = w->acc + (int64_t)row * D;
+        float inv = w->l[row] > 0.0f ? 1.0f / w->l[row] : 0.0f;
+        for (int i = 0; i < D; i++) o[order[i]] = acc[i] * inv;
+    }
+}
+
+/* q, out [n, num_heads, head_dim] for positions q_start .. q_start + n - 1 of one sequence whose
+ * blocks are block_table; the cache holds its keys up to q_start + n - 1. Returns 0, or -1 when the
+ * workspace could not be allocated. */
+int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_heads, int head_dim, const float *q,
+                            float *out, const int64_t *block_table, int num_blocks, int block_size, int window,
+                            float scale, int k_kind, const void *k_codes, const void *k_scales,
+                            int64_t k_code_stride, int64_t k_scale_stride, const float *k_table, int v_kind,
+                            const void *v_codes, const void *v_scales, int64_t v_code_stride,
+                            int64_t v_scale_stride, const float *v_table, int num_threads) {
+    problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q, out,
+                 block_table, 0, NULL,
+                 {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
+                 {v_kind, v_codes, v_scales, v_code_stride, v_scale_stride, v_table}};
+    const int G = num_heads / num_kv_heads, D = head_dim, tiles = (n + QUERY_TILE - 1) / QUERY_TILE;
+    const int rows = QUERY_TILE * G;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (tiles * num_kv_heads > 1)
+    {
+        prefill_work w = {0};
+        float *mem = malloc(sizeof(float) * ((size_t)rows * (2 * D + 2) + (size_t)KEY_TILE * D * 3));
+        if (!mem) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            w.q = mem;
+            w.acc = w.q + (size_t)rows * D;
+            w.m = w.acc + (size_t)rows * D;
+            w.l = w.m + rows;
+            w.keys = w.l + rows;
+            w.values = w.keys + (size_t)KEY_TILE * D;
+            w.kt = w.values + (size_t)KEY_TILE * D;
+        }
+        /* the last tiles see the longest history: hand them out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < tiles * num_kv_heads; task++) {
+            if (failed || !mem) continue;
+            int tile = tiles - 1 - task / num_kv_heads, kvh = task % num_kv_heads;
+            int t0 = tile * QUERY_TILE, tn = n - t0 < QUERY_TILE ? n - t0 : QUERY_TILE;
+            prefill_task(&P, block_table, q_start, kvh, t0, tn, &w);
+        }
+        free(mem);
+    }
     return failed ? -1 : 0;
 }
