@@ -86,20 +86,33 @@ def test_unknown_format_and_bias():
         assert torch.allclose(lin(x), x @ w.t() + b, rtol=0, atol=0.05), fmt
 
 
-def test_int8_head_rows_alone_equal_batched_and_only_weights_are_rounded():
-    """The output head's kernel (f32 activations, int8 rows): row tiles of four plus a tail, each row
-    the same bits alone; the error is the int8 weights' alone."""
-    from kvserve.models.linear import Int8HeadLinear
-
-    weight = torch.randn(300, 192, generator=torch.Generator().manual_seed(2))
-    head = make_linear(weight, None, "int8", CPU, torch.float32, head=True)
-    assert isinstance(head, Int8HeadLinear)
-    x = torch.randn(19, 192, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 30, 192)
+def check_int8_head(head) -> None:
+    """Row tiles of eight plus a tail, each row the same bits alone, one thread = two; beyond the int8
+    weights themselves, only the two activation digits' rounding (~1e-5 of the output)."""
+    x = torch.randn(19, 190, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 30, 190)
+    x[:, 11] *= 100  # an outlier channel
     batched = head(x)
     for i in range(x.shape[0]):
         assert torch.equal(head(x[i : i + 1])[0], batched[i])
-    rounded = head.q.double() * head.row_scale.double()[:, None]  # exactly the weights the kernel holds
-    torch.testing.assert_close(batched.double(), x.double() @ rounded.T, rtol=1e-5, atol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(head(x), batched)
+    finally:
+        torch.set_num_threads(threads)
+    exact = x.double() @ head.weight.double().T  # exactly the weights the kernel holds
+    assert float((batched.double() - exact).norm() / exact.norm()) < 1e-4
+
+
+def test_int8_head_rows_alone_equal_batched_and_close_to_its_weights():
+    """300 outputs, 190 inputs: panels of 16 rows and quads of 4 inputs both padded."""
+    from kvserve.models.linear import Int8HeadLinear
+
+    weight = torch.randn(300, 190, generator=torch.Generator().manual_seed(2))
+    head = make_linear(weight, None, "int8", CPU, torch.float32, head=True)
+    assert isinstance(head, Int8HeadLinear) and head.kernel is not None
+    assert torch.allclose(head.weight, weight, rtol=0, atol=float(weight.abs().max()) / 254 + 1e-6)
+    check_int8_head(head)
 
 
 def exact_product(x: torch.Tensor, lin: Int4Linear, w: torch.Tensor) -> torch.Tensor:
@@ -133,8 +146,8 @@ def test_int4_kernel_rows_invariant_and_exact_up_to_the_activation_digits():
     check_int4_kernel(lin, w, bound=2e-4)
 
 
-def test_int4_kernel_without_avx512_gives_the_same_arithmetic(monkeypatch, tmp_path):
-    """The portable C loop (what a CPU without AVX-512 VNNI compiles), built here by switching AVX-512 off."""
+def test_int4_and_int8_kernels_without_avx512(monkeypatch, tmp_path):
+    """The portable C loops (what a CPU without AVX-512 VNNI compiles), built here by switching AVX-512 off."""
     from kvserve import native
     from kvserve.models import linear
 
@@ -142,14 +155,19 @@ def test_int4_kernel_without_avx512_gives_the_same_arithmetic(monkeypatch, tmp_p
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512f"])
     native.load.cache_clear()
     linear._int4_matmul_kernel.cache_clear()
+    linear._int8_matmul_kernel.cache_clear()
     try:
         w, b = four_bit_weight(48, 64, seed=6), torch.randn(48)
         lin = make_linear(w, b, "q4", CPU, torch.float32)
         assert lin.kernel is not None and list(tmp_path.rglob("int4_matmul-*.so"))
         check_int4_kernel(lin, w, bound=2e-4)
+        head = make_linear(torch.randn(40, 190), None, "int8", CPU, torch.float32, head=True)
+        assert head.kernel is not None and list(tmp_path.rglob("int8_matmul-*.so"))
+        check_int8_head(head)
     finally:
         native.load.cache_clear()
         linear._int4_matmul_kernel.cache_clear()
+        linear._int8_matmul_kernel.cache_clear()
 
 
 def test_int4_without_the_kernel_uses_torchs(monkeypatch):
