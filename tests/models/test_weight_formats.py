@@ -86,6 +86,15 @@ def test_unknown_format_and_bias():
         assert torch.allclose(lin(x), x @ w.t() + b, rtol=0, atol=0.05), fmt
 
 
+def on_one_thread(fn, x: torch.Tensor) -> torch.Tensor:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn(x)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def check_int8_head(head) -> None:
     """Row tiles of eight plus a tail, each row the same bits alone, one thread = two; beyond the int8
     weights themselves, only the two activation digits' rounding (~1e-5 of the output)."""
@@ -94,12 +103,7 @@ def check_int8_head(head) -> None:
     batched = head(x)
     for i in range(x.shape[0]):
         assert torch.equal(head(x[i : i + 1])[0], batched[i])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(head(x), batched)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(on_one_thread(head, x), batched)
     exact = x.double() @ head.weight.double().T  # exactly the weights the kernel holds
     assert float((batched.double() - exact).norm() / exact.norm()) < 1e-4
 
@@ -128,12 +132,7 @@ def check_int4_kernel(lin: Int4Linear, w: torch.Tensor, bound: float) -> None:
     for i in (0, 5, 6, 95, 96, 101, 199):
         assert torch.equal(lin(x[i : i + 1])[0], batched[i])
     assert torch.equal(lin(x[90:107]), batched[90:107])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(lin(x), batched)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(on_one_thread(lin, x), batched)
     exact = exact_product(x, lin, w)
     assert float((batched - exact).norm() / exact.norm()) < bound
 
@@ -154,8 +153,7 @@ def test_int4_and_int8_kernels_without_avx512(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512f"])
     native.load.cache_clear()
-    linear._int4_matmul_kernel.cache_clear()
-    linear._int8_matmul_kernel.cache_clear()
+    linear._kernel.cache_clear()
     try:
         w, b = four_bit_weight(48, 64, seed=6), torch.randn(48)
         lin = make_linear(w, b, "q4", CPU, torch.float32)
@@ -166,8 +164,7 @@ def test_int4_and_int8_kernels_without_avx512(monkeypatch, tmp_path):
         check_int8_head(head)
     finally:
         native.load.cache_clear()
-        linear._int4_matmul_kernel.cache_clear()
-        linear._int8_matmul_kernel.cache_clear()
+        linear._kernel.cache_clear()
 
 
 def test_int4_without_the_kernel_uses_torchs(monkeypatch):

@@ -155,15 +155,9 @@ def pack_int8_panels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, padded.sum(1, dtype=torch.int32)
 
 
-@cache
 def _int8_matmul_kernel():
-    lib = native.load("int8_matmul")
-    if lib is None:
-        return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.int8_matmul.argtypes = [p, p, p, p, p, i, i, i, p, i]
-    lib.int8_matmul.restype = i
-    return lib.int8_matmul
+    return _kernel("int8_matmul", (p, p, p, p, p, i, i, i, p, i), i)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
@@ -237,14 +231,20 @@ class Int4Linear:
         return y
 
 
-@cache
 def _int4_matmul_kernel():
-    lib = native.load("int4_matmul")
+    p, i = ctypes.c_void_p, ctypes.c_int
+    return _kernel("int4_matmul", (p, p, p, i, i, i, p, i))
+
+
+@cache
+def _kernel(name: str, argtypes: tuple, restype=None):
+    """The function ``name`` of ``native/<name>.c`` with its ctypes signature, or None without the kernel."""
+    lib = native.load(name)
     if lib is None:
         return None
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.int4_matmul.argtypes = [p, p, p, i, i, i, p, i]
-    return lib.int4_matmul
+    function = getattr(lib, name)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
 
 
 def make_linear(
