@@ -5,7 +5,7 @@ full-precision temporary each layer (what the torch path does).
     decode   one query per sequence, a batch of sequences: each (sequence, head) on a fixed grid of
              256-position partitions, so a sequence's output is the same bits alone or in any batch,
              with any thread count.
-    prefill  a chunk of one sequence's queries, flash-style (online softmax over 16-key tiles): a
+    prefill  a chunk of one sequence's queries, flash-style (online softmax over 64-key tiles): a
              query's output is the same bits whether the prompt comes whole or in chunks.
 
 CPU only; on other devices, or where the kernel cannot be built, ``for_storage`` returns None.
@@ -56,13 +56,18 @@ class NativePagedAttention:
 
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec, table: torch.Tensor | None) -> tuple:
-        codes, scales = parts[0], parts[1] if len(parts) > 1 else None
-        assert all(p.is_contiguous() for p in parts)
-        return (
-            KINDS[codec.name], codes.data_ptr(), 0 if scales is None else scales.data_ptr(),
-            codes.shape[-1] * codes.element_size(), 0 if scales is None else scales.shape[-1] * scales.element_size(),
-            0 if table is None else table.data_ptr(),
-        )
+        codes, scales, code_stride, scale_stride = _layout(parts)
+        return KINDS[codec.name], codes, scales, code_stride, scale_stride, 0 if table is None else table.data_ptr()
+
+    @staticmethod
+    def _run(kernel, what: str, q: torch.Tensor, shape: tuple, rest: tuple) -> torch.Tensor:
+        """kernel(*shape, q, out, *rest, threads) with q as f32; returns out [n, heads, head_dim] in q's dtype."""
+        qf = q.float().contiguous()
+        out = torch.empty_like(qf)
+        rc = kernel(*shape, qf.data_ptr(), out.data_ptr(), *rest, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"paged {what} attention: could not allocate its workspace")
+        return out.to(q.dtype)
 
     def decode(
         self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -71,16 +76,11 @@ class NativePagedAttention:
         """q: [n, heads, head_dim] (one query per sequence); block_tables [n, max_blocks] int64;
         context_lens [n] int64. Returns [n, heads, head_dim] in q's dtype."""
         n, heads, head_dim = q.shape
-        qf = q.float().contiguous()
-        out = torch.empty_like(qf)
-        rc = self.decode_kernel(
-            n, heads, self.num_kv_heads, head_dim, qf.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), context_lens.data_ptr(), self.num_blocks, self.block_size, window or 0, scale,
-            *self.layer_args[layer], torch.get_num_threads(),
+        return self._run(
+            self.decode_kernel, "decode", q, (n, heads, self.num_kv_heads, head_dim),
+            (block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), self.num_blocks,
+             self.block_size, window or 0, scale, *self.layer_args[layer]),
         )
-        if rc != 0:
-            raise MemoryError("paged decode attention: could not allocate its workspace")
-        return out.to(q.dtype)
 
     def prefill(
         self, layer: int, q: torch.Tensor, q_start: int, block_table: torch.Tensor, window: int | None, scale: float
@@ -88,16 +88,11 @@ class NativePagedAttention:
         """q: [n, heads, head_dim], one sequence's queries at positions q_start .. q_start + n - 1 (their
         keys already stored); block_table [blocks] int64. Returns [n, heads, head_dim] in q's dtype."""
         n, heads, head_dim = q.shape
-        qf = q.float().contiguous()
-        out = torch.empty_like(qf)
         table = block_table.contiguous()
-        rc = self.prefill_kernel(
-            n, q_start, heads, self.num_kv_heads, head_dim, qf.data_ptr(), out.data_ptr(), table.data_ptr(),
-            self.num_blocks, self.block_size, window or 0, scale, *self.layer_args[layer], torch.get_num_threads(),
+        return self._run(
+            self.prefill_kernel, "prefill", q, (n, q_start, heads, self.num_kv_heads, head_dim),
+            (table.data_ptr(), self.num_blocks, self.block_size, window or 0, scale, *self.layer_args[layer]),
         )
-        if rc != 0:
-            raise MemoryError("paged prefill attention: could not allocate its workspace")
-        return out.to(q.dtype)
 
 
 WRITABLE = ("f32", "f16", "bf16", "q8_0", "q4_0")  # kv_write.c numbers them as KINDS does
@@ -122,10 +117,8 @@ class NativeKVWrite:
     def _part(parts: list[torch.Tensor], codec: KVCodec) -> tuple | None:
         if codec.name not in WRITABLE:
             return None
-        codes, scales = parts[0], parts[1] if len(parts) > 1 else None
-        return (KINDS[codec.name], codes.data_ptr(), codes.shape[-1] * codes.element_size(),
-                0 if scales is None else scales.data_ptr(),
-                0 if scales is None else scales.shape[-1] * scales.element_size())
+        codes, scales, code_stride, scale_stride = _layout(parts)
+        return KINDS[codec.name], codes, code_stride, scales, scale_stride
 
     def __call__(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_args, v_args = self.layer_args[layer]
@@ -138,9 +131,18 @@ class NativeKVWrite:
                         scales, scale_stride)
 
 
+def _layout(parts: list[torch.Tensor]) -> tuple[int, int, int, int]:
+    """A layer's codec parts as the kernels take them: codes and scales addresses (0: no scales), and
+    bytes per head-vector in each."""
+    assert all(p.is_contiguous() for p in parts)
+    codes, scales = parts[0], parts[1] if len(parts) > 1 else None
+    if scales is None:
+        return codes.data_ptr(), 0, codes.shape[-1] * codes.element_size(), 0
+    return (codes.data_ptr(), scales.data_ptr(), codes.shape[-1] * codes.element_size(),
+            scales.shape[-1] * scales.element_size())
+
+
 _BY_STORAGE: weakref.WeakKeyDictionary[PagedKVStorage, NativePagedAttention | None] = weakref.WeakKeyDictionary()
-
-
 _WRITERS: weakref.WeakKeyDictionary[PagedKVStorage, NativeKVWrite | None] = weakref.WeakKeyDictionary()
 
 

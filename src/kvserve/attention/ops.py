@@ -31,7 +31,6 @@ def sequence_attention(
     k, v: head-major [num_kv_heads, num_keys, head_dim] at positions 0..num_keys-1
     (num_keys = q_start + num_q). Returns [num_q, num_heads, head_dim]."""
     num_q, num_keys = q.shape[0], k.shape[1]
-    kt, vt = k, v
     gqa = q.shape[1] != k.shape[0]
     out = torch.empty_like(q)
     for start in range(0, num_q, QUERY_TILE):
@@ -41,7 +40,7 @@ def sequence_attention(
         last_pos = q_start + end - 1
         keys_needed = last_pos + 1
         key_lo = 0 if window is None else max(0, first_pos - window + 1)
-        kk, vv = kt[:, key_lo:keys_needed], vt[:, key_lo:keys_needed]
+        kk, vv = k[:, key_lo:keys_needed], v[:, key_lo:keys_needed]
         if end - start == 1:
             mask, causal = None, False  # one query sees every key in [key_lo, keys_needed)
         elif window is None and first_pos == 0:

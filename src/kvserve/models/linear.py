@@ -132,14 +132,7 @@ class Int8HeadLinear(Int8Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
             return super().__call__(x)
-        xf = x.float().contiguous()
-        m = xf.shape[0]
-        y = torch.empty(m, self.out_features, dtype=torch.float32)
-        bias = 0 if self.bias is None else self.bias.data_ptr()
-        rc = self.kernel(xf.data_ptr(), self.packed.data_ptr(), self.row_scale.data_ptr(), self.row_sums.data_ptr(),
-                         bias, m, self.out_features, self.in_features, y.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("int8 matmul: could not allocate the activation digits")
+        y = _run_matmul(self.kernel, x, (self.packed, self.row_scale, self.row_sums), self.bias, self.out_features)
         return y.to(x.dtype)
 
 
@@ -206,7 +199,7 @@ class Int4Linear:
     def __init__(
         self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
-        self.out_features, self.in_features = codes.shape
+        self.out_features = codes.shape[0]
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernel = _int4_matmul_kernel()
         if self.kernel is not None:
@@ -223,17 +216,25 @@ class Int4Linear:
             x = x.to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
             return y if self.bias is None else y + self.bias
-        xf = x.float().contiguous()
-        y = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
-        bias = 0 if self.bias is None else self.bias.data_ptr()
-        self.kernel(xf.data_ptr(), self.packed.data_ptr(), bias, xf.shape[0], self.out_features, self.in_features,
-                    y.data_ptr(), torch.get_num_threads())
-        return y
+        return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features)
 
 
 def _int4_matmul_kernel():
     p, i = ctypes.c_void_p, ctypes.c_int
-    return _kernel("int4_matmul", (p, p, p, i, i, i, p, i))
+    return _kernel("int4_matmul", (p, p, p, i, i, i, p, i), i)
+
+
+def _run_matmul(kernel, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """y [tokens, out] f32 = kernel(x, *weights, bias, M, N, K, y, threads), the calling convention of
+    ``native/int4_matmul.c`` and ``native/int8_matmul.c``."""
+    xf = x.float().contiguous()
+    m, k = xf.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    rc = kernel(xf.data_ptr(), *(w.data_ptr() for w in weights), 0 if bias is None else bias.data_ptr(),
+                m, out_features, k, y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("native matmul: could not allocate the activation digits")
+    return y
 
 
 @cache

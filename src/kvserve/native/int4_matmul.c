@@ -170,12 +170,20 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
         for (int i = 0; i < width; i++) y[(int64_t)r * ldy + i] = out[r][i] * row_scale[r] + (bias ? bias[i] : 0.0f);
 }
 
-/* x [M, K] f32, w packed [ceil(N / 16), K / 32, 320 bytes], bias [N] or NULL, y [M, N] f32. */
-void int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
+/* x [M, K] f32, w packed [ceil(N / 16), K / 32, 320 bytes], bias [N] or NULL, y [M, N] f32.
+ * Returns 0, or -1 when the digits could not be allocated. */
+int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
                  int num_threads) {
     const int G = K / GROUP, panels = (N + PANEL - 1) / PANEL;
     int8_t *d1 = malloc((size_t)M * K), *d2 = malloc((size_t)M * K);
     float *usum = malloc(sizeof(float) * (size_t)M * G), *row_scale = malloc(sizeof(float) * (size_t)M);
+    if (!d1 || !d2 || !usum || !row_scale) {
+        free(d1);
+        free(d2);
+        free(usum);
+        free(row_scale);
+        return -1;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -202,4 +210,5 @@ void int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int
     free(d2);
     free(usum);
     free(row_scale);
+    return 0;
 }
