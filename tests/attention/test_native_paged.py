@@ -145,21 +145,54 @@ def test_a_broken_build_falls_back_with_the_reason(monkeypatch, tmp_path, caplog
         native.load.cache_clear()
 
 
-@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "tq4"])
-def test_the_c_writer_stores_the_codecs_own_codes(cache_type):
-    """Every part of the storage written by the C writer equals what the codec's torch encode stores
-    (tq4 has no C writer: its fallback must give the same)."""
-    cfg = config()
+def written_both_ways(cache_type: str, cfg: ModelConfig, tokens: int = 77):
+    """The parts of layer 1 after the same k/v went through the C writer and through the codec's torch
+    encode; and the k/v. Keys span five decades of magnitude; values come as bf16 (as q4 weights give)."""
     g = torch.Generator().manual_seed(5)
-    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=g)[:77]
-    k = torch.randn(77, cfg.num_kv_heads, cfg.head_dim, generator=g) * torch.logspace(-3, 2, cfg.head_dim)
-    v = torch.randn(77, cfg.num_kv_heads, cfg.head_dim, generator=g).to(torch.bfloat16)  # as q4 weights give
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=g)[:tokens]
+    k = torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, generator=g) * torch.logspace(-3, 2, cfg.head_dim)
+    v = torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, generator=g).to(torch.bfloat16)
     stored = []
     for use_native in (True, False):
         storage = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, cache_type, torch.device("cpu"))
         write = native_paged.writer_for_storage(storage) if use_native else storage.write
         assert isinstance(write, native_paged.NativeKVWrite) == use_native
         write(1, storage.slot_rows(slots), k, v)
-        stored.append([p.clone() for p in storage.k[1] + storage.v[1]])
-    for ours, theirs in zip(*stored):
-        assert torch.equal(ours, theirs)
+        stored.append(([p.clone() for p in storage.k[1]], [p.clone() for p in storage.v[1]]))
+    return stored, slots, storage, k, v
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "fp8"])
+def test_the_c_writer_stores_the_codecs_own_codes(cache_type):
+    """Every part of the storage written by the C writer equals what the codec's torch encode stores
+    (fp8 has no C writer: its fallback must give the same)."""
+    (ours, theirs), *_ = written_both_ways(cache_type, config())
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cache_type", ["tq2", "tq3", "tq4"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_the_c_writer_encodes_rotated_codecs_as_the_codec_does(cache_type, head_dim):
+    """tq codes from the C writer equal the torch encode's, except coordinates whose rotated value lies
+    within rounding of a bucket edge (there the two rotations' sums, in different orders, may fall on
+    either side: then the codes are neighbours); the stored norms agree to one f16 step."""
+    from kvserve.kv.codecs import unpack_bits
+
+    cfg = config(heads=2, kv_heads=2, head_dim=head_dim)
+    (ours, theirs), slots, storage, k, v = written_both_ways(cache_type, cfg)
+    rows = storage.slot_rows(slots)
+    for parts_ours, parts_theirs, codec, x in ((ours[0], theirs[0], storage.k_codec, k), (ours[1], theirs[1], storage.v_codec, v)):
+        codes = [unpack_bits(p[0].view(-1, p[0].shape[-1])[rows], codec.bits, head_dim).int() for p in (parts_ours, parts_theirs)]
+        y = x.double().transpose(0, 1).flatten(0, 1) @ codec.matrix.double()  # head-major, as rows
+        unit = y / y.norm(dim=-1, keepdim=True)
+        cb = codec.codebook.double()
+        near_edge = ((unit.unsqueeze(-1) - (cb[1:] + cb[:-1]) / 2).abs() < 1e-5).any(-1)
+        differ = codes[0] != codes[1]
+        assert not (differ & ~near_edge).any()
+        assert ((codes[0] - codes[1]).abs()[differ] == 1).all()
+        assert differ.float().mean() < 1e-3  # a few coordinates at most
+        norms = [p[1].view(-1)[rows].float() for p in (parts_ours, parts_theirs)]
+        same_codes = ~differ.any(-1)
+        assert same_codes.float().mean() > 0.9
+        torch.testing.assert_close(norms[0][same_codes], norms[1][same_codes], rtol=1e-3, atol=0)

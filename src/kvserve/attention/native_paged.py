@@ -95,40 +95,50 @@ class NativePagedAttention:
         )
 
 
-WRITABLE = ("f32", "f16", "bf16", "q8_0", "q4_0")  # kv_write.c numbers them as KINDS does
+WRITABLE = ("f32", "f16", "bf16", "q8_0", "q4_0", "tq2", "tq3", "tq4")
 
 
 class NativeKVWrite:
     """Encodes and stores this step's k/v in one C pass (``native/kv_write.c``) for the codecs it
-    knows (f32, f16, bf16, q8_0, q4_0), the same codes as the codec's torch ``encode``; others keep
-    ``PagedKVStorage.write``."""
+    knows (all but fp8): f32 to q4_0 the same codes as the codec's torch ``encode``, tq2-4 the same
+    steps (rotation sums in another order: a coordinate at a bucket edge may round to its neighbour).
+    Others keep ``PagedKVStorage.write``."""
 
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
         self.storage = weakref.ref(storage)  # not the storage: the entry must not keep its key alive
         self.kernel = library.kv_write
-        self.kernel.argtypes = [_i, _p, _i, _i, _i, _p, _p, _i64, _p, _i64]
+        self.kernel.argtypes = [_i, _p, _i, _i, _i, _p, _p, _i64, _p, _i64, _p, _p]
+        self._tables = [self._rotation(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         self.layer_args = [
-            [self._part(parts, codec) for parts, codec in ((storage.k[layer], storage.k_codec),
-                                                           (storage.v[layer], storage.v_codec))]
+            [self._part(parts, codec, tables) for parts, codec, tables in
+             ((storage.k[layer], storage.k_codec, self._tables[0]), (storage.v[layer], storage.v_codec, self._tables[1]))]
             for layer in range(len(storage.k))
         ]
 
     @staticmethod
-    def _part(parts: list[torch.Tensor], codec: KVCodec) -> tuple | None:
+    def _rotation(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A rotated codec's matrix and codebook as the writer takes them (f32, contiguous)."""
+        if not codec.rotated:
+            return None
+        return codec.matrix.float().contiguous(), codec.codebook.float().contiguous()
+
+    @staticmethod
+    def _part(parts: list[torch.Tensor], codec: KVCodec, tables: tuple | None) -> tuple | None:
         if codec.name not in WRITABLE:
             return None
         codes, scales, code_stride, scale_stride = _layout(parts)
-        return KINDS[codec.name], codes, code_stride, scales, scale_stride
+        rotation, levels = (t.data_ptr() for t in tables) if tables else (0, 0)
+        return KINDS[codec.name], codes, code_stride, scales, scale_stride, rotation, levels
 
     def __call__(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_args, v_args = self.layer_args[layer]
         if k_args is None or v_args is None:
             return self.storage().write(layer, slot_rows, k, v)
         tokens, heads, head_dim = k.shape
-        for x, (kind, codes, code_stride, scales, scale_stride) in ((k, k_args), (v, v_args)):
+        for x, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in ((k, k_args), (v, v_args)):
             x = x.float().contiguous()
             self.kernel(kind, x.data_ptr(), tokens, heads, head_dim, slot_rows.data_ptr(), codes, code_stride,
-                        scales, scale_stride)
+                        scales, scale_stride, rotation, levels)
 
 
 def _layout(parts: list[torch.Tensor]) -> tuple[int, int, int, int]:

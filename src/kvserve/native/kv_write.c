@@ -1,7 +1,10 @@
 /* Encodes this step's K or V and stores it at its slots of the paged, head-major storage, in one
  * pass: for q8_0 the torch path is ~10 ops per write (group, amax, scale, round, clamp, scatter),
- * 120 a decode step. Bit-for-bit the same codes as kv/codecs.py (round half to even, the f16 scale
- * rounded before its inverse is taken).
+ * 120 a decode step; for tq2-4 ~15 (rotate, norm, bucketize, codebook norm, bit packing).
+ * f32/f16/bf16/q8_0/q4_0: bit-for-bit the same codes as kv/codecs.py (round half to even, the f16
+ * scale rounded before its inverse is taken). tq2-4: the same steps in the same float precision; the
+ * rotation's sums run in another order than torch's matmul, so a coordinate within rounding of a
+ * bucket edge may land in the bucket next to it, and the norm may differ in its last f16 bit.
  *
  *   x [tokens, kv_heads, D] f32  --(slot_rows[h * tokens + t])-->  codes/scales row of (h, t)
  */
@@ -11,7 +14,7 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0 }; /* the first kinds of paged_attention.c, same numbers */
+enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_FP8, KV_TQ2, KV_TQ3, KV_TQ4 }; /* paged_attention.c's numbers */
 #define GROUP 32
 
 static inline uint16_t float_to_half(float f) {
@@ -34,7 +37,38 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even (finite
     return (uint16_t)(u >> 16);
 }
 
-static void encode_vector(int kind, const float *x, int D, uint8_t *code, uint8_t *scale) {
+/* tqB (kv/codecs.py RotatedCodec): y = x @ rotation, unit = y / |y|, code = number of bucket edges
+ * (midpoints of the levels) below unit, packed little-endian B bits a code; scale = |y| / |levels[code]|. */
+static void encode_rotated(int bits, const float *x, int D, const float *rotation, const float *levels,
+                           uint8_t *code, uint8_t *scale) {
+    float y[D], edges[15];
+    const int n_edges = (1 << bits) - 1;
+    for (int e = 0; e < n_edges; e++) edges[e] = (levels[e] + levels[e + 1]) * 0.5f;
+    for (int j = 0; j < D; j++) y[j] = 0.0f;
+    for (int i = 0; i < D; i++) {
+        const float xi = x[i], *row = rotation + (int64_t)i * D;
+        for (int j = 0; j < D; j++) y[j] += xi * row[j];
+    }
+    float squares = 0.0f;
+    for (int j = 0; j < D; j++) squares += y[j] * y[j];
+    const float norm = __builtin_sqrtf(squares), divisor = norm > 1e-30f ? norm : 1e-30f;
+    memset(code, 0, (size_t)D * bits / 8);
+    float recon = 0.0f;
+    for (int j = 0; j < D; j++) {
+        const float unit = y[j] / divisor;
+        int idx = 0;
+        for (int e = 0; e < n_edges; e++) idx += unit > edges[e];
+        recon += levels[idx] * levels[idx];
+        const int bit = j * bits, shift = bit & 7;
+        code[bit >> 3] |= (uint8_t)(idx << shift);
+        if (shift + bits > 8) code[(bit >> 3) + 1] |= (uint8_t)(idx >> (8 - shift));
+    }
+    recon = __builtin_sqrtf(recon);
+    ((uint16_t *)scale)[0] = float_to_half(norm / (recon > 1e-30f ? recon : 1e-30f));
+}
+
+static void encode_vector(int kind, const float *x, int D, uint8_t *code, uint8_t *scale, const float *rotation,
+                          const float *levels) {
     switch (kind) {
     case KV_F32:
         memcpy(code, x, sizeof(float) * D);
@@ -86,16 +120,23 @@ static void encode_vector(int kind, const float *x, int D, uint8_t *code, uint8_
             }
         }
         break;
+    case KV_TQ2:
+    case KV_TQ3:
+    case KV_TQ4:
+        encode_rotated(kind - KV_TQ2 + 2, x, D, rotation, levels, code, scale);
+        break;
     }
 }
 
+/* rotation [D][D] and levels [2^B] f32: the tq codecs' matrix and codebook (NULL for the others). */
 void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const int64_t *slot_rows, uint8_t *codes,
-              int64_t code_stride, uint8_t *scales, int64_t scale_stride) {
+              int64_t code_stride, uint8_t *scales, int64_t scale_stride, const float *rotation,
+              const float *levels) {
 #pragma omp parallel for if (tokens >= 64)
     for (int t = 0; t < tokens; t++)
         for (int h = 0; h < kv_heads; h++) {
             int64_t row = slot_rows[(int64_t)h * tokens + t];
             encode_vector(kind, x + ((int64_t)t * kv_heads + h) * D, D, codes + row * code_stride,
-                          scales ? scales + row * scale_stride : NULL);
+                          scales ? scales + row * scale_stride : NULL, rotation, levels);
         }
 }
