@@ -39,6 +39,26 @@
 
 /* Digits of one row, the sum of u over each group, and max|x| / 127. */
 static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum, float *row_scale) {
+#if defined(VNNI) /* the same steps, 16 lanes at a time (the scalar loop cost ~500 us at 512 x 576) */
+    __m512 vmax = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    const float amax = fmaxf(_mm512_reduce_max_ps(vmax), 1e-30f);
+    const __m512 inv = _mm512_set1_ps(127.0f / amax), radix = _mm512_set1_ps(254.0f);
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int g = 0; g < K / GROUP; g++) {
+        __m512 half_sum = _mm512_setzero_ps();
+        for (int h = 0; h < GROUP; h += 16) {
+            const int k = g * GROUP + h;
+            const __m512 u = _mm512_mul_ps(_mm512_loadu_ps(x + k), inv), r1 = _mm512_roundscale_ps(u, nearest);
+            const __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(u, r1), radix), nearest);
+            _mm_storeu_si128((__m128i *)(d1 + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r1)));
+            _mm_storeu_si128((__m128i *)(d2 + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r2)));
+            half_sum = _mm512_add_ps(half_sum, u);
+        }
+        usum[g] = _mm512_reduce_add_ps(half_sum);
+    }
+    *row_scale = amax / 127.0f;
+#else
     float amax = 0.0f;
     for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
     amax = fmaxf(amax, 1e-30f);
@@ -55,6 +75,7 @@ static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum
         usum[g] = s;
     }
     *row_scale = amax / 127.0f;
+#endif
 }
 
 #if defined(VNNI)
