@@ -80,7 +80,7 @@ class SchedulerConfig:
     max_waiting: int = 256
 
 
-WEIGHT_CHOICES = ("auto", "q4", "int8", "bf16", "f32")  # see models.linear
+WEIGHT_CHOICES = ("auto", "q4", "q4-fast", "int8", "bf16", "f32")  # see models.linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +90,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
     dtype: str = "float32"
-    weights: str = "auto"  # weight format of the projections: auto | f32 | bf16 | int8 | q4 (models.linear)
+    weights: str = "auto"  # weight format of the projections: auto | f32 | bf16 | int8 | q4 | q4-fast (models.linear)
     num_threads: int | None = None
     seed: int = 0
