@@ -11,10 +11,10 @@ from kvserve.engine.sampling_params import SamplingParams
 
 
 class KVServeRunner:
-    name = "kvserve"
-
     def __init__(self, loaded) -> None:
         self.loaded = loaded
+        weights = loaded.model.weight_format
+        self.name = "kvserve" if weights == "q4" else f"kvserve {weights}"  # q4: the CPU default
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16

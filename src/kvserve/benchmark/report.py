@@ -14,13 +14,18 @@ def roofline(loaded, rows: list[BenchRow], bandwidth: float) -> dict[int, tuple[
     weight_bytes = step_weight_bytes(loaded.model)
     out = {}
     for i, r in enumerate(rows):
-        if r.engine != "kvserve":
+        if not is_ours(r):
             continue
         context = r.prompt_len + r.gen // 2
         per_token = weight_bytes / r.concurrency + context * kv_bytes_per_token(config, r.cache_type)
         rate = r.aggregate_tok_s if r.concurrency > 1 else r.decode_tok_s
         out[i] = (int(per_token), per_token * rate / bandwidth)
     return out
+
+
+def is_ours(row: BenchRow) -> bool:
+    """kvserve's rows: "kvserve", or "kvserve <weights>" for a weight format other than q4."""
+    return row.engine.split()[0] == "kvserve"
 
 
 def step_weight_bytes(model) -> int:
@@ -39,10 +44,10 @@ def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]], bandwi
                   title=f"kvserve bench (memory bandwidth {bandwidth / 1e9:.1f} GB/s)")
     peers = {(r.cache_type, r.prompt_len): r for r in rows if r.engine == "llama.cpp"}
     for i, r in enumerate(rows):
-        peer = peers.get((r.cache_type, r.prompt_len)) if r.engine == "kvserve" and r.concurrency == 1 else None
+        peer = peers.get((r.cache_type, r.prompt_len)) if is_ours(r) and r.concurrency == 1 else None
         ratio = (f"{r.prefill_tok_s / peer.prefill_tok_s:.2f}x, {r.decode_tok_s / peer.decode_tok_s:.2f}x"
                  if peer else "")
-        if r.engine == "kvserve" and r.concurrency > 1:
+        if is_ours(r) and r.concurrency > 1:
             single = peers.get((r.cache_type, r.prompt_len))
             ratio = f"aggregate {r.aggregate_tok_s / single.decode_tok_s:.2f}x llama.cpp's 1 stream" if single else ""
         roof_text = f"{roof[i][1] * 100:.0f}% ({roof[i][0] / 2**20:.0f} MiB/tok)" if i in roof else ""

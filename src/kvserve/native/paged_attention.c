@@ -491,8 +491,9 @@ static inline float softmax_update(prefill_work *w, int row, float *s, uint64_t 
 
 /* acc_r = acc_r * alpha_r + sum_j p_r[j] * values[j] for rows r0 .. r0 + nr (each lane summed in key
  * order); the rows share every value vector loaded. */
-static void accumulate_values(prefill_work *w, int r0, int nr, int D, float p[][KEY_TILE], const float *alpha,
-                              const float *values) {
+static inline __attribute__((always_inline)) void accumulate_values(prefill_work *w, int r0, const int nr, int D,
+                                                                    float p[][KEY_TILE], const float *alpha,
+                                                                    const float *values) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
         for (int d = 0; d < D; d += 16) {
@@ -518,8 +519,11 @@ static void accumulate_values(prefill_work *w, int r0, int nr, int D, float p[][
     }
 }
 
-/* Rows [r0, r0 + nr) (row = query * G + head in group) against the key tile at kb. */
-static void prefill_key_tile(prefill_work *w, int r0, int nr, int G, int D, int64_t first_pos, int64_t kb, int window) {
+/* Rows [r0, r0 + nr) (row = query * G + head in group) against the key tile at kb. nr is a constant in
+ * each specialization (prefill_key_tile below): the accumulators then stay in registers (with a
+ * run-time nr the compiler kept them on the stack and tested nr inside the FMA loops). */
+static inline __attribute__((always_inline)) void key_tile_rows(prefill_work *w, int r0, const int nr, int G, int D,
+                                                                int64_t first_pos, int64_t kb, int window) {
     float s[ROWS][KEY_TILE], alpha[ROWS];
 #if defined(__AVX512F__)
     __m512 a[ROWS][KEY_TILE / 16];
@@ -556,6 +560,17 @@ static void prefill_key_tile(prefill_work *w, int r0, int nr, int G, int D, int6
         }
     }
     accumulate_values(w, r0, nr, D, s, alpha, w->values);
+}
+
+static void prefill_key_tile(prefill_work *w, int r0, int nr, int G, int D, int64_t first_pos, int64_t kb, int window) {
+    switch (nr) {
+    case 6: key_tile_rows(w, r0, 6, G, D, first_pos, kb, window); break;
+    case 5: key_tile_rows(w, r0, 5, G, D, first_pos, kb, window); break;
+    case 4: key_tile_rows(w, r0, 4, G, D, first_pos, kb, window); break;
+    case 3: key_tile_rows(w, r0, 3, G, D, first_pos, kb, window); break;
+    case 2: key_tile_rows(w, r0, 2, G, D, first_pos, kb, window); break;
+    default: key_tile_rows(w, r0, 1, G, D, first_pos, kb, window); break;
+    }
 }
 
 /* Decoded rows of positions [t, t + n) of one kv head -> dst [n][D] (walking the block table). */
