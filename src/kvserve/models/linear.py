@@ -20,9 +20,9 @@ Measured on SmolLM2 (Q4_1) over 1,024 tokens of text, teacher-forced, against f3
 pins the bounds):
 
     format   KLD       top-1    decode vs f32
-    bf16     0.00066   98.0%    1.5x
+    bf16     0.00066   98.6%    1.5x
     int8     0.0045    96.5%    ~1.6x
-    q4       0.0017    98.0%    ~4x      (0.0019 / 97.7% through torch's bf16-activation kernel)
+    q4       0.0016    97.9%    ~4x      (0.0019 / 97.7% through torch's bf16-activation kernel)
     q4-fast  0.0036    96.9%    ~4x      (matmuls at 16-512 rows ~1.7x faster than q4)
 
 Each format computes every row of a batch exactly as it would alone (per-row activation scales,
