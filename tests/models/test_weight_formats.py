@@ -187,3 +187,15 @@ def test_int4_without_the_kernel_uses_torchs(monkeypatch):
     x = torch.randn(5, 64)
     exact = exact_product(x, lin, w)
     assert float((lin(x).float() - exact).norm() / exact.norm()) < 0.01  # bf16 activations
+
+
+def test_a_models_packed_weights_live_in_one_arena(smollm2_q4):
+    """Every 4-bit projection and the int8 head of the loaded model: views of one buffer (2 MiB pages
+    on Linux, see kvserve.host_memory)."""
+    from kvserve.models.linear import Int8HeadLinear
+
+    model = smollm2_q4.model
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(lin, Int4Linear) for lin in linears) and isinstance(model.lm_head, Int8HeadLinear)
+    packed = [lin.packed for lin in linears] + [model.lm_head.packed]
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1

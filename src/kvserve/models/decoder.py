@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
-from kvserve.models.linear import Linear, make_linear
+from kvserve.models.linear import Linear, make_linear, pack_into_arena
 from kvserve.models.norms import add_rms_norm, rms_norm
 from kvserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
 
@@ -99,6 +99,8 @@ class DecoderLM:
                     post_ffn_norm=opt(p + "post_ffw_norm.weight"),
                 )
             )
+        pack_into_arena([self.lm_head] + [lin for layer in self.layers
+                                          for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
         freq_factors = weights.get("rope_freqs")
         self.rope = RotaryEmbedding(inverse_frequencies(config, config.rope_theta, freq_factors), device, dtype)
         self.rope_local = self.rope

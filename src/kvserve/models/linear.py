@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import native
+from kvserve.host_memory import rehome
 
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4", "q4-fast")  # config.WEIGHT_CHOICES adds "auto", resolved by the loader
 INT4_GROUP = 32
@@ -245,6 +246,15 @@ def _run_matmul(
     if rc != 0:
         raise MemoryError("native matmul: could not allocate the activation digits")
     return y
+
+
+def pack_into_arena(linears: list) -> None:
+    """The C kernels' packed weights of ``linears`` moved into one arena (``kvserve.host_memory``: 2 MiB
+    pages on a Linux CPU), so a decode step streams them with a TLB entry per 2 MiB, not per 4 KiB."""
+    owners = [lin for lin in linears
+              if getattr(lin, "kernel", None) is not None and isinstance(getattr(lin, "packed", None), torch.Tensor)]
+    for lin, copy in zip(owners, rehome([lin.packed for lin in owners])):
+        lin.packed = copy
 
 
 @cache
