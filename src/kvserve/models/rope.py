@@ -1,11 +1,18 @@
-"""Rotary position embeddings (half-split layout), with Llama 3 and linear frequency scaling."""
+"""Rotary position embeddings (half-split layout), with Llama 3 and linear frequency scaling.
+
+``apply_rotary`` returns rotated copies (torch); ``rotate_in_place`` rotates the leading heads of
+each token's row where they lie (``native/rope.c``, the same bits) and says whether it could.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import math
+from functools import cache
 
 import torch
 
+from kvserve import native
 from kvserve.config import ModelConfig
 
 
@@ -70,3 +77,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1); sin carries the (-, +) signs
     return x * cos + rotated * sin
+
+
+@cache
+def _kernel():
+    lib = native.load("rope")
+    if lib is None:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.rope_in_place.argtypes = [p, i, i, ctypes.c_int64, i, p, p]
+    return lib.rope_in_place
+
+
+def rotate_in_place(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotates heads [0, heads) of x [num_tokens, total_heads, head_dim] in place (the rest, e.g. the
+    values of a fused qkv, untouched) with cos/sin [num_tokens, 1, head_dim] from ``tables``. False,
+    leaving x as it was, where the kernel does not apply (not f32 on the CPU, not contiguous, no
+    compiler): then use ``apply_rotary``."""
+    kernel = _kernel() if x.device.type == "cpu" else None
+    if (kernel is None or x.dtype != torch.float32 or not x.is_contiguous()
+            or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):
+        return False
+    n, total, head_dim = x.shape
+    kernel(x.data_ptr(), n, heads, total * head_dim, head_dim, cos.data_ptr(), sin.data_ptr())
+    return True
