@@ -64,20 +64,27 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
-    """Zeroed tensors of the given (shape, dtype), each a contiguous view of one ``empty_bytes`` buffer."""
+def _views(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """Uninitialized tensors of the given (shape, dtype), each a contiguous view of one ``empty_bytes`` buffer."""
     sizes = [torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs]
     offsets, total = _offsets(sizes)
     buffer = empty_bytes(total, device)
-    buffer.zero_()
     return [buffer[o : o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
 
 
+def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """Zeroed tensors of the given (shape, dtype), each a contiguous view of one buffer."""
+    tensors = _views(specs, device)
+    for t in tensors:
+        t.zero_()
+    return tensors
+
+
 def rehome(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU tensors in one arena (the originals can then be dropped)."""
+    """Copies of CPU tensors in one arena, written once (the originals can then be dropped)."""
     if not tensors:
         return []
-    copies = arena([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device)
+    copies = _views([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device)
     for copy, t in zip(copies, tensors):
         copy.copy_(t)
     return copies

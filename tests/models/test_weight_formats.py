@@ -157,12 +157,11 @@ def test_int4_kernel_rows_invariant_and_exact_up_to_the_activation_digits(fmt):
 def test_int4_and_int8_kernels_without_avx512(monkeypatch, tmp_path):
     """The portable C loops (what a CPU without AVX-512 VNNI compiles), built here by switching AVX-512 off."""
     from kvserve import native
-    from kvserve.models import linear
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512f"])
     native.load.cache_clear()
-    linear._kernel.cache_clear()
+    native.function.cache_clear()
     try:
         w, b = four_bit_weight(48, 64, seed=6), torch.randn(48)
         for fmt, (low, high) in INT4_BOUNDS.items():
@@ -174,7 +173,7 @@ def test_int4_and_int8_kernels_without_avx512(monkeypatch, tmp_path):
         check_int8_head(head)
     finally:
         native.load.cache_clear()
-        linear._kernel.cache_clear()
+        native.function.cache_clear()
 
 
 def test_int4_without_the_kernel_uses_torchs(monkeypatch):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvserve.config import ModelConfig
 from kvserve.models.linear import Linear, make_linear, pack_into_arena
 from kvserve.models.norms import add_rms_norm, rms_norm
-from kvserve.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies, rotate_in_place
+from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotate_heads
 
 
 class AttentionBackend(Protocol):
@@ -137,15 +137,12 @@ class DecoderLM:
             else:
                 x, h = add_rms_norm(x, pending, layer.attn_norm, eps)
             qkv = layer.qkv(h).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
+            if layer.q_norm is not None:
+                q, k, v = qkv.split(heads, dim=1)
+                qkv = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps), v], 1)
             cos, sin = local_tables if sliding else rope_tables
-            if layer.q_norm is None and rotate_in_place(qkv, cfg.num_heads + cfg.num_kv_heads, cos, sin):
-                q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
-            else:
-                qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
-                if layer.q_norm is not None:
-                    q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-                    qk = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)], 1)
-                q, k = apply_rotary(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # q and k in one go
+            q, k, v = rotate_heads(qkv, heads[0] + heads[1], cos, sin).split(heads, dim=1)  # q and k in one go
             window = cfg.sliding_window if sliding else None
             o = attn.attend(i, q, k, v, window, self.scale)
             h = layer.o(o.reshape(n, self.q_dim))

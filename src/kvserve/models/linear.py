@@ -37,7 +37,6 @@ A projection is a callable ``x [num_tokens, in] -> [num_tokens, out]``; the mode
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 from typing import Protocol
 
 import torch
@@ -155,7 +154,7 @@ def pack_int8_panels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _int8_matmul_kernel():
     p, i = ctypes.c_void_p, ctypes.c_int
-    return _kernel("int8_matmul", (p, p, p, p, p, i, i, i, p, i), i)
+    return native.function("int8_matmul", "int8_matmul", (p, p, p, p, p, i, i, i, p, i), i)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
@@ -230,7 +229,7 @@ class Int4Linear:
 
 def _int4_matmul_kernel():
     p, i = ctypes.c_void_p, ctypes.c_int
-    return _kernel("int4_matmul", (p, p, p, i, i, i, p, i, i), i)
+    return native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i), i)
 
 
 def _run_matmul(
@@ -255,17 +254,6 @@ def pack_into_arena(linears: list) -> None:
               if getattr(lin, "kernel", None) is not None and isinstance(getattr(lin, "packed", None), torch.Tensor)]
     for lin, copy in zip(owners, rehome([lin.packed for lin in owners])):
         lin.packed = copy
-
-
-@cache
-def _kernel(name: str, argtypes: tuple, restype=None):
-    """The function ``name`` of ``native/<name>.c`` with its ctypes signature, or None without the kernel."""
-    lib = native.load(name)
-    if lib is None:
-        return None
-    function = getattr(lib, name)
-    function.argtypes, function.restype = list(argtypes), restype
-    return function
 
 
 def make_linear(

@@ -1,7 +1,8 @@
 """Rotary position embeddings (half-split layout), with Llama 3 and linear frequency scaling.
 
-``apply_rotary`` returns rotated copies (torch); ``rotate_in_place`` rotates the leading heads of
-each token's row where they lie (``native/rope.c``, the same bits) and says whether it could.
+``apply_rotary`` returns rotated copies (torch); ``rotate_heads`` rotates the leading heads of a
+fused qkv, in place through ``native/rope.c`` where it runs (the same bits), else through
+``apply_rotary``.
 """
 
 from __future__ import annotations
@@ -79,25 +80,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-@cache
+@cache  # looked up once a layer: one cache hit without arguments
 def _kernel():
-    lib = native.load("rope")
-    if lib is None:
-        return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.rope_in_place.argtypes = [p, i, i, ctypes.c_int64, i, p, p]
-    return lib.rope_in_place
+    return native.function("rope", "rope_in_place", (p, i, i, ctypes.c_int64, i, p, p))
 
 
-def rotate_in_place(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Rotates heads [0, heads) of x [num_tokens, total_heads, head_dim] in place (the rest, e.g. the
-    values of a fused qkv, untouched) with cos/sin [num_tokens, 1, head_dim] from ``tables``. False,
-    leaving x as it was, where the kernel does not apply (not f32 on the CPU, not contiguous, no
-    compiler): then use ``apply_rotary``."""
+def rotate_heads(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, total_heads, head_dim] with heads [0, heads) rotated (the rest, e.g. the values
+    of a fused qkv, as they were) by cos/sin [num_tokens, 1, head_dim] from ``tables``. In place
+    through the kernel (f32 on the CPU, contiguous); otherwise a new tensor from ``apply_rotary``."""
     kernel = _kernel() if x.device.type == "cpu" else None
     if (kernel is None or x.dtype != torch.float32 or not x.is_contiguous()
             or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):
-        return False
+        return torch.cat([apply_rotary(x[:, :heads], cos, sin), x[:, heads:]], 1)
     n, total, head_dim = x.shape
     kernel(x.data_ptr(), n, heads, total * head_dim, head_dim, cos.data_ptr(), sin.data_ptr())
-    return True
+    return x

@@ -6,7 +6,8 @@ calls load the cached library. The library links OpenMP's ``libgomp.so.1``, the 
 itself loaded, so the kernels share torch's threads instead of fighting them for the cores.
 
 Without a compiler (or with ``KVSERVE_NATIVE=0``) ``load`` returns None and callers keep their
-torch path; the reason is logged once.
+torch path; the reason is logged once. ``function`` hands out one function of a library with its
+ctypes signature set.
 
     cache key = sha256(source, flags, compiler version, CPU flags)  ->  <cache>/<name>-<key>.so
 """
@@ -89,3 +90,15 @@ def load(name: str) -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("native %s kernel not built (%s): using the torch path", name, detail.strip()[-500:])
         return None
+
+
+@cache
+def function(source: str, name: str, argtypes: tuple, restype=None):
+    """The function ``name`` of the compiled ``<source>.c`` with its ctypes signature, or None where
+    ``load`` gives no library."""
+    lib = load(source)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
