@@ -24,16 +24,16 @@ def config(heads=6, kv_heads=2, head_dim=64) -> ModelConfig:
                        max_position_embeddings=4096)
 
 
-def filled_storage(cfg, cache_type, context_lens, seed=0):
+def filled_storage(cfg, cache_type, context_lens, seed=0, block=BLOCK):
     """Storage with random k/v written for sequences of the given lengths; their shuffled block tables."""
     g = torch.Generator().manual_seed(seed)
-    storage = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, cache_type, torch.device("cpu"))
+    storage = PagedKVStorage(cfg, NUM_BLOCKS, block, cache_type, torch.device("cpu"))
     free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     tables = []
     for n in context_lens:
-        table = [free.pop() for _ in range(-(-n // BLOCK))]
+        table = [free.pop() for _ in range(-(-n // block))]
         tables.append(table)
-        slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)])
+        slots = torch.tensor([table[t // block] * block + t % block for t in range(n)])
         for layer in range(cfg.num_layers):
             k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g)
             v = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g)
@@ -58,6 +58,24 @@ def test_matches_torch_path_for_every_kv_type(cache_type):
     storage, tables = filled_storage(cfg, cache_type, lens)
     q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(1))
     for layer, window in ((0, None), (1, 100)):
+        ours = decode(storage, tables, lens, q, layer, window, True)
+        reference = decode(storage, tables, lens, q, layer, window, False)
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block"), [
+    (8, 1, 128, 16),  # a group of 8: value sums four heads at a time
+    (4, 1, 256, 32),  # Gemma 3's shape; blocks of 32 rows score as two groups of 16
+    (3, 3, 96, 8),    # no grouping; a head dim that is not a multiple of 64; blocks of 8 rows
+])
+def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(cache_type, heads, kv_heads, head_dim,
+                                                                          block):
+    cfg = config(heads, kv_heads, head_dim)
+    lens = [1, 17, 255, 300]
+    storage, tables = filled_storage(cfg, cache_type, lens, block=block)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(2))
+    for layer, window in ((0, None), (1, 37)):
         ours = decode(storage, tables, lens, q, layer, window, True)
         reference = decode(storage, tables, lens, q, layer, window, False)
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)

@@ -115,8 +115,17 @@ static void decode_rows(const kv_part *p, int64_t row, int nrows, int D, float *
         const int8_t *q = (const int8_t *)c;
         float d[n / GROUP];
         halves_to_floats(s, d, n / GROUP);
-        for (int g = 0; g < n / GROUP; g++)
+        for (int g = 0; g < n / GROUP; g++) {
+#if defined(__AVX512F__)
+            __m512 dv = _mm512_set1_ps(d[g]);
+            for (int j = 0; j < GROUP; j += 16) {
+                __m512i c32 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * GROUP + j)));
+                _mm512_storeu_ps(dst + g * GROUP + j, _mm512_mul_ps(_mm512_cvtepi32_ps(c32), dv));
+            }
+#else
             for (int j = 0; j < GROUP; j++) dst[g * GROUP + j] = (float)q[g * GROUP + j] * d[g];
+#endif
+        }
         break;
     }
     case KV_Q4_0: {
@@ -193,21 +202,43 @@ typedef struct {
     kv_part k, v;
 } problem;
 
+#if defined(__AVX512F__)
+/* out lane i = the sum of the 16 lanes of v[i], for 16 vectors: a transposing tree of 45 shuffles and
+ * adds instead of 16 horizontal reductions of 8 dependent steps each. Lane sums pair up the same way
+ * for every i, so a row's score does not depend on its neighbours. */
+static inline __m512 sum_lanes_16(const __m512 v[16]) {
+    __m512 t[8], u[4], p[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: [a, b, c, d] partial sums */
+        __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes: [u0 L0+L1, u0 L2+L3, u1 L0+L1, u1 L2+L3] */
+        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p[0], p[1], 0x88), _mm512_shuffle_f32x4(p[0], p[1], 0xDD));
+}
+#endif
+
 /* scores[g * PARTITION + r] = scale * (q_g . row_r) for the nr decoded rows of a block, every query
- * head g of the group. G is a constant in each specialization (see block_scores), so the per-head
- * accumulators live in registers. */
-static inline __attribute__((always_inline)) void block_scores_g(const float *q, const float *rows, int nr, int D,
-                                                                 float scale, float *scores, const int G) {
+ * head g of the group. With AVX-512 the rows go 16 at a time (rows past nr are computed from the zero-initialised or stale buffer and not
+ * stored), so a row's arithmetic is the same whatever nr is. */
+static void block_scores(const float *q, const float *rows, int nr, int D, float scale, float *scores, int G) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
-        for (int r = 0; r < nr; r++) {
-            __m512 a[G];
-            for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
-            for (int d = 0; d < D; d += 16) {
-                __m512 k = _mm512_loadu_ps(rows + r * D + d);
-                for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k, a[g]);
+        __m512 sv = _mm512_set1_ps(scale);
+        for (int r0 = 0; r0 < nr; r0 += 16) {
+            __mmask16 keep = nr - r0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - r0)) - 1);
+            for (int g = 0; g < G; g++) {
+                __m512 a[16];
+                for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 16) {
+                    __m512 qv = _mm512_loadu_ps(q + g * D + d);
+                    for (int r = 0; r < 16; r++) a[r] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + (r0 + r) * D + d), a[r]);
+                }
+                _mm512_mask_storeu_ps(scores + g * PARTITION + r0, keep, _mm512_mul_ps(sum_lanes_16(a), sv));
             }
-            for (int g = 0; g < G; g++) scores[g * PARTITION + r] = _mm512_reduce_add_ps(a[g]) * scale;
         }
         return;
     }
@@ -220,50 +251,61 @@ static inline __attribute__((always_inline)) void block_scores_g(const float *q,
         }
 }
 
-/* acc_g += sum_r w[g * PARTITION + r] * row_r for every query head g; acc_g at out + g * (D + 2). */
-static inline __attribute__((always_inline)) void block_accumulate_g(const float *w, const float *rows, int nr,
-                                                                     int D, float *out, const int G) {
+/* acc_g += sum_r w[g * PARTITION + r] * row_r for H (at most 4) query heads; acc_g at out + g * (D + 2).
+ * H is a constant in each specialization, so with D a multiple of 64 the H x 4 accumulators of a
+ * 64-wide slice stay in registers across the rows. */
+static inline __attribute__((always_inline)) void accumulate_heads(const float *w, const float *rows, int nr, int D,
+                                                                   float *out, const int H) {
 #if defined(__AVX512F__)
-    if (D % 16 == 0) {
-        for (int d = 0; d < D; d += 16) {
-            __m512 a[G];
-            for (int g = 0; g < G; g++) a[g] = _mm512_loadu_ps(out + g * (D + 2) + d);
+    if (D % 64 == 0) {
+        for (int d = 0; d < D; d += 64) {
+            __m512 a[4][4];
+            for (int g = 0; g < H; g++)
+                for (int s = 0; s < 4; s++) a[g][s] = _mm512_loadu_ps(out + g * (D + 2) + d + 16 * s);
             for (int r = 0; r < nr; r++) {
-                __m512 v = _mm512_loadu_ps(rows + r * D + d);
-                for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * PARTITION + r]), v, a[g]);
+                __m512 v[4];
+                for (int s = 0; s < 4; s++) v[s] = _mm512_loadu_ps(rows + r * D + d + 16 * s);
+                for (int g = 0; g < H; g++) {
+                    __m512 wv = _mm512_set1_ps(w[g * PARTITION + r]);
+                    for (int s = 0; s < 4; s++) a[g][s] = _mm512_fmadd_ps(wv, v[s], a[g][s]);
+                }
             }
-            for (int g = 0; g < G; g++) _mm512_storeu_ps(out + g * (D + 2) + d, a[g]);
+            for (int g = 0; g < H; g++)
+                for (int s = 0; s < 4; s++) _mm512_storeu_ps(out + g * (D + 2) + d + 16 * s, a[g][s]);
         }
         return;
     }
 #endif
-    for (int g = 0; g < G; g++)
+    for (int g = 0; g < H; g++)
         for (int r = 0; r < nr; r++)
             for (int d = 0; d < D; d++) out[g * (D + 2) + d] += w[g * PARTITION + r] * rows[r * D + d];
 }
 
-#define DISPATCH_G(call_g, G)                                                                            \
-    switch (G) {                                                                                         \
-    case 1: call_g(1); break;                                                                            \
-    case 2: call_g(2); break;                                                                            \
-    case 3: call_g(3); break;                                                                            \
-    case 4: call_g(4); break;                                                                            \
-    case 5: call_g(5); break;                                                                            \
-    case 6: call_g(6); break;                                                                            \
-    case 8: call_g(8); break;                                                                            \
-    default: call_g(G); break;                                                                           \
+/* Every query head of the group, four at a time. */
+static void block_accumulate(const float *w, const float *rows, int nr, int D, float *out, int G) {
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const float *wg = w + g0 * PARTITION;
+        float *og = out + g0 * (D + 2);
+        switch (G - g0 < 4 ? G - g0 : 4) {
+        case 1: accumulate_heads(wg, rows, nr, D, og, 1); break;
+        case 2: accumulate_heads(wg, rows, nr, D, og, 2); break;
+        case 3: accumulate_heads(wg, rows, nr, D, og, 3); break;
+        default: accumulate_heads(wg, rows, nr, D, og, 4); break;
+        }
     }
-
-static void block_scores(const float *q, const float *rows, int nr, int D, float scale, float *scores, int G) {
-#define SCORES(g) block_scores_g(q, rows, nr, D, scale, scores, g)
-    DISPATCH_G(SCORES, G)
-#undef SCORES
 }
 
-static void block_accumulate(const float *w, const float *rows, int nr, int D, float *out, int G) {
-#define ACCUMULATE(g) block_accumulate_g(w, rows, nr, D, out, g)
-    DISPATCH_G(ACCUMULATE, G)
-#undef ACCUMULATE
+/* The largest of s[0 .. n-1] (exact in any order). */
+static float max_of(const float *s, int n) {
+    float m = -FLT_MAX;
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(-FLT_MAX);
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; i < n; i++) m = s[i] > m ? s[i] : m;
+    return m;
 }
 
 /* One partition of one kv head of one sequence -> out[G][D + 2]: acc..., max, sum. */
@@ -314,8 +356,7 @@ static void attend_partition(const problem *P, int seq, int kvh, int part, float
         }
         if (pass == 0) {
             for (int g = 0; g < G; g++) {
-                float *s = scores + g * PARTITION, m = -FLT_MAX, l = 0.0f;
-                for (int i = 0; i < len; i++) m = s[i] > m ? s[i] : m;
+                float *s = scores + g * PARTITION, m = max_of(s, len), l = 0.0f;
                 for (int i = 0; i < len; i++) {
                     s[i] = exp_nonpositive(s[i] - m);
                     l += s[i];
@@ -356,7 +397,8 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
 #pragma omp parallel num_threads(num_threads) if (num_tasks > 1)
     {
         float *scores = malloc(sizeof(float) * (size_t)G * PARTITION);
-        float *block = malloc(sizeof(float) * (size_t)block_size * D);
+        /* whole 16-row groups (see block_scores), zeroed so rows past a block's end are finite */
+        float *block = calloc((size_t)(block_size + 15) / 16 * 16 * D, sizeof(float));
         if (!scores || !block) {
 #pragma omp atomic write
             failed = 1;
