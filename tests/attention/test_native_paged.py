@@ -48,7 +48,7 @@ def decode(storage, tables, lens, q, layer, window, use_native):
         native_paged._BY_STORAGE[storage] = None
     attn = PagedAttention(storage, PagedAttentionMetadata(torch.zeros(0, dtype=torch.long), [], batch))
     assert (attn.native is not None) == use_native
-    return attn._decode_attention(layer, storage.k_codec.rotate(q), window, 0.125)
+    return attn._decode_attention(layer, q, window, 0.125)
 
 
 @pytest.mark.parametrize("cache_type", list(native_paged.KINDS))

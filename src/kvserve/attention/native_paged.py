@@ -27,7 +27,7 @@ KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8": 5, "tq2": 6
 
 _i, _i64, _p, _f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _PART = [_i, _p, _p, _i64, _i64, _p]  # kind, codes, scales, code stride, scale stride, table
-_DECODE_ARGS = [_i, _i, _i, _i, _p, _p, _p, _i64, _p, _i, _i, _i, _f, *_PART, *_PART, _i]
+_DECODE_ARGS = [_i, _i, _i, _i, _p, _p, _p, _i64, _p, _i, _i, _i, _f, *_PART, *_PART, _p, _p, _i]
 _PREFILL_ARGS = [_i, _i64, _i, _i, _i, _p, _p, _p, _i, _i, _i, _f, *_PART, *_PART, _i]
 
 
@@ -43,6 +43,11 @@ class NativePagedAttention:
         for kernel, args in ((self.decode_kernel, _DECODE_ARGS), (self.prefill_kernel, _PREFILL_ARGS)):
             kernel.argtypes, kernel.restype = args, _i
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
+        # a rotated codec's query rotation (keys) and output un-rotation (values: the transpose)
+        self._rotations = [None if not c.rotated else m.float().contiguous()
+                           for c, m in ((storage.k_codec, getattr(storage.k_codec, "matrix", None)),
+                                        (storage.v_codec, getattr(getattr(storage.v_codec, "matrix", None), "T", None)))]
+        self.rotation_args = tuple(0 if m is None else m.data_ptr() for m in self._rotations)
         self.layer_args = [
             (*self._part(storage.k[layer], storage.k_codec, self._tables[0]),
              *self._part(storage.v[layer], storage.v_codec, self._tables[1]))
@@ -74,12 +79,13 @@ class NativePagedAttention:
         window: int | None, scale: float,
     ) -> torch.Tensor:
         """q: [n, heads, head_dim] (one query per sequence); block_tables [n, max_blocks] int64;
-        context_lens [n] int64. Returns [n, heads, head_dim] in q's dtype."""
+        context_lens [n] int64. Returns [n, heads, head_dim] in q's dtype. The kernel itself rotates q
+        for rotated keys and un-rotates the output of rotated values."""
         n, heads, head_dim = q.shape
         return self._run(
             self.decode_kernel, "decode", q, (n, heads, self.num_kv_heads, head_dim),
             (block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), self.num_blocks,
-             self.block_size, window or 0, scale, *self.layer_args[layer]),
+             self.block_size, window or 0, scale, *self.layer_args[layer], *self.rotation_args),
         )
 
     def prefill(

@@ -93,24 +93,25 @@ class PagedAttention:
     def attend(self, layer, q, k, v, window, scale):
         storage = self.storage
         self.write(layer, self.slot_rows, k, v)
-        q = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
         d = self.metadata.decodes
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
-            return storage.v_codec.unrotate(self._decode_attention(layer, q, window, scale))
+            return self._decode_attention(layer, q, window, scale)
         out = torch.empty_like(q)
-        for i, s in enumerate(self.metadata.sequences):
-            qs = q[s.query_start : s.query_start + s.query_len]
-            q_start = s.context_len - s.query_len
-            if self.native is not None:  # reads the blocks in place, quantized or not
-                o = self.native.prefill(layer, qs, q_start, s.block_table, window, scale)
-            else:
-                keys, values = storage.gather(layer, self._sequence_rows(i), s.context_len, q.dtype)
-                o = sequence_attention(qs, keys, values, q_start, window, scale)
-            out[s.query_start : s.query_start + s.query_len] = o
+        if self.metadata.sequences:
+            rotated = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
+            for i, s in enumerate(self.metadata.sequences):
+                qs = rotated[s.query_start : s.query_start + s.query_len]
+                q_start = s.context_len - s.query_len
+                if self.native is not None:  # reads the blocks in place, quantized or not
+                    o = self.native.prefill(layer, qs, q_start, s.block_table, window, scale)
+                else:
+                    keys, values = storage.gather(layer, self._sequence_rows(i), s.context_len, q.dtype)
+                    o = sequence_attention(qs, keys, values, q_start, window, scale)
+                out[s.query_start : s.query_start + s.query_len] = o
+            out = storage.v_codec.unrotate(out)  # values were summed in their rotated domain
         if d is not None:
-            decoded = self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale)
-            out.index_copy_(0, d.token_rows, decoded)
-        return storage.v_codec.unrotate(out)  # values were summed in their rotated domain
+            out.index_copy_(0, d.token_rows, self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale))
+        return out
 
     def _sequence_rows(self, i: int) -> torch.Tensor:
         """Storage rows of prefill sequence i's blocks, computed once per forward (shared by every layer)."""
@@ -119,13 +120,16 @@ class PagedAttention:
         return self.sequence_rows[i]
 
     def _decode_attention(self, layer, q, window, scale) -> torch.Tensor:
-        """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]."""
+        """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]. Rotated
+        codecs' rotations happen here (in the C kernel when there is one), so a sequence's decode is the
+        same arithmetic in a pure decode step and in a step mixed with prefills."""
         d = self.metadata.decodes
         if self.native is not None:  # reads the blocks in place, quantized or not
             return self.native.decode(layer, q, d.block_tables, d.context_lens, window, scale)
+        q = self.storage.k_codec.rotate(q)
         keys, values = self.storage.read_blocks(layer, self.decode_rows, q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
         )
-        return o.squeeze(2)
+        return self.storage.v_codec.unrotate(o.squeeze(2))

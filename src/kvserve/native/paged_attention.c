@@ -368,6 +368,13 @@ static void attend_partition(const problem *P, int seq, int kvh, int part, float
     }
 }
 
+/* y = x R for one row of D (y may not alias x): a rotated codec's query rotation or value un-rotation. */
+static void rotate_row(const float *x, const float *R, int D, float *restrict y) {
+    memset(y, 0, sizeof(float) * D);
+    for (int i = 0; i < D; i++)
+        for (int j = 0; j < D; j++) y[j] += x[i] * R[(int64_t)i * D + j];
+}
+
 static int num_partitions(int64_t ctx) { return (int)((ctx + PARTITION - 1) / PARTITION); }
 
 /* Returns 0, or -1 when the workspace could not be allocated. */
@@ -377,20 +384,34 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
                            int k_kind, const void *k_codes, const void *k_scales, int64_t k_code_stride,
                            int64_t k_scale_stride, const float *k_table,
                            int v_kind, const void *v_codes, const void *v_scales, int64_t v_code_stride,
-                           int64_t v_scale_stride, const float *v_table, int num_threads) {
+                           int64_t v_scale_stride, const float *v_table, const float *q_rotation,
+                           const float *out_rotation, int num_threads) {
+    int rows = n * num_heads;
+    float *rotated = NULL; /* q R, when the keys are stored rotated and the caller left q as it is */
+    if (q_rotation) {
+        rotated = malloc(sizeof(float) * (size_t)rows * head_dim);
+        if (!rotated) return -1;
+        for (int r = 0; r < rows; r++)
+            rotate_row(q + (int64_t)r * head_dim, q_rotation, head_dim, rotated + (int64_t)r * head_dim);
+        q = rotated;
+    }
     problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q, out,
                  block_tables, table_stride, context_lens,
                  {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
                  {v_kind, v_codes, v_scales, v_code_stride, v_scale_stride, v_table}};
     int G = num_heads / num_kv_heads, D = head_dim;
     int64_t *first = malloc(sizeof(int64_t) * (n + 1)); /* first task of each sequence */
-    if (!first) return -1;
+    if (!first) {
+        free(rotated);
+        return -1;
+    }
     first[0] = 0;
     for (int i = 0; i < n; i++) first[i + 1] = first[i] + (int64_t)num_kv_heads * num_partitions(context_lens[i]);
     int64_t num_tasks = first[n];
     float *partials = malloc(sizeof(float) * (size_t)num_tasks * G * (D + 2));
     if (!partials) {
         free(first);
+        free(rotated);
         return -1;
     }
     int failed = 0;
@@ -437,11 +458,17 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
                 }
                 float inv = L > 0.0f ? 1.0f / L : 0.0f;
                 for (int d = 0; d < D; d++) o[d] *= inv;
+                if (out_rotation) { /* values were summed in their rotated domain */
+                    float summed[D];
+                    memcpy(summed, o, sizeof(float) * D);
+                    rotate_row(summed, out_rotation, D, o);
+                }
             }
         }
     }
     free(partials);
     free(first);
+    free(rotated);
     return failed ? -1 : 0;
 }
 
