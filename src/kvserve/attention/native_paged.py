@@ -43,10 +43,8 @@ class NativePagedAttention:
         for kernel, args in ((self.decode_kernel, _DECODE_ARGS), (self.prefill_kernel, _PREFILL_ARGS)):
             kernel.argtypes, kernel.restype = args, _i
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
-        # a rotated codec's query rotation (keys) and output un-rotation (values: the transpose)
-        self._rotations = [None if not c.rotated else m.float().contiguous()
-                           for c, m in ((storage.k_codec, getattr(storage.k_codec, "matrix", None)),
-                                        (storage.v_codec, getattr(getattr(storage.v_codec, "matrix", None), "T", None)))]
+        # rotated codecs: the query's rotation (keys) and the output's un-rotation (values), kept alive
+        self._rotations = [self._rotation(storage.k_codec, False), self._rotation(storage.v_codec, True)]
         self.rotation_args = tuple(0 if m is None else m.data_ptr() for m in self._rotations)
         self.layer_args = [
             (*self._part(storage.k[layer], storage.k_codec, self._tables[0]),
@@ -58,6 +56,13 @@ class NativePagedAttention:
     def _table(codec: KVCodec) -> torch.Tensor | None:
         table = getattr(codec, "code_table", None)
         return None if table is None else table().contiguous()
+
+    @staticmethod
+    def _rotation(codec: KVCodec, transposed: bool) -> torch.Tensor | None:
+        """A rotated codec's matrix R (x R rotates), or its transpose (y R^T un-rotates); None otherwise."""
+        if not codec.rotated:
+            return None
+        return (codec.matrix.T if transposed else codec.matrix).float().contiguous()
 
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec, table: torch.Tensor | None) -> tuple:

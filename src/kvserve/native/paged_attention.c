@@ -11,7 +11,8 @@
  * Inside a task each block is decoded into a small f32 buffer (one block, in L1) and consumed at
  * once by every query head of the kv head's group (GQA): the cache is read once, never expanded
  * into a full-precision temporary. Storage is head-major [kv_heads, num_blocks, block_size, width]
- * per part (codes, scales), as in kv/storage.py.
+ * per part (codes, scales), as in kv/storage.py. For rotated codecs (tq*) the caller passes the
+ * rotation: q is rotated once per call and each output row un-rotated after the combine.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -222,8 +223,8 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
 #endif
 
 /* scores[g * PARTITION + r] = scale * (q_g . row_r) for the nr decoded rows of a block, every query
- * head g of the group. With AVX-512 the rows go 16 at a time (rows past nr are computed from the zero-initialised or stale buffer and not
- * stored), so a row's arithmetic is the same whatever nr is. */
+ * head g of the group. With AVX-512 the rows go 16 at a time (rows past nr come from the zeroed or
+ * stale buffer and are not stored), so a row's arithmetic is the same whatever nr is. */
 static void block_scores(const float *q, const float *rows, int nr, int D, float scale, float *scores, int G) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
