@@ -18,6 +18,11 @@ NUM_BLOCKS = 96
 pytestmark = pytest.mark.skipif(native.load("paged_attention") is None, reason="no C compiler on this machine")
 
 
+# q8_0 keys are scored in integers where the CPU has AVX-512 VNNI: the query rounded to int16 (at most
+# 1/65534 of its largest element) is the one difference from the f32 arithmetic.
+INT_KEYS = "avx512_vnni" in native._cpu_flags() and "avx512bw" in native._cpu_flags()
+
+
 def config(heads=6, kv_heads=2, head_dim=64) -> ModelConfig:
     return ModelConfig(architecture="llama", num_layers=2, hidden_size=heads * head_dim, intermediate_size=8,
                        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=8,
@@ -79,6 +84,14 @@ def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(cache_t
         ours = decode(storage, tables, lens, q, layer, window, True)
         reference = decode(storage, tables, lens, q, layer, window, False)
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
+    chunk = torch.randn(90, heads, head_dim, generator=torch.Generator().manual_seed(3))  # prefill: 210..299
+    for layer, window in ((0, None), (1, 37)):
+        ours = prefill(storage, tables[3], 300, chunk, layer, window, True)
+        reference = prefill(storage, tables[3], 300, chunk, layer, window, False)
+        if INT_KEYS and cache_type == "q8_0":
+            assert 1e-6 < (ours - reference).abs().max() < 2e-4
+        else:  # sums over 256 elements in another order than torch's: a few 1e-6 apart
+            torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch():
@@ -117,17 +130,22 @@ def test_prefill_matches_torch_path_for_every_kv_type(cache_type):
     cfg = config()
     storage, tables = filled_storage(cfg, cache_type, [333])
     q = torch.randn(333, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(1))
+    int_keys = INT_KEYS and cache_type == "q8_0"
     for layer, window in ((0, None), (1, 100)):
         for chunk in (q, q[200:]):
             ours = prefill(storage, tables[0], 333, chunk, layer, window, True)
             reference = prefill(storage, tables[0], 333, chunk, layer, window, False)
-            torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
+            if int_keys:  # the int16 query's error, and proof that the integer path ran
+                assert 1e-6 < (ours - reference).abs().max() < 2e-4
+            else:
+                torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
 
 
-def test_prefill_gives_the_same_bits_whole_or_in_chunks():
+@pytest.mark.parametrize("cache_type", ["f32", "q8_0"])
+def test_prefill_gives_the_same_bits_whole_or_in_chunks(cache_type):
     """Chunks that cut through query tiles and KV blocks; one thread = two."""
     cfg = config(heads=9, kv_heads=3)
-    storage, tables = filled_storage(cfg, "f32", [531], seed=6)
+    storage, tables = filled_storage(cfg, cache_type, [531], seed=6)
     q = torch.randn(531, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(7))
     for window in (None, 70):
         whole = prefill(storage, tables[0], 531, q, 0, window, True)

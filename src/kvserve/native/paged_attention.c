@@ -16,6 +16,7 @@
  */
 #include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -507,11 +508,64 @@ static inline __m512 exp_nonpositive_v(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* r[i] = row i of a 16 x 16 matrix of 32-bit elements -> r[j] = its column j (64 shuffles). */
+static inline void transpose_16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);     /* per 128-bit lane: a0 b0 a1 b1 */
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]); /* a2 b2 a3 b3 */
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);         /* a0 b0 c0 d0 */
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);     /* a1 b1 c1 d1 */
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]); /* a2 b2 c2 d2 */
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]); /* a3 b3 c3 d3 */
+    }
+    /* r[4g + k], 128-bit lane L: column 4L + k of rows 4g .. 4g + 3 */
+    for (int k = 0; k < 4; k++) {
+        t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88); /* lanes L0, L2 of groups 0 and 1 */
+        t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD); /* lanes L1, L3 */
+        t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+        t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);           /* lane L0 of every group: column k */
+        r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xDD);       /* L2: column 8 + k */
+        r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);  /* L1: column 4 + k */
+        r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xDD); /* L3: column 12 + k */
+    }
+}
+#endif
+
+/* keys [KEY_TILE][D] -> kt [D][KEY_TILE] */
+static void transpose_keys(const float *keys, int D, float *kt) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        for (int j0 = 0; j0 < KEY_TILE; j0 += 16)
+            for (int d0 = 0; d0 < D; d0 += 16) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(keys + (int64_t)(j0 + i) * D + d0));
+                transpose_16x16(r);
+                for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(kt + (int64_t)(d0 + i) * KEY_TILE + j0), r[i]);
+            }
+        return;
+    }
+#endif
+    for (int j = 0; j < KEY_TILE; j++)
+        for (int d = 0; d < D; d++) kt[(int64_t)d * KEY_TILE + j] = keys[(int64_t)j * D + d];
+}
+
 typedef struct {
     float *q;      /* [rows][D], keys' lane order, pre-scaled */
     float *acc;    /* [rows][D], values' lane order */
     float *m, *l;  /* [rows] running max and sum */
     float *keys, *values, *kt; /* one key tile: [KEY_TILE][D] each, keys transposed [D][KEY_TILE] */
+    /* q8_0 keys with VNNI (see int_key_scores), else NULL: */
+    int16_t *q16;  /* [rows][D] the pre-scaled query rows as int16, q ~ q16 * q16_scale[row] */
+    float *q16_scale;
+    int16_t *kq;   /* the tile's key codes as int16 pairs: [D / 2][KEY_TILE][2] */
+    float *ks;     /* their scales: [D / GROUP][KEY_TILE] */
 } prefill_work;
 
 /* Bit j set when key kb + j is visible from position pos (causal, window). */
@@ -589,12 +643,103 @@ static inline __attribute__((always_inline)) void accumulate_values(prefill_work
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT_KEYS 1
+/* acc + the int16 pair products of k with the 2 int16 at p in every lane, broadcast by the load
+ * itself ({1to16}; compilers emit a separate vpbroadcastd). */
+static inline __m512i dpwssd_broadcast(__m512i acc, __m512i k, const int16_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+/* Scores of rows [r0, r0 + nr) against a tile of q8_0 keys, in integers: each group of 32 is an exact
+ * int32 sum of int16 query codes times the keys' int8 codes (32 products an instruction instead of
+ * 16 FMAs), scaled by the key's group scale, then by the row's query scale. The query's int16
+ * rounding (relative error under 2e-5 of its largest element) is the only difference from the f32
+ * path; the sums are exact, so a row's scores do not depend on its tile or chunk. */
+static inline __attribute__((always_inline)) void int_key_scores(const prefill_work *w, int r0, const int nr, int D,
+                                                                 float s[][KEY_TILE]) {
+    for (int grp = 0; grp < D / GROUP; grp++) {
+        __m512i a[ROWS][KEY_TILE / 16];
+        for (int r = 0; r < nr; r++)
+            for (int v = 0; v < KEY_TILE / 16; v++) a[r][v] = _mm512_setzero_si512();
+        for (int p = grp * GROUP / 2; p < (grp + 1) * GROUP / 2; p++) {
+            const int16_t *kp = w->kq + (int64_t)p * KEY_TILE * 2;
+            __m512i k[KEY_TILE / 16];
+            for (int v = 0; v < KEY_TILE / 16; v++) k[v] = _mm512_loadu_si512((const void *)(kp + 32 * v));
+            for (int r = 0; r < nr; r++) {
+                const int16_t *qp = w->q16 + (int64_t)(r0 + r) * D + 2 * p;
+                for (int v = 0; v < KEY_TILE / 16; v++) a[r][v] = dpwssd_broadcast(a[r][v], k[v], qp);
+            }
+        }
+        for (int v = 0; v < KEY_TILE / 16; v++) {
+            const __m512 ks = _mm512_loadu_ps(w->ks + grp * KEY_TILE + 16 * v);
+            for (int r = 0; r < nr; r++) {
+                __m512 part = _mm512_cvtepi32_ps(a[r][v]);
+                _mm512_storeu_ps(s[r] + 16 * v, grp == 0 ? _mm512_mul_ps(part, ks)
+                                                         : _mm512_fmadd_ps(part, ks, _mm512_loadu_ps(s[r] + 16 * v)));
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        const __m512 qs = _mm512_set1_ps(w->q16_scale[r0 + r]);
+        for (int v = 0; v < KEY_TILE / 16; v++) _mm512_storeu_ps(s[r] + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(s[r] + 16 * v), qs));
+    }
+}
+
+/* The pre-scaled query row q [D] -> q16 with q ~ q16 * scale, |q16| <= 32767. */
+static void query_to_int16(const float *q, int D, int16_t *q16, float *scale) {
+    float amax = 0.0f;
+    for (int i = 0; i < D; i++) amax = fabsf(q[i]) > amax ? fabsf(q[i]) : amax;
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int i = 0; i < D; i++) {
+        float c = __builtin_rintf(q[i] * inv);
+        q16[i] = (int16_t)(c > 32767.0f ? 32767.0f : c < -32767.0f ? -32767.0f : c);
+    }
+    *scale = amax / 32767.0f;
+}
+
+/* Keys [kb, kb + nk) of a q8_0 kv head -> w->kq (int16 pairs) and w->ks (f32 group scales); keys past
+ * nk get zero codes and scales (exact zero scores, masked anyway). */
+static void load_int_keys(const problem *P, const int64_t *table, int kvh, int64_t kb, int nk, prefill_work *w) {
+    const int D = P->head_dim, bs = P->block_size;
+    for (int j0 = 0; j0 < KEY_TILE; j0 += 16) {
+        const int8_t *c[16];
+        for (int i = 0; i < 16; i++) {
+            const int j = j0 + i;
+            const uint16_t *sc = NULL;
+            c[i] = NULL;
+            if (j < nk) {
+                const int64_t t = kb + j, row = ((int64_t)kvh * P->num_blocks + table[t / bs]) * bs + t % bs;
+                c[i] = (const int8_t *)(P->k.codes + row * P->k.code_stride);
+                sc = (const uint16_t *)(P->k.scales + row * P->k.scale_stride);
+            }
+            for (int g = 0; g < D / GROUP; g++) w->ks[g * KEY_TILE + j] = sc ? half_to_float(sc[g]) : 0.0f;
+        }
+        for (int g = 0; g < D / GROUP; g++) { /* 32 codes = 16 pairs of each of the 16 keys, transposed */
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = c[i] ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c[i] + g * GROUP)))
+                            : _mm512_setzero_si512();
+            transpose_16x16(r);
+            for (int p = 0; p < 16; p++)
+                _mm512_storeu_si512((void *)(w->kq + ((int64_t)(g * 16 + p) * KEY_TILE + j0) * 2), r[p]);
+        }
+    }
+}
+#endif
+
 /* Rows [r0, r0 + nr) (row = query * G + head in group) against the key tile at kb. nr is a constant in
  * each specialization (prefill_key_tile below): the accumulators then stay in registers (with a
  * run-time nr the compiler kept them on the stack and tested nr inside the FMA loops). */
 static inline __attribute__((always_inline)) void key_tile_rows(prefill_work *w, int r0, const int nr, int G, int D,
                                                                 int64_t first_pos, int64_t kb, int window) {
     float s[ROWS][KEY_TILE], alpha[ROWS];
+#if defined(INT_KEYS)
+    if (w->kq) {
+        int_key_scores(w, r0, nr, D, s);
+    } else {
+#endif
 #if defined(__AVX512F__)
     __m512 a[ROWS][KEY_TILE / 16];
     for (int r = 0; r < nr; r++)
@@ -619,6 +764,9 @@ static inline __attribute__((always_inline)) void key_tile_rows(prefill_work *w,
             for (int d = 0; d < D; d++) dot += w->q[(int64_t)(r0 + r) * D + d] * w->kt[(int64_t)d * KEY_TILE + j];
             s[r][j] = dot;
         }
+#endif
+#if defined(INT_KEYS)
+    }
 #endif
     for (int r = 0; r < nr; r++) {
         uint64_t visible = visible_keys(first_pos + (r0 + r) / G, kb, window);
@@ -664,6 +812,9 @@ static void prefill_task(const problem *P, const int64_t *table, int64_t q_start
     for (int row = 0; row < rows; row++) {
         const float *qe = P->q + ((int64_t)(t0 + row / G) * P->num_heads + (int64_t)kvh * G + row % G) * D;
         for (int i = 0; i < D; i++) w->q[(int64_t)row * D + i] = qe[order[i]] * P->scale;
+#if defined(INT_KEYS)
+        if (w->kq) query_to_int16(w->q + (int64_t)row * D, D, w->q16 + (int64_t)row * D, w->q16_scale + row);
+#endif
         memset(w->acc + (int64_t)row * D, 0, sizeof(float) * D);
         w->m[row] = -FLT_MAX;
         w->l[row] = 0.0f;
@@ -672,12 +823,18 @@ static void prefill_task(const problem *P, const int64_t *table, int64_t q_start
     const int64_t lo = P->window > 0 && first_pos - P->window + 1 > 0 ? first_pos - P->window + 1 : 0;
     for (int64_t kb = lo / KEY_TILE * KEY_TILE; kb <= last_pos; kb += KEY_TILE) {
         const int nk = (int)(last_pos + 1 - kb < KEY_TILE ? last_pos + 1 - kb : KEY_TILE);
-        decode_positions(P, &P->k, table, kvh, kb, nk, w->keys);
         decode_positions(P, &P->v, table, kvh, kb, nk, w->values);
-        memset(w->keys + (int64_t)nk * D, 0, sizeof(float) * (size_t)(KEY_TILE - nk) * D);
         memset(w->values + (int64_t)nk * D, 0, sizeof(float) * (size_t)(KEY_TILE - nk) * D);
-        for (int j = 0; j < KEY_TILE; j++)
-            for (int d = 0; d < D; d++) w->kt[(int64_t)d * KEY_TILE + j] = w->keys[(int64_t)j * D + d];
+#if defined(INT_KEYS)
+        if (w->kq) {
+            load_int_keys(P, table, kvh, kb, nk, w);
+        } else
+#endif
+        {
+            decode_positions(P, &P->k, table, kvh, kb, nk, w->keys);
+            memset(w->keys + (int64_t)nk * D, 0, sizeof(float) * (size_t)(KEY_TILE - nk) * D);
+            transpose_keys(w->keys, D, w->kt);
+        }
         /* rows whose query sees some key of this tile: query position >= kb */
         const int first_row = (int)(kb > first_pos ? (kb - first_pos) * G : 0);
         for (int r0 = first_row; r0 < rows; r0 += ROWS)
@@ -724,6 +881,22 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
             w.values = w.keys + (size_t)KEY_TILE * D;
             w.kt = w.values + (size_t)KEY_TILE * D;
         }
+        void *int_mem = NULL;
+#if defined(INT_KEYS)
+        if (mem && k_kind == KV_Q8_0) { /* integer scores (int_key_scores) */
+            int_mem = malloc(sizeof(int16_t) * ((size_t)rows * D + (size_t)KEY_TILE * D) +
+                             sizeof(float) * ((size_t)rows + (size_t)KEY_TILE * (D / GROUP)));
+            if (!int_mem) {
+#pragma omp atomic write
+                failed = 1;
+            } else {
+                w.q16_scale = int_mem;
+                w.ks = w.q16_scale + rows;
+                w.q16 = (int16_t *)(w.ks + (size_t)KEY_TILE * (D / GROUP));
+                w.kq = w.q16 + (size_t)rows * D;
+            }
+        }
+#endif
         /* the last tiles see the longest history: hand them out first */
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tiles * num_kv_heads; task++) {
@@ -733,6 +906,7 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
             prefill_task(&P, block_table, q_start, kvh, t0, tn, &w);
         }
         free(mem);
+        free(int_mem);
     }
     return failed ? -1 : 0;
 }
