@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
+from kvserve.models.activations import gated
 from kvserve.models.linear import Linear, make_linear, pack_into_arena
 from kvserve.models.norms import add_rms_norm, rms_norm
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotate_heads
@@ -110,11 +110,6 @@ class DecoderLM:
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
 
-    def _act(self, x: torch.Tensor) -> torch.Tensor:
-        if self.config.hidden_act == "gelu_tanh":
-            return F.gelu(x, approximate="tanh")
-        return F.silu(x)
-
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -149,8 +144,7 @@ class DecoderLM:
             if layer.post_attn_norm is not None:
                 h = rms_norm(h, layer.post_attn_norm, eps)
             x, h = add_rms_norm(x, h, layer.ffn_norm, eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            pending = layer.down(self._act(gate) * up)
+            pending = layer.down(gated(layer.gate_up(h), cfg.hidden_act))
             if layer.post_ffn_norm is not None:
                 pending = rms_norm(pending, layer.post_ffn_norm, eps)
         if pending is None:
