@@ -181,6 +181,24 @@ def test_a_broken_build_falls_back_with_the_reason(monkeypatch, tmp_path, caplog
         native.load.cache_clear()
 
 
+def test_a_shared_header_is_part_of_the_cache_key(monkeypatch, tmp_path):
+    """Editing a header rebuilds the kernels that include it (the key hashes the directory's headers)."""
+    source_dir = tmp_path / "native"
+    source_dir.mkdir()
+    (source_dir / "probe.c").write_text('#include "shared.h"\nint value(void) { return VALUE; }\n')
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "SOURCE_DIR", source_dir)
+    values = []
+    try:
+        for value in (1, 2):
+            (source_dir / "shared.h").write_text(f"#define VALUE {value}\n")
+            native.load.cache_clear()
+            values.append(native.load("probe").value())
+    finally:
+        native.load.cache_clear()
+    assert values == [1, 2]
+
+
 def written_both_ways(cache_type: str, cfg: ModelConfig, tokens: int = 77):
     """The parts of layer 1 after the same k/v went through the C writer and through the codec's torch
     encode; and the k/v. Keys span five decades of magnitude; values come as bf16 (as q4 weights give)."""

@@ -9,7 +9,8 @@ Without a compiler (or with ``KVSERVE_NATIVE=0``) ``load`` returns None and call
 torch path; the reason is logged once. ``function`` hands out one function of a library with its
 ctypes signature set.
 
-    cache key = sha256(source, flags, compiler version, CPU flags)  ->  <cache>/<name>-<key>.so
+    cache key = sha256(source, the directory's headers, flags, compiler version, CPU flags)
+                -> <cache>/<name>-<key>.so
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def load(name: str) -> ctypes.CDLL | None:
     source = SOURCE_DIR / f"{name}.c"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # shared code a source includes
         key = hashlib.sha256(
-            "\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()
+            "\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_flags()]).encode()
         ).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         if not target.exists():
