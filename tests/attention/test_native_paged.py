@@ -18,8 +18,9 @@ NUM_BLOCKS = 96
 pytestmark = pytest.mark.skipif(native.load("paged_attention") is None, reason="no C compiler on this machine")
 
 
-# q8_0 keys are scored in integers where the CPU has AVX-512 VNNI: the query rounded to int16 (at most
-# 1/65534 of its largest element) is the one difference from the f32 arithmetic.
+# q8_0 and q4_0 keys are scored in integers in prefill where the CPU has AVX-512 VNNI: the query rounded to
+# int16 (at most 1/65534 of its largest element) is the one difference from the f32 arithmetic.
+INT_KEY_TYPES = ("q8_0", "q4_0")
 INT_KEYS = "avx512_vnni" in native._cpu_flags() and "avx512bw" in native._cpu_flags()
 
 
@@ -68,7 +69,7 @@ def test_matches_torch_path_for_every_kv_type(cache_type):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("cache_type", ["f16", *INT_KEY_TYPES])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block"), [
     (8, 1, 128, 16),  # a group of 8: value sums four heads at a time
     (4, 1, 256, 32),  # Gemma 3's shape; blocks of 32 rows score as two groups of 16
@@ -88,7 +89,7 @@ def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(cache_t
     for layer, window in ((0, None), (1, 37)):
         ours = prefill(storage, tables[3], 300, chunk, layer, window, True)
         reference = prefill(storage, tables[3], 300, chunk, layer, window, False)
-        if INT_KEYS and cache_type == "q8_0":
+        if INT_KEYS and cache_type in INT_KEY_TYPES:
             assert 1e-6 < (ours - reference).abs().max() < 2e-4
         else:  # sums over 256 elements in another order than torch's: a few 1e-6 apart
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
@@ -130,7 +131,7 @@ def test_prefill_matches_torch_path_for_every_kv_type(cache_type):
     cfg = config()
     storage, tables = filled_storage(cfg, cache_type, [333])
     q = torch.randn(333, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(1))
-    int_keys = INT_KEYS and cache_type == "q8_0"
+    int_keys = INT_KEYS and cache_type in INT_KEY_TYPES
     for layer, window in ((0, None), (1, 100)):
         for chunk in (q, q[200:]):
             ours = prefill(storage, tables[0], 333, chunk, layer, window, True)
@@ -141,7 +142,7 @@ def test_prefill_matches_torch_path_for_every_kv_type(cache_type):
                 torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("cache_type", ["f32", "q8_0"])
+@pytest.mark.parametrize("cache_type", ["f32", *INT_KEY_TYPES])
 def test_prefill_gives_the_same_bits_whole_or_in_chunks(cache_type):
     """Chunks that cut through query tiles and KV blocks; one thread = two."""
     cfg = config(heads=9, kv_heads=3)

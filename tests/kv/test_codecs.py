@@ -98,8 +98,8 @@ def test_attention_from_codes_equals_attention_on_dequantized(name):
     kd = codec_k.unrotate(codec_k.decode(codec_k.encode(k), torch.float32))
     vd = codec_v.unrotate(codec_v.decode(codec_v.encode(v), torch.float32))
     ref = sequence_attention(q, kd.transpose(0, 1), vd.transpose(0, 1), 0, None, 0.125)
-    # prefill scores q8_0 keys against the query rounded to int16 (see tests/attention/test_native_paged.py)
-    prefill_atol = 2e-4 if name == "q8_0" else 1e-5
+    # prefill scores q8_0/q4_0 keys against the query rounded to int16 (see tests/attention/test_native_paged.py)
+    prefill_atol = 2e-4 if name in ("q8_0", "q4_0") else 1e-5
     assert torch.allclose(out_pre, ref[:12], atol=prefill_atol, rtol=1e-4)
     assert torch.allclose(out_dec, ref[12:], atol=1e-5, rtol=1e-4)
 

@@ -617,8 +617,8 @@ static inline __m512i dpwssd_broadcast(__m512i acc, __m512i k, const int16_t *p)
     return acc;
 }
 
-/* Scores of rows [r0, r0 + nr) against a tile of q8_0 keys, in integers: each group of 32 is an exact
- * int32 sum of int16 query codes times the keys' int8 codes (32 products an instruction instead of
+/* Scores of rows [r0, r0 + nr) against a tile of q8_0 or q4_0 keys, in integers: each group of 32 is an
+ * exact int32 sum of int16 query codes times the keys' codes (32 products an instruction instead of
  * 16 FMAs), scaled by the key's group scale, then by the row's query scale. The query's int16
  * rounding (relative error under 2e-5 of its largest element) is the only difference from the f32
  * path; the sums are exact, so a row's scores do not depend on its tile or chunk. */
@@ -664,28 +664,37 @@ static void query_to_int16(const float *q, int D, int16_t *q16, float *scale) {
     *scale = amax / 32767.0f;
 }
 
-/* Keys [kb, kb + nk) of a q8_0 kv head -> w->kq (int16 pairs) and w->ks (f32 group scales); keys past
- * nk get zero codes and scales (exact zero scores, masked anyway). */
+/* A key's 32 codes of group g as int16, in the lane order the query was permuted into: q8_0 as stored,
+ * q4_0 its 16 low nibbles then its 16 high nibbles, each minus 8. */
+static inline __m512i group_codes(int kind, const uint8_t *codes, int g) {
+    if (kind == KV_Q8_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(codes + g * GROUP)));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + g * GROUP / 2)));
+    const __m256i eight = _mm256_set1_epi16(8);
+    const __m256i lo = _mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(15)), eight);
+    const __m256i hi = _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), eight);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* Keys [kb, kb + nk) of a q8_0 or q4_0 kv head -> w->kq (int16 pairs) and w->ks (f32 group scales); keys
+ * past nk get zero codes and scales (exact zero scores, masked anyway). */
 static void load_int_keys(const problem *P, const int64_t *table, int kvh, int64_t kb, int nk, prefill_work *w) {
     const int D = P->head_dim, bs = P->block_size;
     for (int j0 = 0; j0 < KEY_TILE; j0 += 16) {
-        const int8_t *c[16];
+        const uint8_t *c[16];
         for (int i = 0; i < 16; i++) {
             const int j = j0 + i;
             const uint16_t *sc = NULL;
             c[i] = NULL;
             if (j < nk) {
                 const int64_t t = kb + j, row = ((int64_t)kvh * P->num_blocks + table[t / bs]) * bs + t % bs;
-                c[i] = (const int8_t *)(P->k.codes + row * P->k.code_stride);
+                c[i] = P->k.codes + row * P->k.code_stride;
                 sc = (const uint16_t *)(P->k.scales + row * P->k.scale_stride);
             }
             for (int g = 0; g < D / GROUP; g++) w->ks[g * KEY_TILE + j] = sc ? half_to_float(sc[g]) : 0.0f;
         }
         for (int g = 0; g < D / GROUP; g++) { /* 32 codes = 16 pairs of each of the 16 keys, transposed */
             __m512i r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = c[i] ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c[i] + g * GROUP)))
-                            : _mm512_setzero_si512();
+            for (int i = 0; i < 16; i++) r[i] = c[i] ? group_codes(P->k.kind, c[i], g) : _mm512_setzero_si512();
             transpose_16x16(r);
             for (int p = 0; p < 16; p++)
                 _mm512_storeu_si512((void *)(w->kq + ((int64_t)(g * 16 + p) * KEY_TILE + j0) * 2), r[p]);
@@ -848,7 +857,7 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
         }
         void *int_mem = NULL;
 #if defined(INT_KEYS)
-        if (mem && k_kind == KV_Q8_0) { /* integer scores (int_key_scores) */
+        if (mem && (k_kind == KV_Q8_0 || k_kind == KV_Q4_0)) { /* integer scores (int_key_scores) */
             int_mem = malloc(sizeof(int16_t) * ((size_t)rows * D + (size_t)KEY_TILE * D) +
                              sizeof(float) * ((size_t)rows + (size_t)KEY_TILE * (D / GROUP)));
             if (!int_mem) {
