@@ -44,7 +44,7 @@ class NativePagedAttention:
             kernel.argtypes, kernel.restype = args, _i
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         # rotated codecs: the query's rotation (keys) and the output's un-rotation (values), kept alive
-        self._rotations = [self._rotation(storage.k_codec, False), self._rotation(storage.v_codec, True)]
+        self._rotations = [rotation_matrix(storage.k_codec), rotation_matrix(storage.v_codec, transposed=True)]
         self.rotation_args = tuple(0 if m is None else m.data_ptr() for m in self._rotations)
         self.layer_args = [
             (*self._part(storage.k[layer], storage.k_codec, self._tables[0]),
@@ -56,13 +56,6 @@ class NativePagedAttention:
     def _table(codec: KVCodec) -> torch.Tensor | None:
         table = getattr(codec, "code_table", None)
         return None if table is None else table().contiguous()
-
-    @staticmethod
-    def _rotation(codec: KVCodec, transposed: bool) -> torch.Tensor | None:
-        """A rotated codec's matrix R (x R rotates), or its transpose (y R^T un-rotates); None otherwise."""
-        if not codec.rotated:
-            return None
-        return (codec.matrix.T if transposed else codec.matrix).float().contiguous()
 
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec, table: torch.Tensor | None) -> tuple:
@@ -131,7 +124,7 @@ class NativeKVWrite:
         """A rotated codec's matrix and codebook as the writer takes them (f32, contiguous)."""
         if not codec.rotated:
             return None
-        return codec.matrix.float().contiguous(), codec.codebook.float().contiguous()
+        return rotation_matrix(codec), codec.codebook.float().contiguous()
 
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec, tables: tuple | None) -> tuple | None:
@@ -150,6 +143,14 @@ class NativeKVWrite:
             x = x.float().contiguous()
             self.kernel(kind, x.data_ptr(), tokens, heads, head_dim, slot_rows.data_ptr(), codes, code_stride,
                         scales, scale_stride, rotation, levels)
+
+
+def rotation_matrix(codec: KVCodec, transposed: bool = False) -> torch.Tensor | None:
+    """A rotated codec's matrix R (x R rotates) as the kernels take it (f32, contiguous), or its
+    transpose (y R^T un-rotates); None for other codecs."""
+    if not codec.rotated:
+        return None
+    return (codec.matrix.T if transposed else codec.matrix).float().contiguous()
 
 
 def _layout(parts: list[torch.Tensor]) -> tuple[int, int, int, int]:

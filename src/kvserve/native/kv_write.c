@@ -14,20 +14,13 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_FP8, KV_TQ2, KV_TQ3, KV_TQ4 }; /* paged_attention.c's numbers */
-#define GROUP 32
+#include "kv_kinds.h"
 
 static inline uint16_t float_to_half(float f) {
     _Float16 h = (_Float16)f; /* round to nearest even, as torch */
     uint16_t bits;
     memcpy(&bits, &h, 2);
     return bits;
-}
-
-static inline float half_to_float(uint16_t h) {
-    _Float16 f;
-    memcpy(&f, &h, 2);
-    return (float)f;
 }
 
 static inline uint16_t float_to_bf16(float f) { /* round to nearest even (finite inputs), as torch */

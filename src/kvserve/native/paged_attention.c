@@ -22,10 +22,8 @@
 #include <string.h>
 
 #include "exp_nonpositive.h"
+#include "kv_kinds.h"
 
-enum { KV_F32, KV_F16, KV_BF16, KV_Q8_0, KV_Q4_0, KV_FP8, KV_TQ2, KV_TQ3, KV_TQ4 };
-
-#define GROUP 32
 #define PARTITION 256
 
 typedef struct {
@@ -36,12 +34,6 @@ typedef struct {
     int64_t scale_stride;   /* bytes per head-vector in part 1 */
     const float *table;     /* fp8: 256 values; tq2/tq4: 256 x codes-per-byte; tq3: 8 levels */
 } kv_part;
-
-static inline float half_to_float(uint16_t h) {
-    _Float16 f;
-    memcpy(&f, &h, 2);
-    return (float)f;
-}
 
 static void halves_to_floats(const uint16_t *h, float *restrict dst, int n) {
     int i = 0;

@@ -6,7 +6,6 @@
  * 1 / (1 + e) for x >= 0, e / (1 + e) below. Elementwise, so a row's result never depends on the batch.
  */
 #include <stdint.h>
-#include <string.h>
 
 #include "exp_nonpositive.h"
 
