@@ -9,6 +9,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.models import native_decode
 from kvserve.models.decoder import DecoderLM
 
 
@@ -19,6 +20,8 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.block_size = storage.block_size
+        # steps of single-token sequences only: the whole forward in one native call where it applies
+        self.native_decode = native_decode.for_model(model, storage)
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run one forward over every scheduled token. Returns the requests whose known tokens are now
@@ -55,12 +58,15 @@ class ModelRunner:
         decodes = None
         if decode_rows:
             decodes = build_decode_batch(decode_rows, decode_tables, decode_lens, device, len(input_ids))
-        metadata = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), sequences, decodes)
-        hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            PagedAttention(self.storage, metadata),
-        )
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        if decodes is not None and decodes.only_decodes and self.native_decode is not None:
+            hidden = self.native_decode(ids, pos, decodes.block_tables, decodes.context_lens,
+                                        self.storage.slot_rows(slot_mapping))
+        else:
+            metadata = PagedAttentionMetadata(slot_mapping, sequences, decodes)
+            hidden = self.model.forward(ids, pos, PagedAttention(self.storage, metadata))
         if not ready:
             return [], hidden.new_empty((0, 0))
         rows = torch.tensor(logit_rows, dtype=torch.long, device=device)

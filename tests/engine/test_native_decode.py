@@ -1,0 +1,76 @@
+"""The one-call decode step (``models/native_decode.py``) gives the same logits, bit for bit, as
+``DecoderLM.forward`` on the same steps: it makes the same kernel calls without the Python between
+them. Checked on SmolLM2 in the q4 formats, with plain, block-quantized and rotated KV, while the
+batch grows and shrinks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.models import native_decode
+from kvserve.models.loader import load_model
+from tests.support import make_engine
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4_fast():
+    return load_model("smollm2", weight_format="q4-fast")
+
+
+def recorded_steps(engine) -> list[tuple[list[str], torch.Tensor]]:
+    """Wraps the engine's runner so each step's (request ids, logits) is kept."""
+    steps = []
+    execute = engine.runner.execute
+
+    def recording(out):
+        ready, logits = execute(out)
+        steps.append(([r.request_id for r in ready], logits.clone()))
+        return ready, logits
+
+    engine.runner.execute = recording
+    return steps
+
+
+def run(engine, prompts: list[list[int]], late: list[int]) -> list:
+    """Three requests of different lengths (the batch shrinks as they finish), and a fourth that
+    joins after a few steps (the batch grows past the step's first buffers)."""
+    steps = recorded_steps(engine)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True), request_id=f"r{i}")
+    for _ in range(4):
+        engine.step()
+    engine.add_request(late, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id="late")
+    engine.run_to_completion()
+    return steps
+
+
+@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("q8_0", "q4_0"), ("tq4", "tq3")])
+@pytest.mark.parametrize("weights", ["q4", "q4-fast"])
+def test_same_logits_as_forward(request, weights, cache_types, check_no_leaks):
+    loaded = request.getfixturevalue("smollm2_q4") if weights == "q4" else request.getfixturevalue("smollm2_q4_fast")
+    k, v = cache_types
+    prompts = [[1, 504, 3458, 282, 4649, 314] * (1 + i) for i in range(3)]
+    late = [1, 9690, 28, 1064, 281]
+    native = make_engine(loaded, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
+    plain = make_engine(loaded, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
+    check_no_leaks.extend([native, plain])
+    assert native.runner.native_decode is not None
+    plain.runner.native_decode = None
+    got, expected = run(native, prompts, late), run(plain, prompts, late)
+    assert native.runner.native_decode.calls >= 10  # the one-call path ran, at 1 to 4 sequences
+    assert native.runner.native_decode.capacity >= 4
+    assert len(got) == len(expected)
+    for (ids, logits), (ids_ref, logits_ref) in zip(got, expected):
+        assert ids == ids_ref
+        assert torch.equal(logits, logits_ref)
+
+
+def test_not_used_where_its_kernels_do_not_apply(smollm2, smollm2_q4):
+    f32_weights = make_engine(smollm2)
+    fp8_kv = make_engine(smollm2_q4, cache_type_k="fp8")  # the C KV writer does not take fp8
+    assert f32_weights.runner.native_decode is None
+    assert fp8_kv.runner.native_decode is None
+    assert not native_decode.supports(smollm2.model)
+    assert native_decode.supports(smollm2_q4.model)
