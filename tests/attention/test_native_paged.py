@@ -18,10 +18,11 @@ NUM_BLOCKS = 96
 pytestmark = pytest.mark.skipif(native.load("paged_attention") is None, reason="no C compiler on this machine")
 
 
-# q8_0 and q4_0 keys are scored in integers in prefill where the CPU has AVX-512 VNNI: the query rounded to
-# int16 (at most 1/65534 of its largest element) is the one difference from the f32 arithmetic.
+# q8_0 and q4_0 keys are scored in integers in prefill where the build has AVX-512 VNNI (the kernel says so):
+# the query rounded to int16 (at most 1/65534 of its largest element) is the one difference from the f32
+# arithmetic.
 INT_KEY_TYPES = ("q8_0", "q4_0")
-INT_KEYS = "avx512_vnni" in native._cpu_flags() and "avx512bw" in native._cpu_flags()
+INT_KEYS = bool(native.load("paged_attention") and native.load("paged_attention").paged_prefill_int_keys())
 
 
 def config(heads=6, kv_heads=2, head_dim=64) -> ModelConfig:
@@ -95,10 +96,11 @@ def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(cache_t
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch():
+@pytest.mark.parametrize("cache_type", ["q8_0", "f16"])  # f16 rows are read in place, q8_0 ones decoded
+def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(cache_type):
     cfg = config(heads=9, kv_heads=3)
     lens = [300, 5, 1030, 64]
-    storage, tables = filled_storage(cfg, "q8_0", lens, seed=3)
+    storage, tables = filled_storage(cfg, cache_type, lens, seed=3)
     q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(4))
     batched = decode(storage, tables, lens, q, 0, None, True)
     for i in range(len(lens)):

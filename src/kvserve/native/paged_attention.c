@@ -201,22 +201,48 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
 /* scores[g * PARTITION + r] = scale * (q_g . row_r) for the nr decoded rows of a block, every query
  * head g of the group. With AVX-512 the rows go 16 at a time (rows past nr come from the zeroed or
  * stale buffer and are not stored), so a row's arithmetic is the same whatever nr is. */
+#if defined(__AVX512F__)
+/* 16 elements of a row as f32: from f32 rows, or from f16 rows read in place (half = 1). */
+static inline __attribute__((always_inline)) __m512 load_elems(const void *rows, int64_t i, const int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)rows + i)));
+    return _mm512_loadu_ps((const float *)rows + i);
+}
+
+/* block_scores' vector path over f32 rows or f16 rows (half), 16 rows a pass: the caller passes
+ * f16 rows in place only when nr is a multiple of 16 (no row past the block is read). */
+static inline __attribute__((always_inline)) void block_scores_16(const float *q, const void *rows, int nr, int D,
+                                                                  float scale, float *scores, int G, const int half) {
+    __m512 sv = _mm512_set1_ps(scale);
+    for (int r0 = 0; r0 < nr; r0 += 16) {
+        __mmask16 keep = nr - r0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - r0)) - 1);
+        for (int g = 0; g < G; g++) {
+            __m512 a[16];
+            for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                __m512 qv = _mm512_loadu_ps(q + g * D + d);
+                for (int r = 0; r < 16; r++) a[r] = _mm512_fmadd_ps(qv, load_elems(rows, (int64_t)(r0 + r) * D + d, half), a[r]);
+            }
+            _mm512_mask_storeu_ps(scores + g * PARTITION + r0, keep, _mm512_mul_ps(sum_lanes_16(a), sv));
+        }
+    }
+}
+#endif
+
+/* The same scores from f16 rows read in place: nr a multiple of 16, D of 16, AVX-512 (see
+ * direct_rows). A half converts to f32 exactly, so these are block_scores' bits. */
+static void block_scores_halves(const float *q, const uint16_t *rows, int nr, int D, float scale, float *scores,
+                                int G) {
+#if defined(__AVX512F__)
+    block_scores_16(q, rows, nr, D, scale, scores, G, 1);
+#else
+    (void)q, (void)rows, (void)nr, (void)D, (void)scale, (void)scores, (void)G;
+#endif
+}
+
 static void block_scores(const float *q, const float *rows, int nr, int D, float scale, float *scores, int G) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
-        __m512 sv = _mm512_set1_ps(scale);
-        for (int r0 = 0; r0 < nr; r0 += 16) {
-            __mmask16 keep = nr - r0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - r0)) - 1);
-            for (int g = 0; g < G; g++) {
-                __m512 a[16];
-                for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_ps();
-                for (int d = 0; d < D; d += 16) {
-                    __m512 qv = _mm512_loadu_ps(q + g * D + d);
-                    for (int r = 0; r < 16; r++) a[r] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + (r0 + r) * D + d), a[r]);
-                }
-                _mm512_mask_storeu_ps(scores + g * PARTITION + r0, keep, _mm512_mul_ps(sum_lanes_16(a), sv));
-            }
-        }
+        block_scores_16(q, rows, nr, D, scale, scores, G, 0);
         return;
     }
 #endif
@@ -231,8 +257,9 @@ static void block_scores(const float *q, const float *rows, int nr, int D, float
 /* acc_g += sum_r w[g * PARTITION + r] * row_r for H (at most 4) query heads; acc_g at out + g * (D + 2).
  * H is a constant in each specialization, so with D a multiple of 64 the H x 4 accumulators of a
  * 64-wide slice stay in registers across the rows. */
-static inline __attribute__((always_inline)) void accumulate_heads(const float *w, const float *rows, int nr, int D,
-                                                                   float *out, const int H) {
+static inline __attribute__((always_inline)) void accumulate_heads(const float *w, const void *rows_in, int nr,
+                                                                   int D, float *out, const int H, const int half) {
+    const float *rows = rows_in; /* the f32 case */
 #if defined(__AVX512F__)
     if (D % 64 == 0) {
         for (int d = 0; d < D; d += 64) {
@@ -241,7 +268,7 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
                 for (int s = 0; s < 4; s++) a[g][s] = _mm512_loadu_ps(out + g * (D + 2) + d + 16 * s);
             for (int r = 0; r < nr; r++) {
                 __m512 v[4];
-                for (int s = 0; s < 4; s++) v[s] = _mm512_loadu_ps(rows + r * D + d + 16 * s);
+                for (int s = 0; s < 4; s++) v[s] = load_elems(rows_in, (int64_t)r * D + d + 16 * s, half);
                 for (int g = 0; g < H; g++) {
                     __m512 wv = _mm512_set1_ps(w[g * PARTITION + r]);
                     for (int s = 0; s < 4; s++) a[g][s] = _mm512_fmadd_ps(wv, v[s], a[g][s]);
@@ -258,18 +285,35 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
             for (int d = 0; d < D; d++) out[g * (D + 2) + d] += w[g * PARTITION + r] * rows[r * D + d];
 }
 
-/* Every query head of the group, four at a time. */
-static void block_accumulate(const float *w, const float *rows, int nr, int D, float *out, int G) {
+/* Every query head of the group, four at a time, from f32 rows or (half: D a multiple of 64,
+ * AVX-512, see direct_rows) f16 rows read in place. */
+static void block_accumulate(const float *w, const void *rows, int nr, int D, float *out, int G, int half) {
     for (int g0 = 0; g0 < G; g0 += 4) {
         const float *wg = w + g0 * PARTITION;
         float *og = out + g0 * (D + 2);
-        switch (G - g0 < 4 ? G - g0 : 4) {
-        case 1: accumulate_heads(wg, rows, nr, D, og, 1); break;
-        case 2: accumulate_heads(wg, rows, nr, D, og, 2); break;
-        case 3: accumulate_heads(wg, rows, nr, D, og, 3); break;
-        default: accumulate_heads(wg, rows, nr, D, og, 4); break;
+        switch ((G - g0 < 4 ? G - g0 : 4) + 4 * (half != 0)) {
+        case 1: accumulate_heads(wg, rows, nr, D, og, 1, 0); break;
+        case 2: accumulate_heads(wg, rows, nr, D, og, 2, 0); break;
+        case 3: accumulate_heads(wg, rows, nr, D, og, 3, 0); break;
+        case 4: accumulate_heads(wg, rows, nr, D, og, 4, 0); break;
+        case 5: accumulate_heads(wg, rows, nr, D, og, 1, 1); break;
+        case 6: accumulate_heads(wg, rows, nr, D, og, 2, 1); break;
+        case 7: accumulate_heads(wg, rows, nr, D, og, 3, 1); break;
+        default: accumulate_heads(wg, rows, nr, D, og, 4, 1); break;
         }
     }
+}
+
+/* f32 and f16 rows need no decoding: the block's rows are read where they are stored instead of
+ * being copied (and converted) into the task's buffer first. Same bits either way. Keys only when
+ * the rows come in whole groups of 16 (block_scores reads 16 at a time, and must not read past the
+ * block); f16 only on the AVX-512 paths (D a multiple of 64). Returns the rows, or NULL. */
+static const void *direct_rows(const kv_part *kv, int64_t row, int nr, int D, int keys) {
+    if (kv->kind == KV_F32 && (!keys || nr % 16 == 0)) return kv->codes + row * kv->code_stride;
+#if defined(__AVX512F__)
+    if (kv->kind == KV_F16 && D % 64 == 0 && (!keys || nr % 16 == 0)) return kv->codes + row * kv->code_stride;
+#endif
+    return NULL;
 }
 
 /* The largest of s[0 .. n-1] (exact in any order). */
@@ -314,12 +358,20 @@ static void attend_partition(const problem *P, int seq, int kvh, int part, float
         for (int64_t t = begin; t < end;) {
             int64_t b = t / bs, off = t % bs;
             int nr = (int)(bs - off < end - t ? bs - off : end - t);
-            decode_rows(kv, ((int64_t)kvh * P->num_blocks + table[b]) * bs + off, nr, D, block);
+            int64_t row = ((int64_t)kvh * P->num_blocks + table[b]) * bs + off;
+            const void *rows = direct_rows(kv, row, nr, D, pass == 0);
+            int half = rows && kv->kind == KV_F16;
+            if (!rows) {
+                decode_rows(kv, row, nr, D, block);
+                rows = block;
+            }
             int i0 = (int)(t - begin);
-            if (pass == 0)
-                block_scores(q, block, nr, D, P->scale, scores + i0, G);
+            if (pass == 0 && half)
+                block_scores_halves(q, rows, nr, D, P->scale, scores + i0, G);
+            else if (pass == 0)
+                block_scores(q, rows, nr, D, P->scale, scores + i0, G);
             else
-                block_accumulate(scores + i0, block, nr, D, out, G);
+                block_accumulate(scores + i0, rows, nr, D, out, G, half);
             t += nr;
         }
         if (pass == 1) { /* the value sums back from the values' lane order */
@@ -875,4 +927,13 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
         free(int_mem);
     }
     return failed ? -1 : 0;
+}
+
+/* 1 where this build scores q8_0 and q4_0 keys in integers in prefill (AVX-512 VNNI), else 0. */
+int paged_prefill_int_keys(void) {
+#if defined(INT_KEYS)
+    return 1;
+#else
+    return 0;
+#endif
 }
