@@ -149,6 +149,7 @@ class NativeDecodeStep:
         self.ops = torch.tensor([op + [0] * (OP_FIELDS - len(op)) for op in ops], dtype=torch.int64)
         self.capacity, self.threads = capacity, threads
 
+    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions, context_lens [n] int64; block_tables [n, max_blocks] int64; slot_rows
