@@ -3,6 +3,8 @@ every KV type; their invariances (batch, threads, chunking) bit for bit."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -153,7 +155,7 @@ def test_prefill_gives_the_same_bits_whole_or_in_chunks(cache_type):
     for window in (None, 70):
         whole = prefill(storage, tables[0], 531, q, 0, window, True)
         cuts = [0, 5, 37, 256, 300, 531]
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             assert torch.equal(prefill(storage, tables[0], b, q[a:b], 0, window, True), whole[a:b]), (a, b)
         threads = torch.get_num_threads()
         try:

@@ -58,6 +58,7 @@ def _float_word(value: float) -> int:
 
 
 def supports(model: DecoderLM) -> bool:
+    """Whether every call of this model's decode step has a kernel (see the module's docstring)."""
     cfg = model.config
     plain_layers = all(
         layer.q_norm is None and layer.k_norm is None and layer.post_attn_norm is None
