@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-
 import sys
 
 from kvserve.config import WEIGHT_CHOICES, CacheConfig, EngineConfig, SchedulerConfig

@@ -8,9 +8,9 @@
  *     task       (seq, kvh, 0)    (seq, kvh, 1)     (seq, kvh, 2)     -> (max, sum, acc) each
  *     combine    out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M)
  *
- * Inside a task each block is decoded into a small f32 buffer (one block, in L1) and consumed at
- * once by every query head of the kv head's group (GQA): the cache is read once, never expanded
- * into a full-precision temporary. Storage is head-major [kv_heads, num_blocks, block_size, width]
+ * Inside a task each block is decoded into a small f32 buffer (one block, in L1; f32 and f16 blocks
+ * are read in place instead) and consumed at once by every query head of the kv head's group (GQA):
+ * the cache is read once, never expanded into a full-precision temporary. Storage is head-major [kv_heads, num_blocks, block_size, width]
  * per part (codes, scales), as in kv/storage.py. For rotated codecs (tq*) the caller passes the
  * rotation: q is rotated once per call and each output row un-rotated after the combine.
  */
@@ -208,8 +208,9 @@ static inline __attribute__((always_inline)) __m512 load_elems(const void *rows,
     return _mm512_loadu_ps((const float *)rows + i);
 }
 
-/* block_scores' vector path over f32 rows or f16 rows (half), 16 rows a pass: the caller passes
- * f16 rows in place only when nr is a multiple of 16 (no row past the block is read). */
+/* block_scores' vector path over f32 rows or f16 rows (half), 16 rows a pass: rows read in place come
+ * in whole groups of 16 (direct_rows), so no row past the block is read. A half converts to f32
+ * exactly: the same bits as from the decoded buffer. */
 static inline __attribute__((always_inline)) void block_scores_16(const float *q, const void *rows, int nr, int D,
                                                                   float scale, float *scores, int G, const int half) {
     __m512 sv = _mm512_set1_ps(scale);
@@ -228,24 +229,20 @@ static inline __attribute__((always_inline)) void block_scores_16(const float *q
 }
 #endif
 
-/* The same scores from f16 rows read in place: nr a multiple of 16, D of 16, AVX-512 (see
- * direct_rows). A half converts to f32 exactly, so these are block_scores' bits. */
-static void block_scores_halves(const float *q, const uint16_t *rows, int nr, int D, float scale, float *scores,
-                                int G) {
-#if defined(__AVX512F__)
-    block_scores_16(q, rows, nr, D, scale, scores, G, 1);
-#else
-    (void)q, (void)rows, (void)nr, (void)D, (void)scale, (void)scores, (void)G;
-#endif
-}
-
-static void block_scores(const float *q, const float *rows, int nr, int D, float scale, float *scores, int G) {
+/* rows: f32, or f16 read in place (half; only on the vector path, see direct_rows). */
+static void block_scores(const float *q, const void *rows_in, int half, int nr, int D, float scale, float *scores,
+                         int G) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
-        block_scores_16(q, rows, nr, D, scale, scores, G, 0);
+        if (half)
+            block_scores_16(q, rows_in, nr, D, scale, scores, G, 1);
+        else
+            block_scores_16(q, rows_in, nr, D, scale, scores, G, 0);
         return;
     }
 #endif
+    const float *rows = rows_in;
+    (void)half; /* f32 here */
     for (int g = 0; g < G; g++)
         for (int r = 0; r < nr; r++) {
             float dot = 0.0f;
@@ -260,6 +257,7 @@ static void block_scores(const float *q, const float *rows, int nr, int D, float
 static inline __attribute__((always_inline)) void accumulate_heads(const float *w, const void *rows_in, int nr,
                                                                    int D, float *out, const int H, const int half) {
     const float *rows = rows_in; /* the f32 case */
+    (void)half;
 #if defined(__AVX512F__)
     if (D % 64 == 0) {
         for (int d = 0; d < D; d += 64) {
@@ -309,6 +307,7 @@ static void block_accumulate(const float *w, const void *rows, int nr, int D, fl
  * the rows come in whole groups of 16 (block_scores reads 16 at a time, and must not read past the
  * block); f16 only on the AVX-512 paths (D a multiple of 64). Returns the rows, or NULL. */
 static const void *direct_rows(const kv_part *kv, int64_t row, int nr, int D, int keys) {
+    (void)D;
     if (kv->kind == KV_F32 && (!keys || nr % 16 == 0)) return kv->codes + row * kv->code_stride;
 #if defined(__AVX512F__)
     if (kv->kind == KV_F16 && D % 64 == 0 && (!keys || nr % 16 == 0)) return kv->codes + row * kv->code_stride;
@@ -366,10 +365,8 @@ static void attend_partition(const problem *P, int seq, int kvh, int part, float
                 rows = block;
             }
             int i0 = (int)(t - begin);
-            if (pass == 0 && half)
-                block_scores_halves(q, rows, nr, D, P->scale, scores + i0, G);
-            else if (pass == 0)
-                block_scores(q, rows, nr, D, P->scale, scores + i0, G);
+            if (pass == 0)
+                block_scores(q, rows, half, nr, D, P->scale, scores + i0, G);
             else
                 block_accumulate(scores + i0, rows, nr, D, out, G, half);
             t += nr;
@@ -515,7 +512,6 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
 #define QUERY_TILE 32
 #define KEY_TILE 64
 #define ROWS 6 /* query rows scored together: 6 x 4 independent FMA chains */
-
 
 #if defined(__AVX512F__)
 /* r[i] = row i of a 16 x 16 matrix of 32-bit elements -> r[j] = its column j (64 shuffles). */
