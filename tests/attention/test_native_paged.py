@@ -98,7 +98,7 @@ def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(cache_t
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache_type", ["q8_0", "f16"])  # f16 rows are read in place, q8_0 ones decoded
+@pytest.mark.parametrize("cache_type", ["q8_0", "f16", "tq4"])  # decoded in registers (two), into a buffer (tq4)
 def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(cache_type):
     cfg = config(heads=9, kv_heads=3)
     lens = [300, 5, 1030, 64]
@@ -114,6 +114,25 @@ def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(cache_type):
         assert torch.equal(decode(storage, tables, lens, q, 0, None, True), batched)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])
+def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f32(cache_type):
+    """These rows are decoded as they are loaded and scored several query heads a sweep; f32 rows (and a
+    block's partial rows, decoded into the buffer) one head a sweep. Each score is the same FMA chain."""
+    cfg = config(heads=9, kv_heads=3)
+    lens = [300, 5, 1030, 64]
+    storage, tables = filled_storage(cfg, cache_type, lens, seed=5)
+    exact = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, "f32", torch.device("cpu"))
+    every_block = storage.block_rows(torch.arange(NUM_BLOCKS)[None])
+    for layer in range(cfg.num_layers):
+        for stored, decoded in zip((exact.k[layer][0], exact.v[layer][0]),
+                                   storage.read_blocks(layer, every_block, torch.float32)):
+            stored.copy_(decoded.view(stored.shape))
+    q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(6))
+    for layer, window in ((0, None), (1, 100)):  # the window starts inside a block: partial rows
+        assert torch.equal(decode(storage, tables, lens, q, layer, window, True),
+                           decode(exact, tables, lens, q, layer, window, True))
 
 
 def prefill(storage, table, context_len, q, layer, window, use_native):

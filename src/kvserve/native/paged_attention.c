@@ -198,51 +198,102 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
 }
 #endif
 
-/* scores[g * PARTITION + r] = scale * (q_g . row_r) for the nr decoded rows of a block, every query
- * head g of the group. With AVX-512 the rows go 16 at a time (rows past nr come from the zeroed or
- * stale buffer and are not stored), so a row's arithmetic is the same whatever nr is. */
+/* A block's rows as the score and value loops read them: f32 rows (stored, or decoded into the task's
+ * buffer), or stored rows of another kind decoded in registers as they are loaded (see in_place). */
+typedef struct {
+    int kind;
+    const uint8_t *codes; /* the block's first row */
+    const float *d;       /* q8_0/q4_0: the rows' group scales, in order */
+} rows_view;
+
 #if defined(__AVX512F__)
-/* 16 elements of a row as f32: from f32 rows, or from f16 rows read in place (half = 1). */
-static inline __attribute__((always_inline)) __m512 load_elems(const void *rows, int64_t i, const int half) {
-    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)rows + i)));
-    return _mm512_loadu_ps((const float *)rows + i);
+/* Elements col .. col+15 (col a multiple of 16) of row r, in lane order, as f32: the same operations,
+ * so the same bits, as decode_rows followed by a load. kind is a constant in every caller. */
+static inline __attribute__((always_inline)) __m512 row_elems(const rows_view *R, int64_t r, int col, int D,
+                                                              const int kind) {
+    int64_t i = r * D + col;
+    switch (kind) {
+    case KV_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)R->codes + i)));
+    case KV_BF16:
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)R->codes + i))), 16));
+    case KV_Q8_0: {
+        __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(R->codes + i)));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(R->d[i / GROUP]));
+    }
+    case KV_Q4_0: { /* a group's 16 bytes: low nibbles are its lanes 0-15, high nibbles 16-31 */
+        __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(R->codes + i / GROUP * (GROUP / 2))));
+        x = i % GROUP ? _mm512_srli_epi32(x, 4) : _mm512_and_si512(x, _mm512_set1_epi32(15));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(x, _mm512_set1_epi32(8))), _mm512_set1_ps(R->d[i / GROUP]));
+    }
+    default:
+        return _mm512_loadu_ps((const float *)R->codes + i);
+    }
 }
 
-/* block_scores' vector path over f32 rows or f16 rows (half), 16 rows a pass: rows read in place come
- * in whole groups of 16 (direct_rows), so no row past the block is read. A half converts to f32
- * exactly: the same bits as from the decoded buffer. */
-static inline __attribute__((always_inline)) void block_scores_16(const float *q, const void *rows, int nr, int D,
-                                                                  float scale, float *scores, int G, const int half) {
-    __m512 sv = _mm512_set1_ps(scale);
+/* lanes[h * 16 + r] = the 16 lane partials of q_h . row_(r0 + r), for H heads and 16 rows, RR rows a
+ * sweep: each loaded (and decoded) key vector feeds all H heads while H x RR accumulators stay in
+ * registers. A partial is an FMA chain over the row in element order from zero, whatever H and RR. */
+static inline __attribute__((always_inline)) void score_lanes(const float *q, const rows_view *R, int r0, int D,
+                                                              __m512 *lanes, const int H, const int RR,
+                                                              const int kind) {
+    for (int r1 = 0; r1 < 16; r1 += RR) {
+        __m512 a[4][16];
+        for (int h = 0; h < H; h++)
+            for (int r = 0; r < RR; r++) a[h][r] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16)
+            for (int r = 0; r < RR; r++) {
+                __m512 k = row_elems(R, r0 + r1 + r, d, D, kind);
+                for (int h = 0; h < H; h++) a[h][r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), k, a[h][r]);
+            }
+        for (int h = 0; h < H; h++)
+            for (int r = 0; r < RR; r++) lanes[h * 16 + r1 + r] = a[h][r];
+    }
+}
+
+/* block_scores' vector path, 16 rows a pass (rows past nr are read, from the zeroed or stale buffer or
+ * from a block that holds them, and not stored). Rows decoded in registers are shared by up to four
+ * query heads a sweep; f32 rows, a plain load, go one head and 16 rows a sweep (measured faster). */
+static inline __attribute__((always_inline)) void block_scores_16(const float *q, const rows_view *R, int nr, int D,
+                                                                  float scale, float *scores, int G, const int kind) {
+    __m512 sv = _mm512_set1_ps(scale), lanes[4 * 16];
     for (int r0 = 0; r0 < nr; r0 += 16) {
         __mmask16 keep = nr - r0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nr - r0)) - 1);
-        for (int g = 0; g < G; g++) {
-            __m512 a[16];
-            for (int r = 0; r < 16; r++) a[r] = _mm512_setzero_ps();
-            for (int d = 0; d < D; d += 16) {
-                __m512 qv = _mm512_loadu_ps(q + g * D + d);
-                for (int r = 0; r < 16; r++) a[r] = _mm512_fmadd_ps(qv, load_elems(rows, (int64_t)(r0 + r) * D + d, half), a[r]);
+        for (int g0 = 0; g0 < G;) {
+            int H = kind == KV_F32 || G - g0 == 1 ? 1 : G - g0 >= 4 ? 4 : G - g0;
+            const float *qg = q + g0 * D;
+            switch (H) {
+            case 4: score_lanes(qg, R, r0, D, lanes, 4, 4, kind); break;
+            case 3: score_lanes(qg, R, r0, D, lanes, 3, 8, kind); break;
+            case 2: score_lanes(qg, R, r0, D, lanes, 2, 8, kind); break;
+            default: score_lanes(qg, R, r0, D, lanes, 1, 16, kind); break;
             }
-            _mm512_mask_storeu_ps(scores + g * PARTITION + r0, keep, _mm512_mul_ps(sum_lanes_16(a), sv));
+            for (int h = 0; h < H; h++)
+                _mm512_mask_storeu_ps(scores + (g0 + h) * PARTITION + r0, keep,
+                                      _mm512_mul_ps(sum_lanes_16(lanes + h * 16), sv));
+            g0 += H;
         }
     }
 }
 #endif
 
-/* rows: f32, or f16 read in place (half; only on the vector path, see direct_rows). */
-static void block_scores(const float *q, const void *rows_in, int half, int nr, int D, float scale, float *scores,
-                         int G) {
+/* scores[g * PARTITION + r] = scale * (q_g . row_r) for the nr rows of a block, every query head g of
+ * the group. With AVX-512 the rows go 16 at a time, so a row's arithmetic is the same whatever nr is. */
+static void block_scores(const float *q, const rows_view *R, int nr, int D, float scale, float *scores, int G) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
-        if (half)
-            block_scores_16(q, rows_in, nr, D, scale, scores, G, 1);
-        else
-            block_scores_16(q, rows_in, nr, D, scale, scores, G, 0);
+        switch (R->kind) {
+        case KV_F16: block_scores_16(q, R, nr, D, scale, scores, G, KV_F16); break;
+        case KV_BF16: block_scores_16(q, R, nr, D, scale, scores, G, KV_BF16); break;
+        case KV_Q8_0: block_scores_16(q, R, nr, D, scale, scores, G, KV_Q8_0); break;
+        case KV_Q4_0: block_scores_16(q, R, nr, D, scale, scores, G, KV_Q4_0); break;
+        default: block_scores_16(q, R, nr, D, scale, scores, G, KV_F32); break;
+        }
         return;
     }
 #endif
-    const float *rows = rows_in;
-    (void)half; /* f32 here */
+    const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
     for (int g = 0; g < G; g++)
         for (int r = 0; r < nr; r++) {
             float dot = 0.0f;
@@ -253,11 +304,9 @@ static void block_scores(const float *q, const void *rows_in, int half, int nr, 
 
 /* acc_g += sum_r w[g * PARTITION + r] * row_r for H (at most 4) query heads; acc_g at out + g * (D + 2).
  * H is a constant in each specialization, so with D a multiple of 64 the H x 4 accumulators of a
- * 64-wide slice stay in registers across the rows. */
-static inline __attribute__((always_inline)) void accumulate_heads(const float *w, const void *rows_in, int nr,
-                                                                   int D, float *out, const int H, const int half) {
-    const float *rows = rows_in; /* the f32 case */
-    (void)half;
+ * 64-wide slice stay in registers across the rows, each row's vectors loaded (and decoded) once. */
+static inline __attribute__((always_inline)) void accumulate_heads(const float *w, const rows_view *R, int nr,
+                                                                   int D, float *out, const int H, const int kind) {
 #if defined(__AVX512F__)
     if (D % 64 == 0) {
         for (int d = 0; d < D; d += 64) {
@@ -266,7 +315,7 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
                 for (int s = 0; s < 4; s++) a[g][s] = _mm512_loadu_ps(out + g * (D + 2) + d + 16 * s);
             for (int r = 0; r < nr; r++) {
                 __m512 v[4];
-                for (int s = 0; s < 4; s++) v[s] = load_elems(rows_in, (int64_t)r * D + d + 16 * s, half);
+                for (int s = 0; s < 4; s++) v[s] = row_elems(R, r, d + 16 * s, D, kind);
                 for (int g = 0; g < H; g++) {
                     __m512 wv = _mm512_set1_ps(w[g * PARTITION + r]);
                     for (int s = 0; s < 4; s++) a[g][s] = _mm512_fmadd_ps(wv, v[s], a[g][s]);
@@ -278,41 +327,51 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
         return;
     }
 #endif
+    (void)kind;
+    const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
     for (int g = 0; g < H; g++)
         for (int r = 0; r < nr; r++)
             for (int d = 0; d < D; d++) out[g * (D + 2) + d] += w[g * PARTITION + r] * rows[r * D + d];
 }
 
-/* Every query head of the group, four at a time, from f32 rows or (half: D a multiple of 64,
- * AVX-512, see direct_rows) f16 rows read in place. */
-static void block_accumulate(const float *w, const void *rows, int nr, int D, float *out, int G, int half) {
+#define ACCUMULATE_KIND(kind)                                                                                  \
+    switch (H) {                                                                                               \
+    case 1: accumulate_heads(wg, R, nr, D, og, 1, kind); break;                                                \
+    case 2: accumulate_heads(wg, R, nr, D, og, 2, kind); break;                                                \
+    case 3: accumulate_heads(wg, R, nr, D, og, 3, kind); break;                                                \
+    default: accumulate_heads(wg, R, nr, D, og, 4, kind); break;                                               \
+    }
+
+/* Every query head of the group, four at a time. */
+static void block_accumulate(const float *w, const rows_view *R, int nr, int D, float *out, int G) {
     for (int g0 = 0; g0 < G; g0 += 4) {
         const float *wg = w + g0 * PARTITION;
         float *og = out + g0 * (D + 2);
-        switch ((G - g0 < 4 ? G - g0 : 4) + 4 * (half != 0)) {
-        case 1: accumulate_heads(wg, rows, nr, D, og, 1, 0); break;
-        case 2: accumulate_heads(wg, rows, nr, D, og, 2, 0); break;
-        case 3: accumulate_heads(wg, rows, nr, D, og, 3, 0); break;
-        case 4: accumulate_heads(wg, rows, nr, D, og, 4, 0); break;
-        case 5: accumulate_heads(wg, rows, nr, D, og, 1, 1); break;
-        case 6: accumulate_heads(wg, rows, nr, D, og, 2, 1); break;
-        case 7: accumulate_heads(wg, rows, nr, D, og, 3, 1); break;
-        default: accumulate_heads(wg, rows, nr, D, og, 4, 1); break;
+        int H = G - g0 < 4 ? G - g0 : 4;
+        switch (R->kind) {
+        case KV_F16: ACCUMULATE_KIND(KV_F16) break;
+        case KV_BF16: ACCUMULATE_KIND(KV_BF16) break;
+        case KV_Q8_0: ACCUMULATE_KIND(KV_Q8_0) break;
+        case KV_Q4_0: ACCUMULATE_KIND(KV_Q4_0) break;
+        default: ACCUMULATE_KIND(KV_F32) break;
         }
     }
 }
 
-/* f32 and f16 rows need no decoding: the block's rows are read where they are stored instead of
- * being copied (and converted) into the task's buffer first. Same bits either way. Keys only when
- * the rows come in whole groups of 16 (block_scores reads 16 at a time, and must not read past the
- * block); f16 only on the AVX-512 paths (D a multiple of 64). Returns the rows, or NULL. */
-static const void *direct_rows(const kv_part *kv, int64_t row, int nr, int D, int keys) {
-    (void)D;
-    if (kv->kind == KV_F32 && (!keys || nr % 16 == 0)) return kv->codes + row * kv->code_stride;
+/* Whether a block's stored rows can be read where they are (decoded in registers, row_elems) rather
+ * than decoded into the task's buffer first: f32 always; f16, bf16, q8_0, q4_0 and tq4 on the AVX-512
+ * paths (D a multiple of 64; tq4 measured faster through the buffer, its two nibbles of a byte decoded
+ * together). Keys only in whole groups of 16 rows (block_scores reads 16 at a time
+ * and must not read past the block). Same bits either way. */
+static int in_place(int kind, int nr, int D, int keys) {
+    if (keys && nr % 16 != 0) return 0;
+    if (kind == KV_F32) return 1;
 #if defined(__AVX512F__)
-    if (kv->kind == KV_F16 && D % 64 == 0 && (!keys || nr % 16 == 0)) return kv->codes + row * kv->code_stride;
+    if (D % 64 == 0)
+        return kind == KV_F16 || kind == KV_BF16 || kind == KV_Q8_0 || kind == KV_Q4_0;
 #endif
-    return NULL;
+    (void)D;
+    return 0;
 }
 
 /* The largest of s[0 .. n-1] (exact in any order). */
@@ -352,23 +411,29 @@ static void attend_partition(const problem *P, int seq, int kvh, int part, float
     for (int g = 0; g < G; g++)
         for (int i = 0; i < D; i++) q[g * D + i] = q_elems[g * D + order[i]];
     const int64_t *table = P->block_tables + seq * P->table_stride;
+    float scales[bs * D / GROUP + 1]; /* a block's q8_0/q4_0 group scales */
     for (int pass = 0; pass < 2; pass++) {
         const kv_part *kv = pass == 0 ? &P->k : &P->v;
         for (int64_t t = begin; t < end;) {
             int64_t b = t / bs, off = t % bs;
             int nr = (int)(bs - off < end - t ? bs - off : end - t);
             int64_t row = ((int64_t)kvh * P->num_blocks + table[b]) * bs + off;
-            const void *rows = direct_rows(kv, row, nr, D, pass == 0);
-            int half = rows && kv->kind == KV_F16;
-            if (!rows) {
+            rows_view R = {KV_F32, (const uint8_t *)block, NULL};
+            if (in_place(kv->kind, nr, D, pass == 0)) {
+                R.kind = kv->kind;
+                R.codes = kv->codes + row * kv->code_stride;
+                if (kv->kind == KV_Q8_0 || kv->kind == KV_Q4_0) {
+                    R.d = scales;
+                    halves_to_floats((const uint16_t *)(kv->scales + row * kv->scale_stride), scales, nr * D / GROUP);
+                }
+            } else {
                 decode_rows(kv, row, nr, D, block);
-                rows = block;
             }
             int i0 = (int)(t - begin);
             if (pass == 0)
-                block_scores(q, rows, half, nr, D, P->scale, scores + i0, G);
+                block_scores(q, &R, nr, D, P->scale, scores + i0, G);
             else
-                block_accumulate(scores + i0, rows, nr, D, out, G, half);
+                block_accumulate(scores + i0, &R, nr, D, out, G);
             t += nr;
         }
         if (pass == 1) { /* the value sums back from the values' lane order */
