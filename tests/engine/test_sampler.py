@@ -58,6 +58,19 @@ def test_greedy_takes_the_argmax_even_with_filters():
     assert s.sample(torch.tensor([[0.1, 3.0, 2.0]]), [r])[0][0] == 1
 
 
+def test_a_batch_takes_each_greedy_rows_argmax_and_leaves_the_others_to_their_own_rules():
+    s = Sampler(str)
+    logits = torch.tensor([[0.1, 3.0, 2.0, 3.0],   # a tie: the first maximum, as alone
+                           [5.0, 1.0, 0.0, 0.0],
+                           [0.0, 0.0, 9.0, 5.0],   # the penalty cuts token 2's logit to 0.9: token 3
+                           [0.0, 0.0, 0.0, 7.0]])
+    requests = [_request([], temperature=0), _request([], temperature=0),
+                _request([2], temperature=0, repetition_penalty=10.0), _request([], temperature=0)]
+    batched = [token for token, _ in s.sample(logits, requests)]
+    assert batched == [1, 0, 3, 3]
+    assert batched == [s.sample(row[None], [r])[0][0] for row, r in zip(logits, requests)]
+
+
 def test_seeded_draws_follow_the_distribution():
     s = Sampler(str)
     counts = [0, 0, 0]
