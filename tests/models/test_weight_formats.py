@@ -119,6 +119,37 @@ def test_int8_head_rows_alone_equal_batched_and_close_to_its_weights():
     check_int8_head(head)
 
 
+def test_the_q4_fast_head_codes_activations_per_group_of_32_as_llama_cpp_does():
+    """300 outputs, 192 inputs (six groups of 32). Rows alone = batched, one thread = two; the output is
+    the product of the activations rounded to int8 codes per group of 32 (nothing else rounds but the
+    float sums), which with an outlier channel is half the error of codes per row."""
+    from kvserve.models.linear import Int8HeadLinear
+
+    weight = torch.randn(300, 192, generator=torch.Generator().manual_seed(2))
+    fast = make_linear(weight, None, "q4-fast", CPU, torch.float32, head=True)
+    two_digits = make_linear(weight, None, "q4", CPU, torch.float32, head=True)
+    assert isinstance(fast, Int8HeadLinear) and fast.kernel is not None and fast.digits == 1
+    assert torch.equal(fast.weight, two_digits.weight)  # the same int8 weights, stored offset by 128
+    x = torch.randn(19, 192, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 30, 192)
+    x[:, 11] *= 100  # an outlier channel
+    batched = fast(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(fast(x[i : i + 1])[0], batched[i])
+    assert torch.equal(on_one_thread(fast, x), batched)
+
+    def coded(x, groups):
+        g = x.view(x.shape[0], groups, -1)
+        step = g.abs().amax(-1, keepdim=True) / 127
+        return (torch.round(g / step) * step).view_as(x).double() @ fast.weight.double().T
+
+    def error(y, reference):
+        return float((y.double() - reference).norm() / reference.norm())
+
+    exact = x.double() @ fast.weight.double().T
+    assert error(batched, coded(x, 6)) < 1e-6
+    assert error(two_digits(x), exact) < 1e-4 < error(batched, exact) < 0.6 * error(coded(x, 1), exact)
+
+
 def exact_product(x: torch.Tensor, lin: Int4Linear, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T + (0 if lin.bias is None else lin.bias.double())).float()
 

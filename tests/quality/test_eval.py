@@ -63,7 +63,7 @@ def test_eval_cli_on_smollm2(tmp_path):
 @pytest.mark.parametrize("fmt, bound", [("bf16", 0.002), ("q4", 0.005), ("int8", 0.01), ("q4-fast", 0.008)])
 def test_weight_formats_stay_close_to_f32(smollm2, smollm2_q4, fmt, bound):
     """Teacher-forced over text, each weight format against f32 weights: stated KLD bounds (measured
-    over 1,024 tokens: bf16 0.00066, q4 0.0016, int8 0.0045, q4-fast 0.0036)."""
+    over 1,024 tokens: bf16 0.00066, q4 0.0016, int8 0.0045, q4-fast 0.0046)."""
     from kvserve.models.loader import load_model
     from kvserve.quality.text import default_text
 

@@ -10,6 +10,13 @@
  * Every float operation of a row is the same whatever the batch or the thread count: a row's logits
  * are the same bits alone or batched.
  *
+ * digits = 1 (the head of ``--weights q4-fast``) is llama.cpp's arithmetic instead: per group of 32
+ * inputs one int8 code per activation, q = round(x / a) with a = max|x| / 127 over the group, and the
+ * weights stored offset by 128 (u8) so the activations are VNNI's signed operand:
+ *     y = scale[n] * sum_g a_g * (sum_k (w + 128) q - 128 * sum_k q)     (K a multiple of 32)
+ * A third fewer products than the two digits and one float step a group; per-row codes (one a for the
+ * row) were measured too coarse for the head (SmolLM2's KLD 0.0036 -> 0.0123).
+ *
  * Packed weights: panels of 16 output rows, each panel K4 / 4 vectors of 64 bytes, byte 4 * lane + i
  * = w[16 * panel + lane, 4 * quad + i] (K4 = K rounded up to 4, zero-padded). models/linear.py's
  * pack_int8_panels writes it.
@@ -26,6 +33,7 @@
 
 #define PANEL 16
 #define ROW_TILE 8
+#define GROUP 32
 
 /* Digits of one row, offset by 128 (u8), zero digits in the padding; returns max|x| / 127. */
 static float split_row(const float *x, int K, int K4, uint8_t *d1, uint8_t *d2) {
@@ -42,7 +50,50 @@ static float split_row(const float *x, int K, int K4, uint8_t *d1, uint8_t *d2) 
     return amax / 127.0f;
 }
 
+/* One digit: codes per group of 32 (q, signed), a per group, 128 * (sum of q) per group. */
+static void split_row_groups(const float *x, int K, int8_t *q, float *gscale, int32_t *offset) {
+    for (int g = 0; g < K / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        float amax = 0.0f;
+        for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(xg[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < GROUP; i++) {
+            q[g * GROUP + i] = (int8_t)nearbyintf(xg[i] * inv);
+            sum += q[g * GROUP + i];
+        }
+        gscale[g] = amax / 127.0f;
+        offset[g] = 128 * sum;
+    }
+}
+
 #if defined(VNNI)
+/* acc + the u8 x s8 products of w with the 4 signed bytes at p in every lane, broadcast by the load
+ * itself ({1to16}) rather than by a separate instruction. */
+static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+/* One digit: rows [0, nr) against one panel of u8 weights, sum_g a_g * (group's integer sum - offset). */
+static inline __attribute__((always_inline)) void panel_group_sums(const uint8_t *panel, int G, const int8_t *q,
+                                                                   const float *gscale, const int32_t *offset,
+                                                                   int K, __m512 *acc, const int nr) {
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512i s[ROW_TILE];
+        for (int r = 0; r < nr; r++) s[r] = _mm512_setzero_si512();
+        for (int j = 0; j < GROUP / 4; j++) {
+            __m512i wj = _mm512_loadu_si512((const void *)(panel + 64 * (g * GROUP / 4 + j)));
+            for (int r = 0; r < nr; r++) s[r] = dpbusd_broadcast(s[r], wj, q + (int64_t)r * K + g * GROUP + 4 * j);
+        }
+        for (int r = 0; r < nr; r++) {
+            __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], _mm512_set1_epi32(offset[(int64_t)r * G + g])));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(gscale[(int64_t)r * G + g]), acc[r]);
+        }
+    }
+}
+
 static inline __m512i broadcast4(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -64,10 +115,75 @@ static inline __attribute__((always_inline)) void panel_sums(const int8_t *panel
 }
 #endif
 
-/* x [M, K] f32; w packed [ceil(N / 16), K4 / 4, 64] int8; scale, rowsum [N] (rowsum padded to a
- * multiple of 16); bias [N] or NULL; y [M, N]. Returns 0, or -1 when the digits could not be allocated. */
+/* One digit (see the top): w holds the weights offset by 128 (u8), K a multiple of 32. */
+static int int8_matmul_groups(const float *x, const uint8_t *w, const float *scale, const float *bias, int M, int N,
+                              int K, float *y, int num_threads) {
+    const int G = K / GROUP, quads = K / 4, panels = (N + PANEL - 1) / PANEL;
+    int8_t *q = malloc((size_t)M * K);
+    float *gscale = malloc(sizeof(float) * (size_t)M * G);
+    int32_t *offset = malloc(sizeof(int32_t) * (size_t)M * G);
+    if (!q || !gscale || !offset) {
+        free(q);
+        free(gscale);
+        free(offset);
+        return -1;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++)
+            split_row_groups(x + (int64_t)m * K, K, q + (int64_t)m * K, gscale + (int64_t)m * G, offset + (int64_t)m * G);
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            const uint8_t *panel = w + (int64_t)p * quads * 64;
+            const int n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+            for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
+                const int nr = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
+                const int8_t *qt = q + (int64_t)m0 * K;
+                const float *gt = gscale + (int64_t)m0 * G;
+                const int32_t *ot = offset + (int64_t)m0 * G;
+                float out[ROW_TILE][PANEL];
+#if defined(VNNI)
+                __m512 acc[ROW_TILE];
+#define SUMS(n)                                                                                          \
+    case n: panel_group_sums(panel, G, qt, gt, ot, K, acc, n); break;
+                switch (nr) {
+                    SUMS(8) SUMS(7) SUMS(6) SUMS(5) SUMS(4) SUMS(3) SUMS(2)
+                default: panel_group_sums(panel, G, qt, gt, ot, K, acc, 1); break;
+                }
+#undef SUMS
+                for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], acc[r]);
+#else
+                for (int r = 0; r < nr; r++)
+                    for (int lane = 0; lane < PANEL; lane++) {
+                        float a = 0.0f;
+                        for (int g = 0; g < G; g++) {
+                            int32_t sum = 0;
+                            for (int k = g * GROUP; k < (g + 1) * GROUP; k++)
+                                sum += panel[64 * (k / 4) + 4 * lane + k % 4] * qt[(int64_t)r * K + k];
+                            a = fmaf((float)(sum - ot[r * G + g]), gt[r * G + g], a);
+                        }
+                        out[r][lane] = a;
+                    }
+#endif
+                for (int r = 0; r < nr; r++)
+                    for (int i = 0; i < width; i++)
+                        y[(int64_t)(m0 + r) * N + n0 + i] = out[r][i] * scale[n0 + i] + (bias ? bias[n0 + i] : 0.0f);
+            }
+        }
+    }
+    free(q);
+    free(gscale);
+    free(offset);
+    return 0;
+}
+
+/* x [M, K] f32; w packed [ceil(N / 16), K4 / 4, 64] int8 (digits 1: u8, offset by 128); scale, rowsum
+ * [N] (rowsum padded to a multiple of 16, unused for digits 1); bias [N] or NULL; y [M, N]; digits 2
+ * or 1. Returns 0, or -1 when the digits could not be allocated. */
 int int8_matmul(const float *x, const int8_t *w, const float *scale, const int32_t *rowsum, const float *bias,
-                int M, int N, int K, float *y, int num_threads) {
+                int M, int N, int K, float *y, int num_threads, int digits) {
+    if (digits == 1) return int8_matmul_groups(x, (const uint8_t *)w, scale, bias, M, N, K, y, num_threads);
     const int K4 = (K + 3) / 4 * 4, quads = K4 / 4, panels = (N + PANEL - 1) / PANEL;
     uint8_t *d1 = malloc((size_t)M * K4), *d2 = malloc((size_t)M * K4);
     float *row_scale = malloc(sizeof(float) * (size_t)M);
