@@ -24,7 +24,10 @@
  * models/linear.py's pack_int4 writes this layout.
  *
  * Threads split the panels; rows are taken in blocks (digits stay in L2) and tiles of up to 6 rows
- * that share each unpacked weight vector.
+ * that share each unpacked weight vector. The digits (and per-group sums and scales) are stored tile by
+ * tile, group by group: a tile's rows of a group sit next to each other, so the inner loop addresses
+ * them all from one pointer (with a pointer per row GCC ran out of registers and kept the
+ * accumulators in memory).
  */
 #include <math.h>
 #include <omp.h>
@@ -40,6 +43,7 @@
 #define PANEL 16
 #define BLOCK_BYTES 320
 #define ROW_TILE 6
+#define TILE_GROUP (ROW_TILE * GROUP) /* bytes of one group of a tile's digits */
 #define PREFETCH 4096 /* bytes ahead, into L2: one row streams ~10% faster on 2 threads (measured) */
 #define ROW_BLOCK 96 /* a multiple of ROW_TILE */
 
@@ -49,6 +53,7 @@
  * centred), not their all-positive codes alone. With the exact sum SmolLM2's KLD was 0.0141, with
  * this one 0.0036 (llama.cpp's own on the same file and text: 0.0029). */
 static void split_row_groups(const float *x, int K, int8_t *d1, float *usum, float *gscale, float *row_scale) {
+    /* d1: the row's first group, the next ROW_TILE * GROUP bytes on; usum, gscale: every ROW_TILE floats */
     for (int g = 0; g < K / GROUP; g++) {
         const float *xg = x + g * GROUP;
 #if defined(VNNI)
@@ -59,7 +64,7 @@ static void split_row_groups(const float *x, int K, int8_t *d1, float *usum, flo
         __m512 codes = _mm512_setzero_ps();
         for (int h = 0; h < 2; h++) {
             const __m512 code = _mm512_roundscale_ps(_mm512_mul_ps(h ? v1 : v0, inv), nearest);
-            _mm_storeu_si128((__m128i *)(d1 + g * GROUP + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code)));
+            _mm_storeu_si128((__m128i *)(d1 + g * TILE_GROUP + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code)));
             codes = _mm512_add_ps(codes, code);
         }
         const float code_sum = _mm512_reduce_add_ps(codes); /* an exact integer */
@@ -68,18 +73,18 @@ static void split_row_groups(const float *x, int K, int8_t *d1, float *usum, flo
         for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(xg[i]));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int i = 0; i < GROUP; i++) {
-            d1[g * GROUP + i] = (int8_t)nearbyintf(xg[i] * inv);
-            code_sum += d1[g * GROUP + i];
+            d1[g * TILE_GROUP + i] = (int8_t)nearbyintf(xg[i] * inv);
+            code_sum += d1[g * TILE_GROUP + i];
         }
 #endif
-        gscale[g] = amax / 127.0f;
-        usum[g] = gscale[g] * code_sum;
+        gscale[g * ROW_TILE] = amax / 127.0f;
+        usum[g * ROW_TILE] = gscale[g * ROW_TILE] * code_sum;
     }
     *row_scale = 1.0f;
 }
 
 /* Digits of one row, the sum of the digits' value d1 + d2 / 254 over each group (see split_row_groups:
- * the rounded activations' sum, not u's), and max|x| / 127. */
+ * the rounded activations' sum, not u's), and max|x| / 127. Strides as split_row_groups'. */
 static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum, float *row_scale) {
 #if defined(VNNI) /* the same steps, 16 lanes at a time (the scalar loop cost ~500 us at 512 x 576) */
     __m512 vmax = _mm512_setzero_ps();
@@ -90,15 +95,15 @@ static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum
     for (int g = 0; g < K / GROUP; g++) {
         __m512 sum1 = _mm512_setzero_ps(), sum2 = sum1;
         for (int h = 0; h < GROUP; h += 16) {
-            const int k = g * GROUP + h;
+            const int k = g * GROUP + h, at = g * TILE_GROUP + h;
             const __m512 u = _mm512_mul_ps(_mm512_loadu_ps(x + k), inv), r1 = _mm512_roundscale_ps(u, nearest);
             const __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(u, r1), radix), nearest);
-            _mm_storeu_si128((__m128i *)(d1 + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r1)));
-            _mm_storeu_si128((__m128i *)(d2 + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r2)));
+            _mm_storeu_si128((__m128i *)(d1 + at), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r1)));
+            _mm_storeu_si128((__m128i *)(d2 + at), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r2)));
             sum1 = _mm512_add_ps(sum1, r1);
             sum2 = _mm512_add_ps(sum2, r2);
         }
-        usum[g] = fmaf(_mm512_reduce_add_ps(sum2), 1.0f / 254.0f, _mm512_reduce_add_ps(sum1)); /* exact sums */
+        usum[g * ROW_TILE] = fmaf(_mm512_reduce_add_ps(sum2), 1.0f / 254.0f, _mm512_reduce_add_ps(sum1)); /* exact sums */
     }
     *row_scale = amax / 127.0f;
 #else
@@ -109,14 +114,14 @@ static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum
     for (int g = 0; g < K / GROUP; g++) {
         float sum1 = 0.0f, sum2 = 0.0f;
         for (int i = 0; i < GROUP; i++) {
-            int k = g * GROUP + i;
+            int k = g * GROUP + i, at = g * TILE_GROUP + i;
             float u = x[k] * inv, r1 = nearbyintf(u);
-            d1[k] = (int8_t)r1;
-            d2[k] = (int8_t)nearbyintf((u - r1) * 254.0f);
-            sum1 += d1[k];
-            sum2 += d2[k];
+            d1[at] = (int8_t)r1;
+            d2[at] = (int8_t)nearbyintf((u - r1) * 254.0f);
+            sum1 += d1[at];
+            sum2 += d2[at];
         }
-        usum[g] = fmaf(sum2, 1.0f / 254.0f, sum1);
+        usum[g * ROW_TILE] = fmaf(sum2, 1.0f / 254.0f, sum1);
     }
     *row_scale = amax / 127.0f;
 #endif
@@ -130,13 +135,16 @@ static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t *p) 
     return acc;
 }
 
-/* Rows [0, nr) of a tile against one panel: out[r][0..16) (before the row scale and bias). */
+/* Rows [0, nr) of a tile against one panel: out[r][0..16) (before the row scale and bias). d1, d2,
+ * usum, gscale: the tile's, in the tile layout. */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int G, const int8_t *d1,
                                                              const int8_t *d2, const float *usum,
-                                                             const float *gscale, int K, __m512 *acc,
-                                                             const int nr, const int digits) {
+                                                             const float *gscale, float *out, const int nr,
+                                                             const int digits) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512 inv254 = _mm512_set1_ps(1.0f / 254.0f);
+    __m512 acc[ROW_TILE]; /* locals, stored once at the end (through a pointer GCC stored them every group) */
+#pragma GCC unroll 8
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = panel + (int64_t)g * BLOCK_BYTES;
@@ -149,8 +157,9 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
         }
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
         __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+#pragma GCC unroll 8
         for (int r = 0; r < nr; r++) {
-            const int8_t *a1 = d1 + (int64_t)r * K + g * GROUP, *a2 = d2 + (int64_t)r * K + g * GROUP;
+            const int8_t *a1 = d1 + (int64_t)g * TILE_GROUP + r * GROUP, *a2 = d2 + (int64_t)g * TILE_GROUP + r * GROUP;
             __m512i s1a = _mm512_setzero_si512(), s1b = s1a, s2a = s1a, s2b = s1a;
             for (int j = 0; j < 8; j += 2) {  /* integer sums: the split into two chains is exact */
                 s1a = dpbusd_broadcast(s1a, c[j], a1 + 4 * j);
@@ -162,11 +171,13 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
             }
             const __m512 s1 = _mm512_cvtepi32_ps(_mm512_add_epi32(s1a, s1b));
             const __m512 t = digits == 2 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s2a, s2b)), inv254, s1)
-                                         : _mm512_mul_ps(s1, _mm512_set1_ps(gscale[(int64_t)r * G + g]));
+                                         : _mm512_mul_ps(s1, _mm512_set1_ps(gscale[g * ROW_TILE + r]));
             acc[r] = _mm512_fmadd_ps(scale, t, acc[r]);
-            acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(usum[(int64_t)r * G + g]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(usum[g * ROW_TILE + r]), acc[r]);
         }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
 }
 
 #else
@@ -190,7 +201,8 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-/* The same arithmetic one output at a time (machines without AVX-512 VNNI). */
+/* The same arithmetic one output at a time (machines without AVX-512 VNNI); d1, d2, usum, gscale: the
+ * row's, in the tile layout. */
 static void panel_row_scalar(const uint8_t *panel, int G, const int8_t *d1, const int8_t *d2, const float *usum,
                              const float *gscale, int digits, float *out) {
     for (int lane = 0; lane < PANEL; lane++) {
@@ -202,15 +214,15 @@ static void panel_row_scalar(const uint8_t *panel, int G, const int8_t *d1, cons
                 int quad = k / 4, chunk = quad / 2;
                 uint8_t byte = blk[64 * chunk + 4 * lane + k % 4];
                 int q = quad % 2 ? byte >> 4 : byte & 0x0F;
-                s1 += q * d1[g * GROUP + k];
-                if (digits == 2) s2 += q * d2[g * GROUP + k];
+                s1 += q * d1[g * TILE_GROUP + k];
+                if (digits == 2) s2 += q * d2[g * TILE_GROUP + k];
             }
             uint16_t hs, hl;
             memcpy(&hs, blk + 256 + 2 * lane, 2);
             memcpy(&hl, blk + 288 + 2 * lane, 2);
-            float t = digits == 2 ? fmaf((float)s2, 1.0f / 254.0f, (float)s1) : (float)s1 * gscale[g];
+            float t = digits == 2 ? fmaf((float)s2, 1.0f / 254.0f, (float)s1) : (float)s1 * gscale[g * ROW_TILE];
             acc = fmaf(half_to_float(hs), t, acc);
-            acc = fmaf(half_to_float(hl), usum[g], acc);
+            acc = fmaf(half_to_float(hl), usum[g * ROW_TILE], acc);
         }
         out[lane] = acc;
     }
@@ -223,8 +235,7 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
                        int width, float *y, int ldy) {
     float out[ROW_TILE][PANEL];
 #if defined(VNNI)
-    __m512 acc[ROW_TILE];
-#define TILE(n, digits) panel_tile(panel, G, d1, d2, usum, gscale, K, acc, n, digits)
+#define TILE(n, digits) panel_tile(panel, G, d1, d2, usum, gscale, out[0], n, digits)
 #define TILES(digits)                                                                                    \
     switch (nr) {                                                                                        \
     case 6: TILE(6, digits); break;                                                                      \
@@ -241,11 +252,9 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
     }
 #undef TILES
 #undef TILE
-    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], acc[r]);
 #else
     for (int r = 0; r < nr; r++)
-        panel_row_scalar(panel, G, d1 + (int64_t)r * K, d2 + (int64_t)r * K, usum + (int64_t)r * G,
-                         gscale + (int64_t)r * G, digits, out[r]);
+        panel_row_scalar(panel, G, d1 + r * GROUP, d2 + r * GROUP, usum + r, gscale + r, digits, out[r]);
 #endif
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < width; i++) y[(int64_t)r * ldy + i] = out[r][i] * row_scale[r] + (bias ? bias[i] : 0.0f);
@@ -257,9 +266,10 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
                  int num_threads, int digits) {
     const int G = K / GROUP, panels = (N + PANEL - 1) / PANEL;
-    int8_t *d1 = malloc((size_t)M * K), *d2 = digits == 2 ? malloc((size_t)M * K) : d1;
-    float *usum = malloc(sizeof(float) * (size_t)M * G), *row_scale = malloc(sizeof(float) * (size_t)M);
-    float *gscale = digits == 2 ? usum : malloc(sizeof(float) * (size_t)M * G);
+    const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
+    int8_t *d1 = malloc(rows * K), *d2 = digits == 2 ? malloc(rows * K) : d1;
+    float *usum = malloc(sizeof(float) * rows * G), *row_scale = malloc(sizeof(float) * (size_t)M);
+    float *gscale = digits == 2 ? usum : malloc(sizeof(float) * rows * G);
     if (!d1 || !d2 || !usum || !row_scale || !gscale) {
         free(d1);
         if (d2 != d1) free(d2);
@@ -271,13 +281,15 @@ int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
+        for (int m = 0; m < M; m++) {
+            const int64_t tile = m / ROW_TILE, r = m % ROW_TILE; /* the tile layout (see the top) */
+            const int64_t digits_at = tile * ROW_TILE * K + r * GROUP, sums_at = tile * ROW_TILE * G + r;
             if (digits == 2)
-                split_row(x + (int64_t)m * K, K, d1 + (int64_t)m * K, d2 + (int64_t)m * K, usum + (int64_t)m * G,
-                          row_scale + m);
+                split_row(x + (int64_t)m * K, K, d1 + digits_at, d2 + digits_at, usum + sums_at, row_scale + m);
             else
-                split_row_groups(x + (int64_t)m * K, K, d1 + (int64_t)m * K, usum + (int64_t)m * G,
-                                 gscale + (int64_t)m * G, row_scale + m);
+                split_row_groups(x + (int64_t)m * K, K, d1 + digits_at, usum + sums_at, gscale + sums_at,
+                                 row_scale + m);
+        }
         /* each thread its own panels; rows in blocks whose digits stay in L2 while the panels pass */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p_begin = (int)((int64_t)panels * t / nt), p_end = (int)((int64_t)panels * (t + 1) / nt);
