@@ -50,7 +50,9 @@ static float split_row(const float *x, int K, int K4, uint8_t *d1, uint8_t *d2) 
     return amax / 127.0f;
 }
 
-/* One digit: codes per group of 32 (q, signed), a per group, 128 * (sum of q) per group. */
+/* One digit: codes per group of 32 (q, signed), a per group, 128 * (sum of q) per group; stored tile by
+ * tile, group by group (a tile's rows of a group side by side, so one pointer addresses them all): the
+ * row's group g at q + g * ROW_TILE * GROUP, gscale[g * ROW_TILE], offset[g * ROW_TILE]. */
 static void split_row_groups(const float *x, int K, int8_t *q, float *gscale, int32_t *offset) {
     for (int g = 0; g < K / GROUP; g++) {
         const float *xg = x + g * GROUP;
@@ -59,11 +61,11 @@ static void split_row_groups(const float *x, int K, int8_t *q, float *gscale, in
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < GROUP; i++) {
-            q[g * GROUP + i] = (int8_t)nearbyintf(xg[i] * inv);
-            sum += q[g * GROUP + i];
+            q[g * ROW_TILE * GROUP + i] = (int8_t)nearbyintf(xg[i] * inv);
+            sum += q[g * ROW_TILE * GROUP + i];
         }
-        gscale[g] = amax / 127.0f;
-        offset[g] = 128 * sum;
+        gscale[g * ROW_TILE] = amax / 127.0f;
+        offset[g * ROW_TILE] = 128 * sum;
     }
 }
 
@@ -75,23 +77,32 @@ static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t *p) 
     return acc;
 }
 
-/* One digit: rows [0, nr) against one panel of u8 weights, sum_g a_g * (group's integer sum - offset). */
+/* One digit: rows [0, nr) of a tile (its codes, scales and offsets in the tile layout) against one
+ * panel of u8 weights, sum_g a_g * (group's integer sum - offset), to out[r][0..16). The row loops are
+ * unrolled early so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void panel_group_sums(const uint8_t *panel, int G, const int8_t *q,
                                                                    const float *gscale, const int32_t *offset,
-                                                                   int K, __m512 *acc, const int nr) {
+                                                                   float *out, const int nr) {
+    __m512 acc[ROW_TILE];
+#pragma GCC unroll 8
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         __m512i s[ROW_TILE];
+#pragma GCC unroll 8
         for (int r = 0; r < nr; r++) s[r] = _mm512_setzero_si512();
         for (int j = 0; j < GROUP / 4; j++) {
             __m512i wj = _mm512_loadu_si512((const void *)(panel + 64 * (g * GROUP / 4 + j)));
-            for (int r = 0; r < nr; r++) s[r] = dpbusd_broadcast(s[r], wj, q + (int64_t)r * K + g * GROUP + 4 * j);
+#pragma GCC unroll 8
+            for (int r = 0; r < nr; r++) s[r] = dpbusd_broadcast(s[r], wj, q + g * ROW_TILE * GROUP + r * GROUP + 4 * j);
         }
+#pragma GCC unroll 8
         for (int r = 0; r < nr; r++) {
-            __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], _mm512_set1_epi32(offset[(int64_t)r * G + g])));
-            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(gscale[(int64_t)r * G + g]), acc[r]);
+            __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], _mm512_set1_epi32(offset[g * ROW_TILE + r])));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(gscale[g * ROW_TILE + r]), acc[r]);
         }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
 }
 
 static inline __m512i broadcast4(const uint8_t *p) {
@@ -119,9 +130,10 @@ static inline __attribute__((always_inline)) void panel_sums(const int8_t *panel
 static int int8_matmul_groups(const float *x, const uint8_t *w, const float *scale, const float *bias, int M, int N,
                               int K, float *y, int num_threads) {
     const int G = K / GROUP, quads = K / 4, panels = (N + PANEL - 1) / PANEL;
-    int8_t *q = malloc((size_t)M * K);
-    float *gscale = malloc(sizeof(float) * (size_t)M * G);
-    int32_t *offset = malloc(sizeof(int32_t) * (size_t)M * G);
+    const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
+    int8_t *q = malloc(rows * K);
+    float *gscale = malloc(sizeof(float) * rows * G);
+    int32_t *offset = malloc(sizeof(int32_t) * rows * G);
     if (!q || !gscale || !offset) {
         free(q);
         free(gscale);
@@ -131,8 +143,11 @@ static int int8_matmul_groups(const float *x, const uint8_t *w, const float *sca
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            split_row_groups(x + (int64_t)m * K, K, q + (int64_t)m * K, gscale + (int64_t)m * G, offset + (int64_t)m * G);
+        for (int m = 0; m < M; m++) {
+            const int64_t tile = m / ROW_TILE, r = m % ROW_TILE;
+            split_row_groups(x + (int64_t)m * K, K, q + tile * ROW_TILE * K + r * GROUP,
+                             gscale + tile * ROW_TILE * G + r, offset + tile * ROW_TILE * G + r);
+        }
 #pragma omp for schedule(static)
         for (int p = 0; p < panels; p++) {
             const uint8_t *panel = w + (int64_t)p * quads * 64;
@@ -144,15 +159,13 @@ static int int8_matmul_groups(const float *x, const uint8_t *w, const float *sca
                 const int32_t *ot = offset + (int64_t)m0 * G;
                 float out[ROW_TILE][PANEL];
 #if defined(VNNI)
-                __m512 acc[ROW_TILE];
 #define SUMS(n)                                                                                          \
-    case n: panel_group_sums(panel, G, qt, gt, ot, K, acc, n); break;
+    case n: panel_group_sums(panel, G, qt, gt, ot, out[0], n); break;
                 switch (nr) {
                     SUMS(8) SUMS(7) SUMS(6) SUMS(5) SUMS(4) SUMS(3) SUMS(2)
-                default: panel_group_sums(panel, G, qt, gt, ot, K, acc, 1); break;
+                default: panel_group_sums(panel, G, qt, gt, ot, out[0], 1); break;
                 }
 #undef SUMS
-                for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], acc[r]);
 #else
                 for (int r = 0; r < nr; r++)
                     for (int lane = 0; lane < PANEL; lane++) {
@@ -160,8 +173,8 @@ static int int8_matmul_groups(const float *x, const uint8_t *w, const float *sca
                         for (int g = 0; g < G; g++) {
                             int32_t sum = 0;
                             for (int k = g * GROUP; k < (g + 1) * GROUP; k++)
-                                sum += panel[64 * (k / 4) + 4 * lane + k % 4] * qt[(int64_t)r * K + k];
-                            a = fmaf((float)(sum - ot[r * G + g]), gt[r * G + g], a);
+                                sum += panel[64 * (k / 4) + 4 * lane + k % 4] * qt[g * ROW_TILE * GROUP + r * GROUP + k % GROUP];
+                            a = fmaf((float)(sum - ot[g * ROW_TILE + r]), gt[g * ROW_TILE + r], a);
                         }
                         out[r][lane] = a;
                     }
