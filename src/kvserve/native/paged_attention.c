@@ -8,8 +8,9 @@
  *     task       (seq, kvh, 0)    (seq, kvh, 1)     (seq, kvh, 2)     -> (max, sum, acc) each
  *     combine    out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M)
  *
- * Inside a task each block is decoded into a small f32 buffer (one block, in L1; f32 and f16 blocks
- * are read in place instead) and consumed at once by every query head of the kv head's group (GQA):
+ * Inside a task each block is read where it is stored and decoded in registers as it is loaded (f32,
+ * f16, bf16, q8_0, q4_0), or decoded into a small f32 buffer first (one block, in L1: the other types,
+ * and keys of partial blocks), and consumed at once by every query head of the kv head's group (GQA):
  * the cache is read once, never expanded into a full-precision temporary. Storage is head-major [kv_heads, num_blocks, block_size, width]
  * per part (codes, scales), as in kv/storage.py. For rotated codecs (tq*) the caller passes the
  * rotation: q is rotated once per call and each output row un-rotated after the combine.
@@ -359,10 +360,10 @@ static void block_accumulate(const float *w, const rows_view *R, int nr, int D, 
 }
 
 /* Whether a block's stored rows can be read where they are (decoded in registers, row_elems) rather
- * than decoded into the task's buffer first: f32 always; f16, bf16, q8_0, q4_0 and tq4 on the AVX-512
- * paths (D a multiple of 64; tq4 measured faster through the buffer, its two nibbles of a byte decoded
- * together). Keys only in whole groups of 16 rows (block_scores reads 16 at a time
- * and must not read past the block). Same bits either way. */
+ * than decoded into the task's buffer first: f32 always; f16, bf16, q8_0 and q4_0 on the AVX-512 paths
+ * (D a multiple of 64). tq4 measured faster through the buffer (a byte's two codes decoded together).
+ * Keys only in whole groups of 16 rows (block_scores reads 16 at a time and must not read past the
+ * block). Same bits either way. */
 static int in_place(int kind, int nr, int D, int keys) {
     if (keys && nr % 16 != 0) return 0;
     if (kind == KV_F32) return 1;
