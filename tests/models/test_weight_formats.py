@@ -95,15 +95,23 @@ def on_one_thread(fn, x: torch.Tensor) -> torch.Tensor:
         torch.set_num_threads(threads)
 
 
-def check_int8_head(head) -> None:
-    """Row tiles of eight plus a tail, each row the same bits alone, one thread = two; beyond the int8
-    weights themselves, only the two activation digits' rounding (~1e-5 of the output)."""
-    x = torch.randn(19, 190, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 30, 190)
+def head_rows_alone_equal_batched(head) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row tiles of eight plus a tail, each row the same bits alone, one thread = two. Returns the
+    inputs (19 rows with an outlier channel) and the head's batched output."""
+    x = torch.randn(19, head.in_features, generator=torch.Generator().manual_seed(3))
+    x *= torch.linspace(0.01, 30, head.in_features)
     x[:, 11] *= 100  # an outlier channel
     batched = head(x)
     for i in range(x.shape[0]):
         assert torch.equal(head(x[i : i + 1])[0], batched[i])
     assert torch.equal(on_one_thread(head, x), batched)
+    return x, batched
+
+
+def check_int8_head(head) -> None:
+    """Rows alone = batched; beyond the int8 weights themselves, only the two activation digits'
+    rounding (~1e-5 of the output)."""
+    x, batched = head_rows_alone_equal_batched(head)
     exact = x.double() @ head.weight.double().T  # exactly the weights the kernel holds
     assert float((batched.double() - exact).norm() / exact.norm()) < 1e-4
 
@@ -130,12 +138,7 @@ def test_the_q4_fast_head_codes_activations_per_group_of_32_as_llama_cpp_does():
     two_digits = make_linear(weight, None, "q4", CPU, torch.float32, head=True)
     assert isinstance(fast, Int8HeadLinear) and fast.kernel is not None and fast.digits == 1
     assert torch.equal(fast.weight, two_digits.weight)  # the same int8 weights, stored offset by 128
-    x = torch.randn(19, 192, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 30, 192)
-    x[:, 11] *= 100  # an outlier channel
-    batched = fast(x)
-    for i in range(x.shape[0]):
-        assert torch.equal(fast(x[i : i + 1])[0], batched[i])
-    assert torch.equal(on_one_thread(fast, x), batched)
+    x, batched = head_rows_alone_equal_batched(fast)
 
     def coded(x, groups):
         g = x.view(x.shape[0], groups, -1)
