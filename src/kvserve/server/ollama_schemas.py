@@ -10,7 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from kvserve.server import strict_schema
+from kvserve.server.strict_schema import Strict
 
 DURATION = re.compile(r"^-?(\d+(\.\d+)?|(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+)$")
 
@@ -30,14 +33,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def neutral_only(value: Any, info: ValidationInfo) -> Any:
-    if value not in NEUTRAL_VALUES[info.field_name]:
-        raise ValueError("not supported by this server; leave it out")
-    return value
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+neutral_only = strict_schema.neutral_only(NEUTRAL_VALUES)
 
 
 class Options(Strict):

@@ -93,10 +93,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     maker = ChunkMaker(response_id, int(time.time()), body.model, "chat.completion.chunk", body.include_usage)
     if body.stream:
         return sse_response(_chat_events(streams, maker, n, logprobs is not None), cleanup=_closer(streams))
-    try:
-        finals = await cancel_on_disconnect(request, _collect(streams))
-    finally:
-        await _closer(streams)()
+    finals = await _collect(request, streams)
     choices = [
         {
             "index": i,
@@ -168,10 +165,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.stream:
         events = _completion_events(streams, maker, echoes, n, body.logprobs)
         return sse_response(events, cleanup=_closer(streams))
-    try:
-        finals = await cancel_on_disconnect(request, _collect(streams))
-    finally:
-        await _closer(streams)()
+    finals = await _collect(request, streams)
     choices = [
         {
             "index": i,
@@ -228,13 +222,22 @@ async def _completion_events(
 
 
 # --- shared -----------------------------------------------------------------------------------------
-async def _collect(streams: list[EngineStream]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async with aclosing(merge(streams)) as outputs:
-        async for i, out in outputs:
-            if out.finished:
-                finals[i] = out
-    return finals  # type: ignore[return-value]
+async def _collect(request: Request, streams: list[EngineStream]) -> list[RequestOutput]:
+    """Each stream's final output, in order; the requests are cancelled if the client goes away, and
+    the streams closed either way."""
+
+    async def finals_in_order() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                if out.finished:
+                    finals[i] = out
+        return finals  # type: ignore[return-value]
+
+    try:
+        return await cancel_on_disconnect(request, finals_in_order())
+    finally:
+        await _closer(streams)()
 
 
 def _closer(streams: list[EngineStream]):
