@@ -114,13 +114,13 @@ class Int8Linear:
 class Int8HeadLinear(Int8Linear):
     """The output head in int8 through ``native/int8_matmul.c``: the rows that need logits as two
     int8 activation digits, exact integer sums on AVX-512 VNNI (64 products an instruction), the
-    weights in 16-row panels streamed once per 8 rows. SmolLM2's 28 MB head: ~1.5 ms a step at one
-    row (bandwidth), ~4x less compute than f32 activations at 16 rows. Each row's logits are the
+    weights in 16-row panels streamed once per 8 rows. SmolLM2's 28 MB head: ~0.7-1.2 ms a step at one
+    row (bandwidth), ~3.6 ms at 16 rows. Each row's logits are the
     same bits alone or batched. Where the kernel cannot be built, ``Int8Linear``'s path.
 
     ``fast`` (the head of ``--weights q4-fast``, inputs a multiple of 32): llama.cpp's activations, one
     int8 code per activation with a scale per group of 32; at 16 rows ~1.4x faster (SmolLM2's 49k x 576
-    head: 4.9 -> 3.3 ms), SmolLM2's KLD 0.0036 -> 0.0046 (measured over 1,024 tokens)."""
+    head: ~2.6 ms), SmolLM2's KLD 0.0036 -> 0.0046 (measured over 1,024 tokens)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fast: bool = False) -> None:
         super().__init__(weight, bias)
@@ -128,9 +128,7 @@ class Int8HeadLinear(Int8Linear):
         self.digits = 1 if fast and weight.shape[1] % INT4_GROUP == 0 else 2
         if self.kernel is not None:
             self.out_features, self.in_features = self.q.shape
-            self.packed, self.row_sums = pack_int8_panels(self.q)
-            if self.digits == 1:  # the weights as VNNI's unsigned operand
-                self.packed = (self.packed.to(torch.int16) + 128).to(torch.uint8)
+            self.packed = pack_int8_panels(self.q)
             self.q = None  # the panels are the only copy
 
     @property
@@ -138,33 +136,31 @@ class Int8HeadLinear(Int8Linear):
         if self.kernel is None:
             return super().weight
         panels, quads = self.packed.shape[:2]
-        packed = self.packed.to(torch.int16) - 128 if self.digits == 1 else self.packed
-        q = packed.view(panels, quads, 16, 4).permute(0, 2, 1, 3).reshape(panels * 16, quads * 4)
+        q = (self.packed.to(torch.int16) - 128).view(panels, quads, 16, 4).permute(0, 2, 1, 3).reshape(panels * 16, quads * 4)
         return q[: self.out_features, : self.in_features].float() * self.row_scale[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
             return super().__call__(x)
-        y = _run_matmul(self.kernel, x, (self.packed, self.row_scale, self.row_sums), self.bias, self.out_features,
-                        (self.digits,))
+        y = _run_matmul(self.kernel, x, (self.packed, self.row_scale), self.bias, self.out_features, (self.digits,))
         return y.to(x.dtype)
 
 
-def pack_int8_panels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows [out, in] -> (panels [ceil(out / 16), in4 / 4, 64], row sums [16 * panels] int32), the
-    layout ``native/int8_matmul.c`` reads: byte 4 * lane + i of vector j = q[16 * panel + lane, 4 * j + i];
+def pack_int8_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 rows [out, in] -> u8 panels [ceil(out / 16), in4 / 4, 64], the layout ``native/int8_matmul.c``
+    reads: byte 4 * lane + i of vector j = q[16 * panel + lane, 4 * j + i] + 128 (VNNI's unsigned operand);
     rows and inputs zero-padded to multiples of 16 and 4."""
     n, k = q.shape
     panels, k4 = -(-n // 16), -(-k // 4) * 4
-    padded = torch.zeros(panels * 16, k4, dtype=torch.int8)
+    padded = torch.zeros(panels * 16, k4, dtype=torch.int16)
     padded[:n, :k] = q
     packed = padded.view(panels, 16, k4 // 4, 4).permute(0, 2, 1, 3).contiguous().view(panels, k4 // 4, 64)
-    return packed, padded.sum(1, dtype=torch.int32)
+    return (packed + 128).to(torch.uint8)
 
 
 def _int8_matmul_kernel():
     p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("int8_matmul", "int8_matmul", (p, p, p, p, p, i, i, i, p, i, i), i)
+    return native.function("int8_matmul", "int8_matmul", (p, p, p, p, i, i, i, p, i, i), i)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:

@@ -4,22 +4,23 @@
  * logits. Each activation row is split into two int8 digits as in int4_matmul.c,
  *     u = x * 127 / max|x|,   d1 = round(u),   d2 = round((u - d1) * 254),
  * and each digit row against the weights is one exact integer sum (AVX-512 VNNI: 64 products an
- * instruction). VNNI multiplies unsigned by signed bytes, so the digits go in offset by 128 and
- * 128 * sum_k w[n, k] (precomputed) comes off again:
- *     y = scale[n] * max|x| / 127 * (S1 + S2 / 254)
+ * instruction). VNNI multiplies unsigned by signed bytes, so the weights are stored offset by 128 (u8)
+ * and 128 * (the row's sum of the digit) comes off again:
+ *     S = sum_k (w + 128) d - 128 * sum_k d,   y = scale[n] * max|x| / 127 * (S1 + S2 / 254)
  * Every float operation of a row is the same whatever the batch or the thread count: a row's logits
  * are the same bits alone or batched.
  *
  * digits = 1 (the head of ``--weights q4-fast``) is llama.cpp's arithmetic instead: per group of 32
- * inputs one int8 code per activation, q = round(x / a) with a = max|x| / 127 over the group, and the
- * weights stored offset by 128 (u8) so the activations are VNNI's signed operand:
+ * inputs one int8 code per activation, q = round(x / a) with a = max|x| / 127 over the group:
  *     y = scale[n] * sum_g a_g * (sum_k (w + 128) q - 128 * sum_k q)     (K a multiple of 32)
  * Half the products of the two digits, plus one float step a group (~1.4x faster at 16 rows); codes
  * per row (one a for the row) were measured too coarse for the head (SmolLM2's KLD 0.0036 -> 0.0123).
  *
  * Packed weights: panels of 16 output rows, each panel K4 / 4 vectors of 64 bytes, byte 4 * lane + i
- * = w[16 * panel + lane, 4 * quad + i] (K4 = K rounded up to 4, zero-padded). models/linear.py's
- * pack_int8_panels writes it.
+ * = w[16 * panel + lane, 4 * quad + i] + 128 (K4 = K rounded up to 4, zero weights in the padding).
+ * models/linear.py's pack_int8_panels writes it. The activations' digits are stored tile by tile
+ * (ROW_TILE rows of a quad, or of a group of 32, side by side), so that the inner loops address a
+ * tile's rows from one pointer and keep their accumulators in registers.
  */
 #include <math.h>
 #include <omp.h>
@@ -35,18 +36,28 @@
 #define ROW_TILE 8
 #define GROUP 32
 
-/* Digits of one row, offset by 128 (u8), zero digits in the padding; returns max|x| / 127. */
-static float split_row(const float *x, int K, int K4, uint8_t *d1, uint8_t *d2) {
+/* Two digits of one row (zero in the padding), quad j at d + j * ROW_TILE * 4; offset[0], offset[1] =
+ * 128 * the sums of d1 and d2. Returns max|x| / 127. */
+static float split_row(const float *x, int K, int K4, int8_t *d1, int8_t *d2, int32_t *offset) {
     float amax = 0.0f;
     for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
     amax = fmaxf(amax, 1e-30f);
     const float inv = 127.0f / amax;
-    for (int k = 0; k < K; k++) {
-        float u = x[k] * inv, r1 = nearbyintf(u);
-        d1[k] = (uint8_t)((int)r1 + 128);
-        d2[k] = (uint8_t)((int)nearbyintf((u - r1) * 254.0f) + 128);
+    int32_t sum1 = 0, sum2 = 0;
+    for (int k = 0; k < K4; k++) {
+        int a = 0, b = 0;
+        if (k < K) {
+            float u = x[k] * inv, r1 = nearbyintf(u);
+            a = (int)r1;
+            b = (int)nearbyintf((u - r1) * 254.0f);
+        }
+        d1[k / 4 * ROW_TILE * 4 + k % 4] = (int8_t)a;
+        d2[k / 4 * ROW_TILE * 4 + k % 4] = (int8_t)b;
+        sum1 += a;
+        sum2 += b;
     }
-    for (int k = K; k < K4; k++) d1[k] = d2[k] = 128;
+    offset[0] = 128 * sum1;
+    offset[1] = 128 * sum2;
     return amax / 127.0f;
 }
 
@@ -105,23 +116,27 @@ static inline __attribute__((always_inline)) void panel_group_sums(const uint8_t
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
 }
 
-static inline __m512i broadcast4(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
-/* Integer sums (offset included) of rows [0, nr) against one panel: one chain per row and digit. */
-static inline __attribute__((always_inline)) void panel_sums(const int8_t *panel, int quads, const uint8_t *d1,
-                                                             const uint8_t *d2, int K4, __m512i *s1, __m512i *s2,
+/* Two digits: integer sums (offset included) of rows [0, nr) of a tile against one panel, to S1, S2
+ * [ROW_TILE][PANEL]: one chain per row and digit. */
+static inline __attribute__((always_inline)) void panel_sums(const uint8_t *panel, int quads, const int8_t *d1,
+                                                             const int8_t *d2, int32_t *S1, int32_t *S2,
                                                              const int nr) {
+    __m512i s1[ROW_TILE], s2[ROW_TILE];
+#pragma GCC unroll 8
     for (int r = 0; r < nr; r++) s1[r] = s2[r] = _mm512_setzero_si512();
     for (int j = 0; j < quads; j++) {
         __m512i wj = _mm512_loadu_si512((const void *)(panel + 64 * j));
+        const int8_t *a1 = d1 + j * ROW_TILE * 4, *a2 = d2 + j * ROW_TILE * 4;
+#pragma GCC unroll 8
         for (int r = 0; r < nr; r++) {
-            s1[r] = _mm512_dpbusd_epi32(s1[r], broadcast4(d1 + (int64_t)r * K4 + 4 * j), wj);
-            s2[r] = _mm512_dpbusd_epi32(s2[r], broadcast4(d2 + (int64_t)r * K4 + 4 * j), wj);
+            s1[r] = dpbusd_broadcast(s1[r], wj, a1 + 4 * r);
+            s2[r] = dpbusd_broadcast(s2[r], wj, a2 + 4 * r);
         }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < nr; r++) {
+        _mm512_storeu_si512((void *)(S1 + r * PANEL), s1[r]);
+        _mm512_storeu_si512((void *)(S2 + r * PANEL), s2[r]);
     }
 }
 #endif
@@ -191,58 +206,54 @@ static int int8_matmul_groups(const float *x, const uint8_t *w, const float *sca
     return 0;
 }
 
-/* x [M, K] f32; w packed [ceil(N / 16), K4 / 4, 64] int8 (digits 1: u8, offset by 128); scale, rowsum
- * [N] (rowsum padded to a multiple of 16, unused for digits 1); bias [N] or NULL; y [M, N]; digits 2
- * or 1. Returns 0, or -1 when the digits could not be allocated. */
-int int8_matmul(const float *x, const int8_t *w, const float *scale, const int32_t *rowsum, const float *bias,
-                int M, int N, int K, float *y, int num_threads, int digits) {
-    if (digits == 1) return int8_matmul_groups(x, (const uint8_t *)w, scale, bias, M, N, K, y, num_threads);
+/* x [M, K] f32; w packed [ceil(N / 16), K4 / 4, 64] u8 (the weights offset by 128); scale [N]; bias
+ * [N] or NULL; y [M, N]; digits 2 or 1. Returns 0, or -1 when the digits could not be allocated. */
+int int8_matmul(const float *x, const uint8_t *w, const float *scale, const float *bias, int M, int N, int K,
+                float *y, int num_threads, int digits) {
+    if (digits == 1) return int8_matmul_groups(x, w, scale, bias, M, N, K, y, num_threads);
     const int K4 = (K + 3) / 4 * 4, quads = K4 / 4, panels = (N + PANEL - 1) / PANEL;
-    uint8_t *d1 = malloc((size_t)M * K4), *d2 = malloc((size_t)M * K4);
+    const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
+    int8_t *d1 = malloc(rows * K4), *d2 = malloc(rows * K4);
     float *row_scale = malloc(sizeof(float) * (size_t)M);
-    if (!d1 || !d2 || !row_scale) {
+    int32_t *offset = malloc(sizeof(int32_t) * 2 * (size_t)M);
+    if (!d1 || !d2 || !row_scale || !offset) {
         free(d1);
         free(d2);
         free(row_scale);
+        free(offset);
         return -1;
     }
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            row_scale[m] = split_row(x + (int64_t)m * K, K, K4, d1 + (int64_t)m * K4, d2 + (int64_t)m * K4);
+        for (int m = 0; m < M; m++) {
+            const int64_t at = (int64_t)(m / ROW_TILE) * ROW_TILE * K4 + m % ROW_TILE * 4;
+            row_scale[m] = split_row(x + (int64_t)m * K, K, K4, d1 + at, d2 + at, offset + 2 * m);
+        }
 #pragma omp for schedule(static)
         for (int p = 0; p < panels; p++) {
-            const int8_t *panel = w + (int64_t)p * quads * 64;
+            const uint8_t *panel = w + (int64_t)p * quads * 64;
             const int n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
             for (int m0 = 0; m0 < M; m0 += ROW_TILE) {
                 const int nr = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
-                const uint8_t *x1 = d1 + (int64_t)m0 * K4, *x2 = d2 + (int64_t)m0 * K4;
+                const int8_t *x1 = d1 + (int64_t)m0 * K4, *x2 = d2 + (int64_t)m0 * K4;
                 int32_t S1[ROW_TILE][PANEL], S2[ROW_TILE][PANEL];
 #if defined(VNNI)
-                __m512i s1[ROW_TILE], s2[ROW_TILE];
+#define SUMS(n)                                                                                          \
+    case n: panel_sums(panel, quads, x1, x2, S1[0], S2[0], n); break;
                 switch (nr) {
-                case 8: panel_sums(panel, quads, x1, x2, K4, s1, s2, 8); break;
-                case 7: panel_sums(panel, quads, x1, x2, K4, s1, s2, 7); break;
-                case 6: panel_sums(panel, quads, x1, x2, K4, s1, s2, 6); break;
-                case 5: panel_sums(panel, quads, x1, x2, K4, s1, s2, 5); break;
-                case 4: panel_sums(panel, quads, x1, x2, K4, s1, s2, 4); break;
-                case 3: panel_sums(panel, quads, x1, x2, K4, s1, s2, 3); break;
-                case 2: panel_sums(panel, quads, x1, x2, K4, s1, s2, 2); break;
-                default: panel_sums(panel, quads, x1, x2, K4, s1, s2, 1); break;
+                    SUMS(8) SUMS(7) SUMS(6) SUMS(5) SUMS(4) SUMS(3) SUMS(2)
+                default: panel_sums(panel, quads, x1, x2, S1[0], S2[0], 1); break;
                 }
-                for (int r = 0; r < nr; r++) {
-                    _mm512_storeu_si512((void *)S1[r], s1[r]);
-                    _mm512_storeu_si512((void *)S2[r], s2[r]);
-                }
+#undef SUMS
 #else
                 for (int r = 0; r < nr; r++)
                     for (int lane = 0; lane < PANEL; lane++) {
                         int32_t a = 0, b = 0;
                         for (int k = 0; k < K4; k++) {
-                            int wk = panel[64 * (k / 4) + 4 * lane + k % 4];
-                            a += wk * x1[(int64_t)r * K4 + k];
-                            b += wk * x2[(int64_t)r * K4 + k];
+                            int wk = panel[64 * (k / 4) + 4 * lane + k % 4], at = k / 4 * ROW_TILE * 4 + 4 * r + k % 4;
+                            a += wk * x1[at];
+                            b += wk * x2[at];
                         }
                         S1[r][lane] = a;
                         S2[r][lane] = b;
@@ -250,9 +261,9 @@ int int8_matmul(const float *x, const int8_t *w, const float *scale, const int32
 #endif
                 for (int r = 0; r < nr; r++) {
                     float *yr = y + (int64_t)(m0 + r) * N + n0;
+                    const int32_t off1 = offset[2 * (m0 + r)], off2 = offset[2 * (m0 + r) + 1];
                     for (int i = 0; i < width; i++) {
-                        int32_t offset = 128 * rowsum[n0 + i];
-                        float t = fmaf((float)(S2[r][i] - offset), 1.0f / 254.0f, (float)(S1[r][i] - offset));
+                        float t = fmaf((float)(S2[r][i] - off2), 1.0f / 254.0f, (float)(S1[r][i] - off1));
                         yr[i] = t * (row_scale[m0 + r] * scale[n0 + i]) + (bias ? bias[n0 + i] : 0.0f);
                     }
                 }
@@ -262,5 +273,6 @@ int int8_matmul(const float *x, const int8_t *w, const float *scale, const int32
     free(d1);
     free(d2);
     free(row_scale);
+    free(offset);
     return 0;
 }
