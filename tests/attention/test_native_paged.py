@@ -98,7 +98,7 @@ def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(cache_t
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache_type", ["q8_0", "f16", "tq4"])  # decoded in registers (two), into a buffer (tq4)
+@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0", "f16", "tq4"])  # decoded in registers, or into a buffer (tq4)
 def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(cache_type):
     cfg = config(heads=9, kv_heads=3)
     lens = [300, 5, 1030, 64]
