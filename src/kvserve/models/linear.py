@@ -115,8 +115,8 @@ class Int8HeadLinear(Int8Linear):
     """The output head in int8 through ``native/int8_matmul.c``: the rows that need logits as two
     int8 activation digits, exact integer sums on AVX-512 VNNI (64 products an instruction), the
     weights in 16-row panels streamed once per 8 rows. SmolLM2's 28 MB head: ~0.7-1.2 ms a step at one
-    row (bandwidth), ~3.6 ms at 16 rows. Each row's logits are the
-    same bits alone or batched. Where the kernel cannot be built, ``Int8Linear``'s path.
+    row (bandwidth), ~3.6 ms at 16 rows. Each row's logits are the same bits alone or batched. Where
+    the kernel cannot be built, ``Int8Linear``'s path.
 
     ``fast`` (the head of ``--weights q4-fast``, inputs a multiple of 32): llama.cpp's activations, one
     int8 code per activation with a scale per group of 32; at 16 rows ~1.4x faster (SmolLM2's 49k x 576
@@ -136,7 +136,8 @@ class Int8HeadLinear(Int8Linear):
         if self.kernel is None:
             return super().weight
         panels, quads = self.packed.shape[:2]
-        q = (self.packed.to(torch.int16) - 128).view(panels, quads, 16, 4).permute(0, 2, 1, 3).reshape(panels * 16, quads * 4)
+        q = self.packed.to(torch.int16) - 128  # stored offset by 128
+        q = q.view(panels, quads, 16, 4).permute(0, 2, 1, 3).reshape(panels * 16, quads * 4)
         return q[: self.out_features, : self.in_features].float() * self.row_scale[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

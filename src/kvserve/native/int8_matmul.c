@@ -26,7 +26,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define VNNI 1
@@ -146,15 +145,11 @@ static int int8_matmul_groups(const float *x, const uint8_t *w, const float *sca
                               int K, float *y, int num_threads) {
     const int G = K / GROUP, quads = K / 4, panels = (N + PANEL - 1) / PANEL;
     const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
-    int8_t *q = malloc(rows * K);
-    float *gscale = malloc(sizeof(float) * rows * G);
-    int32_t *offset = malloc(sizeof(int32_t) * rows * G);
-    if (!q || !gscale || !offset) {
-        free(q);
-        free(gscale);
-        free(offset);
-        return -1;
-    }
+    /* one allocation: codes, then group scales and offsets (4-byte aligned: K is a multiple of 32) */
+    int8_t *q = malloc(rows * K + (sizeof(float) + sizeof(int32_t)) * rows * G);
+    if (!q) return -1;
+    float *gscale = (float *)(q + rows * K);
+    int32_t *offset = (int32_t *)(gscale + rows * G);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -201,8 +196,6 @@ static int int8_matmul_groups(const float *x, const uint8_t *w, const float *sca
         }
     }
     free(q);
-    free(gscale);
-    free(offset);
     return 0;
 }
 
@@ -213,16 +206,12 @@ int int8_matmul(const float *x, const uint8_t *w, const float *scale, const floa
     if (digits == 1) return int8_matmul_groups(x, w, scale, bias, M, N, K, y, num_threads);
     const int K4 = (K + 3) / 4 * 4, quads = K4 / 4, panels = (N + PANEL - 1) / PANEL;
     const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
-    int8_t *d1 = malloc(rows * K4), *d2 = malloc(rows * K4);
-    float *row_scale = malloc(sizeof(float) * (size_t)M);
-    int32_t *offset = malloc(sizeof(int32_t) * 2 * (size_t)M);
-    if (!d1 || !d2 || !row_scale || !offset) {
-        free(d1);
-        free(d2);
-        free(row_scale);
-        free(offset);
-        return -1;
-    }
+    /* one allocation: both digits, then row scales and digit-sum offsets (K4 keeps them 4-byte aligned) */
+    int8_t *d1 = malloc(2 * rows * K4 + (sizeof(float) + 2 * sizeof(int32_t)) * (size_t)M);
+    if (!d1) return -1;
+    int8_t *d2 = d1 + rows * K4;
+    float *row_scale = (float *)(d2 + rows * K4);
+    int32_t *offset = (int32_t *)(row_scale + M);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -271,8 +260,5 @@ int int8_matmul(const float *x, const uint8_t *w, const float *scale, const floa
         }
     }
     free(d1);
-    free(d2);
-    free(row_scale);
-    free(offset);
     return 0;
 }
