@@ -55,10 +55,10 @@ def main() -> None:
     print(f"{'weights':<12} {'KLD vs f32':>11} {'top-1 %':>8}   ({len(ids) - 1} positions)")
     for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
         kld, top1 = compare(expected, model_logprobs(load_model(args.model, weight_format=fmt).model, ids))
-        print(f"{fmt:<12} {kld:>11.5f} {top1:>8.1f}")
+        print(f"{fmt:<12} {kld:>11.6f} {top1:>8.1f}")
     if args.llama_cpp:
         kld, top1 = compare(expected, llama_cpp_logprobs(str(reference.path), ids, args.threads))
-        print(f"{'llama.cpp':<12} {kld:>11.5f} {top1:>8.1f}")
+        print(f"{'llama.cpp':<12} {kld:>11.6f} {top1:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--max-waiting", type=int, default=256, help="waiting requests; more are refused")
     g.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                   help="weight format of the matrix multiplies: q4 (4-bit GGUF tensors kept 4-bit, the rest "
-                        "int8; KLD 0.002 vs f32 on SmolLM2), q4-fast (int8 activations as llama.cpp: "
-                        "faster batches and prefill, KLD 0.004), int8, bf16, f32 (the exact reference); "
+                   help="weight format of the matrix multiplies: q4 (4-bit GGUF tensors kept 4-bit, exact "
+                        "activations: KLD 1e-6 vs f32 on SmolLM2), q4-fast (int8 activations as llama.cpp's: "
+                        "faster batches and prefill, KLD 0.002), int8, bf16, f32 (the exact reference); "
                         "auto = q4 for a GGUF on CPU, else f32")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")

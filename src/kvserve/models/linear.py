@@ -5,26 +5,27 @@
            f32): half the bytes read per decode step.
     int8   int8 weights with one scale per output row; activations split per token into two int8
            digits (x ~ s * (q1 + q2 / 254)), so the product is exact integer arithmetic and the only
-           rounding that matters is the weights'.
+           rounding that matters is the weights'. The output head (every format but f32/bf16) keeps
+           a scale per group of 32 inputs instead: GGUF Q8_0's grid, so SmolLM2's Q8_0 head is held
+           exactly (``Int8HeadLinear``).
     q4     4-bit weights in groups of 32 (an f16 scale and offset each) for every tensor whose groups
            are exactly such a grid already (GGUF Q4_1, whose groups span their codes 0..15: the
            conversion is exact), int8 as above for the rest (SmolLM2's Q8_0 embedding / output
            head; Q4_0 and Q4_K groups that do not span the full grid). The matmul is
            ``native/int4_matmul.c`` (f32 activations as two int8 digits, exact integer group sums),
            torch's int4 CPU kernel (bf16 activations) where it cannot be built.
-    q4-fast  q4 with llama.cpp's activations: one int8 code per activation, a scale per group of 32
-           (half the integer products of q4). Faster where the products bound the time (batches,
-           prefill), at about twice q4's KLD (llama.cpp's own on the same file: 0.0029). Opt-in.
+    q4-fast  q4 with llama.cpp's activations in the 4-bit projections: one int8 code per activation,
+           a scale per group of 32 (half the integer products of q4). Faster where the products bound
+           the time (batches, prefill); the head as q4's. Opt-in.
 
 Measured on SmolLM2 (Q4_1) over 1,024 tokens of text, teacher-forced, against f32 (tests/quality
-pins the bounds):
+pins the bounds; llama.cpp on the same file: KLD 0.0029, top-1 97.2%):
 
     format   KLD       top-1    decode vs f32
-    bf16     0.00066   98.6%    1.5x
-    int8     0.0045    96.5%    ~1.6x
-    q4       0.0016    97.9%    ~4x      (0.0019 / 97.7% through torch's bf16-activation kernel)
-    q4-fast  0.0046    95.9%    ~4x      (matmuls at 16-512 rows ~1.7x faster than q4; 0.0036 / 96.9%
-                                         with q4's two-digit head)
+    bf16     0.00068   98.2%    1.5x
+    int8     0.0026    97.8%    ~1.6x
+    q4       0.000001  100%     ~4x      (through torch's bf16-activation kernel: 0.0019 / 97.7%)
+    q4-fast  0.0019    97.7%    ~4x      (matmuls at 16-512 rows ~1.7x faster than q4)
 
 Each format computes every row of a batch exactly as it would alone (per-row activation scales,
 integer accumulation), so batched, chunked and single-token runs agree bit for bit within a format.
@@ -112,56 +113,68 @@ class Int8Linear:
 
 
 class Int8HeadLinear(Int8Linear):
-    """The output head in int8 through ``native/int8_matmul.c``: the rows that need logits as two
-    int8 activation digits, exact integer sums on AVX-512 VNNI (64 products an instruction), the
-    weights in 16-row panels streamed once per 8 rows. SmolLM2's 28 MB head: ~0.7-1.2 ms a step at one
-    row (bandwidth), ~3.6 ms at 16 rows. Each row's logits are the same bits alone or batched. Where
-    the kernel cannot be built, ``Int8Linear``'s path.
+    """The output head through ``native/int8_matmul.c``: int8 weights with an f16 scale per group of 32
+    inputs (GGUF Q8_0's grid, so SmolLM2's Q8_0 head is held exactly), 16-row panels streamed once per
+    8 activation rows. Each activation is one int16 code (two int8 digits joined); a group's products
+    are an exact integer sum (AVX-512 VNNI). So only the activations round (~1e-5 of the output):
+    SmolLM2's KLD ~1e-6, where one weight scale per row (re-rounding the Q8_0 grid) cost 0.0016.
+    SmolLM2's 28 MB head: ~1 ms a step at one row (bandwidth), ~3 ms at 16. Each row's logits are the
+    same bits alone or batched. Where the kernel cannot be built, ``Int8Linear``'s path (one scale per
+    row)."""
 
-    ``fast`` (the head of ``--weights q4-fast``, inputs a multiple of 32): llama.cpp's activations, one
-    int8 code per activation with a scale per group of 32; at 16 rows ~1.4x faster (SmolLM2's 49k x 576
-    head: ~2.6 ms), SmolLM2's KLD 0.0036 -> 0.0046 (measured over 1,024 tokens)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fast: bool = False) -> None:
-        super().__init__(weight, bias)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.kernel = _int8_matmul_kernel()
-        self.digits = 1 if fast and weight.shape[1] % INT4_GROUP == 0 else 2
-        if self.kernel is not None:
-            self.out_features, self.in_features = self.q.shape
-            self.packed = pack_int8_panels(self.q)
-            self.q = None  # the panels are the only copy
+        if self.kernel is None:
+            super().__init__(weight, bias)
+            return
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.float()
+        self.packed = pack_int8_groups(*int8_groups(weight))
+        self.nbytes = self.packed.numel()
 
     @property
     def weight(self) -> torch.Tensor:
         if self.kernel is None:
             return super().weight
-        panels, quads = self.packed.shape[:2]
-        q = self.packed.to(torch.int16) - 128  # stored offset by 128
-        q = q.view(panels, quads, 16, 4).permute(0, 2, 1, 3).reshape(panels * 16, quads * 4)
-        return q[: self.out_features, : self.in_features].float() * self.row_scale[:, None]
+        panels, groups = self.packed.shape[:2]
+        scales = self.packed[..., :32].contiguous().view(torch.float16)  # [panel, group, lane]
+        q = self.packed[..., 32:].contiguous().view(torch.int8).view(panels, groups, 16, 16, 2)  # pair, lane, 2
+        w = q.permute(0, 3, 1, 2, 4).float() * scales.transpose(1, 2)[..., None, None].float()
+        return w.reshape(panels * 16, groups * INT4_GROUP)[: self.out_features, : self.in_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
             return super().__call__(x)
-        y = _run_matmul(self.kernel, x, (self.packed, self.row_scale), self.bias, self.out_features, (self.digits,))
-        return y.to(x.dtype)
+        return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features).to(x.dtype)
 
 
-def pack_int8_panels(q: torch.Tensor) -> torch.Tensor:
-    """int8 rows [out, in] -> u8 panels [ceil(out / 16), in4 / 4, 64], the layout ``native/int8_matmul.c``
-    reads: byte 4 * lane + i of vector j = q[16 * panel + lane, 4 * j + i] + 128 (VNNI's unsigned operand);
-    rows and inputs zero-padded to multiples of 16 and 4."""
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0's grid: w ~ d * q, q in -127..127, d = max|w| / 127 rounded to f16 per group of 32
+    inputs (inputs zero-padded to a multiple of 32). A Q8_0 tensor comes back exactly. Returns
+    (q int8 [out, in32], d f32 [out, groups])."""
+    n, k = weight.shape
+    padded = F.pad(weight.float(), (0, -k % INT4_GROUP)).view(n, -1, INT4_GROUP)
+    d = (padded.abs().amax(-1) / 127).clamp_max(65504).half().float()
+    q = (padded / d[..., None]).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127).to(torch.int8)
+    return q.view(n, -1), d
+
+
+def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8 codes [out, in32] and group scales [out, groups] -> u8 [ceil(out / 16), groups, 544], the
+    layout ``native/int8_matmul.c`` reads: per panel of 16 outputs and group of 32 inputs, the 16
+    scales (f16), then 16 pairs of 32 bytes, byte 2 * lane + i = input 2 * pair + i of output lane.
+    Outputs padded to a multiple of 16 with zeros."""
     n, k = q.shape
-    panels, k4 = -(-n // 16), -(-k // 4) * 4
-    padded = torch.zeros(panels * 16, k4, dtype=torch.int16)
-    padded[:n, :k] = q
-    packed = padded.view(panels, 16, k4 // 4, 4).permute(0, 2, 1, 3).contiguous().view(panels, k4 // 4, 64)
-    return (packed + 128).to(torch.uint8)
+    panels, groups = -(-n // 16), k // INT4_GROUP
+    q = F.pad(q, (0, 0, 0, panels * 16 - n)).view(panels, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+    scales = F.pad(d, (0, 0, 0, panels * 16 - n)).half().view(panels, 16, groups).transpose(1, 2)
+    codes = q.reshape(panels, groups, 512).view(torch.uint8)
+    return torch.cat([scales.contiguous().view(torch.uint8), codes], -1).contiguous()
 
 
 def _int8_matmul_kernel():
     p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("int8_matmul", "int8_matmul", (p, p, p, p, i, i, i, p, i, i), i)
+    return native.function("int8_matmul", "int8_matmul", (p, p, p, i, i, i, p, i), i)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
@@ -281,5 +294,5 @@ def make_linear(
         if exact:
             return Int4Linear(codes, scale, lo, bias, fast=fmt == "q4-fast")
     if fmt in ("int8", "q4", "q4-fast"):
-        return Int8HeadLinear(weight, bias, fast=fmt == "q4-fast") if head else Int8Linear(weight, bias)
+        return Int8HeadLinear(weight, bias) if head else Int8Linear(weight, bias)
     return DenseLinear(weight, bias, torch.bfloat16 if fmt == "bf16" else dtype)
