@@ -458,3 +458,10 @@ def test_transformers_loads_our_tiny_gguf_the_same(tiny, hf_reference):
         assert max(errs) > 100 * LOGITS_RTOL, errs
     else:
         assert max(errs) < LOGITS_RTOL, errs
+
+
+def test_auto_weights_are_q4_for_a_gguf_on_the_cpu_and_f32_for_a_folder(tiny):
+    """f32's logits within KLD 1e-6 by default (models.linear.CPU_GGUF_FORMAT); an HF folder's weights
+    stay as the folder holds them."""
+    assert load_model(str(tiny[3]), device="cpu", weight_format="auto").model.weight_format == "q4"
+    assert load_model(str(tiny[2]), device="cpu", weight_format="auto").model.weight_format == "f32"

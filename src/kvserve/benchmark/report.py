@@ -7,6 +7,7 @@ import sys
 from kvserve.benchmark.measure import BenchRow
 from kvserve.kv.kv_types import kv_bytes_per_token
 
+
 def roofline(loaded, rows: list[BenchRow], bandwidth: float) -> dict[int, tuple[int, float]]:
     """For each of our rows (by index): bytes read per decoded token and the fraction of the bandwidth
     roofline reached. A step reads every weight once for all streams, plus each stream's KV so far."""
@@ -24,7 +25,7 @@ def roofline(loaded, rows: list[BenchRow], bandwidth: float) -> dict[int, tuple[
 
 
 def is_ours(row: BenchRow) -> bool:
-    """kvserve's rows: "kvserve", or "kvserve <weights>" for a weight format other than q4."""
+    """kvserve's rows: "kvserve", or "kvserve <weights>" for a weight format other than the CPU default."""
     return row.engine.split()[0] == "kvserve"
 
 
