@@ -30,9 +30,24 @@ def test_bench_rows_json_and_plot(tmp_path):
         (t, p, c) for t in ("f16", "q8_0") for p in (16, 32) for c in (1, 2)}
     for row in rows:
         assert row["engine"] == "kvserve" and row["decode_tok_s"] > 0 and row["ttft_ms"] > 0
-        assert row["kv_bytes"] > 0 and row["peak_rss_bytes"] > 0
+        assert row["kv_bytes"] > 0 and row["peak_rss_bytes"] > 0 and row["bandwidth_bytes_s"] > 1e9
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "roofline" in r.stdout
+
+
+def test_many_streams_are_compared_with_the_peers_stream_measured_alike():
+    """Both aggregates count prefill (new tokens / wall time from the first request to the last token);
+    the peer's decode rate alone (no prefill) is shown beside."""
+    from kvserve.benchmark.measure import BenchRow
+    from kvserve.benchmark.report import aggregate_ratio, bandwidth_range
+
+    def row(engine, concurrency, decode, aggregate, bandwidth=0.0):
+        return BenchRow(engine, "f16", 128, concurrency, 100.0, 1000.0, decode, 5.0, 6.0, aggregate, 1, 1,
+                        bandwidth_bytes_s=bandwidth)
+
+    ours, peer = row("kvserve", 16, 20.0, 300.0, 3e10), row("llama.cpp", 1, 100.0, 60.0)
+    assert aggregate_ratio(ours, peer) == "aggregate 5.00x llama.cpp's 1 stream (its decode alone: 3.00x)"
+    assert bandwidth_range([ours, peer, row("kvserve", 1, 1.0, 1.0, 4.5e10)]) == "30.0-45.0 GB/s"
 
 
 def test_bench_rejects_unknown_peers_and_bad_lists():

@@ -29,6 +29,7 @@ class BenchRow:
     gen: int = 0
     repeats: int = 1
     spread: float = 0.0  # (max - min) / median of the decode tok/s over the repeats
+    bandwidth_bytes_s: float = 0.0  # memory read bandwidth measured right after each of our runs (roofline)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +51,8 @@ def median_row(rows: list[BenchRow]) -> BenchRow:
     """Each numeric field's median over repeats of one workload; ``spread`` says how much decode moved."""
     first = rows[0]
     out = BenchRow(**first.as_dict())
-    for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s", "itl_p50_ms", "itl_p99_ms", "aggregate_tok_s"):
+    for name in ("ttft_ms", "prefill_tok_s", "decode_tok_s", "itl_p50_ms", "itl_p99_ms", "aggregate_tok_s",
+                 "bandwidth_bytes_s"):
         setattr(out, name, statistics.median(getattr(r, name) for r in rows))
     out.peak_rss_bytes = max(r.peak_rss_bytes for r in rows)
     out.repeats = len(rows)

@@ -8,9 +8,11 @@ from kvserve.benchmark.measure import BenchRow
 from kvserve.kv.kv_types import kv_bytes_per_token
 
 
-def roofline(loaded, rows: list[BenchRow], bandwidth: float) -> dict[int, tuple[int, float]]:
+def roofline(loaded, rows: list[BenchRow]) -> dict[int, tuple[int, float]]:
     """For each of our rows (by index): bytes read per decoded token and the fraction of the bandwidth
-    roofline reached. A step reads every weight once for all streams, plus each stream's KV so far."""
+    roofline reached, against the bandwidth measured right after the row's runs (this machine's moves
+    by up to 2x within an hour). A step reads every weight once for all streams, plus each stream's
+    KV so far."""
     config = loaded.config
     weight_bytes = step_weight_bytes(loaded.model)
     out = {}
@@ -20,7 +22,8 @@ def roofline(loaded, rows: list[BenchRow], bandwidth: float) -> dict[int, tuple[
         context = r.prompt_len + r.gen // 2
         per_token = weight_bytes / r.concurrency + context * kv_bytes_per_token(config, r.cache_type)
         rate = r.aggregate_tok_s if r.concurrency > 1 else r.decode_tok_s
-        out[i] = (int(per_token), per_token * rate / bandwidth)
+        if r.bandwidth_bytes_s > 0:
+            out[i] = (int(per_token), per_token * rate / r.bandwidth_bytes_s)
     return out
 
 
@@ -36,13 +39,25 @@ def step_weight_bytes(model) -> int:
     return layers + model.lm_head.nbytes
 
 
-def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]], bandwidth: float) -> None:
+def aggregate_ratio(ours: BenchRow, single: BenchRow) -> str:
+    """Our N streams against the peer's one, both measured alike (all new tokens / wall time from the
+    first request to the last token, prefill included), and against the peer's decode alone."""
+    return (f"aggregate {ours.aggregate_tok_s / single.aggregate_tok_s:.2f}x llama.cpp's 1 stream "
+            f"(its decode alone: {ours.aggregate_tok_s / single.decode_tok_s:.2f}x)")
+
+
+def bandwidth_range(rows: list[BenchRow]) -> str:
+    measured = [r.bandwidth_bytes_s / 1e9 for r in rows if r.bandwidth_bytes_s > 0]
+    return f"{min(measured):.1f}-{max(measured):.1f} GB/s" if measured else "not measured"
+
+
+def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table("engine", "KV", "prompt", "conc", "TTFT ms", "prefill tok/s", "decode tok/s", "ITL p50/p99 ms",
                   "aggr tok/s", "spread", "roofline", "vs llama.cpp (prefill, decode)",
-                  title=f"kvserve bench (memory bandwidth {bandwidth / 1e9:.1f} GB/s)")
+                  title=f"kvserve bench (memory bandwidth beside our rows: {bandwidth_range(rows)})")
     peers = {(r.cache_type, r.prompt_len): r for r in rows if r.engine == "llama.cpp"}
     for i, r in enumerate(rows):
         peer = peers.get((r.cache_type, r.prompt_len)) if is_ours(r) and r.concurrency == 1 else None
@@ -50,7 +65,7 @@ def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]], bandwi
                  if peer else "")
         if is_ours(r) and r.concurrency > 1:
             single = peers.get((r.cache_type, r.prompt_len))
-            ratio = f"aggregate {r.aggregate_tok_s / single.decode_tok_s:.2f}x llama.cpp's 1 stream" if single else ""
+            ratio = aggregate_ratio(r, single) if single else ""
         roof_text = f"{roof[i][1] * 100:.0f}% ({roof[i][0] / 2**20:.0f} MiB/tok)" if i in roof else ""
         table.add_row(r.engine, r.cache_type, str(r.prompt_len), str(r.concurrency), f"{r.ttft_ms:.0f}",
                       f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.2f}", f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}",

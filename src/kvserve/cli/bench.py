@@ -69,14 +69,16 @@ def run(args: argparse.Namespace) -> int:
                 results = {r.name: [] for r in active}
                 for _ in range(args.repeats):  # A B A B ...
                     for r in active:
-                        results[r.name].append(r.run(prompts, args.gen, cache_type, shared or None))
+                        row = r.run(prompts, args.gen, cache_type, shared or None)
+                        if r is runners[0]:  # ours: the roofline's bandwidth, measured at the same moment
+                            row.bandwidth_bytes_s = measured_bandwidth()
+                        results[r.name].append(row)
                 for name, rs in results.items():
                     row = median_row(rs)
                     rows.append(row)
                     console.print(f"{name} {cache_type} prompt {plen} x{conc}: TTFT {row.ttft_ms:.0f} ms, "
                                   f"decode {row.decode_tok_s:.1f} tok/s, aggregate {row.aggregate_tok_s:.1f}")
-    bandwidth = measured_bandwidth()
-    print_table(rows, roofline(loaded, rows, bandwidth), bandwidth)
+    print_table(rows, roofline(loaded, rows))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump([r.as_dict() for r in rows], f, indent=2)
