@@ -34,6 +34,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "half.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define VNNI 1
@@ -182,26 +184,6 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 }
 
 #else
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {
-            int e = -1;
-            do { mant <<= 1; e++; } while (!(mant & 0x400));
-            bits = sign | (uint32_t)(127 - 15 - e) << 23 | (mant & 0x3FF) << 13;
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | mant << 13;
-    } else {
-        bits = sign | (exp + 127 - 15) << 23 | mant << 13;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* The same arithmetic one output at a time (machines without AVX-512 VNNI); d1, d2, usum, gscale: the
  * row's, in the tile layout. */
 static void panel_row_scalar(const uint8_t *panel, int G, const int8_t *d1, const int8_t *d2, const float *usum,
