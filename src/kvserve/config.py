@@ -81,11 +81,6 @@ class SchedulerConfig:
 
 
 WEIGHT_CHOICES = ("auto", "q4", "q4-fast", "int8", "bf16", "f32")  # see models.linear
-# "auto" for a GGUF file on the CPU: q4, whose logits are f32's within KLD 1e-6. q4-fast (llama.cpp's
-# arithmetic) is ~1.7x faster where integer products bound the time, but answers as llama.cpp does:
-# SmolLM2 asked "What is the capital of France?" (f32 KV) says Paris with f32 and q4 weights,
-# "L'Étoile, la Marseillaise, ..." with q4-fast and with llama.cpp on the same file.
-CPU_GGUF_WEIGHTS = "q4"
 
 
 @dataclass(frozen=True, slots=True)

@@ -461,7 +461,7 @@ def test_transformers_loads_our_tiny_gguf_the_same(tiny, hf_reference):
 
 
 def test_auto_weights_are_q4_for_a_gguf_on_the_cpu_and_f32_for_a_folder(tiny):
-    """f32's logits within KLD 1e-6 by default (config.CPU_GGUF_WEIGHTS); an HF folder's weights
+    """f32's logits within KLD 1e-6 by default (models.linear.CPU_GGUF_FORMAT); an HF folder's weights
     stay as the folder holds them."""
     assert load_model(str(tiny[3]), device="cpu", weight_format="auto").model.weight_format == "q4"
     assert load_model(str(tiny[2]), device="cpu", weight_format="auto").model.weight_format == "f32"

@@ -5,16 +5,17 @@ from __future__ import annotations
 import time
 
 from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile
-from kvserve.config import CPU_GGUF_WEIGHTS, CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.models.linear import CPU_GGUF_FORMAT
 
 
 class KVServeRunner:
     def __init__(self, loaded) -> None:
         self.loaded = loaded
         weights = loaded.model.weight_format
-        self.name = "kvserve" if weights == CPU_GGUF_WEIGHTS else f"kvserve {weights}"
+        self.name = "kvserve" if weights == CPU_GGUF_FORMAT else f"kvserve {weights}"
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16

@@ -7,7 +7,6 @@ import argparse
 import json
 import re
 
-from kvserve.config import WEIGHT_CHOICES
 from kvserve.models.registry import DEFAULT_MODEL
 
 DEFAULT_CONTEXTS = (4096, 8192, 32768, 131072)
@@ -47,8 +46,6 @@ def add_parser(sub, name: str) -> None:
     p.add_argument(
         "--dtype", default="float32", help="compute dtype the engine dequantizes weights to (float32)"
     )
-    p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                   help="the engine's weight format, for its line (auto: q4 for a GGUF, as on the CPU)")
     p.add_argument(
         "--memory", default=None, help="memory to fit in, e.g. 16GiB or 16GB (default: available now)"
     )
@@ -126,7 +123,6 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         dtype=args.dtype,
-        weights=args.weights,
     )
     plan = make_plan(spec, settings)
     if args.json:

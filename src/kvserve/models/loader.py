@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from kvserve.config import CPU_GGUF_WEIGHTS, ModelConfig
+from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
 from kvserve.models.decoder import DecoderLM
+from kvserve.models.linear import CPU_GGUF_FORMAT
 from kvserve.models.registry import resolve
 from kvserve.tokenizer import Tokenizer
 
@@ -42,7 +43,7 @@ def load_model(
     auto_pull: bool = False,
     weight_format: str = "f32",
 ) -> LoadedModel:
-    """weight_format: one of ``models.linear.WEIGHT_FORMATS``, or "auto": ``config.CPU_GGUF_WEIGHTS`` (q4)
+    """weight_format: one of ``models.linear.WEIGHT_FORMATS``, or "auto": ``CPU_GGUF_FORMAT`` (q4)
     for a GGUF file on the CPU (its 4-bit tensors stay 4-bit), f32 otherwise."""
     start = time.perf_counter()
     path = resolve(model, auto_pull=auto_pull)
@@ -63,7 +64,7 @@ def load_model(
         weights = load_gguf_weights(gf, config, progress)
         weight_types = gf.header.bytes_by_type()
     if weight_format == "auto":
-        weight_format = CPU_GGUF_WEIGHTS if dev.type == "cpu" and not path.is_dir() else "f32"
+        weight_format = CPU_GGUF_FORMAT if dev.type == "cpu" and not path.is_dir() else "f32"
     try:
         lm = DecoderLM(config, weights, dev, dtype, weight_format)
     except KeyError as e:

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from kvserve.kv.auto_type import choose_cache_types
 from kvserve.kv.kv_types import pool_bytes
-from kvserve.plan.engine_weights import engine_weight_bytes
-from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, PlanSettings, activations, available_memory
+from kvserve.plan.planner import DTYPE_BYTES, RUNTIME_OVERHEAD_BYTES, PlanSettings, activations, available_memory
 from kvserve.plan.source import resolve_model
 
 SAFETY = 0.9
@@ -30,12 +29,11 @@ class AutoCache:
     message: str
 
 
-def memory_budget(model: str, num_ctx: int, max_num_seqs: int, max_num_batched_tokens: int, dtype: str,
-                  weight_format: str = "auto") -> tuple[int, str]:
+def memory_budget(model: str, num_ctx: int, max_num_seqs: int, max_num_batched_tokens: int, dtype: str) -> tuple[int, str]:
     """Bytes left for the KV pool on this machine, and how that was worked out."""
     spec = resolve_model(model)
     available, source = available_memory()
-    weights = engine_weight_bytes(spec.tensors, spec.num_params, weight_format, dtype)
+    weights = spec.num_params * DTYPE_BYTES[dtype]
     settings = PlanSettings(contexts=(num_ctx,), kv_types=(("f16", "f16"),), memory=max(available, 1),
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype)
     act = activations(spec.config, num_ctx, "f16", "f16", settings).total
@@ -49,13 +47,13 @@ def memory_budget(model: str, num_ctx: int, max_num_seqs: int, max_num_batched_t
 
 def resolve_auto(
     model: str, num_ctx: int, max_num_seqs: int, block_size: int, max_num_batched_tokens: int, dtype: str,
-    cache_type_k: str, cache_type_v: str, kv_cache_memory: int | str | None, weight_format: str = "auto",
+    cache_type_k: str, cache_type_v: str, kv_cache_memory: int | str | None,
 ) -> AutoCache:
     config = resolve_model(model).config
     notes = []
     budget = kv_cache_memory if isinstance(kv_cache_memory, int) else None
     if budget is None and (kv_cache_memory == "auto" or "auto" in (cache_type_k, cache_type_v)):
-        budget, how = memory_budget(model, num_ctx, max_num_seqs, max_num_batched_tokens, dtype, weight_format)
+        budget, how = memory_budget(model, num_ctx, max_num_seqs, max_num_batched_tokens, dtype)
         notes.append(f"KV budget {budget / 2**20:.0f} MiB ({how})")
     if "auto" in (cache_type_k, cache_type_v):
         cache_type_k, cache_type_v, reason = choose_cache_types(config, num_ctx, max_num_seqs, block_size, budget)

@@ -4,8 +4,8 @@ and the largest context that fits a memory budget. Plain integers; no torch.
 Two totals, because the engine is moving:
 
     total (plan)    weights as stored + KV with sliding-window layers holding min(ctx, window) tokens
-    today's engine  weights as the engine holds them in the --weights format (plan.engine_weights) +
-                    the file's pages mapped while loading + the paged pool as the engine allocates it
+    today's engine  weights dequantized to --dtype at load + the file's pages mapped while loading +
+                    the paged pool as the engine allocates it
                     today: ceil(ctx / block_size) blocks per sequence, every layer keeping every token
 
 Both add the same activations and runtime overhead.
@@ -19,12 +19,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.config import WEIGHT_CHOICES, ModelConfig
+from kvserve.config import ModelConfig
 from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type, pool_bytes
-from kvserve.plan.engine_weights import DTYPE_BYTES, engine_weight_bytes
 from kvserve.plan.source import ModelSpec
 
 MiB, GiB = 1 << 20, 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUERY_TILE = 1024  # queries per attention tile, as in kvserve.attention.ops.QUERY_TILE
 # Resident memory of the Python process before any weight or cache: VmRSS after
 # `python -c "import torch, kvserve"` measured 218.6 MiB (torch 2.13 CPU build, Python 3.11);
@@ -42,7 +42,6 @@ class PlanSettings:
     max_num_batched_tokens: int = 512
     block_size: int = 16
     dtype: str = "float32"  # the engine's compute dtype: weights are dequantized to it at load
-    weights: str = "auto"  # the engine's weight format (--weights; auto as the loader picks on the CPU)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "memory"):
@@ -52,8 +51,6 @@ class PlanSettings:
             raise ValueError(f"context lengths must be >= 1, got {list(self.contexts)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
-        if self.weights not in WEIGHT_CHOICES:
-            raise ValueError(f"unknown weight format {self.weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
         for k, v in self.kv_types:
             kv_type(k), kv_type(v)
 
@@ -123,7 +120,7 @@ class KVTypePlan:
 class Plan:
     model: ModelSpec
     settings: PlanSettings
-    engine_weight_bytes: int  # weights as the engine holds them in settings.weights (plan.engine_weights)
+    engine_weight_bytes: int  # weights as today's engine holds them: dequantized to settings.dtype
     runtime_overhead: int
     kv: tuple[KVTypePlan, ...]
     skipped: tuple[tuple[str, str], ...]  # (KV type, why it cannot store this model's head-vectors)
@@ -215,7 +212,7 @@ def largest_fit(total: Callable[[int], int], limit: int, memory: int) -> int:
 
 def make_plan(spec: ModelSpec, s: PlanSettings) -> Plan:
     c = spec.config
-    engine_weights = engine_weight_bytes(spec.tensors, spec.num_params, s.weights, s.dtype)
+    engine_weights = spec.num_params * DTYPE_BYTES[s.dtype]
     plans, skipped = [], []
     for k, v in s.kv_types:
         try:

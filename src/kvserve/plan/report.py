@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.models.gguf_config import SUPPORTED_ARCHITECTURES
-from kvserve.plan.engine_weights import DTYPE_BYTES, resolve_weights
 from kvserve.plan.planner import Plan
 
 UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
@@ -46,17 +45,6 @@ def _num_sliding(plan: Plan) -> int:
     return sum(1 for i in range(c.num_layers) if c.is_sliding(i)) if c.sliding_window else 0
 
 
-def engine_format(plan: Plan) -> str:
-    return resolve_weights(plan.settings.weights, plan.model.tensors)
-
-
-def weights_held(plan: Plan) -> str:
-    m, s = plan.model, plan.settings
-    if plan.engine_weight_bytes == m.num_params * DTYPE_BYTES[s.dtype]:
-        return f"{m.num_params:,} parameters at {s.dtype}"
-    return f"4-bit Q4_1 projections, the rest int8, the output head int8 groups, the embedding at {s.dtype}"
-
-
 def notes(plan: Plan) -> list[str]:
     c, s, m = plan.model.config, plan.settings, plan.model
     out = []
@@ -67,8 +55,9 @@ def notes(plan: Plan) -> list[str]:
         )
     if m.stored_bytes != plan.engine_weight_bytes:
         out.append(
-            f"weights: {fmt_bytes(m.stored_bytes)} as stored; the engine holds "
-            f"{fmt_bytes(plan.engine_weight_bytes)} as {engine_format(plan)} ({weights_held(plan)})"
+            f"weights: {fmt_bytes(m.stored_bytes)} as stored; today's engine dequantizes every weight to "
+            f"{s.dtype} at load, {fmt_bytes(plan.engine_weight_bytes)} ({m.num_params:,} parameters; an upper "
+            f"bound: --weights q4 or int8 keep the projections in 4 or 8 bits)"
         )
     n = _num_sliding(plan)
     if n:
@@ -128,7 +117,6 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "stored_by_type": dict(m.stored_by_type),
             "engine_bytes": plan.engine_weight_bytes,
             "engine_dtype": s.dtype,
-            "engine_weights": engine_format(plan),
         },
         "runtime_overhead_bytes": plan.runtime_overhead,
         "kv_types": [
@@ -225,7 +213,7 @@ def render(plan: Plan, console) -> None:
     row(
         "today's engine",
         [p.engine_total for p in first.contexts],
-        f"weights {engine_format(plan)} {fmt_bytes(plan.engine_weight_bytes)}"
+        f"weights {s.dtype} {fmt_bytes(plan.engine_weight_bytes)}"
         + (" + the GGUF mapped while loading" if plan.model.mapped_bytes else "")
         + f", pool of {s.block_size}-token blocks",
     )

@@ -39,7 +39,6 @@ class ModelSpec:
     stored_bytes: int  # weights as stored (file types), the size a quantization-aware runtime holds
     stored_by_type: dict[str, int] = field(default_factory=dict)
     mapped_bytes: int = 0  # file bytes the loader memory-maps (GGUF), resident while it loads
-    tensors: tuple[tuple[str, str, tuple[int, ...]], ...] = ()  # GGUF: (name, ggml type, dims), for engine_weights
 
 
 def resolve_model(model: str) -> ModelSpec:
@@ -75,7 +74,6 @@ def _from_gguf(source, shown: str) -> ModelSpec:
         header.num_weight_bytes,
         header.bytes_by_type(),
         mapped_bytes=header.num_weight_bytes,
-        tensors=tuple((t.name, t.type_name, tuple(t.dims)) for t in header.tensors.values()),
     )
 
 
