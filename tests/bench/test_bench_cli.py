@@ -14,7 +14,8 @@ KEYS = {"engine", "cache_type", "prompt_len", "concurrency", "ttft_ms", "prefill
 
 
 def kvserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=600,
+                          check=False)
 
 
 @pytest.mark.slow
@@ -48,6 +49,22 @@ def test_many_streams_are_compared_with_the_peers_stream_measured_alike():
     ours, peer = row("kvserve", 16, 20.0, 300.0, 3e10), row("llama.cpp", 1, 100.0, 60.0)
     assert aggregate_ratio(ours, peer) == "aggregate 5.00x llama.cpp's 1 stream (its decode alone: 3.00x)"
     assert bandwidth_range([ours, peer, row("kvserve", 1, 1.0, 1.0, 4.5e10)]) == "30.0-45.0 GB/s"
+
+
+def test_peak_rss_is_the_rows_own():
+    """After a reset the peak starts at the current resident memory: a freed 256 MiB buffer raises the
+    peak once, and no longer after the next reset."""
+    import torch
+
+    from kvserve.benchmark.measure import peak_rss_bytes, reset_peak_rss
+
+    reset_peak_rss()
+    before = peak_rss_bytes()
+    buffer = torch.ones(256 << 18)  # 256 MiB, touched
+    raised = peak_rss_bytes()
+    del buffer
+    reset_peak_rss()
+    assert raised - before >= 250 << 20 and peak_rss_bytes() < raised - (200 << 20)
 
 
 def test_bench_rejects_unknown_peers_and_bad_lists():

@@ -35,8 +35,26 @@ class BenchRow:
         return asdict(self)
 
 
+def reset_peak_rss() -> None:
+    """Start a row's peak at the current resident memory (Linux: "5" to /proc/self/clear_refs resets
+    VmHWM), so a row does not carry an earlier row's peak, nor the bandwidth probe's 512 MiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports KiB)."""
+    """Peak resident memory since reset_peak_rss (VmHWM); where that cannot be read, the process's
+    peak so far (getrusage; Linux reports KiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -44,7 +62,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def median_row(rows: list[BenchRow]) -> BenchRow:

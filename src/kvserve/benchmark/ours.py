@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile
+from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile, reset_peak_rss
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sampling_params import SamplingParams
@@ -19,6 +19,7 @@ class KVServeRunner:
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16
+        reset_peak_rss()
         engine = LLMEngine(
             EngineConfig(model=str(self.loaded.path),
                          cache=CacheConfig(num_ctx=num_ctx, cache_type_k=cache_type),

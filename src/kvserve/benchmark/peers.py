@@ -7,8 +7,9 @@ KV types f16 / q8_0 / q4_0 map onto its ggml types.
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 
-from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile
+from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile, reset_peak_rss
 
 GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type ids, as llama.cpp's type_k / type_v take them
 
@@ -46,6 +47,7 @@ class LlamaCppRunner:
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix=None) -> BenchRow:
         prompt = prompts[0]
+        reset_peak_rss()
         llm = self._model(max(512, len(prompt) + gen + 16), cache_type)
         llm.reset()
         start = time.perf_counter()
@@ -57,7 +59,7 @@ class LlamaCppRunner:
             token = llm.sample(temp=0.0)
             times.append(time.perf_counter())
         ttft = times[0] - start
-        itls = [b - a for a, b in zip(times, times[1:])]
+        itls = [b - a for a, b in pairwise(times)]
         decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
         return BenchRow(self.name, cache_type, len(prompt), 1, ttft * 1e3, len(prompt) / ttft, decode,
                         percentile(itls, 0.5) * 1e3, percentile(itls, 0.99) * 1e3, gen / (times[-1] - start),

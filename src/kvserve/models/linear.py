@@ -10,8 +10,8 @@
            exactly (``Int8HeadLinear``).
     q4     4-bit weights in groups of 32 (an f16 scale and offset each) for every tensor whose groups
            are exactly such a grid already (GGUF Q4_1, whose groups span their codes 0..15: the
-           conversion is exact), int8 as above for the rest (SmolLM2's Q8_0 embedding / output
-           head; Q4_0 and Q4_K groups that do not span the full grid). The matmul is
+           conversion is exact), int8 as above for the rest (Q4_0 and Q4_K groups that do not span
+           the full grid), the output head as int8 groups (SmolLM2's Q8_0, held exactly). The matmul is
            ``native/int4_matmul.c`` (f32 activations as two int8 digits, exact integer group sums),
            torch's int4 CPU kernel (bf16 activations) where it cannot be built.
     q4-fast  q4 with llama.cpp's activations in the 4-bit projections: one int8 code per activation,
@@ -124,7 +124,7 @@ class Int8HeadLinear(Int8Linear):
     8 activation rows. Each activation is one int16 code (two int8 digits joined); a group's products
     are an exact integer sum (AVX-512 VNNI). So only the activations round (~1e-5 of the output):
     SmolLM2's KLD ~1e-6, where one weight scale per row (re-rounding the Q8_0 grid) cost 0.0016.
-    SmolLM2's 28 MB head: ~1 ms a step at one row (bandwidth), ~3 ms at 16. Each row's logits are the
+    SmolLM2's 30 MB head: ~1 ms a step at one row (bandwidth), ~3 ms at 16. Each row's logits are the
     same bits alone or batched. Where the kernel cannot be built, ``Int8Linear``'s path (one scale per
     row)."""
 

@@ -8,7 +8,8 @@
  * exact integer sum of s16 x s16 products (AVX-512 VNNI vpdpwssd, 32 products an instruction, the int8
  * weights widened as they load), and per group, per output:
  *     acc = fma(d[n, g], S_g, acc),   y = acc * max|x| / 32258 (+ bias)
- * So the head's only rounding is the activations' (~1e-5 of the output): SmolLM2's KLD against f32
+ * So beyond the activations' codes (~1e-5 of the output) only the float steps round (a group sum's
+ * conversion, the f32 accumulation): SmolLM2's KLD against f32
  * weights is ~1e-6 (with one weight scale per row, which re-rounded the Q8_0 grid: 0.0016).
  * Every float operation of a row is the same whatever the batch or the thread count: a row's logits
  * are the same bits alone or batched.
