@@ -88,3 +88,16 @@ def rehome(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for copy, t in zip(copies, tensors):
         copy.copy_(t)
     return copies
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). Loading frees each weight's
+    f32 copy as soon as it is packed, but glibc keeps freed blocks below its mmap threshold, which grows
+    with every big free: loading SmolLM2 with q4 weights left RSS 941 MiB, 456 MiB after this call
+    (the model itself holds ~200 MiB). A no-op where there is no malloc_trim."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)

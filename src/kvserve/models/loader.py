@@ -11,6 +11,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
+from kvserve.host_memory import release_freed_memory
 from kvserve.models.decoder import DecoderLM
 from kvserve.models.linear import CPU_GGUF_FORMAT
 from kvserve.models.registry import resolve
@@ -69,4 +70,6 @@ def load_model(
         lm = DecoderLM(config, weights, dev, dtype, weight_format)
     except KeyError as e:
         raise ModelLoadError(f"{path}: tensor {e} is missing from the model file") from None
+    del weights
+    release_freed_memory()  # the weights' dequantized copies
     return LoadedModel(path, config, lm, tokenizer, time.perf_counter() - start, weight_types)
