@@ -55,9 +55,10 @@ def notes(plan: Plan) -> list[str]:
         )
     if m.stored_bytes != plan.engine_weight_bytes:
         out.append(
-            f"weights: {fmt_bytes(m.stored_bytes)} as stored; today's engine dequantizes every weight to "
-            f"{s.dtype} at load, {fmt_bytes(plan.engine_weight_bytes)} ({m.num_params:,} parameters; an upper "
-            f"bound: --weights q4 or int8 keep the projections in 4 or 8 bits)"
+            f"weights: {fmt_bytes(m.stored_bytes)} as stored; the engine line counts every weight at "
+            f"{s.dtype}, {fmt_bytes(plan.engine_weight_bytes)} ({m.num_params:,} parameters; an upper bound: "
+            f"the load dequantizes one tensor at a time, and --weights q4 or int8 keep the projections in 4 or "
+            f"8 bits)"
         )
     n = _num_sliding(plan)
     if n:
