@@ -41,13 +41,17 @@ def test_each_row_computed_as_alone(fmt):
 
 def test_q4_takes_four_bit_tensors_exactly_and_falls_back_to_int8():
     w4 = four_bit_weight(128, 256)
-    codes, scale, lo, exact = int4_groups(w4)
-    assert exact
+    codes, scale, lo = int4_groups(w4)
     recovered = (lo[..., None] + scale[..., None] * codes.view(128, -1, INT4_GROUP).float()).view(128, 256)
     assert torch.allclose(recovered, w4, rtol=0, atol=1e-6)
     assert isinstance(make_linear(w4, None, "q4", CPU, torch.float32), Int4Linear)
     dense = torch.randn(128, 256)
-    assert not int4_groups(dense)[3]
+    assert int4_groups(dense) is None
+    tall = four_bit_weight(4200, 64, seed=3)  # two blocks of rows: the codes of both, the check of the second
+    codes, scale, lo = int4_groups(tall)
+    assert torch.equal((lo[..., None] + scale[..., None] * codes.view(4200, -1, INT4_GROUP).float()).view(4200, 64), tall)
+    tall[4150, 5] += 1e-3
+    assert int4_groups(tall) is None
     assert isinstance(make_linear(dense, None, "q4", CPU, torch.float32), Int8Linear)
     assert isinstance(make_linear(dense, None, "f32", CPU, torch.float32), DenseLinear)
 
@@ -130,9 +134,9 @@ def test_a_q8_0_head_is_held_exactly(fmt):
     head holds such a tensor exactly (one scale per row re-rounded it, which was all of q4's KLD 0.0016
     on SmolLM2)."""
     gen = torch.Generator().manual_seed(5)
-    codes = torch.randint(-127, 128, (100, 192), generator=gen).float()
+    codes = torch.randint(-127, 128, (4200, 192), generator=gen).float()  # two blocks of rows as they convert
     codes[:, ::32] = 127  # each group's largest code is 127, as Q8_0's quantizer writes it
-    scales = (torch.rand(100, 6, generator=gen) * 0.02 + 1e-4).half().float()
+    scales = (torch.rand(4200, 6, generator=gen) * 0.02 + 1e-4).half().float()
     weight = codes * scales.repeat_interleave(32, 1)
     head = make_linear(weight, None, fmt, CPU, torch.float32, head=True)
     assert torch.equal(head.weight, weight)

@@ -31,10 +31,15 @@ def test_big_buffers_start_on_a_huge_page_and_small_ones_stay_plain():
     assert empty_bytes(4096, CPU).numel() == 4096
 
 
-def test_rehome_copies_exactly():
+def test_rehome_moves_each_owners_tensor_into_one_arena_exactly():
+    from types import SimpleNamespace
+
     originals = [torch.randn(300, 7), torch.randint(-128, 127, (1 << 21,), dtype=torch.int8)]
-    copies = rehome(originals)
+    owners = [SimpleNamespace(packed=t) for t in originals]
+    rehome(owners, "packed")
+    copies = [o.packed for o in owners]
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(originals, copies))
+    assert copies[0].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr()
     if sys.platform.startswith("linux"):  # together over 2 MiB: the arena starts on a huge page
         assert copies[0].data_ptr() % HUGE_PAGE == 0
 

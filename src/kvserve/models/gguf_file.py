@@ -52,14 +52,16 @@ class GGUFFile:
         start = self.header.data_offset + t.offset
         raw = self._data[start : start + t.num_bytes]
         shape = tuple(reversed(t.dims))  # torch order: the contiguous dimension last
-        if t.type_name == "F32":
-            array = raw.view(np.float32).reshape(shape)
-        elif t.type_name == "F16":
-            array = raw.view(np.float16).reshape(shape)
-        else:  # block-quantized (and BF16): rows of packed bytes for gguf.quants
-            array = dequantize(raw.reshape(-1, t.num_bytes // (t.num_elements // t.dims[0])),
-                               GGMLQuantizationType[t.type_name])
-        return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
+        if t.type_name in ("F32", "F16"):  # a copy out of the mapped file
+            array = np.array(raw.view(np.float32 if t.type_name == "F32" else np.float16), dtype=np.float32)
+            return torch.from_numpy(array.reshape(shape))
+        # block-quantized (and BF16): rows of packed bytes for gguf.quants, a few thousand at a time (it
+        # makes several temporaries the size of its input: SmolLM2's embedding at once cost ~340 MiB)
+        rows = raw.reshape(-1, t.num_bytes // (t.num_elements // t.dims[0]))
+        out = np.empty((rows.shape[0], t.dims[0]), dtype=np.float32)
+        for r in range(0, rows.shape[0], 4096):
+            out[r : r + 4096] = dequantize(rows[r : r + 4096], GGMLQuantizationType[t.type_name])
+        return torch.from_numpy(out.reshape(shape))
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -78,8 +80,8 @@ class GGUFWeights:
     """The file's tensors by name (``rope_freqs.weight`` as ``rope_freqs``), each dequantized to f32,
     with the architecture's fix-ups, only when the model takes it: ``pop`` (the model packs it and drops
     the f32 copy before the next) or ``get``. So a load holds what the model keeps plus one f32 tensor,
-    not every tensor at f32 at once (SmolLM2 with q4 weights: the load peaks 1,040 -> 559 MiB above the
-    bare process; an 8B model's f32 copies alone would be 32 GB)."""
+    not every tensor at f32 at once (SmolLM2 with q4 weights: the load peaks ~480 MiB above the bare
+    process, 1,040 before; an 8B model's f32 copies alone would be 32 GB)."""
 
     def __init__(self, gf: GGUFFile, config: ModelConfig, on_tensor: Callable[[int, int], None] | None = None):
         self.gf, self.config, self.on_tensor = gf, config, on_tensor

@@ -159,10 +159,14 @@ def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inputs (inputs zero-padded to a multiple of 32). A Q8_0 tensor comes back exactly. Returns
     (q int8 [out, in32], d f32 [out, groups])."""
     n, k = weight.shape
-    padded = F.pad(weight.float(), (0, -k % INT4_GROUP)).view(n, -1, INT4_GROUP)
-    d = (padded.abs().amax(-1) / 127).clamp_max(65504).half().float()
-    q = (padded / d[..., None]).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127).to(torch.int8)
-    return q.view(n, -1), d
+    groups = -(-k // INT4_GROUP)
+    q, d = torch.empty(n, groups * INT4_GROUP, dtype=torch.int8), torch.empty(n, groups)
+    for r in range(0, n, 4096):  # by rows: f32 temporaries of a few MiB, not of the whole head (~250 MiB)
+        padded = F.pad(weight[r : r + 4096].float(), (0, -k % INT4_GROUP)).view(-1, groups, INT4_GROUP)
+        dr = d[r : r + 4096] = (padded.abs().amax(-1) / 127).clamp_max(65504).half().float()
+        codes = (padded / dr[..., None]).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
+        q[r : r + 4096] = codes.view(-1, groups * INT4_GROUP).to(torch.int8)
+    return q, d
 
 
 def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -183,19 +187,26 @@ def _int8_matmul_kernel():
     return native.function("int8_matmul", "int8_matmul", (p, p, p, i, i, i, p, i), i)
 
 
-def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Asymmetric 4-bit codes per group of 32 along the input: w ~ lo + scale * q, q in 0..15, with
-    scale and lo rounded to f16 (as GGUF's Q4_1 stores them). Returns (codes int32 [out, in], scale,
-    lo [out, groups], exact), exact when every weight is recovered (the tensor was 4-bit in its file)."""
+    scale and lo rounded to f16 (as GGUF's Q4_1 stores them). Returns (codes uint8 [out, in], scale,
+    lo [out, groups]) when every weight is recovered (the tensor was 4-bit in its file), else None.
+    By blocks of rows, stopping at the first that is not exact: f32 temporaries of a few MiB, not
+    several of the whole tensor (SmolLM2's Q8_0 head cost ~340 MiB at load)."""
     n, k = weight.shape
-    g = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-7).half().float()
-    lo = lo.half().float()
-    q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15)
-    err = (q * scale[..., None] + lo[..., None] - g).abs().amax(-1)
-    exact = bool((err <= 1e-3 * scale).all()) and bool(torch.isfinite(lo).all() and torch.isfinite(scale).all())
-    return q.to(torch.int32).view(n, k), scale, lo, exact
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scale, lo = torch.empty(n, k // INT4_GROUP), torch.empty(n, k // INT4_GROUP)
+    for r in range(0, n, 4096):
+        g = weight[r : r + 4096].float().view(-1, k // INT4_GROUP, INT4_GROUP)
+        low, high = g.amin(-1), g.amax(-1)
+        s = ((high - low) / 15).clamp_min(1e-7).half().float()
+        low = low.half().float()
+        q = ((g - low[..., None]) / s[..., None]).round_().clamp_(0, 15)
+        err = (q * s[..., None] + low[..., None] - g).abs().amax(-1)
+        if not (bool((err <= 1e-3 * s).all()) and bool(torch.isfinite(low).all() and torch.isfinite(s).all())):
+            return None
+        codes[r : r + 4096], scale[r : r + 4096], lo[r : r + 4096] = q.view(-1, k).to(torch.uint8), s, low
+    return codes, scale, lo
 
 
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -240,7 +251,7 @@ class Int4Linear:
             self.packed = pack_int4(codes, scale, lo)
             self.nbytes = self.packed.numel()
             return
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         zero = lo + 8 * scale
         self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.nbytes = self.packed.numel() + self.scales_zeros.numel() * 2
@@ -278,8 +289,7 @@ def pack_into_arena(linears: list) -> None:
     pages on a Linux CPU), so a decode step streams them with a TLB entry per 2 MiB, not per 4 KiB."""
     owners = [lin for lin in linears
               if getattr(lin, "kernel", None) is not None and isinstance(getattr(lin, "packed", None), torch.Tensor)]
-    for lin, copy in zip(owners, rehome([lin.packed for lin in owners])):
-        lin.packed = copy
+    rehome(owners, "packed")
 
 
 def make_linear(
@@ -296,9 +306,9 @@ def make_linear(
             f"--weights {fmt} uses torch's CPU integer kernels; use f32 or bf16 on {device.type}"
         )
     if fmt in ("q4", "q4-fast") and weight.shape[1] % INT4_GROUP == 0:
-        codes, scale, lo, exact = int4_groups(weight)
-        if exact:
-            return Int4Linear(codes, scale, lo, bias, fast=fmt == "q4-fast")
+        groups = int4_groups(weight)
+        if groups is not None:
+            return Int4Linear(*groups, bias, fast=fmt == "q4-fast")
     if fmt in ("int8", "q4", "q4-fast"):
         return Int8HeadLinear(weight, bias) if head else Int8Linear(weight, bias)
     return DenseLinear(weight, bias, torch.bfloat16 if fmt == "bf16" else dtype)
