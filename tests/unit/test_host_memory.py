@@ -69,7 +69,8 @@ def resident_mib():
 big = torch.ones(4 << 20)  # 16 MiB: freed, it lifts glibc's mmap threshold (up to 32 MiB)
 del big
 before = resident_mib()
-blocks = [torch.ones(1 << 18) for _ in range(300)]  # 300 x 1 MiB, now from the heap
+blocks = [(torch.ones(1 << 18), torch.ones(4)) for _ in range(300)]  # 300 x 1 MiB from the heap, each
+pins = [small for _, small in blocks]  # followed by a small live block, so the heap's top cannot shrink
 del blocks
 kept = resident_mib() - before
 release_freed_memory()
@@ -79,8 +80,8 @@ print(kept, resident_mib() - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc are Linux's")
 def test_freed_heap_memory_goes_back_to_the_os():
-    """In a fresh process (the heap's state decides where small blocks come from): after a big free the
-    1 MiB tensors come from the heap, and their 300 MiB stay resident once freed until
+    """In a fresh process: after a big free the 1 MiB tensors come from the heap, and with live blocks
+    between them (as a load leaves the model's own tensors) their 300 MiB stay resident once freed, until
     release_freed_memory (as the dequantized weights did after a load)."""
     import subprocess
 
