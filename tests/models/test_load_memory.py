@@ -25,10 +25,10 @@ print((peak_rss_bytes() - before) >> 20, (rss() - before) >> 20)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_loading_smollm2_q4_peaks_well_below_every_tensor_at_f32():
-    """Measured: the peak 476 MiB above the bare process (every tensor dequantized at once, converted
-    whole and copied into the arena together: 1,040 MiB), resident after the load 238 MiB (720 MiB
-    before the freed heap went back)."""
+    """Measured: the peak ~370 MiB above the bare process (every tensor dequantized at once, converted
+    whole and copied into the arena together: 1,040 MiB), resident after the load ~130 MiB (720 MiB
+    before the freed heap went back, 238 MiB with the embedding's f32 table beside the head)."""
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     peak, after = map(int, r.stdout.split())
-    assert peak < 700 and after < 400
+    assert peak < 550 and after < 200

@@ -141,6 +141,22 @@ def test_a_q8_0_head_is_held_exactly(fmt):
     head = make_linear(weight, None, fmt, CPU, torch.float32, head=True)
     assert torch.equal(head.weight, weight)
     check_int8_head(head)
+    ids = torch.tensor([0, 15, 16, 4095, 4096, 4199, 7, 7])  # panel and row-block edges, a repeat
+    assert head.holds(weight) and torch.equal(head.rows(ids), weight[ids])  # a tied embedding's lookup
+    assert not head.holds(weight + 1e-3) and not make_linear(torch.randn(40, 64), None, fmt, CPU, torch.float32,
+                                                             head=True).holds(torch.randn(40, 64))
+
+
+def test_a_tied_q8_0_embedding_is_read_from_the_head(smollm2, smollm2_q4):
+    """SmolLM2's tied Q8_0 embedding: the q4 model keeps no f32 table (113 MB), and its rows are the f32
+    model's bit for bit, alone and into a buffer (the native decode step's path)."""
+    model = smollm2_q4.model
+    assert model.embed is None
+    ids = torch.tensor([0, 1, 15, 16, 17, 12345, 12345, smollm2.config.vocab_size - 1])
+    expected = smollm2.model.embed[ids]
+    assert torch.equal(model.embed_tokens(ids), expected)
+    out = torch.full((len(ids), smollm2.config.hidden_size), float("nan"))
+    assert torch.equal(model.embed_tokens(ids, out=out), expected) and torch.equal(out, expected)
 
 
 def exact_product(x: torch.Tensor, lin: Int4Linear, w: torch.Tensor) -> torch.Tensor:

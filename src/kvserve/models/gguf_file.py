@@ -80,7 +80,7 @@ class GGUFWeights:
     """The file's tensors by name (``rope_freqs.weight`` as ``rope_freqs``), each dequantized to f32,
     with the architecture's fix-ups, only when the model takes it: ``pop`` (the model packs it and drops
     the f32 copy before the next) or ``get``. So a load holds what the model keeps plus one f32 tensor,
-    not every tensor at f32 at once (SmolLM2 with q4 weights: the load peaks ~480 MiB above the bare
+    not every tensor at f32 at once (SmolLM2 with q4 weights: the load peaks ~370 MiB above the bare
     process, 1,040 before; an 8B model's f32 copies alone would be 32 GB)."""
 
     def __init__(self, gf: GGUFFile, config: ModelConfig, on_tensor: Callable[[int, int], None] | None = None):

@@ -153,6 +153,26 @@ class Int8HeadLinear(Int8Linear):
             return super().__call__(x)
         return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features).to(x.dtype)
 
+    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Weight rows ``ids`` as f32 [len(ids), in] (into out when given, f32 and contiguous): each code
+        times its group's scale, a tied model's embedding lookup (only where the kernel holds them)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], self.in_features) if out is None else out
+        _int8_rows_kernel()(self.packed.data_ptr(), ids.data_ptr(), ids.shape[0], self.in_features, out.data_ptr())
+        return out
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether ``rows`` gives ``weight`` back exactly (a Q8_0 tensor does), by blocks of rows."""
+        if self.kernel is None or tuple(weight.shape) != (self.out_features, self.in_features):
+            return False
+        return all(torch.equal(self.rows(torch.arange(r, min(r + 4096, weight.shape[0]))), weight[r : r + 4096].float())
+                   for r in range(0, weight.shape[0], 4096))
+
+
+def _int8_rows_kernel():
+    p, i = ctypes.c_void_p, ctypes.c_int
+    return native.function("int8_matmul", "int8_rows", (p, p, i, i, p))
+
 
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q8_0's grid: w ~ d * q, q in -127..127, d = max|w| / 127 rounded to f16 per group of 32

@@ -160,7 +160,7 @@ class NativeDecodeStep:
         if n > self.capacity or threads != self.threads:
             self._plan(max(n, 2 * self.capacity if n > self.capacity else self.capacity), threads)
         model = self.model
-        torch.index_select(model.embed, 0, input_ids, out=self.buffers["x"][:n])
+        model.embed_tokens(input_ids, out=self.buffers["x"][:n])
         cos, sin = model.rope.tables(positions, int(positions.max()))
         tables, lens, rows = (t.contiguous() for t in (block_tables, context_lens, slot_rows))
         failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, tables.data_ptr(), tables.stride(0),

@@ -151,3 +151,21 @@ int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
     free(c);
     return 0;
 }
+
+/* Rows ids[0..n) of packed weights with K inputs as f32 out [n][K]: each code times its group's scale
+ * (a product exact in f32), a tied model's embedding lookup from its head. */
+void int8_rows(const uint8_t *w, const int64_t *ids, int n, int K, float *out) {
+    const int G = (K + GROUP - 1) / GROUP;
+    for (int r = 0; r < n; r++) {
+        const uint8_t *panel = w + ids[r] / PANEL * G * BLOCK_BYTES;
+        const int lane = (int)(ids[r] % PANEL);
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = panel + (int64_t)g * BLOCK_BYTES;
+            uint16_t h;
+            memcpy(&h, blk + 2 * lane, 2);
+            const float d = half_to_float(h);
+            for (int i = 0; i < GROUP && g * GROUP + i < K; i++)
+                out[(int64_t)r * K + g * GROUP + i] = (float)(int8_t)blk[32 + 32 * (i / 2) + 2 * lane + i % 2] * d;
+        }
+    }
+}
