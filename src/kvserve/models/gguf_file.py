@@ -91,9 +91,6 @@ class GGUFWeights:
     def __contains__(self, name: str) -> bool:
         return name in self.names
 
-    def __len__(self) -> int:
-        return len(self.names)
-
     def pop(self, name: str) -> torch.Tensor:
         w = self._load(name)
         del self.names[name]
@@ -113,10 +110,3 @@ class GGUFWeights:
             elif name.endswith("attn_k.weight"):
                 w = unpermute_rope_rows(w, self.config.num_kv_heads)
         return w
-
-
-def load_gguf_weights(
-    gf: GGUFFile, config: ModelConfig, on_tensor: Callable[[int, int], None] | None = None
-) -> GGUFWeights:
-    """All tensors, dequantized as the model takes them, with architecture-specific fix-ups applied."""
-    return GGUFWeights(gf, config, on_tensor)

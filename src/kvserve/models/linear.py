@@ -55,6 +55,7 @@ WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4", "q4-fast")  # config.WEIGHT_CHOIC
 # "L'Étoile, la Marseillaise, ..." with q4-fast and with llama.cpp on the same file.
 CPU_GGUF_FORMAT = "q4"
 INT4_GROUP = 32
+ROW_BLOCK = 4096  # rows converted at a time: f32 temporaries of a few MiB, not of a whole tensor
 
 
 class Linear(Protocol):
@@ -140,13 +141,7 @@ class Int8HeadLinear(Int8Linear):
 
     @property
     def weight(self) -> torch.Tensor:
-        if self.kernel is None:
-            return super().weight
-        panels, groups = self.packed.shape[:2]
-        scales = self.packed[..., :32].contiguous().view(torch.float16)  # [panel, group, lane]
-        q = self.packed[..., 32:].contiguous().view(torch.int8).view(panels, groups, 16, 16, 2)  # pair, lane, 2
-        w = q.permute(0, 3, 1, 2, 4).float() * scales.transpose(1, 2)[..., None, None].float()
-        return w.reshape(panels * 16, groups * INT4_GROUP)[: self.out_features, : self.in_features]
+        return super().weight if self.kernel is None else self.rows(torch.arange(self.out_features))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
@@ -165,8 +160,9 @@ class Int8HeadLinear(Int8Linear):
         """Whether ``rows`` gives ``weight`` back exactly (a Q8_0 tensor does), by blocks of rows."""
         if self.kernel is None or tuple(weight.shape) != (self.out_features, self.in_features):
             return False
-        return all(torch.equal(self.rows(torch.arange(r, min(r + 4096, weight.shape[0]))), weight[r : r + 4096].float())
-                   for r in range(0, weight.shape[0], 4096))
+        n = weight.shape[0]
+        return all(torch.equal(self.rows(torch.arange(r, min(r + ROW_BLOCK, n))), weight[r : r + ROW_BLOCK].float())
+                   for r in range(0, n, ROW_BLOCK))
 
 
 def _int8_rows_kernel():
@@ -181,11 +177,11 @@ def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     groups = -(-k // INT4_GROUP)
     q, d = torch.empty(n, groups * INT4_GROUP, dtype=torch.int8), torch.empty(n, groups)
-    for r in range(0, n, 4096):  # by rows: f32 temporaries of a few MiB, not of the whole head (~250 MiB)
-        padded = F.pad(weight[r : r + 4096].float(), (0, -k % INT4_GROUP)).view(-1, groups, INT4_GROUP)
-        dr = d[r : r + 4096] = (padded.abs().amax(-1) / 127).clamp_max(65504).half().float()
+    for r in range(0, n, ROW_BLOCK):  # the whole head at once made ~250 MiB of temporaries
+        padded = F.pad(weight[r : r + ROW_BLOCK].float(), (0, -k % INT4_GROUP)).view(-1, groups, INT4_GROUP)
+        dr = d[r : r + ROW_BLOCK] = (padded.abs().amax(-1) / 127).clamp_max(65504).half().float()
         codes = (padded / dr[..., None]).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
-        q[r : r + 4096] = codes.view(-1, groups * INT4_GROUP).to(torch.int8)
+        q[r : r + ROW_BLOCK] = codes.view(-1, groups * INT4_GROUP).to(torch.int8)
     return q, d
 
 
@@ -216,8 +212,8 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     n, k = weight.shape
     codes = torch.empty(n, k, dtype=torch.uint8)
     scale, lo = torch.empty(n, k // INT4_GROUP), torch.empty(n, k // INT4_GROUP)
-    for r in range(0, n, 4096):
-        g = weight[r : r + 4096].float().view(-1, k // INT4_GROUP, INT4_GROUP)
+    for r in range(0, n, ROW_BLOCK):
+        g = weight[r : r + ROW_BLOCK].float().view(-1, k // INT4_GROUP, INT4_GROUP)
         low, high = g.amin(-1), g.amax(-1)
         s = ((high - low) / 15).clamp_min(1e-7).half().float()
         low = low.half().float()
@@ -225,7 +221,7 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
         err = (q * s[..., None] + low[..., None] - g).abs().amax(-1)
         if not (bool((err <= 1e-3 * s).all()) and bool(torch.isfinite(low).all() and torch.isfinite(s).all())):
             return None
-        codes[r : r + 4096], scale[r : r + 4096], lo[r : r + 4096] = q.view(-1, k).to(torch.uint8), s, low
+        codes[r : r + ROW_BLOCK], scale[r : r + ROW_BLOCK], lo[r : r + ROW_BLOCK] = q.view(-1, k).to(torch.uint8), s, low
     return codes, scale, lo
 
 

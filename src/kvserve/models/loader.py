@@ -57,12 +57,12 @@ def load_model(
         tokenizer = Tokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
         weight_types = {"safetensors": sum(f.stat().st_size for f in path.glob("*.safetensors"))}
     else:
-        from kvserve.models.gguf_file import GGUFFile, load_gguf_weights, read_model_config
+        from kvserve.models.gguf_file import GGUFFile, GGUFWeights, read_model_config
 
         gf = GGUFFile(path)
         config = read_model_config(gf)
         tokenizer = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") else None
-        weights = load_gguf_weights(gf, config, progress)
+        weights = GGUFWeights(gf, config, progress)
         weight_types = gf.header.bytes_by_type()
     if weight_format == "auto":
         weight_format = CPU_GGUF_FORMAT if dev.type == "cpu" and not path.is_dir() else "f32"

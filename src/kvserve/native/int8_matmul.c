@@ -9,8 +9,8 @@
  * weights widened as they load), and per group, per output:
  *     acc = fma(d[n, g], S_g, acc),   y = acc * max|x| / 32258 (+ bias)
  * So beyond the activations' codes (~1e-5 of the output) only the float steps round (a group sum's
- * conversion, the f32 accumulation): SmolLM2's KLD against f32
- * weights is ~1e-6 (with one weight scale per row, which re-rounded the Q8_0 grid: 0.0016).
+ * conversion, the f32 accumulation): SmolLM2's KLD against f32 weights is ~1e-6 (with one weight
+ * scale per row, which re-rounded the Q8_0 grid: 0.0016).
  * Every float operation of a row is the same whatever the batch or the thread count: a row's logits
  * are the same bits alone or batched.
  *
@@ -40,6 +40,11 @@
 #define GROUP 32
 #define BLOCK_BYTES 544 /* a panel's group: 32 bytes of scales, 512 of codes (16 outputs x 32 inputs) */
 #define RADIX 32258.0f  /* 127 * 254 */
+
+/* The code of input g * 32 + i of output lane in a panel's group block (see the top). */
+static inline int8_t code_at(const uint8_t *blk, int lane, int i) {
+    return (int8_t)blk[32 + 32 * (i / 2) + 2 * lane + i % 2];
+}
 
 /* The int16 codes of one row (zero in the padding up to Kp), pair j at c + 2 * j * ROW_TILE. Returns
  * max|x| / 32258. */
@@ -102,7 +107,7 @@ static void panel_row_scalar(const uint8_t *panel, int G, const int16_t *c, int 
             memcpy(&h, blk + 2 * lane, 2);
             int32_t s = 0;
             for (int i = 0; i < GROUP; i++)
-                s += (int8_t)blk[32 + 32 * (i / 2) + 2 * lane + i % 2] * c[((g * GROUP + i) / 2 * ROW_TILE + r) * 2 + i % 2];
+                s += code_at(blk, lane, i) * c[((g * GROUP + i) / 2 * ROW_TILE + r) * 2 + i % 2];
             acc = fmaf(half_to_float(h), (float)s, acc);
         }
         out[lane] = acc;
@@ -165,7 +170,7 @@ void int8_rows(const uint8_t *w, const int64_t *ids, int n, int K, float *out) {
             memcpy(&h, blk + 2 * lane, 2);
             const float d = half_to_float(h);
             for (int i = 0; i < GROUP && g * GROUP + i < K; i++)
-                out[(int64_t)r * K + g * GROUP + i] = (float)(int8_t)blk[32 + 32 * (i / 2) + 2 * lane + i % 2] * d;
+                out[(int64_t)r * K + g * GROUP + i] = (float)code_at(blk, lane, i) * d;
         }
     }
 }
