@@ -2,14 +2,16 @@
 
 No build step for the user: the first call compiles the source with the machine's C compiler
 (``$CC``, else ``cc``/``gcc``) for this exact CPU (``-march=native``) into a cache directory, later
-calls load the cached library. The library links OpenMP's ``libgomp.so.1``, the runtime torch
+calls load the cached library. ``KVSERVE_ISA`` builds for one instruction-set path instead (simd.h):
+``avx512vnni``, ``avx2``, ``neon`` or ``portable``, compiled for that path's baseline so that every
+path can be built, tested and measured on a machine that runs it; ``isa()`` names the path in use. The library links OpenMP's ``libgomp.so.1``, the runtime torch
 itself loaded, so the kernels share torch's threads instead of fighting them for the cores.
 
 Without a compiler (or with ``KVSERVE_NATIVE=0``) ``load`` returns None and callers keep their
 torch path; the reason is logged once. ``function`` hands out one function of a library with its
 ctypes signature set.
 
-    cache key = sha256(source, the directory's headers, flags, compiler version, CPU flags)
+    cache key = sha256(source, the directory's headers, flags, compiler version, CPU flags, ISA)
                 -> <cache>/<name>-<key>.so
 """
 
@@ -30,8 +32,26 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent
 # Not -ffast-math: for shared objects gcc then links crtfastmath.o, which flushes denormals to zero
 # for the whole process. These flags allow only what the loops need to vectorize (reordered sums).
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast"]
+# The integer kernels give the same bits on every path: their float steps are explicit fused
+# multiply-adds, and no other multiply and add may be fused on one path and not on another.
+SOURCE_FLAGS = {"int4_matmul": ["-ffp-contract=off"], "int8_matmul": ["-ffp-contract=off"]}
+
+# The instruction-set paths of simd.h: the flags that build each, and the CPU features (of
+# /proc/cpuinfo's flags or, on ARM, Features) that run it.
+ISA_FLAGS = {
+    "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"],
+    "avx2": ["-march=x86-64-v3", "-mtune=generic"],
+    "neon": ["-march=armv8.2-a+dotprod"],
+    "portable": ["-DKVSERVE_PORTABLE"],
+}
+ISA_NEEDS = {
+    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "neon": {"asimd", "asimddp"},
+    "portable": set(),
+}
 
 
 def cache_dir() -> Path:
@@ -50,17 +70,45 @@ def compiler() -> str | None:
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
 
 
-def _build(cc: str, source: Path, target: Path) -> None:
+def runnable_isas() -> list[str]:
+    """The paths of ISA_FLAGS this CPU runs, fastest first; portable always."""
+    have = set(_cpu_flags().partition(":")[2].split())
+    return [name for name, needs in ISA_NEEDS.items() if needs <= have]
+
+
+def requested_isa() -> str | None:
+    """KVSERVE_ISA, checked: None (build for this CPU) when unset or ``native``."""
+    name = os.environ.get("KVSERVE_ISA", "").strip().lower()
+    if name in ("", "native", "auto"):
+        return None
+    if name not in ISA_FLAGS:
+        raise ValueError(f"KVSERVE_ISA={name!r}: use one of native, {', '.join(ISA_FLAGS)}")
+    return name
+
+
+def isa() -> str:
+    """The path the kernels are built for: KVSERVE_ISA's, else the fastest this CPU runs."""
+    return requested_isa() or runnable_isas()[0]
+
+
+def build_flags(name: str) -> list[str]:
+    """Every compiler flag of ``<name>.c`` under the current KVSERVE_ISA."""
+    chosen = requested_isa()
+    target = ISA_FLAGS[chosen] if chosen else ["-march=native"]
+    return [*FLAGS, *target, *SOURCE_FLAGS.get(name, [])]
+
+
+def _build(cc: str, flags: list[str], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *flags, str(source), "-o", tmp], check=True, capture_output=True, text=True,
                        timeout=300)
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
@@ -77,16 +125,22 @@ def load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: native %s kernel off, using the torch path", name)
         return None
+    chosen = requested_isa()
+    if chosen and chosen not in runnable_isas():
+        log.warning("KVSERVE_ISA=%s: this CPU cannot run that path (it runs %s): native %s kernel off, "
+                    "using the torch path", chosen, ", ".join(runnable_isas()), name)
+        return None
     source = SOURCE_DIR / f"{name}.c"
+    flags = build_flags(name)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
         headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # shared code a source includes
         key = hashlib.sha256(
-            "\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_flags()]).encode()
+            "\0".join([source.read_text(), *headers, " ".join(flags), version, _cpu_flags()]).encode()
         ).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         if not target.exists():
-            _build(cc, source, target)
+            _build(cc, flags, source, target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)

@@ -5,8 +5,8 @@
  * For the output head (the largest single tensor of a small model), applied to the rows that need
  * logits. Each activation is one int16 code, c = round(x * 32258 / max|x|) over its row (32258 =
  * 127 * 254: the two int8 digits d1 + d2 / 254 of int4_matmul.c, joined). A group's dot product is one
- * exact integer sum of s16 x s16 products (AVX-512 VNNI vpdpwssd, 32 products an instruction, the int8
- * weights widened as they load), and per group, per output:
+ * exact integer sum of s16 x s16 products (simd.h: AVX-512 VNNI's vpdpwssd, 32 products an instruction,
+ * AVX2's vpmaddwd, NEON's smull; the int8 weights widened as they load), and per group, per output:
  *     acc = fma(d[n, g], S_g, acc),   y = acc * max|x| / 32258 (+ bias)
  * So beyond the activations' codes (~1e-5 of the output) only the float steps round (a group sum's
  * conversion, the f32 accumulation): SmolLM2's KLD against f32 weights is ~1e-6 (with one weight
@@ -29,17 +29,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "half.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define VNNI 1
-#endif
+#include "simd.h"
 
 #define PANEL 16
+#if VL == 8 /* 16 vector registers: three per row (two integer chains, the sum) */
+#define ROW_TILE 4
+#else
 #define ROW_TILE 8
+#endif
 #define GROUP 32
 #define BLOCK_BYTES 544 /* a panel's group: 32 bytes of scales, 512 of codes (16 outputs x 32 inputs) */
 #define RADIX 32258.0f  /* 127 * 254 */
+
+SIMD_EXPORT_ISA
 
 /* The code of input g * 32 + i of output lane in a panel's group block (see the top). */
 static inline int8_t code_at(const uint8_t *blk, int lane, int i) {
@@ -57,63 +59,39 @@ static float code_row(const float *x, int K, int Kp, int16_t *c) {
     return amax / RADIX;
 }
 
-#if defined(VNNI)
-/* acc + the s16 x s16 products of w with the two int16 at p in every lane, broadcast by the load itself
- * ({1to16}) rather than by a separate instruction. */
-static inline __m512i dpwssd_broadcast(__m512i acc, __m512i w, const int16_t *p) {
-    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
-    return acc;
-}
-
-/* Rows [0, nr) of a tile against one panel, sum_g d_g * S_g to out[r][0..16). Two integer chains a row
+/* Rows [0, nr) of a tile against one panel, sum_g d_g * S_g to out[r][0..16), VL outputs at a time
+ * (lanes [h VL, h VL + VL) of a pair: its bytes [2 VL h, 2 VL (h + 1))). Two integer chains a row
  * (even and odd pairs: the split of an integer sum is exact) so that one row is not bound by the
  * instruction's latency. */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int G, const int16_t *c,
                                                              float *out, const int nr) {
-    __m512 acc[ROW_TILE];
+    for (int h = 0; h < PANEL / VL; h++) {
+        vf acc[ROW_TILE];
 #pragma GCC unroll 8
-    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t *blk = panel + (int64_t)g * BLOCK_BYTES;
-        const int16_t *cg = c + (int64_t)g * GROUP * ROW_TILE;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        __m512i sa[ROW_TILE], sb[ROW_TILE];
-#pragma GCC unroll 8
-        for (int r = 0; r < nr; r++) sa[r] = sb[r] = _mm512_setzero_si512();
-        for (int j = 0; j < GROUP / 2; j += 2) {
-            const __m512i wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * j)));
-            const __m512i wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * j)));
-#pragma GCC unroll 8
-            for (int r = 0; r < nr; r++) {
-                sa[r] = dpwssd_broadcast(sa[r], wa, cg + 2 * (j * ROW_TILE + r));
-                sb[r] = dpwssd_broadcast(sb[r], wb, cg + 2 * ((j + 1) * ROW_TILE + r));
-            }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < nr; r++) acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(sa[r], sb[r])), acc[r]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
-}
-
-#else
-/* The same arithmetic one output at a time (machines without AVX-512 VNNI): row r of a tile. */
-static void panel_row_scalar(const uint8_t *panel, int G, const int16_t *c, int r, float *out) {
-    for (int lane = 0; lane < PANEL; lane++) {
-        float acc = 0.0f;
+        for (int r = 0; r < nr; r++) acc[r] = vf_zero();
         for (int g = 0; g < G; g++) {
             const uint8_t *blk = panel + (int64_t)g * BLOCK_BYTES;
-            uint16_t h;
-            memcpy(&h, blk + 2 * lane, 2);
-            int32_t s = 0;
-            for (int i = 0; i < GROUP; i++)
-                s += code_at(blk, lane, i) * c[((g * GROUP + i) / 2 * ROW_TILE + r) * 2 + i % 2];
-            acc = fmaf(half_to_float(h), (float)s, acc);
+            const int16_t *cg = c + (int64_t)g * GROUP * ROW_TILE;
+            const vf d = vf_from_half(blk + 2 * VL * h);
+            vi sa[ROW_TILE], sb[ROW_TILE];
+#pragma GCC unroll 8
+            for (int r = 0; r < nr; r++) sa[r] = sb[r] = vi_zero();
+            for (int j = 0; j < GROUP / 2; j += 2) {
+                const vw wa = vw_widen((const int8_t *)blk + 32 + 32 * j + 2 * VL * h);
+                const vw wb = vw_widen((const int8_t *)blk + 64 + 32 * j + 2 * VL * h);
+#pragma GCC unroll 8
+                for (int r = 0; r < nr; r++) {
+                    sa[r] = vi_dot_s16(sa[r], wa, cg + 2 * (j * ROW_TILE + r));
+                    sb[r] = vi_dot_s16(sb[r], wb, cg + 2 * ((j + 1) * ROW_TILE + r));
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < nr; r++) acc[r] = vf_fma(d, vf_from_vi(vi_add(sa[r], sb[r])), acc[r]);
         }
-        out[lane] = acc;
+#pragma GCC unroll 8
+        for (int r = 0; r < nr; r++) vf_store(out + r * PANEL + h * VL, acc[r]);
     }
 }
-#endif
 
 /* x [M, K] f32; w packed [ceil(N / 16), ceil(K / 32), 544] (see the top); bias [N] or NULL; y [M, N].
  * Returns 0, or -1 when the codes could not be allocated. */
@@ -138,18 +116,17 @@ int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
                 const int nr = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
                 const int16_t *ct = c + (int64_t)m0 * Kp;
                 float out[ROW_TILE][PANEL];
-#if defined(VNNI)
 #define TILE(n) case n: panel_tile(panel, G, ct, out[0], n); break;
                 switch (nr) {
-                    TILE(8) TILE(7) TILE(6) TILE(5) TILE(4) TILE(3) TILE(2) TILE(1)
+#if ROW_TILE == 8
+                    TILE(8) TILE(7) TILE(6) TILE(5)
+#endif
+                    TILE(4) TILE(3) TILE(2) TILE(1)
                 }
 #undef TILE
-#else
-                for (int r = 0; r < nr; r++) panel_row_scalar(panel, G, ct, r, out[r]);
-#endif
                 for (int r = 0; r < nr; r++)
                     for (int i = 0; i < width; i++)
-                        y[(int64_t)(m0 + r) * N + n0 + i] = out[r][i] * row_scale[m0 + r] + (bias ? bias[n0 + i] : 0.0f);
+                        y[(int64_t)(m0 + r) * N + n0 + i] = fmaf(out[r][i], row_scale[m0 + r], bias ? bias[n0 + i] : 0.0f);
             }
         }
     }

@@ -1,0 +1,319 @@
+/* Vector primitives, one implementation per instruction set; the integer kernels are written once
+ * against them (ggml-cpu's model), so adding an instruction set means filling in this file.
+ *
+ *   path         chosen when the build targets           VL   integer group dot
+ *   avx512vnni   AVX-512 F/BW/VL + VNNI                  16   vpdpbusd / vpdpwssd
+ *   avx2         AVX2 + FMA + F16C (x86-64-v3)            8   vpmaddubsw + vpmaddwd
+ *   neon         aarch64 (sdot with +dotprod)             4   sdot, else smull + pairwise adds
+ *   portable     anything else, or -DKVSERVE_PORTABLE     8   C loops
+ *
+ * native/__init__.py compiles for the CPU (-march=native), or for one path's baseline when
+ * KVSERVE_ISA names it. Every path computes the same integer sums, and the kernels order their float
+ * steps the same way in every lane (explicit fused multiply-adds, no reductions of inexact values),
+ * so an integer kernel gives the same bits on every path (tests compare them).
+ *
+ * Types: vf = VL floats, vi = VL int32, vb = VL lanes of 4 bytes, vw = VL lanes of 2 int16.
+ */
+#ifndef KVSERVE_SIMD_H
+#define KVSERVE_SIMD_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "half.h"
+
+#if defined(KVSERVE_PORTABLE)
+#define SIMD_PORTABLE 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define SIMD_AVX512VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SIMD_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define SIMD_NEON 1
+#else
+#define SIMD_PORTABLE 1
+#endif
+
+/* ------------------------------------------------------------------------------------------------ */
+#if defined(SIMD_AVX512VNNI)
+#include <immintrin.h>
+#define SIMD_ISA "avx512vnni"
+#define VL 16
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __m512i vb;
+typedef __m512i vw;
+
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_abs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vf_reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
+static inline float vf_reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void vf_store_i8(int8_t *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
+static inline vf vf_from_half(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline vb vb_low_nibbles(vb v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+static inline vb vb_high_nibbles(vb v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+static inline vw vw_widen(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* acc + per lane the 4 products of its u8 codes with the 4 int8 at p, broadcast by the load itself
+ * ({1to16}): compilers emit a separate vpbroadcastd, ~5% of the int4 kernel's time (measured). */
+static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+/* acc + per lane the 2 products of its int16 pair with the two int16 at p (broadcast as above). */
+static inline vi vi_dot_s16(vi acc, vw w, const int16_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+/* Per lane the sum of 32 products of its 4-bit codes c[j] (4 a lane each, values 0..15) with the int8
+ * a[4 j .. 4 j + 3]: two dependency chains (the split of an integer sum is exact). */
+static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
+    vi s0 = vi_zero(), s1 = vi_zero();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = vi_dot_u8s8(s0, c[j], a + 4 * j);
+        s1 = vi_dot_u8s8(s1, c[j + 1], a + 4 * j + 4);
+    }
+    return vi_add(s0, s1);
+}
+#define simd_prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+
+/* ------------------------------------------------------------------------------------------------ */
+#elif defined(SIMD_AVX2)
+#include <immintrin.h>
+#define SIMD_ISA "avx2"
+#define VL 8
+typedef __m256 vf;
+typedef __m256i vi;
+typedef __m256i vb;
+typedef __m256i vw;
+
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline __m128 simd_half_sum(vf a) { return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); }
+static inline float vf_reduce_max(vf a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline float vf_reduce_add(vf a) {
+    __m128 s = simd_half_sum(a);
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vf_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void vf_store_i8(int8_t *p, vf v) {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i s16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(s16, s16));
+}
+static inline vf vf_from_half(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vb vb_low_nibbles(vb v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+static inline vb vb_high_nibbles(vb v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+static inline vw vw_widen(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256i simd_broadcast4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+/* vpmaddubsw's int16 pair sums saturate: exact while w <= 127 and |p| <= 127 (at most 32258). */
+static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) {
+    const __m256i pairs = _mm256_maddubs_epi16(w, simd_broadcast4(p));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+static inline vi vi_dot_s16(vi acc, vw w, const int16_t *p) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, simd_broadcast4(p)));
+}
+/* The 8 vpmaddubsw results summed as int16 before the one widening vpmaddwd: with codes <= 15 and
+ * |a| <= 127 a lane's 16 pair sums total at most 30480 < 32767, so nothing saturates or wraps. */
+static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
+    __m256i s0 = _mm256_maddubs_epi16(c[0], simd_broadcast4(a)), s1 = _mm256_maddubs_epi16(c[1], simd_broadcast4(a + 4));
+    for (int j = 2; j < 8; j += 2) {
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(c[j], simd_broadcast4(a + 4 * j)));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(c[j + 1], simd_broadcast4(a + 4 * j + 4)));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+}
+#define simd_prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+
+/* ------------------------------------------------------------------------------------------------ */
+#elif defined(SIMD_NEON)
+#include <arm_neon.h>
+#if defined(__ARM_FEATURE_DOTPROD)
+#define SIMD_ISA "neon-dotprod"
+#else
+#define SIMD_ISA "neon"
+#endif
+#define VL 4
+typedef float32x4_t vf;
+typedef int32x4_t vi;
+typedef uint8x16_t vb;
+typedef int16x8_t vw;
+
+static inline vf vf_zero(void) { return vdupq_n_f32(0.0f); }
+static inline vf vf_set1(float a) { return vdupq_n_f32(a); }
+static inline vf vf_load(const float *p) { return vld1q_f32(p); }
+static inline void vf_store(float *p, vf v) { vst1q_f32(p, v); }
+static inline vf vf_fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+static inline vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
+static inline vf vf_add(vf a, vf b) { return vaddq_f32(a, b); }
+static inline vf vf_sub(vf a, vf b) { return vsubq_f32(a, b); }
+static inline vf vf_abs(vf a) { return vabsq_f32(a); }
+static inline vf vf_max(vf a, vf b) { return vmaxq_f32(a, b); }
+static inline float vf_reduce_max(vf a) { return vmaxvq_f32(a); }
+static inline float vf_reduce_add(vf a) { return vaddvq_f32(a); }
+static inline vf vf_round(vf a) { return vrndnq_f32(a); }
+static inline void vf_store_i8(int8_t *p, vf v) {
+    const int16x4_t s16 = vmovn_s32(vcvtnq_s32_f32(v));
+    const int8x8_t s8 = vmovn_s16(vcombine_s16(s16, s16));
+    vst1_lane_s32((int32_t *)(void *)p, vreinterpret_s32_s8(s8), 0);
+}
+static inline vf vf_from_half(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+static inline vf vf_from_vi(vi a) { return vcvtq_f32_s32(a); }
+static inline vi vi_zero(void) { return vdupq_n_s32(0); }
+static inline vi vi_add(vi a, vi b) { return vaddq_s32(a, b); }
+static inline vb vb_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
+static inline vb vb_low_nibbles(vb v) { return vandq_u8(v, vdupq_n_u8(0x0F)); }
+static inline vb vb_high_nibbles(vb v) { return vshrq_n_u8(v, 4); }
+static inline vw vw_widen(const int8_t *p) { return vmovl_s8(vld1_s8(p)); }
+static inline int8x16_t simd_broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return vreinterpretq_s8_s32(vdupq_n_s32(v));
+}
+/* Codes <= 127 read as int8 give the same products. */
+static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(acc, vreinterpretq_s8_u8(w), simd_broadcast4(p));
+#else
+    const int8x16_t ws = vreinterpretq_s8_u8(w), a = simd_broadcast4(p);
+    const int16x8_t lo = vmull_s8(vget_low_s8(ws), vget_low_s8(a)), hi = vmull_high_s8(ws, a);
+    return vpadalq_s16(acc, vpaddq_s16(lo, hi)); /* pair sums <= 32258: exact in int16 */
+#endif
+}
+static inline vi vi_dot_s16(vi acc, vw w, const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    const int16x8_t b = vreinterpretq_s16_s32(vdupq_n_s32(v));
+    return vaddq_s32(acc, vpaddq_s32(vmull_s16(vget_low_s16(w), vget_low_s16(b)), vmull_high_s16(w, b)));
+}
+static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
+    vi s0 = vi_zero(), s1 = vi_zero();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = vi_dot_u8s8(s0, c[j], a + 4 * j);
+        s1 = vi_dot_u8s8(s1, c[j + 1], a + 4 * j + 4);
+    }
+    return vi_add(s0, s1);
+}
+#define simd_prefetch(p) __builtin_prefetch((p), 0, 2)
+
+/* ------------------------------------------------------------------------------------------------ */
+#else /* portable C: fixed-size arrays the compiler may vectorize for whatever it targets */
+#define SIMD_ISA "portable"
+#define VL 8
+typedef struct { float v[VL]; } vf;
+typedef struct { int32_t v[VL]; } vi;
+typedef struct { uint8_t v[4 * VL]; } vb;
+typedef struct { int16_t v[2 * VL]; } vw;
+#define SIMD_MAP(T, expr) { T r; for (int l = 0; l < VL; l++) r.v[l] = (expr); return r; }
+
+static inline vf vf_zero(void) SIMD_MAP(vf, 0.0f)
+static inline vf vf_set1(float a) SIMD_MAP(vf, a)
+static inline vf vf_load(const float *p) SIMD_MAP(vf, p[l])
+static inline void vf_store(float *p, vf v) { memcpy(p, v.v, sizeof v.v); }
+static inline vf vf_fma(vf a, vf b, vf c) SIMD_MAP(vf, fmaf(a.v[l], b.v[l], c.v[l]))
+static inline vf vf_mul(vf a, vf b) SIMD_MAP(vf, a.v[l] * b.v[l])
+static inline vf vf_add(vf a, vf b) SIMD_MAP(vf, a.v[l] + b.v[l])
+static inline vf vf_sub(vf a, vf b) SIMD_MAP(vf, a.v[l] - b.v[l])
+static inline vf vf_abs(vf a) SIMD_MAP(vf, fabsf(a.v[l]))
+static inline vf vf_max(vf a, vf b) SIMD_MAP(vf, a.v[l] > b.v[l] ? a.v[l] : b.v[l])
+static inline vf vf_round(vf a) SIMD_MAP(vf, nearbyintf(a.v[l]))
+static inline vf vf_from_half(const void *p) {
+    vf r;
+    for (int l = 0; l < VL; l++) {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)p + 2 * l, 2);
+        r.v[l] = half_to_float(h);
+    }
+    return r;
+}
+static inline vf vf_from_vi(vi a) SIMD_MAP(vf, (float)a.v[l])
+static inline vi vi_zero(void) SIMD_MAP(vi, 0)
+static inline vi vi_add(vi a, vi b) SIMD_MAP(vi, a.v[l] + b.v[l])
+static inline float vf_reduce_max(vf a) {
+    float m = a.v[0];
+    for (int l = 1; l < VL; l++) m = a.v[l] > m ? a.v[l] : m;
+    return m;
+}
+static inline float vf_reduce_add(vf a) {
+    float s = 0.0f;
+    for (int l = 0; l < VL; l++) s += a.v[l];
+    return s;
+}
+static inline void vf_store_i8(int8_t *p, vf v) {
+    for (int l = 0; l < VL; l++) p[l] = (int8_t)v.v[l];
+}
+static inline vb vb_load(const void *p) {
+    vb r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+static inline vb vb_low_nibbles(vb v) {
+    for (int i = 0; i < 4 * VL; i++) v.v[i] &= 0x0F;
+    return v;
+}
+static inline vb vb_high_nibbles(vb v) {
+    for (int i = 0; i < 4 * VL; i++) v.v[i] >>= 4;
+    return v;
+}
+static inline vw vw_widen(const int8_t *p) {
+    vw r;
+    for (int i = 0; i < 2 * VL; i++) r.v[i] = p[i];
+    return r;
+}
+static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) {
+    for (int l = 0; l < VL; l++)
+        for (int i = 0; i < 4; i++) acc.v[l] += w.v[4 * l + i] * p[i];
+    return acc;
+}
+static inline vi vi_dot_s16(vi acc, vw w, const int16_t *p) {
+    for (int l = 0; l < VL; l++) acc.v[l] += w.v[2 * l] * p[0] + w.v[2 * l + 1] * p[1];
+    return acc;
+}
+static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
+    vi s = vi_zero();
+    for (int j = 0; j < 8; j++) s = vi_dot_u8s8(s, c[j], a + 4 * j);
+    return s;
+}
+#undef SIMD_MAP
+#define simd_prefetch(p) __builtin_prefetch((p), 0, 2)
+#endif
+
+/* Which path this file was built for (native/__init__.py checks it against what it asked for). */
+#define SIMD_EXPORT_ISA const char *simd_isa(void) { return SIMD_ISA; }
+
+#endif
