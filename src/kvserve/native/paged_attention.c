@@ -16,14 +16,16 @@
  * rotation: q is rotated once per call and each output row un-rotated after the combine.
  */
 #include <float.h>
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "exp_nonpositive.h"
+#include "exp_nonpositive.h" /* and simd.h */
 #include "kv_kinds.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #define PARTITION 256
 
@@ -577,7 +579,13 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
  */
 #define QUERY_TILE 32
 #define KEY_TILE 64
-#define ROWS 6 /* query rows scored together: 6 x 4 independent FMA chains */
+#if VL == 8 /* 16 vector registers */
+#define ROWS 2       /* query rows scored together: 2 x 4 independent FMA chains over 4 VL keys */
+#define VALUE_VECS 4 /* vectors of a row's value sum updated together: 2 x 4 chains */
+#else
+#define ROWS 6 /* 6 x 4 independent FMA chains */
+#define VALUE_VECS 1
+#endif
 
 #if defined(__AVX512F__)
 /* r[i] = row i of a 16 x 16 matrix of 32-bit elements -> r[j] = its column j (64 shuffles). */
@@ -652,34 +660,22 @@ static inline uint64_t visible_keys(int64_t pos, int64_t kb, int window) {
 /* Online-softmax state of one row for its scores s[0..KEY_TILE) over the tile's visible keys: turns
  * s into the weights p (0 for hidden keys), returns alpha, the factor for the row's old sums. */
 static inline float softmax_update(prefill_work *w, int row, float *s, uint64_t visible) {
-    float m_tile = -FLT_MAX, sum = 0.0f;
-#if defined(__AVX512F__)
-    __m512 mv = _mm512_set1_ps(-FLT_MAX);
-    for (int v = 0; v < KEY_TILE / 16; v++)
-        mv = _mm512_mask_max_ps(mv, (__mmask16)(visible >> (16 * v)), mv, _mm512_loadu_ps(s + 16 * v));
-    m_tile = _mm512_reduce_max_ps(mv);
-#else
-    for (int j = 0; j < KEY_TILE; j++)
-        if (visible >> j & 1) m_tile = s[j] > m_tile ? s[j] : m_tile;
-#endif
+    const int all = visible == ~0ull;
+    if (!all)
+        for (int j = 0; j < KEY_TILE; j++)
+            if (!(visible >> j & 1)) s[j] = -FLT_MAX;
+    vf mv = vf_set1(-FLT_MAX);
+    for (int j = 0; j < KEY_TILE; j += VL) mv = vf_max(mv, vf_load(s + j));
+    const float m_tile = vf_reduce_max(mv);
     float m_old = w->m[row], m_new = m_tile > m_old ? m_tile : m_old, alpha = exp_nonpositive(m_old - m_new);
-#if defined(__AVX512F__)
-    __m512 parts = _mm512_setzero_ps();
-    for (int v = 0; v < KEY_TILE / 16; v++) {
-        __mmask16 mask = (__mmask16)(visible >> (16 * v));
-        __m512 p = _mm512_maskz_mov_ps(mask, exp_nonpositive_v(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * v),
-                                                                              _mm512_set1_ps(m_new))));
-        _mm512_storeu_ps(s + 16 * v, p);
-        parts = _mm512_add_ps(parts, p);
-    }
-    sum = _mm512_reduce_add_ps(parts);
-#else
-    for (int j = 0; j < KEY_TILE; j++) {
-        s[j] = visible >> j & 1 ? exp_nonpositive(s[j] - m_new) : 0.0f;
-        sum += s[j];
-    }
-#endif
-    w->l[row] = w->l[row] * alpha + sum;
+    const vf mn = vf_set1(m_new);
+    for (int j = 0; j < KEY_TILE; j += VL) vf_store(s + j, vf_exp_nonpositive(vf_sub(vf_load(s + j), mn)));
+    if (!all) /* hidden keys weigh exactly nothing */
+        for (int j = 0; j < KEY_TILE; j++)
+            if (!(visible >> j & 1)) s[j] = 0.0f;
+    vf parts = vf_zero();
+    for (int j = 0; j < KEY_TILE; j += VL) parts = vf_add(parts, vf_load(s + j));
+    w->l[row] = w->l[row] * alpha + vf_reduce_add(parts);
     w->m[row] = m_new;
     return alpha;
 }
@@ -689,26 +685,30 @@ static inline float softmax_update(prefill_work *w, int row, float *s, uint64_t 
 static inline __attribute__((always_inline)) void accumulate_values(prefill_work *w, int r0, const int nr, int D,
                                                                     float p[][KEY_TILE], const float *alpha,
                                                                     const float *values) {
-#if defined(__AVX512F__)
-    if (D % 16 == 0) {
-        for (int d = 0; d < D; d += 16) {
-            __m512 a[ROWS];
+    if (D % (VL * VALUE_VECS) == 0) {
+        for (int d = 0; d < D; d += VL * VALUE_VECS) {
+            vf a[ROWS][VALUE_VECS];
             for (int r = 0; r < nr; r++)
-                a[r] = _mm512_mul_ps(_mm512_loadu_ps(w->acc + (int64_t)(r0 + r) * D + d), _mm512_set1_ps(alpha[r]));
+                for (int u = 0; u < VALUE_VECS; u++)
+                    a[r][u] = vf_mul(vf_load(w->acc + (int64_t)(r0 + r) * D + d + VL * u), vf_set1(alpha[r]));
             for (int j = 0; j < KEY_TILE; j++) {
-                __m512 v = _mm512_loadu_ps(values + (int64_t)j * D + d);
-                for (int r = 0; r < nr; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), v, a[r]);
+                vf v[VALUE_VECS];
+                for (int u = 0; u < VALUE_VECS; u++) v[u] = vf_load(values + (int64_t)j * D + d + VL * u);
+                for (int r = 0; r < nr; r++) {
+                    const vf pj = vf_set1(p[r][j]);
+                    for (int u = 0; u < VALUE_VECS; u++) a[r][u] = vf_fma(pj, v[u], a[r][u]);
+                }
             }
-            for (int r = 0; r < nr; r++) _mm512_storeu_ps(w->acc + (int64_t)(r0 + r) * D + d, a[r]);
+            for (int r = 0; r < nr; r++)
+                for (int u = 0; u < VALUE_VECS; u++) vf_store(w->acc + (int64_t)(r0 + r) * D + d + VL * u, a[r][u]);
         }
         return;
     }
-#endif
     for (int r = 0; r < nr; r++) {
         float *acc = w->acc + (int64_t)(r0 + r) * D;
         for (int d = 0; d < D; d++) {
             float a = acc[d] * alpha[r];
-            for (int j = 0; j < KEY_TILE; j++) a += p[r][j] * values[(int64_t)j * D + d];
+            for (int j = 0; j < KEY_TILE; j++) a = fmaf(p[r][j], values[(int64_t)j * D + d], a);
             acc[d] = a;
         }
     }
@@ -820,31 +820,24 @@ static inline __attribute__((always_inline)) void key_tile_rows(prefill_work *w,
         int_key_scores(w, r0, nr, D, s);
     } else {
 #endif
-#if defined(__AVX512F__)
-    __m512 a[ROWS][KEY_TILE / 16];
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < KEY_TILE / 16; v++) a[r][v] = _mm512_setzero_ps();
-    for (int d = 0; d < D; d++) {
-        const float *kd = w->kt + (int64_t)d * KEY_TILE;
-        __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16), k2 = _mm512_loadu_ps(kd + 32), k3 = _mm512_loadu_ps(kd + 48);
-        for (int r = 0; r < nr; r++) {
-            __m512 qd = _mm512_set1_ps(w->q[(int64_t)(r0 + r) * D + d]);
-            a[r][0] = _mm512_fmadd_ps(qd, k0, a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(qd, k1, a[r][1]);
-            a[r][2] = _mm512_fmadd_ps(qd, k2, a[r][2]);
-            a[r][3] = _mm512_fmadd_ps(qd, k3, a[r][3]);
+    for (int c0 = 0; c0 < KEY_TILE; c0 += 4 * VL) { /* each score an FMA chain over d, on every path */
+        vf a[ROWS][4];
+        for (int r = 0; r < nr; r++)
+            for (int v = 0; v < 4; v++) a[r][v] = vf_zero();
+        for (int d = 0; d < D; d++) {
+            const float *kd = w->kt + (int64_t)d * KEY_TILE + c0;
+            const vf k0 = vf_load(kd), k1 = vf_load(kd + VL), k2 = vf_load(kd + 2 * VL), k3 = vf_load(kd + 3 * VL);
+            for (int r = 0; r < nr; r++) {
+                const vf qd = vf_set1(w->q[(int64_t)(r0 + r) * D + d]);
+                a[r][0] = vf_fma(qd, k0, a[r][0]);
+                a[r][1] = vf_fma(qd, k1, a[r][1]);
+                a[r][2] = vf_fma(qd, k2, a[r][2]);
+                a[r][3] = vf_fma(qd, k3, a[r][3]);
+            }
         }
+        for (int r = 0; r < nr; r++)
+            for (int v = 0; v < 4; v++) vf_store(s[r] + c0 + VL * v, a[r][v]);
     }
-    for (int r = 0; r < nr; r++)
-        for (int v = 0; v < KEY_TILE / 16; v++) _mm512_storeu_ps(s[r] + 16 * v, a[r][v]);
-#else
-    for (int r = 0; r < nr; r++)
-        for (int j = 0; j < KEY_TILE; j++) {
-            float dot = 0.0f;
-            for (int d = 0; d < D; d++) dot += w->q[(int64_t)(r0 + r) * D + d] * w->kt[(int64_t)d * KEY_TILE + j];
-            s[r][j] = dot;
-        }
-#endif
 #if defined(INT_KEYS)
     }
 #endif
@@ -862,10 +855,12 @@ static inline __attribute__((always_inline)) void key_tile_rows(prefill_work *w,
 
 static void prefill_key_tile(prefill_work *w, int r0, int nr, int G, int D, int64_t first_pos, int64_t kb, int window) {
     switch (nr) {
+#if ROWS == 6
     case 6: key_tile_rows(w, r0, 6, G, D, first_pos, kb, window); break;
     case 5: key_tile_rows(w, r0, 5, G, D, first_pos, kb, window); break;
     case 4: key_tile_rows(w, r0, 4, G, D, first_pos, kb, window); break;
     case 3: key_tile_rows(w, r0, 3, G, D, first_pos, kb, window); break;
+#endif
     case 2: key_tile_rows(w, r0, 2, G, D, first_pos, kb, window); break;
     default: key_tile_rows(w, r0, 1, G, D, first_pos, kb, window); break;
     }

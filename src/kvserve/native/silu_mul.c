@@ -16,17 +16,14 @@ static inline float silu_times(float g, float u) {
 
 static void row(const float *gate, const float *up, int inter, float *out) {
     int i = 0;
-#if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= inter; i += 16) {
-        __m512 g = _mm512_loadu_ps(gate + i);
-        __m512 e = exp_nonpositive_v(_mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g))); /* e^-|g| */
-        __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
-        __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-        __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
+    const vf one = vf_set1(1.0f);
+    for (; i + VL <= inter; i += VL) {
+        const vf g = vf_load(gate + i);
+        const vf e = vf_exp_nonpositive(vf_sub(vf_zero(), vf_abs(g))); /* e^-|g| */
+        const vf inv = vf_div(one, vf_add(one, e));
+        const vf sigmoid = vf_select_sign(g, vf_mul(e, inv), inv);
+        vf_store(out + i, vf_mul(vf_mul(g, sigmoid), vf_load(up + i)));
     }
-#endif
     for (; i < inter; i++) out[i] = silu_times(gate[i], up[i]);
 }
 

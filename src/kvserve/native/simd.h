@@ -13,6 +13,8 @@
  * so an integer kernel gives the same bits on every path (tests compare them).
  *
  * Types: vf = VL floats, vi = VL int32, vb = VL lanes of 4 bytes, vw = VL lanes of 2 int16.
+ * vf_fnma(a, b, c) = c - a b (fused); vf_pow2i(k) = 2^k for integral k in [-126, 127];
+ * vf_select_sign(s, x, y) = x where s's sign bit is set, else y.
  */
 #ifndef KVSERVE_SIMD_H
 #define KVSERVE_SIMD_H
@@ -52,6 +54,7 @@ static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vf_abs(vf a) { return _mm512_abs_ps(a); }
 static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vf_reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
@@ -60,6 +63,11 @@ static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_N
 static inline void vf_store_i8(int8_t *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
 static inline vf vf_from_half(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
+static inline vf vf_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf vf_pow2i(vf k) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23)); }
+static inline vf vf_select_sign(vf s, vf if_negative, vf otherwise) {
+    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(s)), otherwise, if_negative);
+}
 static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
@@ -108,6 +116,7 @@ static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vf_abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
 static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline __m128 simd_half_sum(vf a) { return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); }
@@ -129,6 +138,9 @@ static inline void vf_store_i8(int8_t *p, vf v) {
 }
 static inline vf vf_from_half(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vf_pow2i(vf k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23)); }
+static inline vf vf_select_sign(vf s, vf if_negative, vf otherwise) { return _mm256_blendv_ps(otherwise, if_negative, s); }
 static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
 static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -182,6 +194,7 @@ static inline vf vf_fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
 static inline vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
 static inline vf vf_add(vf a, vf b) { return vaddq_f32(a, b); }
 static inline vf vf_sub(vf a, vf b) { return vsubq_f32(a, b); }
+static inline vf vf_div(vf a, vf b) { return vdivq_f32(a, b); }
 static inline vf vf_abs(vf a) { return vabsq_f32(a); }
 static inline vf vf_max(vf a, vf b) { return vmaxq_f32(a, b); }
 static inline float vf_reduce_max(vf a) { return vmaxvq_f32(a); }
@@ -194,6 +207,11 @@ static inline void vf_store_i8(int8_t *p, vf v) {
 }
 static inline vf vf_from_half(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
 static inline vf vf_from_vi(vi a) { return vcvtq_f32_s32(a); }
+static inline vf vf_fnma(vf a, vf b, vf c) { return vfmsq_f32(c, a, b); }
+static inline vf vf_pow2i(vf k) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(k), vdupq_n_s32(127)), 23)); }
+static inline vf vf_select_sign(vf s, vf if_negative, vf otherwise) {
+    return vbslq_f32(vcltq_s32(vreinterpretq_s32_f32(s), vdupq_n_s32(0)), if_negative, otherwise);
+}
 static inline vi vi_zero(void) { return vdupq_n_s32(0); }
 static inline vi vi_add(vi a, vi b) { return vaddq_s32(a, b); }
 static inline vb vb_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
@@ -249,6 +267,7 @@ static inline vf vf_fma(vf a, vf b, vf c) SIMD_MAP(vf, fmaf(a.v[l], b.v[l], c.v[
 static inline vf vf_mul(vf a, vf b) SIMD_MAP(vf, a.v[l] * b.v[l])
 static inline vf vf_add(vf a, vf b) SIMD_MAP(vf, a.v[l] + b.v[l])
 static inline vf vf_sub(vf a, vf b) SIMD_MAP(vf, a.v[l] - b.v[l])
+static inline vf vf_div(vf a, vf b) SIMD_MAP(vf, a.v[l] / b.v[l])
 static inline vf vf_abs(vf a) SIMD_MAP(vf, fabsf(a.v[l]))
 static inline vf vf_max(vf a, vf b) SIMD_MAP(vf, a.v[l] > b.v[l] ? a.v[l] : b.v[l])
 static inline vf vf_round(vf a) SIMD_MAP(vf, nearbyintf(a.v[l]))
@@ -262,6 +281,16 @@ static inline vf vf_from_half(const void *p) {
     return r;
 }
 static inline vf vf_from_vi(vi a) SIMD_MAP(vf, (float)a.v[l])
+static inline vf vf_fnma(vf a, vf b, vf c) SIMD_MAP(vf, fmaf(-a.v[l], b.v[l], c.v[l]))
+static inline vf vf_pow2i(vf k) {
+    vf r;
+    for (int l = 0; l < VL; l++) {
+        const int32_t bits = ((int32_t)k.v[l] + 127) * (1 << 23);
+        memcpy(&r.v[l], &bits, 4);
+    }
+    return r;
+}
+static inline vf vf_select_sign(vf s, vf if_negative, vf otherwise) SIMD_MAP(vf, signbit(s.v[l]) ? if_negative.v[l] : otherwise.v[l])
 static inline vi vi_zero(void) SIMD_MAP(vi, 0)
 static inline vi vi_add(vi a, vi b) SIMD_MAP(vi, a.v[l] + b.v[l])
 static inline float vf_reduce_max(vf a) {
