@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 MODEL ?= smollm2
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test bench setup test-setup model lint clean
+.PHONY: run test bench setup test-setup cross-tools model lint clean
 
 $(VENV)/.setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,17 @@ run: model
 	@if [ -t 0 ]; then $(KVSERVE) run $(MODEL); \
 	else $(KVSERVE) run $(MODEL) "$(PROMPT)" --temperature 0; fi
 
-test: test-setup
+# Debian's aarch64 cross compiler and qemu-user, for the ARM kernel tests (tests/native/test_arm.py);
+# where they cannot be installed those tests report themselves skipped.
+cross-tools:
+	@if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null; then \
+		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+			(apt-get update -qq && apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null) \
+				|| echo "note: aarch64 cross tools not installed: the ARM kernel tests will be skipped"; \
+		else echo "note: no aarch64 cross tools: the ARM kernel tests will be skipped"; fi; \
+	fi
+
+test: test-setup cross-tools
 	$(KVSERVE) pull smollm2
 	$(KVSERVE) pull gemma3-270m
 	$(PY) -m pytest -q

@@ -48,6 +48,28 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples) * 1e3
 
 
+def measure_rows(m: int, layer: list, head: torch.Tensor, kernels: dict, threads: int, repeats: int, g) -> dict:
+    """{path: [layer q4 ms samples, layer q4-fast, head]} for m rows, three rounds of the paths in turn."""
+    x4 = [torch.randn(m, k, generator=g) for _, _, k in layer]
+    y4 = [torch.empty(m, n) for _, n, _ in layer]
+    xh, yh = torch.randn(m, HEAD[1], generator=g), torch.empty(m, HEAD[0])
+    results: dict[str, list[list[float]]] = {isa: [[], [], []] for isa in kernels}
+
+    def projections(int4, digits: int) -> None:
+        for (w, n, k), x, y in zip(layer, x4, y4):
+            int4(x.data_ptr(), w.data_ptr(), None, m, n, k, y.data_ptr(), threads, digits)
+
+    def output_head(int8) -> None:
+        int8(xh.data_ptr(), head.data_ptr(), None, m, HEAD[0], HEAD[1], yh.data_ptr(), threads)
+
+    for _ in range(3):
+        for isa, (int4, int8) in kernels.items():
+            results[isa][0].append(timed(lambda f=int4: projections(f, 2), repeats))
+            results[isa][1].append(timed(lambda f=int4: projections(f, 1), repeats))
+            results[isa][2].append(timed(lambda f=int8: output_head(f), repeats))
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,16,512")
@@ -63,20 +85,7 @@ def main() -> None:
     kernels = {isa: build(isa) for isa in isas}
     print(f"CPU paths {', '.join(isas)}; {args.threads} threads; ms per call, median of {args.repeats}")
     for m in (int(r) for r in args.rows.split(",")):
-        x4 = [torch.randn(m, k, generator=g) for _, _, k in layer]
-        y4 = [torch.empty(m, n) for _, n, _ in layer]
-        xh, yh = torch.randn(m, HEAD[1], generator=g), torch.empty(m, HEAD[0])
-        results: dict[str, list[list[float]]] = {isa: [[], [], []] for isa in isas}
-        for _ in range(3):  # rounds, the paths alternating
-            for isa, (int4, int8) in kernels.items():
-                for digits, slot in ((2, 0), (1, 1)):
-                    def projections(digits=digits, int4=int4):
-                        for (w, n, k), x, y in zip(layer, x4, y4):
-                            int4(x.data_ptr(), w.data_ptr(), None, m, n, k, y.data_ptr(), args.threads, digits)
-                    results[isa][slot].append(timed(projections, args.repeats))
-                results[isa][2].append(timed(lambda int8=int8: int8(
-                    xh.data_ptr(), head.data_ptr(), None, m, HEAD[0], HEAD[1], yh.data_ptr(), args.threads),
-                    args.repeats))
+        results = measure_rows(m, layer, head, kernels, args.threads, args.repeats, g)
         for isa in isas:
             q4, fast, hd = (statistics.median(r) for r in results[isa])
             print(f"rows {m:4d}  {isa:11s} layer q4 {q4:8.3f}  q4-fast {fast:8.3f}  head {hd:8.3f}")

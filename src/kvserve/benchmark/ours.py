@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from kvserve import native
 from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile, reset_peak_rss
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
@@ -16,6 +17,12 @@ class KVServeRunner:
         self.loaded = loaded
         weights = loaded.model.weight_format
         self.name = "kvserve" if weights == CPU_GGUF_FORMAT else f"kvserve {weights}"
+
+    def build(self) -> tuple[str, str]:
+        """The C kernels' instruction-set path and compiler flags ("torch" where they are off)."""
+        if native.load("int4_matmul") is None:
+            return "torch", ""
+        return native.isa(), " ".join(native.build_flags("int4_matmul", native.requested_isa()))
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16

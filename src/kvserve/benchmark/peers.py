@@ -30,6 +30,15 @@ class LlamaCppRunner:
         self._llm = None
         self._key = None
 
+    def build(self) -> tuple[str, str]:
+        """The instruction sets llama.cpp's build uses (its system info), and how it was built."""
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+        features = sorted({part.split("=")[0].split(":")[-1].strip() for part in info.split("|")
+                           if part.strip().endswith("= 1")})
+        return ",".join(features) or info.strip(), f"llama-cpp-python {llama_cpp.__version__}"
+
     def supports(self, cache_type: str, concurrency: int) -> bool:
         return cache_type in GGML_TYPES and concurrency == 1
 

@@ -51,13 +51,22 @@ def bandwidth_range(rows: list[BenchRow]) -> str:
     return f"{min(measured):.1f}-{max(measured):.1f} GB/s" if measured else "not measured"
 
 
+def where_it_ran(rows: list[BenchRow]) -> str:
+    """The CPU, each engine's instruction-set path, the thread count: "AMD EPYC, kvserve avx2, ..."."""
+    if not rows:
+        return "no rows"
+    paths = dict.fromkeys(f"{r.engine} {r.isa}" for r in rows if r.isa)
+    return f"{rows[0].cpu}, {'; '.join(paths)}, {rows[0].threads} threads"
+
+
 def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table("engine", "KV", "prompt", "conc", "TTFT ms", "prefill tok/s", "decode tok/s", "ITL p50/p99 ms",
                   "aggr tok/s", "spread", "roofline", "vs llama.cpp (prefill, decode)",
-                  title=f"kvserve bench (memory bandwidth beside our rows: {bandwidth_range(rows)})")
+                  title=f"kvserve bench on {where_it_ran(rows)} (memory bandwidth beside our rows: "
+                        f"{bandwidth_range(rows)})")
     peers = {(r.cache_type, r.prompt_len): r for r in rows if r.engine == "llama.cpp"}
     for i, r in enumerate(rows):
         peer = peers.get((r.cache_type, r.prompt_len)) if is_ours(r) and r.concurrency == 1 else None

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
+    from kvserve import native
     from kvserve.benchmark.measure import measured_bandwidth, median_row
     from kvserve.benchmark.ours import KVServeRunner
     from kvserve.benchmark.report import print_table, roofline, write_plot
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     loaded = load_model(args.model, auto_pull=True, weight_format=args.weights)
     runners = [KVServeRunner(loaded), *peers]
+    where = {r.name: r.build() for r in runners}  # (instruction-set path, build flags) of each engine
     rng = random.Random(0)
     vocab = min(loaded.config.vocab_size, 32000)
     shared = [rng.randrange(100, vocab) for _ in range(args.prefix_share)]
@@ -75,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
                         results[r.name].append(row)
                 for name, rs in results.items():
                     row = median_row(rs)
+                    row.cpu, row.threads = native.cpu_model(), args.threads
+                    row.isa, row.build_flags = where[name]
                     rows.append(row)
                     console.print(f"{name} {cache_type} prompt {plen} x{conc}: TTFT {row.ttft_ms:.0f} ms, "
                                   f"decode {row.decode_tok_s:.1f} tok/s, aggregate {row.aggregate_tok_s:.1f}")

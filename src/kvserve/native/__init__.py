@@ -75,6 +75,20 @@ def _cpu_flags() -> str:
         return ""
 
 
+def cpu_model() -> str:
+    """The CPU's name as the OS reports it (x86: "model name"; ARM: the CPU part), or the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "CPU part")):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def runnable_isas() -> list[str]:
     """The paths of ISA_FLAGS this CPU runs, fastest first; portable always."""
     have = set(_cpu_flags().partition(":")[2].split())
@@ -96,10 +110,9 @@ def isa() -> str:
     return requested_isa() or runnable_isas()[0]
 
 
-def build_flags(name: str) -> list[str]:
-    """Every compiler flag of ``<name>.c`` under the current KVSERVE_ISA."""
-    chosen = requested_isa()
-    target = ISA_FLAGS[chosen] if chosen else ["-march=native"]
+def build_flags(name: str, isa: str | None = None) -> list[str]:
+    """Every compiler flag of ``<name>.c`` for the path ``isa`` (None: this CPU, -march=native)."""
+    target = ISA_FLAGS[isa] if isa else ["-march=native"]
     return [*FLAGS, *target, *SOURCE_FLAGS.get(name, [])]
 
 
@@ -117,21 +130,22 @@ def _build(cc: str, flags: list[str], source: Path, target: Path) -> None:
 
 
 @cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled ``<name>.c``, or None when native kernels are off or cannot be built."""
+def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled ``<name>.c``, or None when native kernels are off or cannot be built. ``isa``: build
+    for that path instead of KVSERVE_ISA's (tests and benchmarks compare the paths)."""
     if os.environ.get("KVSERVE_NATIVE", "1") == "0":
         return None
     cc = compiler()
     if cc is None:
         log.warning("no C compiler found: native %s kernel off, using the torch path", name)
         return None
-    chosen = requested_isa()
+    chosen = isa or requested_isa()
     if chosen and chosen not in runnable_isas():
         log.warning("KVSERVE_ISA=%s: this CPU cannot run that path (it runs %s): native %s kernel off, "
                     "using the torch path", chosen, ", ".join(runnable_isas()), name)
         return None
     source = SOURCE_DIR / f"{name}.c"
-    flags = build_flags(name)
+    flags = build_flags(name, chosen)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
         headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # shared code a source includes

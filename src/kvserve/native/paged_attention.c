@@ -579,7 +579,10 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
  */
 #define QUERY_TILE 32
 #define KEY_TILE 64
-#if VL == 8 /* 16 vector registers */
+#if defined(ROWS_OVERRIDE)
+#define ROWS ROWS_OVERRIDE
+#define VALUE_VECS VALUE_VECS_OVERRIDE
+#elif VL == 8 /* 16 vector registers */
 #define ROWS 2       /* query rows scored together: 2 x 4 independent FMA chains over 4 VL keys */
 #define VALUE_VECS 4 /* vectors of a row's value sum updated together: 2 x 4 chains */
 #else
@@ -855,10 +858,14 @@ static inline __attribute__((always_inline)) void key_tile_rows(prefill_work *w,
 
 static void prefill_key_tile(prefill_work *w, int r0, int nr, int G, int D, int64_t first_pos, int64_t kb, int window) {
     switch (nr) {
-#if ROWS == 6
+#if ROWS >= 6
     case 6: key_tile_rows(w, r0, 6, G, D, first_pos, kb, window); break;
     case 5: key_tile_rows(w, r0, 5, G, D, first_pos, kb, window); break;
+#endif
+#if ROWS >= 4
     case 4: key_tile_rows(w, r0, 4, G, D, first_pos, kb, window); break;
+#endif
+#if ROWS >= 3
     case 3: key_tile_rows(w, r0, 3, G, D, first_pos, kb, window); break;
 #endif
     case 2: key_tile_rows(w, r0, 2, G, D, first_pos, kb, window); break;

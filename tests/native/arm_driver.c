@@ -1,0 +1,50 @@
+/* The integer kernels of src/kvserve/native as a program, for the builds this machine cannot load:
+ * tests/native/test_arm.py builds it with aarch64-linux-gnu-gcc and runs it under qemu-aarch64.
+ *
+ *   arm_driver IN OUT
+ *   IN:  int32 kernel (4: int4_matmul, 8: int8_matmul), M, N, K, digits, weight bytes, has bias;
+ *        then x f32 [M][K], the packed weights, bias f32 [N] if any
+ *   OUT: y f32 [M][N], then the path's name (simd_isa)
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y, int num_threads,
+                int digits);
+int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y, int num_threads);
+const char *simd_isa(void);
+
+static void *read_exactly(FILE *f, size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p || fread(p, 1, bytes, f) != bytes) {
+        fprintf(stderr, "short input\n");
+        exit(2);
+    }
+    return p;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s IN OUT\n", argv[0]);
+        return 2;
+    }
+    FILE *in = fopen(argv[1], "rb");
+    if (!in) return 2;
+    int32_t *h = read_exactly(in, 7 * sizeof(int32_t));
+    const int kind = h[0], M = h[1], N = h[2], K = h[3], digits = h[4], has_bias = h[6];
+    float *x = read_exactly(in, sizeof(float) * (size_t)M * K);
+    uint8_t *w = read_exactly(in, (size_t)h[5]);
+    float *bias = has_bias ? read_exactly(in, sizeof(float) * (size_t)N) : NULL;
+    fclose(in);
+    float *y = calloc((size_t)M * N, sizeof(float));
+    int rc = kind == 4 ? int4_matmul(x, w, bias, M, N, K, y, 2, digits) : int8_matmul(x, w, bias, M, N, K, y, 2);
+    if (rc != 0) return 3;
+    FILE *out = fopen(argv[2], "wb");
+    if (!out) return 2;
+    fwrite(y, sizeof(float), (size_t)M * N, out);
+    fputs(simd_isa(), out);
+    fclose(out);
+    return 0;
+}

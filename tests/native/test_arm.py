@@ -1,0 +1,75 @@
+"""The integer kernels built for aarch64 (Debian's gcc-aarch64-linux-gnu) and run under qemu-aarch64:
+NEON with and without sdot, and the portable C, each the same bits as this machine's portable build
+on the same inputs. Reported as skipped, with the reason, where the cross tools are missing
+(``make test`` installs them)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve import native
+from kvserve.models.linear import int8_groups, pack_int8_groups
+from tests.native.test_isa_paths import SHAPES, int4_inputs, run_int4, run_int8
+
+CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+DRIVER = Path(__file__).with_name("arm_driver.c")
+ARM_PATHS = {"neon-dotprod": native.ISA_FLAGS["neon"], "neon": ["-march=armv8-a"], "portable": ["-DKVSERVE_PORTABLE"]}
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which(CROSS_CC) and shutil.which(QEMU)),
+    reason=f"not run: {CROSS_CC} and {QEMU} are not installed (Debian: gcc-aarch64-linux-gnu qemu-user)",
+)
+
+
+@pytest.fixture(scope="module")
+def arm_programs(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("arm")
+    programs = {}
+    for path, flags in ARM_PATHS.items():
+        program = out / f"kernels-{path}"
+        sources = [native.SOURCE_DIR / "int4_matmul.c", native.SOURCE_DIR / "int8_matmul.c", DRIVER]
+        base = [f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
+        subprocess.run([CROSS_CC, *base, *native.SOURCE_FLAGS["int4_matmul"], *flags, "-static", *map(str, sources),
+                        "-o", str(program)], check=True, capture_output=True, text=True, timeout=300)
+        programs[path] = program
+    return programs
+
+
+def run_arm(program: Path, tmp_path: Path, kind: int, x, packed, bias, n: int, digits: int = 0) -> tuple:
+    m, k = x.shape
+    header = np.array([kind, m, n, k, digits, packed.numel(), bias is not None], dtype=np.int32)
+    parts = [header.tobytes(), x.numpy().tobytes(), packed.numpy().tobytes()]
+    if bias is not None:
+        parts.append(bias.numpy().tobytes())
+    (tmp_path / "in").write_bytes(b"".join(parts))
+    subprocess.run([QEMU, str(program), str(tmp_path / "in"), str(tmp_path / "out")], check=True, timeout=300)
+    raw = (tmp_path / "out").read_bytes()
+    y = torch.from_numpy(np.frombuffer(raw[: 4 * m * n], dtype=np.float32).copy()).view(m, n)
+    return y, raw[4 * m * n :].decode()
+
+
+@pytest.mark.parametrize("path", list(ARM_PATHS))
+def test_arm_int4_matmul_same_bits_as_x86_portable(arm_programs, tmp_path, path):
+    for digits in (2, 1):
+        for seed, (m, n, k) in enumerate(SHAPES):
+            x, packed, bias = int4_inputs(m, n, k, seed)
+            y, isa = run_arm(arm_programs[path], tmp_path, 4, x, packed, bias, n, digits)
+            assert isa == path
+            assert torch.equal(y, run_int4("portable", x, packed, bias, n, digits, 1)), (path, digits, m, n, k)
+
+
+@pytest.mark.parametrize("path", list(ARM_PATHS))
+def test_arm_int8_head_same_bits_as_x86_portable(arm_programs, tmp_path, path):
+    for seed, (m, n, k) in enumerate([(1, 40, 64), (9, 56, 190)]):
+        g = torch.Generator().manual_seed(seed)
+        packed = pack_int8_groups(*int8_groups(torch.randn(n, k, generator=g)))
+        x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)
+        y, isa = run_arm(arm_programs[path], tmp_path, 8, x, packed, None, n)
+        assert isa == path
+        assert torch.equal(y, run_int8("portable", x, packed, n, 1)), (path, m, n, k)

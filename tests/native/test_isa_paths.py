@@ -1,0 +1,116 @@
+"""Every instruction-set path of the native kernels (native/simd.h) that this CPU runs, built here and
+compared: the integer kernels give the same bits on every path as the portable C build, the float
+kernels stay within their stated bounds of the torch path. A path the CPU cannot run is reported as
+skipped with that reason, never passed."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kvserve import native
+from kvserve.models.linear import int8_groups, pack_int4, pack_int8_groups
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
+
+P, I = ctypes.c_void_p, ctypes.c_int
+FAST_PATHS = [isa for isa in native.ISA_FLAGS if isa != "portable"]
+
+
+def kernel(source: str, name: str, isa: str, argtypes: tuple, restype=I):
+    if isa not in native.runnable_isas():
+        pytest.skip(f"not run: this CPU cannot run the {isa} path (it runs {', '.join(native.runnable_isas())})")
+    lib = native.load(source, isa)
+    assert lib is not None, f"the {isa} build of {source}.c failed"
+    lib.simd_isa.restype = ctypes.c_char_p
+    assert lib.simd_isa().decode().startswith(isa), "the build took another path than the one asked for"
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
+def int4_inputs(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
+    lo = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)  # outliers, as real activations have
+    x[0, :32] = 0.0  # an all-zero group (q4-fast's scale 0)
+    return x, pack_int4(codes, scale, lo), torch.randn(n, generator=g)
+
+
+def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int) -> torch.Tensor:
+    fn = kernel("int4_matmul", "int4_matmul", isa, (P, P, P, I, I, I, P, I, I))
+    m, k = x.shape
+    y = torch.full((m, n), float("nan"))
+    assert fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), m, n, k, y.data_ptr(), threads, digits) == 0
+    return y
+
+
+def run_int8(isa: str, x, packed, n: int, threads: int) -> torch.Tensor:
+    fn = kernel("int8_matmul", "int8_matmul", isa, (P, P, P, I, I, I, P, I))
+    m, k = x.shape
+    y = torch.full((m, n), float("nan"))
+    assert fn(x.data_ptr(), packed.data_ptr(), None, m, n, k, y.data_ptr(), threads) == 0
+    return y
+
+
+# rows: 1 (decode), tiles of every path (4, 6, 8) and their remainders; outputs not a multiple of 16
+SHAPES = [(1, 48, 64), (7, 40, 96), (13, 72, 128)]
+
+
+@pytest.mark.parametrize("isa", FAST_PATHS)
+@pytest.mark.parametrize("digits", [2, 1])
+def test_int4_matmul_same_bits_as_portable(isa, digits):
+    for seed, (m, n, k) in enumerate(SHAPES):
+        x, packed, bias = int4_inputs(m, n, k, seed)
+        reference = run_int4("portable", x, packed, bias, n, digits, 1)
+        assert torch.equal(run_int4(isa, x, packed, bias, n, digits, 2), reference), (m, n, k)
+
+
+@pytest.mark.parametrize("isa", FAST_PATHS)
+def test_int8_head_same_bits_as_portable(isa):
+    for seed, (m, n, k) in enumerate([(1, 40, 64), (9, 56, 190), (17, 33, 96)]):
+        g = torch.Generator().manual_seed(seed)
+        packed = pack_int8_groups(*int8_groups(torch.randn(n, k, generator=g)))
+        x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)
+        assert torch.equal(run_int8(isa, x, packed, n, 2), run_int8("portable", x, packed, n, 1)), (m, n, k)
+
+
+def test_portable_int4_is_the_exact_integer_arithmetic():
+    """The reference the other paths are held to: two digits of each activation against the 4-bit codes,
+    recomputed here in float64 from the same digits (within the f32 accumulation's rounding)."""
+    x, packed, bias = int4_inputs(5, 32, 64, seed=9)
+    g = torch.Generator().manual_seed(9)
+    codes = torch.randint(0, 16, (32, 64), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(32, 2, generator=g) * 0.01 + 1e-3).half().float()
+    lo = (-torch.rand(32, 2, generator=g) * 0.1).half().float()
+    w = (lo[..., None] + scale[..., None] * codes.view(32, 2, 32).float()).view(32, 64)
+    y = run_int4("portable", x, packed, bias, 32, 2, 1)
+    exact = x.double() @ w.double().T + bias.double()
+    assert float((y.double() - exact).norm() / exact.norm()) < 2e-4
+
+
+def test_kvserve_isa_picks_the_build(monkeypatch):
+    monkeypatch.setenv("KVSERVE_ISA", "portable")
+    assert native.requested_isa() == "portable" and native.isa() == "portable"
+    assert "-DKVSERVE_PORTABLE" in native.build_flags("int4_matmul", native.requested_isa())
+    monkeypatch.setenv("KVSERVE_ISA", "avx3")
+    with pytest.raises(ValueError, match="KVSERVE_ISA='avx3': use one of native, avx512vnni, avx2, neon, portable"):
+        native.requested_isa()
+    monkeypatch.delenv("KVSERVE_ISA")
+    assert native.isa() == native.runnable_isas()[0]
+
+
+def test_a_path_the_cpu_cannot_run_is_not_built(monkeypatch, caplog):
+    missing = [isa for isa in native.ISA_FLAGS if isa not in native.runnable_isas()]
+    if not missing:
+        pytest.skip("not run: this CPU runs every path")
+    native.load.cache_clear()
+    try:
+        assert native.load("int4_matmul", missing[0]) is None
+    finally:
+        native.load.cache_clear()
+    assert f"KVSERVE_ISA={missing[0]}: this CPU cannot run that path" in caplog.text
