@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.models.linear import INT4_GROUP, DenseLinear, Int4Linear, Int8Linear, int4_groups, make_linear
+from kvserve.models.linear import (
+    INT4_GROUP,
+    DenseLinear,
+    Int4Linear,
+    Int8GroupLinear,
+    Int8Linear,
+    int4_groups,
+    make_linear,
+)
 
 CPU = torch.device("cpu")
 
@@ -52,8 +60,24 @@ def test_q4_takes_four_bit_tensors_exactly_and_falls_back_to_int8():
     assert torch.equal((lo[..., None] + scale[..., None] * codes.view(4200, -1, INT4_GROUP).float()).view(4200, 64), tall)
     tall[4150, 5] += 1e-3
     assert int4_groups(tall) is None
-    assert isinstance(make_linear(dense, None, "q4", CPU, torch.float32), Int8Linear)
+    assert isinstance(make_linear(dense, None, "q4", CPU, torch.float32), Int8GroupLinear)
     assert isinstance(make_linear(dense, None, "f32", CPU, torch.float32), DenseLinear)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0"])
+@pytest.mark.parametrize("fmt", ["q4", "int8"])
+def test_symmetric_gguf_grids_are_held_exactly(qtype, fmt):
+    """A tensor as the gguf library quantizes and dequantizes it: the int8 groups hold each group's own
+    f16 scale and codes, the same bits as the library's dequantization (not re-rounded to Q8_0's grid)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    x = torch.randn(96, 320, generator=torch.Generator().manual_seed(4)).numpy()
+    x[3, :32] = 0.0  # an all-zero group
+    weight = torch.from_numpy(dequantize(quantize(x, GGMLQuantizationType[qtype]), GGMLQuantizationType[qtype]))
+    lin = make_linear(weight, None, fmt, CPU, torch.float32)
+    assert isinstance(lin, Int8GroupLinear) and lin.kernel is not None
+    assert torch.equal(lin.weight, weight)
 
 
 @pytest.mark.parametrize("fmt, bound", [("bf16", 0.01), ("int8", 0.01), ("q4", 0.01)])
@@ -117,11 +141,11 @@ def check_int8_head(head) -> None:
 def test_int8_head_rows_alone_equal_batched_and_close_to_its_weights():
     """300 outputs, 190 inputs: panels of 16 rows and groups of 32 inputs both padded. The weights are
     rounded to an int8 grid with a scale per group of 32."""
-    from kvserve.models.linear import Int8HeadLinear
+    from kvserve.models.linear import Int8GroupLinear
 
     weight = torch.randn(300, 190, generator=torch.Generator().manual_seed(2))
-    head = make_linear(weight, None, "int8", CPU, torch.float32, head=True)
-    assert isinstance(head, Int8HeadLinear) and head.kernel is not None
+    head = make_linear(weight, None, "int8", CPU, torch.float32)
+    assert isinstance(head, Int8GroupLinear) and head.kernel is not None
     groups = torch.nn.functional.pad(weight, (0, 2)).view(300, -1, 32).abs().amax(-1)
     step = groups.repeat_interleave(32, 1)[:, :190] / 127  # each weight's own group's step
     assert ((head.weight - weight).abs() <= step / 2 * 1.01 + 1e-7).all()
@@ -138,13 +162,12 @@ def test_a_q8_0_head_is_held_exactly(fmt):
     codes[:, ::32] = 127  # each group's largest code is 127, as Q8_0's quantizer writes it
     scales = (torch.rand(4200, 6, generator=gen) * 0.02 + 1e-4).half().float()
     weight = codes * scales.repeat_interleave(32, 1)
-    head = make_linear(weight, None, fmt, CPU, torch.float32, head=True)
+    head = make_linear(weight, None, fmt, CPU, torch.float32)
     assert torch.equal(head.weight, weight)
     check_int8_head(head)
     ids = torch.tensor([0, 15, 16, 4095, 4096, 4199, 7, 7])  # panel and row-block edges, a repeat
     assert head.holds(weight) and torch.equal(head.rows(ids), weight[ids])  # a tied embedding's lookup
-    assert not head.holds(weight + 1e-3) and not make_linear(torch.randn(40, 64), None, fmt, CPU, torch.float32,
-                                                             head=True).holds(torch.randn(40, 64))
+    assert not head.holds(weight + 1e-3) and not make_linear(torch.randn(40, 64), None, fmt, CPU, torch.float32).holds(torch.randn(40, 64))
 
 
 def test_a_tied_q8_0_embedding_is_read_from_the_head(smollm2, smollm2_q4):
@@ -208,7 +231,7 @@ def test_int4_and_int8_kernels_without_avx512(monkeypatch, tmp_path):
             lin = make_linear(w, b, fmt, CPU, torch.float32)
             assert lin.kernel is not None and list(tmp_path.rglob("int4_matmul-*.so"))
             assert check_int4_kernel(lin, w, bound=high) > low
-        head = make_linear(torch.randn(40, 190), None, "int8", CPU, torch.float32, head=True)
+        head = make_linear(torch.randn(40, 190), None, "int8", CPU, torch.float32)
         assert head.kernel is not None and list(tmp_path.rglob("int8_matmul-*.so"))
         check_int8_head(head)
     finally:
@@ -231,10 +254,10 @@ def test_int4_without_the_kernel_uses_torchs(monkeypatch):
 def test_a_models_packed_weights_live_in_one_arena(smollm2_q4):
     """Every 4-bit projection and the int8 head of the loaded model: views of one buffer (2 MiB pages
     on Linux, see kvserve.host_memory)."""
-    from kvserve.models.linear import Int8HeadLinear
+    from kvserve.models.linear import Int8GroupLinear
 
     model = smollm2_q4.model
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    assert all(isinstance(lin, Int4Linear) for lin in linears) and isinstance(model.lm_head, Int8HeadLinear)
+    assert all(isinstance(lin, Int4Linear) for lin in linears) and isinstance(model.lm_head, Int8GroupLinear)
     packed = [lin.packed for lin in linears] + [model.lm_head.packed]
     assert len({p.untyped_storage().data_ptr() for p in packed}) == 1

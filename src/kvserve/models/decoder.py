@@ -17,7 +17,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.models.activations import gated
-from kvserve.models.linear import Int8HeadLinear, Linear, make_linear, pack_into_arena
+from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_into_arena
 from kvserve.models.norms import add_rms_norm, rms_norm
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotate_heads
 
@@ -63,8 +63,8 @@ class DecoderLM:
         self.dtype = dtype
         self.weight_format = weight_format
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False) -> Linear:
-            return make_linear(weight, bias, weight_format, device, dtype, head)
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return make_linear(weight, bias, weight_format, device, dtype)
 
         def w(name: str) -> torch.Tensor:
             # popped so each source tensor is freed as soon as its (fused) copy exists: the load
@@ -77,8 +77,8 @@ class DecoderLM:
         self.embed = w("token_embd.weight")  # [vocab, hidden]
         self.final_norm = w("output_norm.weight")
         tied = "output.weight" not in weights
-        self.lm_head = linear(self.embed if tied else w("output.weight"), head=True)
-        if tied and isinstance(self.lm_head, Int8HeadLinear) and self.lm_head.holds(self.embed):
+        self.lm_head = linear(self.embed if tied else w("output.weight"))
+        if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
             # the head's int8 groups are the embedding, exactly (a Q8_0 tensor): rows come from them, and
             # the f32 copy goes (SmolLM2 113 MB, Gemma 3 270M 671 MB)
             self.embed = None

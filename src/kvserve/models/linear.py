@@ -7,7 +7,7 @@
            digits (x ~ s * (q1 + q2 / 254)), so the product is exact integer arithmetic and the only
            rounding that matters is the weights'. The output head (every format but f32/bf16) keeps
            a scale per group of 32 inputs instead: GGUF Q8_0's grid, so SmolLM2's Q8_0 head is held
-           exactly (``Int8HeadLinear``).
+           exactly (``Int8GroupLinear``).
     q4     4-bit weights in groups of 32 (an f16 scale and offset each) for every tensor whose groups
            are exactly such a grid already (GGUF Q4_1, whose groups span their codes 0..15: the
            conversion is exact), int8 as above for the rest (Q4_0 and Q4_K groups that do not span
@@ -119,7 +119,7 @@ class Int8Linear:
         return (y if self.bias is None else y + self.bias).to(in_dtype)
 
 
-class Int8HeadLinear(Int8Linear):
+class Int8GroupLinear(Int8Linear):
     """The output head through ``native/int8_matmul.c``: int8 weights with an f16 scale per group of 32
     inputs (GGUF Q8_0's grid, so SmolLM2's Q8_0 head is held exactly), 16-row panels streamed once per
     8 activation rows. Each activation is one int16 code (two int8 digits joined); a group's products
@@ -170,19 +170,36 @@ def _int8_rows_kernel():
     return native.function("int8_matmul", "int8_rows", (p, p, i, i, p))
 
 
+# The symmetric GGUF grids, w = d * c with d f16 per group of 32, by the largest |code| their quantizers
+# give the group's largest |w|: Q8_0 (codes -127..127), Q5_0 (-16..15), Q4_0 (-8..7).
+SYMMETRIC_GRIDS = (127, 16, 8)
+
+
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF Q8_0's grid: w ~ d * q, q in -127..127, d = max|w| / 127 rounded to f16 per group of 32
-    inputs (inputs zero-padded to a multiple of 32). A Q8_0 tensor comes back exactly. Returns
-    (q int8 [out, in32], d f32 [out, groups])."""
+    """int8 codes with an f16 scale per group of 32 inputs (inputs zero-padded to a multiple of 32):
+    w = d * q. A group that is one of SYMMETRIC_GRIDS (a Q8_0, Q5_0 or Q4_0 tensor's) comes back exactly,
+    with its own scale and codes; any other is rounded to Q8_0's grid, d = max|w| / 127 in f16.
+    Returns (q int8 [out, in32], d f32 [out, groups])."""
     n, k = weight.shape
     groups = -(-k // INT4_GROUP)
     q, d = torch.empty(n, groups * INT4_GROUP, dtype=torch.int8), torch.empty(n, groups)
     for r in range(0, n, ROW_BLOCK):  # the whole head at once made ~250 MiB of temporaries
         padded = F.pad(weight[r : r + ROW_BLOCK].float(), (0, -k % INT4_GROUP)).view(-1, groups, INT4_GROUP)
-        dr = d[r : r + ROW_BLOCK] = (padded.abs().amax(-1) / 127).clamp_max(65504).half().float()
+        amax = padded.abs().amax(-1)
+        dr = (amax / 127).clamp_max(65504).half().float()
+        for largest in reversed(SYMMETRIC_GRIDS):  # the first grid that holds a group exactly wins
+            exact = exact_grid_scale(padded, amax / largest)
+            dr = torch.where(exact, amax / largest, dr)
+        d[r : r + ROW_BLOCK] = dr
         codes = (padded / dr[..., None]).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
         q[r : r + ROW_BLOCK] = codes.view(-1, groups * INT4_GROUP).to(torch.int8)
     return q, d
+
+
+def exact_grid_scale(groups: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per group [..., 32]: whether ``scale`` (an f16 value) times integer codes gives every weight back."""
+    codes = (groups / scale[..., None]).nan_to_num_(0.0, 0.0, 0.0).round_()
+    return (scale == scale.half().float()) & (scale > 0) & (codes * scale[..., None] == groups).all(-1)
 
 
 def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -309,10 +326,10 @@ def pack_into_arena(linears: list) -> None:
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device, dtype: torch.dtype,
-    head: bool = False,
+    weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device, dtype: torch.dtype
 ) -> Linear:
-    """head: the output head (applied only to the rows that need logits)."""
+    """``fmt``'s projection: 4-bit groups for a tensor that is a 4-bit grid already (q4, q4-fast), int8
+    groups for every other (q4, q4-fast, int8), dense floats for f32 and bf16."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     weight = weight.to(device)
@@ -326,5 +343,5 @@ def make_linear(
         if groups is not None:
             return Int4Linear(*groups, bias, fast=fmt == "q4-fast")
     if fmt in ("int8", "q4", "q4-fast"):
-        return Int8HeadLinear(weight, bias) if head else Int8Linear(weight, bias)
+        return Int8GroupLinear(weight, bias)
     return DenseLinear(weight, bias, torch.bfloat16 if fmt == "bf16" else dtype)
