@@ -297,6 +297,32 @@ static void block_scores(const float *q, const rows_view *R, int nr, int D, floa
     }
 #endif
     const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
+    if (D % VL == 0) { /* four rows a pass: four independent FMA chains, then each row's lane sum */
+        for (int g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            int r = 0;
+            for (; r + 4 <= nr; r += 4) {
+                vf a0 = vf_zero(), a1 = a0, a2 = a0, a3 = a0;
+                for (int d = 0; d < D; d += VL) {
+                    const vf qd = vf_load(qg + d);
+                    a0 = vf_fma(qd, vf_load(rows + (r + 0) * D + d), a0);
+                    a1 = vf_fma(qd, vf_load(rows + (r + 1) * D + d), a1);
+                    a2 = vf_fma(qd, vf_load(rows + (r + 2) * D + d), a2);
+                    a3 = vf_fma(qd, vf_load(rows + (r + 3) * D + d), a3);
+                }
+                scores[g * PARTITION + r] = vf_reduce_add(a0) * scale;
+                scores[g * PARTITION + r + 1] = vf_reduce_add(a1) * scale;
+                scores[g * PARTITION + r + 2] = vf_reduce_add(a2) * scale;
+                scores[g * PARTITION + r + 3] = vf_reduce_add(a3) * scale;
+            }
+            for (; r < nr; r++) { /* the same operations, one row */
+                vf a = vf_zero();
+                for (int d = 0; d < D; d += VL) a = vf_fma(vf_load(qg + d), vf_load(rows + r * D + d), a);
+                scores[g * PARTITION + r] = vf_reduce_add(a) * scale;
+            }
+        }
+        return;
+    }
     for (int g = 0; g < G; g++)
         for (int r = 0; r < nr; r++) {
             float dot = 0.0f;
@@ -332,6 +358,24 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
 #endif
     (void)kind;
     const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
+    if (D % (2 * VL) == 0) { /* H x 2 accumulators in registers across the rows, each row vector loaded once */
+        for (int d = 0; d < D; d += 2 * VL) {
+            vf a[4][2];
+            for (int g = 0; g < H; g++)
+                for (int s = 0; s < 2; s++) a[g][s] = vf_load(out + g * (D + 2) + d + VL * s);
+            for (int r = 0; r < nr; r++) {
+                const vf v0 = vf_load(rows + r * D + d), v1 = vf_load(rows + r * D + d + VL);
+                for (int g = 0; g < H; g++) {
+                    const vf wv = vf_set1(w[g * PARTITION + r]);
+                    a[g][0] = vf_fma(wv, v0, a[g][0]);
+                    a[g][1] = vf_fma(wv, v1, a[g][1]);
+                }
+            }
+            for (int g = 0; g < H; g++)
+                for (int s = 0; s < 2; s++) vf_store(out + g * (D + 2) + d + VL * s, a[g][s]);
+        }
+        return;
+    }
     for (int g = 0; g < H; g++)
         for (int r = 0; r < nr; r++)
             for (int d = 0; d < D; d++) out[g * (D + 2) + d] += w[g * PARTITION + r] * rows[r * D + d];
