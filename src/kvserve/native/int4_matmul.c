@@ -40,9 +40,7 @@
 #define GROUP 32
 #define PANEL 16
 #define BLOCK_BYTES 320
-#if defined(ROW_TILE_OVERRIDE)
-#define ROW_TILE ROW_TILE_OVERRIDE
-#elif VL == 8 /* 16 vector registers: a tile's accumulators beside a group's 8 code vectors */
+#if VL == 8 /* 16 vector registers: a tile's accumulators beside a group's 8 code vectors */
 #define ROW_TILE 4
 #else
 #define ROW_TILE 6

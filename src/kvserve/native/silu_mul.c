@@ -7,7 +7,9 @@
  */
 #include <stdint.h>
 
-#include "exp_nonpositive.h"
+#include "exp_nonpositive.h" /* and simd.h */
+
+SIMD_EXPORT_ISA
 
 static inline float silu_times(float g, float u) {
     float e = exp_nonpositive(g < 0.0f ? g : -g);
