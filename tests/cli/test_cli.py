@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from kvserve import native
+
 
 def kvserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvserve", *args], input=stdin, capture_output=True, text=True,
@@ -25,6 +27,15 @@ def test_run_answers_paris_with_json_stats():
     assert record["completion_tokens"] >= 2 and record["ttft_ms"] > 0
     # KV bytes in use: every token's K and V in every layer at the cache type's width (f16 by default)
     assert record["kv_bytes"] == (record["prompt_tokens"] + record["completion_tokens"]) * 2 * 30 * 3 * 64 * 2
+    # auto weights on the CPU: q4, through the C kernels built for this CPU's fastest path
+    assert record["weights"] == "q4" and record["kernels"] == native.isa()
+
+
+def test_run_names_a_bad_kvserve_isa_in_one_line(monkeypatch):
+    monkeypatch.setenv("KVSERVE_ISA", "avx3")
+    r = kvserve("run", "smollm2", "Hi", "--max-tokens", "2", "--json")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "KVSERVE_ISA='avx3': use one of native, avx512vnni, avx2, neon, portable" in r.stderr
 
 
 @pytest.mark.slow

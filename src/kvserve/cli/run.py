@@ -116,7 +116,17 @@ def result_record(engine, out: RequestOutput) -> dict:
         "cache_type_k": engine.config.cache.cache_type_k,
         "cache_type_v": engine.config.cache.cache_type_v_resolved,
         "kv_pool_bytes": engine.kv_pool_bytes,
+        "weights": engine.loaded.model.weight_format,
+        "kernels": kernels_in_use(engine),
     }
+
+
+def kernels_in_use(engine) -> str:
+    """Which path the matrix multiplies take: the C kernels' instruction set (``avx2``, ...), or torch."""
+    from kvserve import native
+
+    on = engine.loaded.model.device.type == "cpu" and native.load("int4_matmul") is not None
+    return native.isa() if on else "torch"
 
 
 def stats_line(engine, out: RequestOutput) -> str:
