@@ -3,15 +3,15 @@
     f32    dense float32 weights: the reference, every exactness test runs on it
     bf16   dense bfloat16 weights (activations cast to bf16 for the matmul, the residual stream stays
            f32): half the bytes read per decode step.
-    int8   int8 weights with one scale per output row; activations split per token into two int8
-           digits (x ~ s * (q1 + q2 / 254)), so the product is exact integer arithmetic and the only
-           rounding that matters is the weights'. The output head (every format but f32/bf16) keeps
-           a scale per group of 32 inputs instead: GGUF Q8_0's grid, so SmolLM2's Q8_0 head is held
-           exactly (``Int8GroupLinear``).
+    int8   int8 weights with an f16 scale per group of 32 inputs (``Int8GroupLinear``): a Q8_0, Q5_0 or
+           Q4_0 tensor's own codes and scales (the gguf library's dequantization, bit for bit), any other
+           tensor rounded to Q8_0's grid; each activation one int16 code (two int8 digits joined), so
+           the product is exact integer arithmetic and only the weights' rounding matters. Where the C
+           kernel cannot be built, one scale per output row through torch (``Int8Linear``).
     q4     4-bit weights in groups of 32 (an f16 scale and offset each) for every tensor whose groups
            are exactly such a grid already (GGUF Q4_1, whose groups span their codes 0..15: the
-           conversion is exact), int8 as above for the rest (Q4_0 and Q4_K groups that do not span
-           the full grid), the output head as int8 groups (SmolLM2's Q8_0, held exactly). The matmul is
+           conversion is exact), int8 groups as above for every other tensor (the output head included:
+           SmolLM2's Q8_0, held exactly). The matmul is
            ``native/int4_matmul.c`` (f32 activations as two int8 digits, exact integer group sums),
            torch's int4 CPU kernel (bf16 activations) where it cannot be built.
     q4-fast  q4 with llama.cpp's activations in the 4-bit projections: one int8 code per activation,
@@ -120,8 +120,9 @@ class Int8Linear:
 
 
 class Int8GroupLinear(Int8Linear):
-    """The output head through ``native/int8_matmul.c``: int8 weights with an f16 scale per group of 32
-    inputs (GGUF Q8_0's grid, so SmolLM2's Q8_0 head is held exactly), 16-row panels streamed once per
+    """The output head and every projection that is not a 4-bit grid, through ``native/int8_matmul.c``:
+    int8 weights with an f16 scale per group of 32 inputs (``int8_groups``: a Q8_0, Q5_0 or Q4_0 tensor
+    held exactly, so SmolLM2's Q8_0 head is), 16-row panels streamed once per
     8 activation rows. Each activation is one int16 code (two int8 digits joined); a group's products
     are an exact integer sum (AVX-512 VNNI). So only the activations round (~1e-5 of the output):
     SmolLM2's KLD ~1e-6, where one weight scale per row (re-rounding the Q8_0 grid) cost 0.0016.
