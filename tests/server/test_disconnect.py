@@ -144,7 +144,7 @@ async def _wait_for_aborts(c: httpx.AsyncClient, request_ids: set[str], timeout:
                 "model": "smollm2",
                 "messages": [{"role": "user", "content": "Write a long story."}],
                 "stream": False,
-                "options": {"num_predict": 400},
+                "options": {"num_predict": 400, "temperature": 0},  # greedy: all 400 tokens, no early end
             },
         ),
     ],

@@ -85,7 +85,13 @@ def test_freed_heap_memory_goes_back_to_the_os():
     release_freed_memory (as the dequantized weights did after a load)."""
     import subprocess
 
-    r = subprocess.run([sys.executable, "-c", FREED_HEAP], capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
-    kept, after = map(int, r.stdout.split())
-    assert kept > 200 and after < 50
+    runs = []
+    for _ in range(3):  # the OS may reclaim some idle pages by itself (a CI run once kept fewer than 200 MiB)
+        r = subprocess.run([sys.executable, "-c", FREED_HEAP], capture_output=True, text=True, timeout=120,
+                           check=False)
+        assert r.returncode == 0, r.stderr
+        kept, after = map(int, r.stdout.split())
+        runs.append((kept, after))
+        if kept > 200:
+            break
+    assert kept > 200 and after < 50, f"(MiB kept after the free, MiB after release_freed_memory) per run: {runs}"
