@@ -2,7 +2,8 @@
  * tests/native/test_arm.py builds it with aarch64-linux-gnu-gcc and runs it under qemu-aarch64.
  *
  *   arm_driver IN OUT
- *   IN:  int32 kernel (4: int4_matmul, 8: int8_matmul), M, N, K, digits, weight bytes, has bias;
+ *   IN:  int32 kernel (4: int4_matmul, 8: int8_matmul, 16: int8_matmul_g16), M, N, K, digits, weight bytes,
+ *        has bias;
  *        then x f32 [M][K], the packed weights, bias f32 [N] if any
  *   OUT: y f32 [M][N], then the path's name (simd_isa)
  */
@@ -14,6 +15,8 @@
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y, int num_threads,
                 int digits);
 int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y, int num_threads);
+int int8_matmul_g16(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
+                    int num_threads);
 const char *simd_isa(void);
 
 static void *read_exactly(FILE *f, size_t bytes) {
@@ -39,7 +42,9 @@ int main(int argc, char **argv) {
     float *bias = has_bias ? read_exactly(in, sizeof(float) * (size_t)N) : NULL;
     fclose(in);
     float *y = calloc((size_t)M * N, sizeof(float));
-    int rc = kind == 4 ? int4_matmul(x, w, bias, M, N, K, y, 2, digits) : int8_matmul(x, w, bias, M, N, K, y, 2);
+    int rc = kind == 4    ? int4_matmul(x, w, bias, M, N, K, y, 2, digits)
+             : kind == 16 ? int8_matmul_g16(x, w, bias, M, N, K, y, 2)
+                          : int8_matmul(x, w, bias, M, N, K, y, 2);
     if (rc != 0) return 3;
     FILE *out = fopen(argv[2], "wb");
     if (!out) return 2;

@@ -15,7 +15,7 @@ import torch
 
 from kvserve import native
 from kvserve.models.linear import int8_groups, pack_int8_groups
-from tests.native.test_isa_paths import SHAPES, int4_inputs, run_int4, run_int8
+from tests.native.test_isa_paths import SHAPES, grid16_inputs, int4_inputs, run_int4, run_int8
 
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 DRIVER = Path(__file__).with_name("arm_driver.c")
@@ -62,6 +62,15 @@ def test_arm_int4_matmul_same_bits_as_x86_portable(arm_programs, tmp_path, path)
             y, isa = run_arm(arm_programs[path], tmp_path, 4, x, packed, bias, n, digits)
             assert isa == path
             assert torch.equal(y, run_int4("portable", x, packed, bias, n, digits, 1)), (path, digits, m, n, k)
+
+
+@pytest.mark.parametrize("path", list(ARM_PATHS))
+def test_arm_int8_groups16_same_bits_as_x86_portable(arm_programs, tmp_path, path):
+    for seed, (m, n, k) in enumerate([(1, 40, 64), (9, 56, 192)]):
+        x, packed = grid16_inputs(m, n, k, seed)
+        y, isa = run_arm(arm_programs[path], tmp_path, 16, x, packed, None, n)
+        assert isa == path
+        assert torch.equal(y, run_int8("portable", x, packed, n, 1, "int8_matmul_g16")), (path, m, n, k)
 
 
 @pytest.mark.parametrize("path", list(ARM_PATHS))

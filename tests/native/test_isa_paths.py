@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve import native
-from kvserve.models.linear import int8_groups, pack_int4, pack_int8_groups
+from kvserve.models.linear import int8_groups, pack_int4, pack_int8_groups, pack_int8_groups16
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
@@ -50,8 +50,8 @@ def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int) -> to
     return y
 
 
-def run_int8(isa: str, x, packed, n: int, threads: int) -> torch.Tensor:
-    fn = kernel("int8_matmul", "int8_matmul", isa, (P, P, P, I, I, I, P, I))
+def run_int8(isa: str, x, packed, n: int, threads: int, name: str = "int8_matmul") -> torch.Tensor:
+    fn = kernel("int8_matmul", name, isa, (P, P, P, I, I, I, P, I))
     m, k = x.shape
     y = torch.full((m, n), float("nan"))
     assert fn(x.data_ptr(), packed.data_ptr(), None, m, n, k, y.data_ptr(), threads) == 0
@@ -78,6 +78,24 @@ def test_int8_head_same_bits_as_portable(isa):
         packed = pack_int8_groups(*int8_groups(torch.randn(n, k, generator=g)))
         x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)
         assert torch.equal(run_int8(isa, x, packed, n, 2), run_int8("portable", x, packed, n, 1)), (m, n, k)
+
+
+def grid16_inputs(m: int, n: int, k: int, seed: int):
+    """A Q4_K-like grid (codes 0..15, f32 scales and offsets per 16 inputs) and activations."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // 16, generator=g) * 0.01 + 1e-4
+    offsets = -torch.rand(n, k // 16, generator=g) * 0.1
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)
+    return x, pack_int8_groups16(codes, scales, offsets)
+
+
+@pytest.mark.parametrize("isa", FAST_PATHS)
+def test_int8_groups16_same_bits_as_portable(isa):
+    for seed, (m, n, k) in enumerate([(1, 40, 64), (9, 56, 192), (17, 33, 96)]):
+        x, packed = grid16_inputs(m, n, k, seed)
+        assert torch.equal(run_int8(isa, x, packed, n, 2, "int8_matmul_g16"),
+                           run_int8("portable", x, packed, n, 1, "int8_matmul_g16")), (m, n, k)
 
 
 def test_portable_int4_is_the_exact_integer_arithmetic():

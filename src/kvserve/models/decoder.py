@@ -17,7 +17,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.models.activations import gated
-from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_into_arena
+from kvserve.models.linear import Int8GroupLinear, Linear, int8_groups16, make_linear, pack_into_arena
 from kvserve.models.norms import add_rms_norm, rms_norm
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotate_heads
 
@@ -66,6 +66,19 @@ class DecoderLM:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return make_linear(weight, bias, weight_format, device, dtype)
 
+        def projection(names: list[str], bias: torch.Tensor | None = None) -> Linear:
+            """The tensors ``names`` stacked as one projection; where the file states the grid of one of them
+            (``GGUFWeights.grid16``), the stacked grid, so the int8 groups hold every part exactly."""
+            stated = [weights.grid16(n) if hasattr(weights, "grid16") else None for n in names]
+            parts = [w(n) for n in names]
+            grid16 = None
+            if any(g is not None for g in stated):
+                grids = [g if g is not None else int8_groups16(p) for g, p in zip(stated, parts)]
+                if all(g is not None for g in grids):
+                    grid16 = tuple(torch.cat(t) for t in zip(*grids))
+            weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return make_linear(weight, bias, weight_format, device, dtype, grid16)
+
         def w(name: str) -> torch.Tensor:
             # popped so each source tensor is freed as soon as its (fused) copy exists: the load
             # never holds the weights twice
@@ -91,13 +104,11 @@ class DecoderLM:
             self.layers.append(
                 LayerWeights(
                     attn_norm=w(p + "attn_norm.weight"),
-                    qkv=linear(
-                        torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]), bias
-                    ),
-                    o=linear(w(p + "attn_output.weight")),
+                    qkv=projection([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], bias),
+                    o=projection([p + "attn_output.weight"]),
                     ffn_norm=w(p + "ffn_norm.weight"),
-                    gate_up=linear(torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")])),
-                    down=linear(w(p + "ffn_down.weight")),
+                    gate_up=projection([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                    down=projection([p + "ffn_down.weight"]),
                     q_norm=opt(p + "attn_q_norm.weight"),
                     k_norm=opt(p + "attn_k_norm.weight"),
                     post_attn_norm=opt(p + "post_attention_norm.weight"),

@@ -64,6 +64,27 @@ class GGUFFile:
         return torch.from_numpy(out.reshape(shape))
 
 
+def q4_k_grid(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_K blocks as their grid: codes 0..15 (int8 [rows, cols]), and per 16 inputs the scale d * sc
+    and offset -(dmin * m) (f32 [rows, cols / 16]; each 32-input sub-block's, twice). scale * code + offset
+    rounds as the gguf library's dequantization (d * q - dm), so the grid is the file's, bit for bit."""
+    from gguf.quants import Q4_K
+
+    blocks = raw.reshape(-1, 144)
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = d * sc.astype(np.float32)  # [blocks, 8]: one per 32 inputs
+    offset = -(dmin * m.astype(np.float32))
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & np.uint8(0x0F)).reshape(rows, cols).astype(np.int8)
+    per16 = [torch.from_numpy(np.repeat(t, 2, axis=1).reshape(rows, cols // 16)) for t in (scale, offset)]
+    return torch.from_numpy(codes), per16[0], per16[1]
+
+
+GRID_DECODERS = {"Q4_K": q4_k_grid}  # the block types whose grids cannot be recovered from their values
+
+
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's converter permutation of Q/K rows (interleaved -> half-split RoPE layout).
 
@@ -99,11 +120,25 @@ class GGUFWeights:
             self.on_tensor(self.taken, self.total)
         return w
 
+    def grid16(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The file's own grid of a tensor (``GRID_DECODERS``' types: codes, scales and offsets per 16
+        inputs, rows as ``pop`` gives them), for the int8 groups to hold exactly; None for other types."""
+        t = self.gf.tensors[self.names[name]]
+        if t.type_name not in GRID_DECODERS:
+            return None
+        start = self.gf.header.data_offset + t.offset
+        rows, cols = t.num_elements // t.dims[0], t.dims[0]
+        grid = GRID_DECODERS[t.type_name](self.gf._data[start : start + t.num_bytes], rows, cols)
+        return tuple(self._fix_rows(name, part) for part in grid)
+
     def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._load(name) if name in self.names else default
 
     def _load(self, name: str) -> torch.Tensor:
-        w = self.gf.load_tensor(self.names[name])  # a KeyError for a missing tensor, as a dict's
+        return self._fix_rows(name, self.gf.load_tensor(self.names[name]))  # a KeyError for a missing tensor
+
+    def _fix_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """The architecture's fix-ups of a tensor's rows (llama's q/k RoPE permutation)."""
         if self.config.architecture == "llama":
             if name.endswith("attn_q.weight"):
                 w = unpermute_rope_rows(w, self.config.num_heads)

@@ -130,14 +130,28 @@ class Int8GroupLinear(Int8Linear):
     same bits alone or batched. Where the kernel cannot be built, ``Int8Linear``'s path (one scale per
     row)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, grid16: tuple[torch.Tensor, ...] | None = None
+    ) -> None:
+        """grid16: (codes, scales, offsets) of a grid the file states (GGUF Q4_K), held as given where no
+        f16 grid per 32 holds the tensor exactly."""
         self.kernel = _int8_matmul_kernel()
         if self.kernel is None:
             super().__init__(weight, bias)
             return
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.float()
-        self.packed = pack_int8_groups(*int8_groups(weight))
+        groups = int8_groups(weight, exact=True)  # the smaller layout wherever it holds the tensor exactly
+        if groups is None:
+            grid16 = grid16 if grid16 is not None else int8_groups16(weight)
+        else:
+            grid16 = None
+        if grid16 is not None:  # f32 scales (and offsets) per 16 inputs: Q6_K's, Q4_K's
+            self.layout, self.kernel = "g16", _int8_matmul_kernel("int8_matmul_g16")
+            self.packed = pack_int8_groups16(*grid16)
+        else:  # f16 scales per 32: a Q8_0/Q5_0/Q4_0 grid, or any tensor rounded to Q8_0's
+            self.layout = "g32"
+            self.packed = pack_int8_groups(*(groups or int8_groups(weight)))
         self.nbytes = self.packed.numel()
 
     @property
@@ -154,7 +168,8 @@ class Int8GroupLinear(Int8Linear):
         times its group's scale, a tied model's embedding lookup (only where the kernel holds them)."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.in_features) if out is None else out
-        _int8_rows_kernel()(self.packed.data_ptr(), ids.data_ptr(), ids.shape[0], self.in_features, out.data_ptr())
+        rows = _int8_rows_kernel("int8_rows_g16" if self.layout == "g16" else "int8_rows")
+        rows(self.packed.data_ptr(), ids.data_ptr(), ids.shape[0], self.in_features, out.data_ptr())
         return out
 
     def holds(self, weight: torch.Tensor) -> bool:
@@ -166,9 +181,9 @@ class Int8GroupLinear(Int8Linear):
                    for r in range(0, n, ROW_BLOCK))
 
 
-def _int8_rows_kernel():
+def _int8_rows_kernel(name: str = "int8_rows"):
     p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("int8_matmul", "int8_rows", (p, p, i, i, p))
+    return native.function("int8_matmul", name, (p, p, i, i, p))
 
 
 # The symmetric GGUF grids, w = d * c with d f16 per group of 32, by the largest |code| their quantizers
@@ -176,31 +191,84 @@ def _int8_rows_kernel():
 SYMMETRIC_GRIDS = (127, 16, 8)
 
 
-def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_groups(weight: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """int8 codes with an f16 scale per group of 32 inputs (inputs zero-padded to a multiple of 32):
     w = d * q. A group that is one of SYMMETRIC_GRIDS (a Q8_0, Q5_0 or Q4_0 tensor's) comes back exactly,
-    with its own scale and codes; any other is rounded to Q8_0's grid, d = max|w| / 127 in f16.
-    Returns (q int8 [out, in32], d f32 [out, groups])."""
+    with its own scale and codes; any other is rounded to Q8_0's grid, d = max|w| / 127 in f16 (with
+    ``exact``: None instead). Returns (q int8 [out, in32], d f32 [out, groups])."""
     n, k = weight.shape
     groups = -(-k // INT4_GROUP)
     q, d = torch.empty(n, groups * INT4_GROUP, dtype=torch.int8), torch.empty(n, groups)
     for r in range(0, n, ROW_BLOCK):  # the whole head at once made ~250 MiB of temporaries
-        padded = F.pad(weight[r : r + ROW_BLOCK].float(), (0, -k % INT4_GROUP)).view(-1, groups, INT4_GROUP)
+        padded = F.pad(weight[r : r + ROW_BLOCK].float(), (0, -k % INT4_GROUP)).view(-1, INT4_GROUP)
         amax = padded.abs().amax(-1)
         dr = (amax / 127).clamp_max(65504).half().float()
-        for largest in reversed(SYMMETRIC_GRIDS):  # the first grid that holds a group exactly wins
-            exact = exact_grid_scale(padded, amax / largest)
-            dr = torch.where(exact, amax / largest, dr)
-        d[r : r + ROW_BLOCK] = dr
-        codes = (padded / dr[..., None]).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
+        todo = (amax > 0).nonzero().squeeze(1)  # the groups no grid holds yet
+        for largest in SYMMETRIC_GRIDS:  # the first grid that holds a group exactly wins
+            if todo.numel() == 0:
+                break
+            candidate = amax[todo] / largest
+            fits = exact_grid_scale(padded[todo], candidate, f16=True)
+            dr[todo[fits]] = candidate[fits]
+            todo = todo[~fits]
+        if exact and todo.numel():
+            return None
+        d[r : r + ROW_BLOCK] = dr.view(-1, groups)
+        codes = (padded / dr[:, None]).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
         q[r : r + ROW_BLOCK] = codes.view(-1, groups * INT4_GROUP).to(torch.int8)
     return q, d
 
 
-def exact_grid_scale(groups: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per group [..., 32]: whether ``scale`` (an f16 value) times integer codes gives every weight back."""
+def int8_groups16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A symmetric grid with an f32 scale per 16 inputs (GGUF Q6_K's d * sc, codes -32..31; Q8_0, Q5_0 and
+    Q4_0 too), found from the values: per group, the scale max|w| / c for the first largest |code| c of
+    127, 32, 31, ..., 1 that gives every weight back exactly. Returns (codes int8 [out, in32], scales, offsets (zero) f32 [out, in32 / 16]), or None
+    when some group is no such grid (or the inputs are not a multiple of 32)."""
+    n, k = weight.shape
+    if k % INT4_GROUP:
+        return None
+    codes, scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 16)
+    for r in range(0, n, ROW_BLOCK):
+        g = weight[r : r + ROW_BLOCK].float().reshape(-1, 16)
+        amax = g.abs().amax(-1)
+        scale = torch.zeros_like(amax)
+        todo = (amax > 0).nonzero().squeeze(1)  # the groups still without a scale
+        for largest in (127, *range(32, 0, -1)):  # Q8_0's, then Q6_K's (and Q5_0's, Q4_0's) codes
+            if todo.numel() == 0:
+                break
+            candidate = amax[todo] / largest
+            fits = exact_grid_scale(g[todo], candidate, f16=False)
+            scale[todo[fits]] = candidate[fits]
+            todo = todo[~fits]
+        if todo.numel():
+            return None
+        scales[r : r + ROW_BLOCK] = scale.view(-1, k // 16)
+        codes[r : r + ROW_BLOCK] = (g / scale[:, None]).nan_to_num_(0.0, 0.0, 0.0).round_().view(-1, k).to(torch.int8)
+    return codes, scales, torch.zeros_like(scales)
+
+
+def pack_int8_groups16(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """int8 codes [out, in32], f32 scales and offsets [out, in32 / 16] -> u8 [ceil(out / 16), groups, 768],
+    ``native/int8_matmul.c``'s GROUPS_16 layout: per panel of 16 outputs and group of 32 inputs, the 16
+    scales of inputs 0-15, of 16-31, the offsets likewise (f32), then the codes as pack_int8_groups'."""
+    n, k = q.shape
+    panels, groups = -(-n // 16), k // INT4_GROUP
+    pad = (0, 0, 0, panels * 16 - n)
+    codes = F.pad(q, pad).view(panels, 16, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(panels, groups, 512)
+
+    def halves(t: torch.Tensor) -> torch.Tensor:  # [out, groups * 2] -> [panels, groups, 2 halves x 16 lanes] bytes
+        t = F.pad(t.float(), pad).view(panels, 16, groups, 2).permute(0, 2, 3, 1).contiguous()
+        return t.view(panels, groups, 32).view(torch.uint8)
+
+    return torch.cat([halves(scales), halves(offsets), codes.view(torch.uint8)], -1).contiguous()
+
+
+def exact_grid_scale(groups: torch.Tensor, scale: torch.Tensor, f16: bool) -> torch.Tensor:
+    """Per group [..., size]: whether ``scale`` (with ``f16``, an f16 value) times integer codes in
+    -127..127 gives every weight back."""
     codes = (groups / scale[..., None]).nan_to_num_(0.0, 0.0, 0.0).round_()
-    return (scale == scale.half().float()) & (scale > 0) & (codes * scale[..., None] == groups).all(-1)
+    fits = (scale > 0) & (codes * scale[..., None] == groups).all(-1) & (codes.abs() <= 127).all(-1)
+    return fits & (scale == scale.half().float()) if f16 else fits
 
 
 def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -216,9 +284,9 @@ def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales.contiguous().view(torch.uint8), codes], -1).contiguous()
 
 
-def _int8_matmul_kernel():
+def _int8_matmul_kernel(name: str = "int8_matmul"):
     p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("int8_matmul", "int8_matmul", (p, p, p, i, i, i, p, i), i)
+    return native.function("int8_matmul", name, (p, p, p, i, i, i, p, i), i)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -327,10 +395,12 @@ def pack_into_arena(linears: list) -> None:
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device, dtype: torch.dtype
+    weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device, dtype: torch.dtype,
+    grid16: tuple[torch.Tensor, ...] | None = None,
 ) -> Linear:
     """``fmt``'s projection: 4-bit groups for a tensor that is a 4-bit grid already (q4, q4-fast), int8
-    groups for every other (q4, q4-fast, int8), dense floats for f32 and bf16."""
+    groups for every other (q4, q4-fast, int8), dense floats for f32 and bf16. grid16: the file's own grid
+    of ``weight`` where its values do not tell it (``Int8GroupLinear``)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     weight = weight.to(device)
@@ -344,5 +414,5 @@ def make_linear(
         if groups is not None:
             return Int4Linear(*groups, bias, fast=fmt == "q4-fast")
     if fmt in ("int8", "q4", "q4-fast"):
-        return Int8GroupLinear(weight, bias)
+        return Int8GroupLinear(weight, bias, grid16)
     return DenseLinear(weight, bias, torch.bfloat16 if fmt == "bf16" else dtype)

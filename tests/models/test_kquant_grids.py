@@ -1,0 +1,72 @@
+"""GGUF's K-quants held in their own grids by the int8 groups (``Int8GroupLinear``'s f32 scales and offsets
+per 16 inputs): Gemma 3 270M's Q4_K and Q6_K tensors, read from the real file, the same bits as the gguf
+library's dequantization; and the arithmetic of such groups against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.models.gguf_file import GGUFFile, GGUFWeights
+from kvserve.models.linear import Int8GroupLinear, int8_groups16, make_linear, pack_int8_groups16
+from kvserve.models.registry import resolve
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def gemma_weights():
+    from kvserve.models.gguf_config import read_model_config
+
+    gf = GGUFFile(resolve("gemma3-270m"))
+    return gf, GGUFWeights(gf, read_model_config(gf.header))
+
+
+@pytest.mark.parametrize("name, qtype", [("blk.0.attn_output.weight", "Q4_K"), ("blk.0.ffn_down.weight", "Q6_K"),
+                                         ("blk.2.ffn_down.weight", "Q4_K")])
+def test_gemma3_k_quant_tensors_are_held_exactly(gemma_weights, name, qtype):
+    gf, weights = gemma_weights
+    assert gf.tensors[name].type_name == qtype
+    weight = gf.load_tensor(name)  # the gguf library's dequantization
+    lin = make_linear(weight, None, "q4", CPU, torch.float32, weights.grid16(name))
+    assert isinstance(lin, Int8GroupLinear) and lin.layout == "g16"
+    assert torch.equal(lin.weight, weight)
+    if qtype == "Q6_K":  # symmetric: found from the values alone
+        assert weights.grid16(name) is None and int8_groups16(weight) is not None
+    else:  # Q4_K's codes need not span 0..15: only the file says its grid
+        assert int8_groups16(weight) is None
+        assert not torch.equal(make_linear(weight, None, "q4", CPU, torch.float32).weight, weight)
+
+
+def test_the_loaded_gemma3_holds_every_projection_exactly(gemma_weights):
+    """No tensor of the model rounded: each projection's weights are the file's (two layers checked: every type the file has)."""
+    from kvserve.models.loader import load_model
+
+    gf, _ = gemma_weights
+    model = load_model("gemma3-270m", weight_format="q4").model
+    for i in (0, 2):  # layer 0: Q6_K down, layer 2: Q4_K down
+        layer, p = model.layers[i], f"blk.{i}."
+        qkv = torch.cat([gf.load_tensor(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
+        gate_up = torch.cat([gf.load_tensor(p + n) for n in ("ffn_gate.weight", "ffn_up.weight")])
+        for lin, exact in ((layer.qkv, qkv), (layer.o, gf.load_tensor(p + "attn_output.weight")),
+                           (layer.gate_up, gate_up), (layer.down, gf.load_tensor(p + "ffn_down.weight"))):
+            assert torch.equal(lin.weight, exact)
+
+
+def test_groups16_arithmetic_with_offsets_against_float64():
+    """Codes 0..15, f32 scales and offsets per 16 inputs: the product within the activations' int16
+    rounding of x @ W.T, and each row the same bits alone or batched."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 72, 160
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+    scales, offsets = torch.rand(n, k // 16, generator=g) * 0.01 + 1e-4, -torch.rand(n, k // 16, generator=g) * 0.1
+    weight = (codes.float().view(n, -1, 16) * scales[..., None] + offsets[..., None]).view(n, k)
+    lin = Int8GroupLinear(weight, None, (codes, scales, offsets))
+    assert lin.layout == "g16" and torch.equal(lin.weight, weight)
+    assert lin.packed.shape == pack_int8_groups16(codes, scales, offsets).shape
+    x = torch.randn(11, k, generator=g) * torch.linspace(0.01, 30, k)
+    y = lin(x)
+    exact = x.double() @ weight.double().T
+    assert float((y.double() - exact).norm() / exact.norm()) < 1e-4
+    for i in (0, 10):
+        assert torch.equal(lin(x[i : i + 1])[0], y[i])
