@@ -28,7 +28,7 @@ def test_gemma3_k_quant_tensors_are_held_exactly(gemma_weights, name, qtype):
     gf, weights = gemma_weights
     assert gf.tensors[name].type_name == qtype
     weight = gf.load_tensor(name)  # the gguf library's dequantization
-    lin = make_linear(weight, None, "q4", CPU, torch.float32, weights.grid16(name))
+    lin = make_linear(weight, None, "q4", CPU, torch.float32, weights.grid16(name))  # decoded when needed
     assert isinstance(lin, Int8GroupLinear) and lin.layout == "g16"
     assert torch.equal(lin.weight, weight)
     if qtype == "Q6_K":  # symmetric: found from the values alone
@@ -70,3 +70,23 @@ def test_groups16_arithmetic_with_offsets_against_float64():
     assert float((y.double() - exact).norm() / exact.norm()) < 1e-4
     for i in (0, 10):
         assert torch.equal(lin(x[i : i + 1])[0], y[i])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1"])
+def test_affine_grids_from_the_blocks_are_the_librarys_dequantization(qtype):
+    """Q4_1 and Q5_1 (w = d * q + m per 32) as the gguf library quantizes them: the grid decoded from the
+    blocks, held by the int8 groups, gives its dequantization back bit for bit (a Q4_1 group that does not
+    span 0..15 cannot be the 4-bit kernel's, nor found from the values)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from kvserve.models.gguf_file import GRID_DECODERS
+
+    x = torch.randn(48, 256, generator=torch.Generator().manual_seed(8)).numpy()
+    x[:, :32] *= np.linspace(0.01, 1, 32)  # groups of every spread
+    raw = quantize(x, GGMLQuantizationType[qtype])
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
+    grid = GRID_DECODERS[qtype](raw.reshape(-1), *weight.shape)  # a tuple; the loader passes a function
+    lin = make_linear(weight, None, "int8", CPU, torch.float32, grid)
+    assert lin.layout == "g16" and torch.equal(lin.weight, weight)

@@ -68,15 +68,16 @@ class DecoderLM:
 
         def projection(names: list[str], bias: torch.Tensor | None = None) -> Linear:
             """The tensors ``names`` stacked as one projection; where the file states the grid of one of them
-            (``GGUFWeights.grid16``), the stacked grid, so the int8 groups hold every part exactly."""
+            (``GGUFWeights.grid16``), the stacked grid, so the int8 groups can hold every part exactly."""
             stated = [weights.grid16(n) if hasattr(weights, "grid16") else None for n in names]
             parts = [w(n) for n in names]
-            grid16 = None
-            if any(g is not None for g in stated):
-                grids = [g if g is not None else int8_groups16(p) for g, p in zip(stated, parts)]
-                if all(g is not None for g in grids):
-                    grid16 = tuple(torch.cat(t) for t in zip(*grids))
             weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+
+            def stacked_grid() -> tuple[torch.Tensor, ...] | None:
+                grids = [g() if g is not None else int8_groups16(p) for g, p in zip(stated, parts)]
+                return tuple(torch.cat(t) for t in zip(*grids)) if all(g is not None for g in grids) else None
+
+            grid16 = stacked_grid if any(g is not None for g in stated) else None
             return make_linear(weight, bias, weight_format, device, dtype, grid16)
 
         def w(name: str) -> torch.Tensor:

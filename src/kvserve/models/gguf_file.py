@@ -82,7 +82,28 @@ def q4_k_grid(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torc
     return torch.from_numpy(codes), per16[0], per16[1]
 
 
-GRID_DECODERS = {"Q4_K": q4_k_grid}  # the block types whose grids cannot be recovered from their values
+def affine_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_1 / Q5_1 blocks (d, m f16; codes of 4 or 5 bits per 32 inputs, w = d * q + m) as their grid,
+    the same layout and rounding as q4_k_grid's."""
+    size = 20 if bits == 4 else 24
+    blocks = raw.reshape(-1, size)
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+    m = blocks[:, 2:4].view(np.float16).astype(np.float32)
+    qs = blocks[:, size - 16 :].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    codes = (qs & np.uint8(0x0F)).reshape(-1, 32)
+    if bits == 5:
+        high = blocks[:, 4:8].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)
+        codes = codes | ((high & np.uint32(1)).astype(np.uint8) << np.uint8(4))
+    per16 = [torch.from_numpy(np.repeat(t, 2, axis=1).reshape(rows, cols // 16)) for t in (d, m)]
+    return torch.from_numpy(codes.reshape(rows, cols).astype(np.int8)), per16[0], per16[1]
+
+
+# the block types whose grids cannot be recovered from their values (asymmetric: scale and offset)
+GRID_DECODERS = {
+    "Q4_K": q4_k_grid,
+    "Q4_1": lambda raw, rows, cols: affine_grid(raw, rows, cols, 4),
+    "Q5_1": lambda raw, rows, cols: affine_grid(raw, rows, cols, 5),
+}
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -120,16 +141,17 @@ class GGUFWeights:
             self.on_tensor(self.taken, self.total)
         return w
 
-    def grid16(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The file's own grid of a tensor (``GRID_DECODERS``' types: codes, scales and offsets per 16
-        inputs, rows as ``pop`` gives them), for the int8 groups to hold exactly; None for other types."""
+    def grid16(self, name: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """The file's own grid of a tensor, for the int8 groups to hold exactly (``GRID_DECODERS``' types:
+        codes, scales and offsets per 16 inputs, rows as ``pop`` gives them), decoded when called (a
+        tensor that is held otherwise never is); None for other types."""
         t = self.gf.tensors[self.names[name]]
         if t.type_name not in GRID_DECODERS:
             return None
         start = self.gf.header.data_offset + t.offset
-        rows, cols = t.num_elements // t.dims[0], t.dims[0]
-        grid = GRID_DECODERS[t.type_name](self.gf._data[start : start + t.num_bytes], rows, cols)
-        return tuple(self._fix_rows(name, part) for part in grid)
+        rows, cols, decode = t.num_elements // t.dims[0], t.dims[0], GRID_DECODERS[t.type_name]
+        return lambda: tuple(self._fix_rows(name, part)
+                             for part in decode(self.gf._data[start : start + t.num_bytes], rows, cols))
 
     def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._load(name) if name in self.names else default

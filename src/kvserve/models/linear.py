@@ -40,6 +40,7 @@ A projection is a callable ``x [num_tokens, in] -> [num_tokens, out]``; the mode
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -131,10 +132,11 @@ class Int8GroupLinear(Int8Linear):
     row)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, grid16: tuple[torch.Tensor, ...] | None = None
+        self, weight: torch.Tensor, bias: torch.Tensor | None,
+        grid16: Callable[[], tuple[torch.Tensor, ...] | None] | tuple[torch.Tensor, ...] | None = None,
     ) -> None:
-        """grid16: (codes, scales, offsets) of a grid the file states (GGUF Q4_K), held as given where no
-        f16 grid per 32 holds the tensor exactly."""
+        """grid16: (codes, scales, offsets) of a grid the file states (GGUF Q4_K), or a function making it,
+        held as given where no f16 grid per 32 holds the tensor exactly."""
         self.kernel = _int8_matmul_kernel()
         if self.kernel is None:
             super().__init__(weight, bias)
@@ -142,10 +144,12 @@ class Int8GroupLinear(Int8Linear):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.float()
         groups = int8_groups(weight, exact=True)  # the smaller layout wherever it holds the tensor exactly
-        if groups is None:
-            grid16 = grid16 if grid16 is not None else int8_groups16(weight)
-        else:
+        if groups is not None:
             grid16 = None
+        elif callable(grid16):
+            grid16 = grid16()
+        if groups is None and grid16 is None:
+            grid16 = int8_groups16(weight)
         if grid16 is not None:  # f32 scales (and offsets) per 16 inputs: Q6_K's, Q4_K's
             self.layout, self.kernel = "g16", _int8_matmul_kernel("int8_matmul_g16")
             self.packed = pack_int8_groups16(*grid16)
@@ -396,11 +400,11 @@ def pack_into_arena(linears: list) -> None:
 
 def make_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device, dtype: torch.dtype,
-    grid16: tuple[torch.Tensor, ...] | None = None,
+    grid16: Callable[[], tuple[torch.Tensor, ...] | None] | None = None,
 ) -> Linear:
     """``fmt``'s projection: 4-bit groups for a tensor that is a 4-bit grid already (q4, q4-fast), int8
     groups for every other (q4, q4-fast, int8), dense floats for f32 and bf16. grid16: the file's own grid
-    of ``weight`` where its values do not tell it (``Int8GroupLinear``)."""
+    of ``weight`` where its values do not tell it, made when called (``Int8GroupLinear``)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     weight = weight.to(device)
