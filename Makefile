@@ -32,12 +32,13 @@ run: model
 	@if [ -t 0 ]; then $(KVSERVE) run $(MODEL); \
 	else $(KVSERVE) run $(MODEL) "$(PROMPT)" --temperature 0; fi
 
-# Debian's aarch64 cross compiler and qemu-user, for the ARM kernel tests (tests/native/test_arm.py);
-# where they cannot be installed those tests report themselves skipped.
+# Debian's aarch64 cross compiler and qemu-user (the ARM kernel tests, tests/native/test_arm.py) and clang
+# (a build without OpenMP); where they cannot be installed those tests report themselves skipped.
 cross-tools:
-	@if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null; then \
+	@if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null \
+			|| ! command -v clang >/dev/null; then \
 		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-			(apt-get update -qq && apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null) \
+			(apt-get update -qq && apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user clang >/dev/null) \
 				|| echo "note: aarch64 cross tools not installed: the ARM kernel tests will be skipped"; \
 		else echo "note: no aarch64 cross tools: the ARM kernel tests will be skipped"; fi; \
 	fi

@@ -90,3 +90,24 @@ def test_affine_grids_from_the_blocks_are_the_librarys_dequantization(qtype):
     grid = GRID_DECODERS[qtype](raw.reshape(-1), *weight.shape)  # a tuple; the loader passes a function
     lin = make_linear(weight, None, "int8", CPU, torch.float32, grid)
     assert lin.layout == "g16" and torch.equal(lin.weight, weight)
+
+
+@pytest.mark.parametrize("qtype, size", [("Q4_K", 144), ("Q5_K", 176), ("Q4_1", 20), ("Q5_1", 24)])
+def test_grids_of_random_blocks_are_the_librarys_dequantization(qtype, size):
+    """Any bytes are a valid block but for the f16 scales: random blocks (their scales made finite and
+    small) decoded by GRID_DECODERS and held by the int8 groups give the gguf library's dequantization
+    back bit for bit (K-quants cannot be made with the library's quantize)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kvserve.models.gguf_file import GRID_DECODERS
+
+    rng = np.random.default_rng(9)
+    rows, cols = 32, 512
+    blocks = rng.integers(0, 256, (rows * cols // (256 if "K" in qtype else 32), size), dtype=np.uint8)
+    scales = (rng.random((blocks.shape[0], 2)) * 0.02 + 1e-4).astype(np.float16)
+    blocks[:, 0:4] = scales.view(np.uint8).reshape(-1, 4)  # d and dmin (or m) first in every type here
+    weight = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType[qtype]))
+    lin = make_linear(weight, None, "int8", CPU, torch.float32, GRID_DECODERS[qtype](blocks.reshape(-1), rows, cols))
+    assert lin.layout == "g16" and torch.equal(lin.weight, weight)

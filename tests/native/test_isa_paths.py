@@ -182,3 +182,61 @@ def test_swiglu_on_every_path_matches_torch(isa):
     silu_mul(gate_up.data_ptr(), 5, 203, out.data_ptr())
     gate, up = gate_up.chunk(2, -1)
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_clang_without_openmp_same_bits_as_gcc(isa, monkeypatch, tmp_path, caplog):
+    """The integer kernels built by clang without OpenMP (as Apple's clang builds them: one thread whatever
+    is asked) against this machine's gcc build with it: the same bits."""
+    import shutil
+
+    if shutil.which("clang") is None:
+        pytest.skip("not run: no clang on this machine (Debian: clang)")
+    x, packed, bias = int4_inputs(13, 72, 128, seed=3)
+    gx, gpacked = grid16_inputs(9, 56, 192, seed=4)
+
+    def outputs() -> list[torch.Tensor]:
+        native.load.cache_clear()
+        return [run_int4(isa, x, packed, bias, 72, 2, 2), run_int8(isa, gx, gpacked, 56, 2, "int8_matmul_g16")]
+
+    with_gcc = outputs()
+    monkeypatch.setenv("CC", "clang")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    try:
+        with_clang = outputs()
+    finally:
+        native.load.cache_clear()
+    assert list(tmp_path.rglob("int4_matmul-*.so")) and list(tmp_path.rglob("int8_matmul-*.so"))
+    if "has no OpenMP" not in caplog.text:  # a clang with OpenMP here: build it without, as Apple's
+        monkeypatch.setattr(native, "FLAGS", [f for f in native.FLAGS if f != "-fopenmp"])
+        monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "no-openmp"))
+        with_clang = outputs()
+        native.load.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(with_gcc, with_clang))
+
+
+def test_portable_float_to_half_rounds_as_torch(tmp_path):
+    """half.h's bit-level f32 -> f16 (what a compiler without _Float16 or F16C builds: clang 14 on x86,
+    the portable path) against torch's conversion, over every exponent, ties, subnormals and overflow."""
+    import subprocess
+
+    probe = tmp_path / "probe.c"
+    probe.write_text('#include "half.h"\n'
+                     "void convert(const float *x, uint16_t *h, int n) { for (int i = 0; i < n; i++) h[i] = float_to_half(x[i]); }\n")
+    lib = tmp_path / "probe.so"
+    subprocess.run([native.compiler(), "-O2", "-fPIC", "-shared", "-DKVSERVE_PORTABLE", f"-I{native.SOURCE_DIR}",
+                    str(probe), "-o", str(lib)], check=True, capture_output=True, text=True, timeout=120)
+    convert = ctypes.CDLL(str(lib)).convert
+    g = torch.Generator().manual_seed(0)
+    bits = torch.cat([torch.randint(0, 2**31, (200_000,), generator=g, dtype=torch.int64),  # every exponent
+                      torch.arange(0x33000000 - 64, 0x33000000 + 64),  # around 2^-25, f16's smallest half step
+                      torch.arange(0x477FE000 - 64, 0x477FE000 + 64)])  # around 65520, overflow's edge
+    x = bits.to(torch.int32).view(torch.float32)
+    x = torch.cat([x, -x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504.0, 6.1035156e-05])])
+    x = x.contiguous()
+    ours = torch.empty(x.shape[0], dtype=torch.int16)
+    convert(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(ours.data_ptr()), x.shape[0])
+    assert torch.equal(ours, x.half().view(torch.int16))
+    nan = torch.tensor([float("nan")])
+    convert(ctypes.c_void_p(nan.data_ptr()), ctypes.c_void_p(ours.data_ptr()), 1)
+    assert ours[0] & 0x7C00 == 0x7C00 and ours[0] & 0x3FF

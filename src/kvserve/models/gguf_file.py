@@ -64,27 +64,32 @@ class GGUFFile:
         return torch.from_numpy(out.reshape(shape))
 
 
-def q4_k_grid(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF Q4_K blocks as their grid: codes 0..15 (int8 [rows, cols]), and per 16 inputs the scale d * sc
-    and offset -(dmin * m) (f32 [rows, cols / 16]; each 32-input sub-block's, twice). scale * code + offset
-    rounds as the gguf library's dequantization (d * q - dm), so the grid is the file's, bit for bit."""
+def k_quant_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_K / Q5_K blocks (256 inputs: d, dmin f16, 6-bit scales and minimums per 32, codes of 4 or 5
+    bits) as their grid: codes (int8 [rows, cols]), and per 16 inputs the scale d * sc and offset
+    -(dmin * m) (f32 [rows, cols / 16]; each 32-input sub-block's, twice). scale * code + offset rounds as
+    the gguf library's dequantization (d * q - dm), so the grid is the file's, bit for bit."""
     from gguf.quants import Q4_K
 
-    blocks = raw.reshape(-1, 144)
+    size = 144 if bits == 4 else 176
+    blocks = raw.reshape(-1, size)
     d = blocks[:, 0:2].view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
     scale = d * sc.astype(np.float32)  # [blocks, 8]: one per 32 inputs
     offset = -(dmin * m.astype(np.float32))
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    codes = (qs & np.uint8(0x0F)).reshape(rows, cols).astype(np.int8)
+    qs = blocks[:, size - 128 :].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & np.uint8(0x0F)).reshape(-1, 8, 32)
+    if bits == 5:  # bit j of high byte i: sub-block j's input i
+        high = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        codes = codes | ((high & np.uint8(1)) << np.uint8(4))
     per16 = [torch.from_numpy(np.repeat(t, 2, axis=1).reshape(rows, cols // 16)) for t in (scale, offset)]
-    return torch.from_numpy(codes), per16[0], per16[1]
+    return torch.from_numpy(codes.reshape(rows, cols).astype(np.int8)), per16[0], per16[1]
 
 
 def affine_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF Q4_1 / Q5_1 blocks (d, m f16; codes of 4 or 5 bits per 32 inputs, w = d * q + m) as their grid,
-    the same layout and rounding as q4_k_grid's."""
+    the same layout and rounding as k_quant_grid's."""
     size = 20 if bits == 4 else 24
     blocks = raw.reshape(-1, size)
     d = blocks[:, 0:2].view(np.float16).astype(np.float32)
@@ -100,7 +105,8 @@ def affine_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torch
 
 # the block types whose grids cannot be recovered from their values (asymmetric: scale and offset)
 GRID_DECODERS = {
-    "Q4_K": q4_k_grid,
+    "Q4_K": lambda raw, rows, cols: k_quant_grid(raw, rows, cols, 4),
+    "Q5_K": lambda raw, rows, cols: k_quant_grid(raw, rows, cols, 5),
     "Q4_1": lambda raw, rows, cols: affine_grid(raw, rows, cols, 4),
     "Q5_1": lambda raw, rows, cols: affine_grid(raw, rows, cols, 5),
 }

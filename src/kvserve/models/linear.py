@@ -4,7 +4,9 @@
     bf16   dense bfloat16 weights (activations cast to bf16 for the matmul, the residual stream stays
            f32): half the bytes read per decode step.
     int8   int8 weights with an f16 scale per group of 32 inputs (``Int8GroupLinear``): a Q8_0, Q5_0 or
-           Q4_0 tensor's own codes and scales (the gguf library's dequantization, bit for bit), any other
+           Q4_0 tensor's own codes and scales; or with an f32 scale and offset per 16 inputs: a Q6_K
+           tensor's (found from its values), a Q4_K, Q5_K, Q4_1 or Q5_1 tensor's (the file's grid,
+           ``gguf_file.GRID_DECODERS``), all the gguf library's dequantization bit for bit; any other
            tensor rounded to Q8_0's grid; each activation one int16 code (two int8 digits joined), so
            the product is exact integer arithmetic and only the weights' rounding matters. Where the C
            kernel cannot be built, one scale per output row through torch (``Int8Linear``).

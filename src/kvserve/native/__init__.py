@@ -34,9 +34,12 @@ SOURCE_DIR = Path(__file__).parent
 # for the whole process. These flags allow only what the loops need to vectorize (reordered sums).
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast"]
-# The integer kernels give the same bits on every path: their float steps are explicit fused
-# multiply-adds, and no other multiply and add may be fused on one path and not on another.
-SOURCE_FLAGS = {"int4_matmul": ["-ffp-contract=off"], "int8_matmul": ["-ffp-contract=off"]}
+# The integer kernels give the same bits on every path and compiler: their float steps are explicit
+# fused multiply-adds in a fixed order, so no multiply and add may be fused, nor an expression
+# re-associated (clang turned x * (127 / m) into (x * 127) / m), on one build and not another.
+# rope.c rounds as torch's formula does, each product and sum apart.
+EXACT_FLOAT = ["-ffp-contract=off", "-fno-associative-math"]
+SOURCE_FLAGS = {"int4_matmul": EXACT_FLOAT, "int8_matmul": EXACT_FLOAT, "rope": ["-ffp-contract=off"]}
 
 # The instruction-set paths of simd.h: the flags that build each, and the CPU features (of
 # /proc/cpuinfo's flags or, on ARM, Features) that run it.
@@ -154,7 +157,14 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
         ).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         if not target.exists():
-            _build(cc, flags, source, target)
+            try:
+                _build(cc, flags, source, target)
+            except subprocess.CalledProcessError:
+                if "-fopenmp" not in flags:
+                    raise
+                # a compiler without OpenMP (Apple's clang): the same kernels on the calling thread
+                _build(cc, [f for f in flags if f != "-fopenmp"], source, target)
+                log.warning("%s has no OpenMP: native %s kernel built to run on one thread", cc, name)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)

@@ -30,7 +30,7 @@
  * accumulators in memory).
  */
 #include <math.h>
-#include <omp.h>
+#include "parallel.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

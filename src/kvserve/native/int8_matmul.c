@@ -31,7 +31,7 @@
  * and keeps their accumulators in registers.
  */
 #include <math.h>
-#include <omp.h>
+#include "parallel.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -16,13 +16,6 @@
 
 #include "kv_kinds.h"
 
-static inline uint16_t float_to_half(float f) {
-    _Float16 h = (_Float16)f; /* round to nearest even, as torch */
-    uint16_t bits;
-    memcpy(&bits, &h, 2);
-    return bits;
-}
-
 static inline uint16_t float_to_bf16(float f) { /* round to nearest even (finite inputs), as torch */
     uint32_t u;
     memcpy(&u, &f, 4);

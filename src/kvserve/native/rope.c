@@ -4,15 +4,15 @@
  *   out[j] = x[j] * cos[j] + x[j - D/2] * sin[j]      j >= D/2       models/rope.py folds the sign in)
  *
  * with cos/sin one row of D per token. Each product and the sum are rounded as torch rounds
- * apply_rotary's x * cos + rotated * sin (no fused multiply-add), so both paths give the same bits.
+ * apply_rotary's x * cos + rotated * sin (no fused multiply-add: built with -ffp-contract=off, see
+ * native/__init__.py), so both paths give the same bits.
  * At one token torch's version is ~12 us a call in dispatch (plus a split); this is the arithmetic.
  *
  *   x: [tokens][token_stride floats], head h of token t at x + t * token_stride + h * D
  */
 #include <stdint.h>
 
-__attribute__((optimize("fp-contract=off"))) static void rotate(float *restrict v, const float *restrict c,
-                                                                const float *restrict s, int D) {
+static void rotate(float *restrict v, const float *restrict c, const float *restrict s, int D) {
     const int half = D / 2;
     float out[D];
     for (int j = 0; j < half; j++) out[j] = v[j] * c[j] + v[j + half] * s[j];
