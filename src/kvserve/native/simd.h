@@ -1,5 +1,5 @@
-/* Vector primitives, one implementation per instruction set; the integer kernels are written once
- * against them (ggml-cpu's model), so adding an instruction set means filling in this file.
+/* Vector primitives, one implementation per instruction set; the kernels are written once against them
+ * (ggml-cpu's model), so adding an instruction set means filling in this file.
  *
  *   path         chosen when the build targets           VL   integer group dot
  *   avx512vnni   AVX-512 F/BW/VL + VNNI                  16   vpdpbusd / vpdpwssd
