@@ -60,11 +60,12 @@ def test_eval_cli_on_smollm2(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, bound", [("bf16", 0.002), ("q4", 2e-5), ("int8", 0.0045), ("q4-fast", 0.0035)])
+@pytest.mark.parametrize("fmt, bound", [("bf16", 0.002), ("q4", 2e-5), ("int8", 2e-5), ("q4-fast", 0.0035)])
 def test_weight_formats_stay_close_to_f32(smollm2, smollm2_q4, fmt, bound):
     """Teacher-forced over text, each weight format against f32 weights: stated KLD bounds (measured here,
-    384 tokens: bf16 0.00076, q4 1.2e-6, int8 0.0030, q4-fast 0.0023; over 1,024 tokens: 0.00068, 1e-6,
-    0.0026, 0.0019). q4's bound fails if the output head leaves the Q8_0 grid (one scale per row: 0.0016)."""
+    384 tokens: bf16 0.00076, q4 1.2e-6, int8 1.3e-6, q4-fast 0.0023; over 1,024 tokens: 0.00068, 1e-6,
+    1e-6, 0.0019). q4's bound fails if the output head leaves the Q8_0 grid (one scale per row: 0.0016);
+    int8's if the Q4_1 tensors leave theirs (rounded to Q8_0's grid per 32: 0.0011 over 1,024 tokens)."""
     from kvserve.models.loader import load_model
     from kvserve.quality.text import default_text
 
