@@ -209,15 +209,7 @@ def int8_groups(weight: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor
         padded = F.pad(weight[r : r + ROW_BLOCK].float(), (0, -k % INT4_GROUP)).view(-1, INT4_GROUP)
         amax = padded.abs().amax(-1)
         dr = (amax / 127).clamp_max(65504).half().float()
-        todo = (amax > 0).nonzero().squeeze(1)  # the groups no grid holds yet
-        for largest in SYMMETRIC_GRIDS:  # the first grid that holds a group exactly wins
-            if todo.numel() == 0:
-                break
-            candidate = amax[todo] / largest
-            fits = exact_grid_scale(padded[todo], candidate, f16=True)
-            dr[todo[fits]] = candidate[fits]
-            todo = todo[~fits]
-        if exact and todo.numel():
+        if fit_grid_scales(padded, amax, dr, SYMMETRIC_GRIDS, f16=True) and exact:
             return None
         d[r : r + ROW_BLOCK] = dr.view(-1, groups)
         codes = (padded / dr[:, None]).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
@@ -228,8 +220,9 @@ def int8_groups(weight: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor
 def int8_groups16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A symmetric grid with an f32 scale per 16 inputs (GGUF Q6_K's d * sc, codes -32..31; Q8_0, Q5_0 and
     Q4_0 too), found from the values: per group, the scale max|w| / c for the first largest |code| c of
-    127, 32, 31, ..., 1 that gives every weight back exactly. Returns (codes int8 [out, in32], scales, offsets (zero) f32 [out, in32 / 16]), or None
-    when some group is no such grid (or the inputs are not a multiple of 32)."""
+    127, 32, 31, ..., 1 that gives every weight back exactly. Returns (codes int8 [out, in32], scales,
+    offsets (zero) f32 [out, in32 / 16]), or None when some group is no such grid (or the inputs are
+    not a multiple of 32)."""
     n, k = weight.shape
     if k % INT4_GROUP:
         return None
@@ -238,15 +231,7 @@ def int8_groups16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         g = weight[r : r + ROW_BLOCK].float().reshape(-1, 16)
         amax = g.abs().amax(-1)
         scale = torch.zeros_like(amax)
-        todo = (amax > 0).nonzero().squeeze(1)  # the groups still without a scale
-        for largest in (127, *range(32, 0, -1)):  # Q8_0's, then Q6_K's (and Q5_0's, Q4_0's) codes
-            if todo.numel() == 0:
-                break
-            candidate = amax[todo] / largest
-            fits = exact_grid_scale(g[todo], candidate, f16=False)
-            scale[todo[fits]] = candidate[fits]
-            todo = todo[~fits]
-        if todo.numel():
+        if fit_grid_scales(g, amax, scale, (127, *range(32, 0, -1)), f16=False):  # Q8_0's, then Q6_K's codes
             return None
         scales[r : r + ROW_BLOCK] = scale.view(-1, k // 16)
         codes[r : r + ROW_BLOCK] = (g / scale[:, None]).nan_to_num_(0.0, 0.0, 0.0).round_().view(-1, k).to(torch.int8)
@@ -267,6 +252,21 @@ def pack_int8_groups16(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
         return t.view(panels, groups, 32).view(torch.uint8)
 
     return torch.cat([halves(scales), halves(offsets), codes.view(torch.uint8)], -1).contiguous()
+
+
+def fit_grid_scales(groups: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, largest_codes, f16: bool) -> int:
+    """For each group [num_groups, size] whose largest |w| is amax: the scale amax / c for the first c of
+    ``largest_codes`` that holds the group exactly (exact_grid_scale), written into ``scale``. Returns how
+    many nonzero groups none of them holds (their ``scale`` entries left as they were)."""
+    todo = (amax > 0).nonzero().squeeze(1)
+    for largest in largest_codes:
+        if todo.numel() == 0:
+            break
+        candidate = amax[todo] / largest
+        fits = exact_grid_scale(groups[todo], candidate, f16)
+        scale[todo[fits]] = candidate[fits]
+        todo = todo[~fits]
+    return todo.numel()
 
 
 def exact_grid_scale(groups: torch.Tensor, scale: torch.Tensor, f16: bool) -> torch.Tensor:
