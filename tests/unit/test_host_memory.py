@@ -94,4 +94,7 @@ def test_freed_heap_memory_goes_back_to_the_os():
         runs.append((kept, after))
         if kept > 200:
             break
-    assert kept > 200 and after < 50, f"(MiB kept after the free, MiB after release_freed_memory) per run: {runs}"
+    if kept <= 200:  # seen in fresh-clone CI runs: the process kept 12 of the 300 MiB, three times in a row
+        pytest.skip(f"not run: the freed heap went back to the OS by itself here, nothing left for "
+                    f"release_freed_memory (MiB kept, MiB after, per run: {runs})")
+    assert after < 50, f"(MiB kept after the free, MiB after release_freed_memory) per run: {runs}"
