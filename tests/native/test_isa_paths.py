@@ -19,9 +19,13 @@ P, I = ctypes.c_void_p, ctypes.c_int
 FAST_PATHS = [isa for isa in native.ISA_FLAGS if isa != "portable"]
 
 
-def kernel(source: str, name: str, isa: str, argtypes: tuple, restype=I):
+def skip_unless_runnable(isa: str) -> None:
     if isa not in native.runnable_isas():
         pytest.skip(f"not run: this CPU cannot run the {isa} path (it runs {', '.join(native.runnable_isas())})")
+
+
+def kernel(source: str, name: str, isa: str, argtypes: tuple, restype=I):
+    skip_unless_runnable(isa)
     lib = native.load(source, isa)
     assert lib is not None, f"the {isa} build of {source}.c failed"
     if hasattr(lib, "simd_isa"):  # the kernels written against simd.h say which path they took
@@ -140,8 +144,7 @@ def path_build(monkeypatch):
     """Selects a path for every kernel built while the test runs (KVSERVE_ISA), and forgets the builds after."""
 
     def select(isa: str) -> None:
-        if isa not in native.runnable_isas():
-            pytest.skip(f"not run: this CPU cannot run the {isa} path (it runs {', '.join(native.runnable_isas())})")
+        skip_unless_runnable(isa)
         monkeypatch.setenv("KVSERVE_ISA", isa)
         native.load.cache_clear()
         native.function.cache_clear()

@@ -20,9 +20,8 @@ class KVServeRunner:
 
     def build(self) -> tuple[str, str]:
         """The C kernels' instruction-set path and compiler flags ("torch" where they are off)."""
-        if native.load("int4_matmul") is None:
-            return "torch", ""
-        return native.isa(), " ".join(native.build_flags("int4_matmul", native.requested_isa()))
+        path = native.kernel_path()
+        return path, "" if path == "torch" else " ".join(native.build_flags("int4_matmul", native.requested_isa()))
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16

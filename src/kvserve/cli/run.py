@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 
+from kvserve import native
 from kvserve.cli.chat import interactive_chat
 from kvserve.cli.live import LiveAnswer
 from kvserve.cli.options import add_engine_args, load_engine
@@ -117,16 +118,8 @@ def result_record(engine, out: RequestOutput) -> dict:
         "cache_type_v": engine.config.cache.cache_type_v_resolved,
         "kv_pool_bytes": engine.kv_pool_bytes,
         "weights": engine.loaded.model.weight_format,
-        "kernels": kernels_in_use(engine),
+        "kernels": native.kernel_path() if engine.loaded.model.device.type == "cpu" else "torch",
     }
-
-
-def kernels_in_use(engine) -> str:
-    """Which path the matrix multiplies take: the C kernels' instruction set (``avx2``, ...), or torch."""
-    from kvserve import native
-
-    on = engine.loaded.model.device.type == "cpu" and native.load("int4_matmul") is not None
-    return native.isa() if on else "torch"
 
 
 def stats_line(engine, out: RequestOutput) -> str:

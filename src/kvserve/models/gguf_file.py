@@ -41,6 +41,12 @@ class GGUFFile:
     def architecture(self) -> str:
         return self.header.architecture
 
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """A tensor's stored bytes, a view of the mapped file."""
+        t = self.tensors[name]
+        start = self.header.data_offset + t.offset
+        return self._data[start : start + t.num_bytes]
+
     def load_tensor(self, name: str) -> torch.Tensor:
         """Dequantize one tensor to float32, in torch layout ([out, in] for matrices)."""
         from gguf.constants import GGMLQuantizationType
@@ -49,8 +55,7 @@ class GGUFFile:
         t = self.tensors[name]
         if t.type_name not in SUPPORTED_TENSOR_TYPES:
             raise ModelLoadError(f"{self.path}: tensor {name} has unsupported type {t.type_name}")
-        start = self.header.data_offset + t.offset
-        raw = self._data[start : start + t.num_bytes]
+        raw = self.tensor_bytes(name)
         shape = tuple(reversed(t.dims))  # torch order: the contiguous dimension last
         if t.type_name in ("F32", "F16"):  # a copy out of the mapped file
             array = np.array(raw.view(np.float32 if t.type_name == "F32" else np.float16), dtype=np.float32)
@@ -151,13 +156,12 @@ class GGUFWeights:
         """The file's own grid of a tensor, for the int8 groups to hold exactly (``GRID_DECODERS``' types:
         codes, scales and offsets per 16 inputs, rows as ``pop`` gives them), decoded when called (a
         tensor that is held otherwise never is); None for other types."""
-        t = self.gf.tensors[self.names[name]]
+        stored = self.names[name]
+        t = self.gf.tensors[stored]
         if t.type_name not in GRID_DECODERS:
             return None
-        start = self.gf.header.data_offset + t.offset
         rows, cols, decode = t.num_elements // t.dims[0], t.dims[0], GRID_DECODERS[t.type_name]
-        return lambda: tuple(self._fix_rows(name, part)
-                             for part in decode(self.gf._data[start : start + t.num_bytes], rows, cols))
+        return lambda: tuple(self._fix_rows(name, part) for part in decode(self.gf.tensor_bytes(stored), rows, cols))
 
     def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._load(name) if name in self.names else default

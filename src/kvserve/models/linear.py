@@ -146,13 +146,9 @@ class Int8GroupLinear(Int8Linear):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.float()
         groups = int8_groups(weight, exact=True)  # the smaller layout wherever it holds the tensor exactly
-        if groups is not None:
-            grid16 = None
-        elif callable(grid16):
-            grid16 = grid16()
-        if groups is None and grid16 is None:
-            grid16 = int8_groups16(weight)
-        if grid16 is not None:  # f32 scales (and offsets) per 16 inputs: Q6_K's, Q4_K's
+        if groups is None:  # the file's grid, else one found from the values: f32 scales (offsets) per 16
+            grid16 = (grid16() if callable(grid16) else grid16) or int8_groups16(weight)
+        if groups is None and grid16 is not None:
             self.layout, self.kernel = "g16", _int8_matmul_kernel("int8_matmul_g16")
             self.packed = pack_int8_groups16(*grid16)
         else:  # f16 scales per 32: a Q8_0/Q5_0/Q4_0 grid, or any tensor rounded to Q8_0's

@@ -4,8 +4,9 @@ No build step for the user: the first call compiles the source with the machine'
 (``$CC``, else ``cc``/``gcc``) for this exact CPU (``-march=native``) into a cache directory, later
 calls load the cached library. ``KVSERVE_ISA`` builds for one instruction-set path instead (simd.h):
 ``avx512vnni``, ``avx2``, ``neon`` or ``portable``, compiled for that path's baseline so that every
-path can be built, tested and measured on a machine that runs it; ``isa()`` names the path in use. The library links OpenMP's ``libgomp.so.1``, the runtime torch
-itself loaded, so the kernels share torch's threads instead of fighting them for the cores.
+path can be built, tested and measured on a machine that runs it; ``kernel_path()`` names the path in
+use. The library links OpenMP's ``libgomp.so.1``, the runtime torch itself loaded, so the kernels share
+torch's threads instead of fighting them for the cores.
 
 Without a compiler (or with ``KVSERVE_NATIVE=0``) ``load`` returns None and callers keep their
 torch path; the reason is logged once. ``function`` hands out one function of a library with its
@@ -70,26 +71,25 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(keys: tuple[str, ...]) -> str:
+    """The first line of /proc/cpuinfo that starts with one of ``keys`` ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(keys)), "")
     except OSError:
         return ""
 
 
+def _cpu_flags() -> str:
+    return _cpuinfo_line(("flags", "Features"))  # x86, ARM
+
+
 def cpu_model() -> str:
     """The CPU's name as the OS reports it (x86: "model name"; ARM: the CPU part), or the machine type."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model", "CPU part")):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or platform.machine()
+    return _cpuinfo_line(("model name", "Model", "CPU part")).partition(":")[2].strip() or (
+        platform.processor() or platform.machine())
 
 
 def runnable_isas() -> list[str]:
@@ -111,6 +111,12 @@ def requested_isa() -> str | None:
 def isa() -> str:
     """The path the kernels are built for: KVSERVE_ISA's, else the fastest this CPU runs."""
     return requested_isa() or runnable_isas()[0]
+
+
+def kernel_path() -> str:
+    """The path the CPU kernels run on now: ``isa()``, or "torch" where they are off (no compiler,
+    KVSERVE_NATIVE=0, a KVSERVE_ISA this CPU cannot run)."""
+    return isa() if load("int4_matmul") is not None else "torch"
 
 
 def build_flags(name: str, isa: str | None = None) -> list[str]:

@@ -30,11 +30,10 @@
  * accumulators in memory).
  */
 #include <math.h>
-#include "parallel.h"
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
+#include "parallel.h"
 #include "simd.h"
 
 #define GROUP 32

@@ -31,11 +31,11 @@
  * and keeps their accumulators in registers.
  */
 #include <math.h>
-#include "parallel.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "simd.h"
 
 #define PANEL 16

@@ -27,11 +27,7 @@ typedef struct {
 
 static void halves_to_floats(const uint16_t *h, float *restrict dst, int n) {
     int i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#endif
+    for (; i + VL <= n; i += VL) vf_store(dst + i, vf_from_half(h + i));
     for (; i < n; i++) dst[i] = half_to_float(h[i]);
 }
 
