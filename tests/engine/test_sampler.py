@@ -82,3 +82,27 @@ def test_seeded_draws_follow_the_distribution():
     again = [s.sample(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [r2])[0][0] for _ in range(50)]
     r3 = _request([], temperature=1.0, seed=7)
     assert again == [s.sample(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [r3])[0][0] for _ in range(50)]
+
+
+def test_extreme_in_range_values_draw_a_token_instead_of_failing():
+    """Values the API accepts must never reach the draw as inf/NaN probabilities."""
+    s = Sampler(str)
+    logits = torch.tensor([[2.0, 5.0, -1.0, 0.0]])
+    cases = {
+        "tiny temperature is greedy": dict(temperature=1e-39),
+        "top_p that is 0 in float32 keeps the top token": dict(temperature=1.0, top_p=1e-46),
+        "tiny repetition penalty": dict(temperature=1.0, repetition_penalty=1e-300),
+        "huge repetition penalty": dict(temperature=1.0, repetition_penalty=1e300),
+        "huge temperature": dict(temperature=1e38),
+    }
+    for name, params in cases.items():
+        [(token, _)] = s.sample(logits.clone(), [_request([1, 0], seed=3, **params)])
+        assert isinstance(token, int), f"{name}: {token!r}"
+    [(token, _)] = s.sample(logits.clone(), [_request([], temperature=1e-39, seed=1)])
+    assert token == 1  # greedy: the argmax
+    [(token, _)] = s.sample(logits.clone(), [_request([], temperature=1.0, top_p=1e-46, seed=1)])
+    assert token == 1  # only the most likely token is left
+    # seen tokens 0 and 1 boosted to +inf by a tiny penalty: the draw stays among them
+    drawn = {s.sample(logits.clone(), [_request([0, 1], temperature=1.0, repetition_penalty=1e-300, seed=i)])[0][0]
+             for i in range(20)}
+    assert drawn <= {0, 1}

@@ -36,6 +36,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         remove = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        remove[0] = False  # and the most likely one: a top_p that is 0 in float32 still leaves a token
         logits = logits.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
     if min_p > 0.0:
         probs = logits.softmax(-1)
@@ -72,8 +73,11 @@ class Sampler:
         p = request.params
         x = apply_penalties(row.clone(), request) if _needs_penalty(p) else row
         if p.greedy:
-            return int(torch.argmax(x))
-        x = filter_logits(x / p.temperature, p.top_k, p.top_p, p.min_p)
+            return int(torch.argmax(torch.nan_to_num(x, nan=float("-inf"))))
+        # extreme (valid) penalties and temperatures push logits to +-inf or NaN (0 * inf): +inf
+        # becomes the largest float, so those tokens share the draw; NaN is never drawn
+        x = torch.nan_to_num(x / p.temperature, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
+        x = filter_logits(x, p.top_k, p.top_p, p.min_p)
         probs = x.softmax(-1)
         if request.generator is None:
             request.generator = torch.Generator(device=row.device)

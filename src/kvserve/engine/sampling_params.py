@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily: dividing logits by a temperature near float32's smallest
+# values overflows to inf, and a distribution that sharp is the argmax anyway (vLLM's cut-off too).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable
+    """``temperature`` below ``GREEDY_BELOW_TEMPERATURE`` (0 included) means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable
     those filters. ``max_tokens=None`` generates until a stop or the context limit."""
 
     max_tokens: int | None = 256
@@ -55,4 +58,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
