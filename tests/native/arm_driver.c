@@ -12,12 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y, int num_threads,
-                int digits);
-int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y, int num_threads);
-int int8_matmul_g16(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                    int num_threads);
-const char *simd_isa(void);
+#include "kernels.h"
 
 static void *read_exactly(FILE *f, size_t bytes) {
     void *p = malloc(bytes ? bytes : 1);

@@ -35,8 +35,9 @@ def arm_programs(tmp_path_factory) -> dict[str, Path]:
         program = out / f"kernels-{path}"
         sources = [native.SOURCE_DIR / "int4_matmul.c", native.SOURCE_DIR / "int8_matmul.c", DRIVER]
         base = [f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
-        subprocess.run([CROSS_CC, *base, *native.SOURCE_FLAGS["int4_matmul"], *flags, "-static", *map(str, sources),
-                        "-o", str(program)], check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([CROSS_CC, *base, *native.SOURCE_FLAGS["int4_matmul"], *flags, f"-I{native.SOURCE_DIR}",
+                        "-static", *map(str, sources), "-o", str(program)],
+                       check=True, capture_output=True, text=True, timeout=300)
         programs[path] = program
     return programs
 

@@ -12,10 +12,10 @@ import torch
 
 from kvserve import native
 from kvserve.models.linear import int8_groups, pack_int4, pack_int8_groups, pack_int8_groups16
+from kvserve.native import abi
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
-P, I = ctypes.c_void_p, ctypes.c_int
 FAST_PATHS = [isa for isa in native.ISA_FLAGS if isa != "portable"]
 
 
@@ -24,16 +24,14 @@ def skip_unless_runnable(isa: str) -> None:
         pytest.skip(f"not run: this CPU cannot run the {isa} path (it runs {', '.join(native.runnable_isas())})")
 
 
-def kernel(source: str, name: str, isa: str, argtypes: tuple, restype=I):
+def kernel(source: str, name: str, isa: str):
+    """``name`` of ``<source>.c`` built for ``isa``, with kernels.h's signature."""
     skip_unless_runnable(isa)
     lib = native.load(source, isa)
     assert lib is not None, f"the {isa} build of {source}.c failed"
     if hasattr(lib, "simd_isa"):  # the kernels written against simd.h say which path they took
-        lib.simd_isa.restype = ctypes.c_char_p
-        assert lib.simd_isa().decode().startswith(isa), "the build took another path than the one asked for"
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = list(argtypes), restype
-    return fn
+        assert abi.bind(lib, "simd_isa")().decode().startswith(isa), "the build took another path than asked for"
+    return abi.bind(lib, name)
 
 
 def int4_inputs(m: int, n: int, k: int, seed: int):
@@ -47,7 +45,7 @@ def int4_inputs(m: int, n: int, k: int, seed: int):
 
 
 def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int) -> torch.Tensor:
-    fn = kernel("int4_matmul", "int4_matmul", isa, (P, P, P, I, I, I, P, I, I))
+    fn = kernel("int4_matmul", "int4_matmul", isa)
     m, k = x.shape
     y = torch.full((m, n), float("nan"))
     assert fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), m, n, k, y.data_ptr(), threads, digits) == 0
@@ -55,7 +53,7 @@ def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int) -> to
 
 
 def run_int8(isa: str, x, packed, n: int, threads: int, name: str = "int8_matmul") -> torch.Tensor:
-    fn = kernel("int8_matmul", name, isa, (P, P, P, I, I, I, P, I))
+    fn = kernel("int8_matmul", name, isa)
     m, k = x.shape
     y = torch.full((m, n), float("nan"))
     assert fn(x.data_ptr(), packed.data_ptr(), None, m, n, k, y.data_ptr(), threads) == 0
@@ -178,7 +176,7 @@ def test_attention_on_every_path_matches_the_torch_path(isa, path_build):
 
 @pytest.mark.parametrize("isa", list(native.ISA_FLAGS))
 def test_swiglu_on_every_path_matches_torch(isa):
-    silu_mul = kernel("silu_mul", "silu_mul", isa, (P, I, I, P), None)
+    silu_mul = kernel("silu_mul", "silu_mul", isa)
     gate_up = torch.randn(5, 2 * 203, generator=torch.Generator().manual_seed(1)) * 8  # a tail past any VL
     gate_up[0, :6] = torch.tensor([-100.0, -1e-4, 0.0, -0.0, 1e-4, 100.0])
     out = torch.empty(5, 203)

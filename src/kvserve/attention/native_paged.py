@@ -21,14 +21,13 @@ import torch
 from kvserve import native
 from kvserve.kv.codecs import KVCodec
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.native import abi
 
 # codec name -> kind in paged_attention.c
 KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8": 5, "tq2": 6, "tq3": 7, "tq4": 8}
-
-_i, _i64, _p, _f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_PART = [_i, _p, _p, _i64, _i64, _p]  # kind, codes, scales, code stride, scale stride, table
-_DECODE_ARGS = [_i, _i, _i, _i, _p, _p, _p, _i64, _p, _i, _i, _i, _f, *_PART, *_PART, _p, _p, _i]
-_PREFILL_ARGS = [_i, _i64, _i, _i, _i, _p, _p, _p, _i, _i, _i, _f, *_PART, *_PART, _i]
+# The attention kernels' parameters for each of K and V (kernels.h: k_kind, k_codes, ...), in the order
+# NativePagedAttention.layer_args holds them.
+KV_PART = ("kind", "codes", "scales", "code_stride", "scale_stride", "table")
 
 
 class NativePagedAttention:
@@ -38,10 +37,8 @@ class NativePagedAttention:
 
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
         self.num_kv_heads, self.num_blocks, self.block_size = storage.num_kv_heads, storage.num_blocks, storage.block_size
-        self.decode_kernel = library.paged_decode_attention
-        self.prefill_kernel = library.paged_prefill_attention
-        for kernel, args in ((self.decode_kernel, _DECODE_ARGS), (self.prefill_kernel, _PREFILL_ARGS)):
-            kernel.argtypes, kernel.restype = args, _i
+        self.decode_kernel = abi.bind(library, "paged_decode_attention")
+        self.prefill_kernel = abi.bind(library, "paged_prefill_attention")
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         # rotated codecs: the query's rotation (keys) and the output's un-rotation (values), kept alive
         self._rotations = [rotation_matrix(storage.k_codec), rotation_matrix(storage.v_codec, transposed=True)]
@@ -110,8 +107,7 @@ class NativeKVWrite:
 
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
         self.storage = weakref.ref(storage)  # not the storage: the entry must not keep its key alive
-        self.kernel = library.kv_write
-        self.kernel.argtypes = [_i, _p, _i, _i, _i, _p, _p, _i64, _p, _i64, _p, _p]
+        self.kernel = abi.bind(library, "kv_write")
         self._tables = [self._rotation(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         self.layer_args = [
             [self._part(parts, codec, tables) for parts, codec, tables in

@@ -7,7 +7,6 @@ machines without the kernel go through torch.
 
 from __future__ import annotations
 
-import ctypes
 from functools import cache
 
 import torch
@@ -18,8 +17,7 @@ from kvserve import native
 
 @cache  # looked up once a layer: one cache hit without arguments
 def _silu_mul_kernel():
-    p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("silu_mul", "silu_mul", (p, i, i, p))
+    return native.function("silu_mul", "silu_mul")
 
 
 def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:

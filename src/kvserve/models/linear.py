@@ -41,7 +41,6 @@ A projection is a callable ``x [num_tokens, in] -> [num_tokens, out]``; the mode
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from typing import Protocol
 
@@ -184,8 +183,7 @@ class Int8GroupLinear(Int8Linear):
 
 
 def _int8_rows_kernel(name: str = "int8_rows"):
-    p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("int8_matmul", name, (p, p, i, i, p))
+    return native.function("int8_matmul", name)
 
 
 # The symmetric GGUF grids, w = d * c with d f16 per group of 32, by the largest |code| their quantizers
@@ -287,8 +285,7 @@ def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_matmul_kernel(name: str = "int8_matmul"):
-    p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("int8_matmul", name, (p, p, p, i, i, i, p, i), i)
+    return native.function("int8_matmul", name)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -369,8 +366,7 @@ class Int4Linear:
 
 
 def _int4_matmul_kernel():
-    p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i), i)
+    return native.function("int4_matmul", "int4_matmul")
 
 
 def _run_matmul(

@@ -14,8 +14,6 @@ GELU, other weight formats, fp8 KV, no compiler), and the engine keeps ``forward
 
 from __future__ import annotations
 
-import ctypes
-import struct
 from functools import cache
 
 import torch
@@ -25,36 +23,12 @@ from kvserve.attention import native_paged
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.models.decoder import DecoderLM
 from kvserve.models.linear import Int4Linear
-
-OP_FIELDS = 32  # words an operation, as in decode_step.c
-RMS_NORM, ADD_RMS_NORM, INT4_MATMUL, ROPE, COPY_ROWS, KV_WRITE, DECODE_ATTENTION, SILU_MUL = range(1, 9)
-
-_p, _i, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-
-
-@cache
-def _kernels() -> dict[str, int] | None:
-    """Addresses of the functions a step calls, and the step itself; None where any is missing."""
-    wanted = {"rms_norm": ("rms_norm", "add_rms_norm"), "int4_matmul": ("int4_matmul",), "rope": ("rope_in_place",),
-              "kv_write": ("kv_write",), "paged_attention": ("paged_decode_attention",), "silu_mul": ("silu_mul",)}
-    out = {}
-    for source, names in wanted.items():
-        lib = native.load(source)
-        if lib is None:
-            return None
-        for name in names:
-            out[name] = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-    return out
+from kvserve.native.decode_ops import kernel_addresses, operation
 
 
 @cache
 def _step_function():
-    return native.function("decode_step", "decode_step", (_p, _i, _i, _p, _i64, _p, _p, _p, _p), _i)
-
-
-def _float_word(value: float) -> int:
-    """A float as decode_step.c's arg_float reads it: the bits of a double."""
-    return struct.unpack("<q", struct.pack("<d", value))[0]
+    return native.function("decode_step", "decode_step")
 
 
 def supports(model: DecoderLM) -> bool:
@@ -72,7 +46,7 @@ def supports(model: DecoderLM) -> bool:
 
 def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeDecodeStep | None:
     """The one-call decode step for this model and KV cache, or None where it does not apply."""
-    if not supports(model) or _kernels() is None or _step_function() is None:
+    if not supports(model) or kernel_addresses() is None or _step_function() is None:
         return None
     attention = native_paged.for_storage(storage)
     writer = native_paged.writer_for_storage(storage)
@@ -97,58 +71,74 @@ class NativeDecodeStep:
 
     def _plan(self, capacity: int, threads: int) -> None:
         """Activation buffers for ``capacity`` sequences and the operations over them."""
-        model, cfg = self.model, self.model.config
-        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        hidden, q_dim, kv_dim = cfg.hidden_size, heads * d, kv_heads * d
-        qkv_dim, inter = q_dim + 2 * kv_dim, model.layers[0].gate_up.out_features // 2
+        cfg = self.model.config
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        hidden, inter = cfg.hidden_size, self.model.layers[0].gate_up.out_features // 2
+        self.buffers = {name: torch.zeros(capacity, width) for name, width in (
+            ("x", hidden), ("h", hidden), ("qkv", q_dim + 2 * kv_dim), ("q", q_dim), ("k", kv_dim),
+            ("v", kv_dim), ("attn", q_dim), ("o", hidden), ("gate_up", 2 * inter), ("act", inter),
+            ("down", hidden), ("out", hidden))}
+        self.ops = torch.tensor(self._operations(threads), dtype=torch.int64)
+        self.capacity, self.threads = capacity, threads
 
-        def buffer(width: int) -> torch.Tensor:
-            return torch.zeros(capacity, width)
-
-        b = self.buffers = {name: buffer(width) for name, width in (
-            ("x", hidden), ("h", hidden), ("qkv", qkv_dim), ("q", q_dim), ("k", kv_dim), ("v", kv_dim),
-            ("attn", q_dim), ("o", hidden), ("gate_up", 2 * inter), ("act", inter), ("down", hidden),
-            ("out", hidden))}
+    def _operations(self, threads: int) -> list[list[int]]:
+        """The step's kernel calls over ``self.buffers``, each parameter named as kernels.h names it."""
+        model, cfg, b = self.model, self.model.config, self.buffers
+        heads, kv_heads, d, hidden = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         ptr = {name: t.data_ptr() for name, t in b.items()}
-        fn = _kernels()
-        eps = _float_word(cfg.rms_norm_eps)
+        fn, eps, qkv, qkv_dim = kernel_addresses(), cfg.rms_norm_eps, ptr["qkv"], b["qkv"].shape[1]
         ops: list[list[int]] = []
 
-        def matmul(lin: Int4Linear, x: str, y: str) -> None:
-            bias = 0 if lin.bias is None else lin.bias.data_ptr()
-            ops.append([INT4_MATMUL, fn["int4_matmul"], ptr[x], lin.packed.data_ptr(), bias, lin.out_features,
-                        b[x].shape[1], ptr[y], threads, lin.digits])
+        def op(kernel: str, **args) -> None:
+            ops.append(operation(kernel, fn[kernel], **args))
 
-        qkv = ptr["qkv"]
+        def matmul(lin: Int4Linear, x: str, y: str) -> None:
+            bias = None if lin.bias is None else lin.bias.data_ptr()
+            op("int4_matmul", x=ptr[x], w=lin.packed.data_ptr(), bias=bias, N=lin.out_features,
+               K=b[x].shape[1], y=ptr[y], num_threads=threads, digits=lin.digits)
+
+        def add_norm(h: str, w: torch.Tensor, out: str) -> None:
+            op("add_rms_norm", x=ptr["x"], h=ptr[h], h_is_bf16=0, w=w.data_ptr(), eps=eps, hidden=hidden,
+               out=ptr[out])
+
         for i, layer in enumerate(model.layers):
             if i == 0:
-                ops.append([RMS_NORM, fn["rms_norm"], ptr["x"], layer.attn_norm.data_ptr(), eps, hidden, ptr["h"]])
+                op("rms_norm", x=ptr["x"], w=layer.attn_norm.data_ptr(), eps=eps, hidden=hidden, out=ptr["h"])
             else:
-                ops.append([ADD_RMS_NORM, fn["add_rms_norm"], ptr["x"], ptr["down"], layer.attn_norm.data_ptr(), eps,
-                            hidden, ptr["h"]])
+                add_norm("down", layer.attn_norm, "h")
             matmul(layer.qkv, "h", "qkv")
-            ops.append([ROPE, fn["rope_in_place"], qkv, heads + kv_heads, qkv_dim, d])
-            for name, offset, width in (("q", 0, q_dim), ("k", q_dim, kv_dim), ("v", q_dim + kv_dim, kv_dim)):
-                ops.append([COPY_ROWS, 0, qkv + 4 * offset, qkv_dim, ptr[name], width, width])
+            op("rope_in_place", x=qkv, heads=heads + kv_heads, token_stride=qkv_dim, D=d)
+            offset = 0
+            for name in ("q", "k", "v"):
+                width = b[name].shape[1]
+                op("copy_rows", src=qkv + 4 * offset, src_stride=qkv_dim, dst=ptr[name], dst_stride=width,
+                   width=width)
+                offset += width
             for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
                     ("k", "v"), self.writer.layer_args[i]):
-                ops.append([KV_WRITE, fn["kv_write"], kind, ptr[name], kv_heads, d, codes, code_stride, scales,
-                            scale_stride, rotation, levels])
-            window = cfg.sliding_window if cfg.is_sliding(i) else 0
-            parts = self.attention.layer_args[i]
-            ops.append([DECODE_ATTENTION, fn["paged_decode_attention"], heads, kv_heads, d, ptr["q"], ptr["attn"],
-                        self.attention.num_blocks, self.attention.block_size, window or 0, _float_word(model.scale),
-                        *parts, *self.attention.rotation_args, threads])
+                op("kv_write", kind=kind, x=ptr[name], kv_heads=kv_heads, D=d, codes=codes,
+                   code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
+                   levels=levels)
+            window = cfg.sliding_window if cfg.is_sliding(i) else None
+            op("paged_decode_attention", num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=ptr["q"],
+               out=ptr["attn"], window=window or 0, scale=model.scale, num_threads=threads,
+               **self._attention_cache_args(i))
             matmul(layer.o, "attn", "o")
-            ops.append([ADD_RMS_NORM, fn["add_rms_norm"], ptr["x"], ptr["o"], layer.ffn_norm.data_ptr(), eps, hidden,
-                        ptr["h"]])
+            add_norm("o", layer.ffn_norm, "h")
             matmul(layer.gate_up, "h", "gate_up")
-            ops.append([SILU_MUL, fn["silu_mul"], ptr["gate_up"], inter, ptr["act"]])
+            op("silu_mul", gate_up=ptr["gate_up"], inter=b["act"].shape[1], out=ptr["act"])
             matmul(layer.down, "act", "down")
-        ops.append([ADD_RMS_NORM, fn["add_rms_norm"], ptr["x"], ptr["down"], model.final_norm.data_ptr(), eps, hidden,
-                    ptr["out"]])
-        self.ops = torch.tensor([op + [0] * (OP_FIELDS - len(op)) for op in ops], dtype=torch.int64)
-        self.capacity, self.threads = capacity, threads
+        add_norm("down", model.final_norm, "out")
+        return ops
+
+    def _attention_cache_args(self, layer: int) -> dict[str, int]:
+        """paged_decode_attention's arguments that describe the KV cache of ``layer``, by name."""
+        attention, parts = self.attention, self.attention.layer_args[layer]
+        q_rotation, out_rotation = attention.rotation_args
+        kv = {f"{side}_{field}": value for side, part in (("k", parts[:6]), ("v", parts[6:]))
+              for field, value in zip(native_paged.KV_PART, part)}
+        return dict(kv, num_blocks=attention.num_blocks, block_size=attention.block_size, q_rotation=q_rotation,
+                    out_rotation=out_rotation)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,

@@ -7,7 +7,6 @@ dtype other than f32, a non-contiguous view) goes through torch instead, with th
 
 from __future__ import annotations
 
-import ctypes
 from functools import cache
 
 import torch
@@ -15,17 +14,15 @@ import torch.nn.functional as F
 
 from kvserve import native
 
-_i, _p, _f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-
 
 @cache  # looked up on every call (~120 a decode step): one cache hit without arguments
 def _rms_norm_kernel():
-    return native.function("rms_norm", "rms_norm", (_p, _p, _f, _i, _i, _p))
+    return native.function("rms_norm", "rms_norm")
 
 
 @cache
 def _add_rms_norm_kernel():
-    return native.function("rms_norm", "add_rms_norm", (_p, _p, _i, _p, _f, _i, _i, _p))
+    return native.function("rms_norm", "add_rms_norm")
 
 
 def _native_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -7,7 +7,6 @@ fused qkv, in place through ``native/rope.c`` where it runs (the same bits), els
 
 from __future__ import annotations
 
-import ctypes
 import math
 from functools import cache
 
@@ -82,8 +81,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @cache  # looked up once a layer: one cache hit without arguments
 def _kernel():
-    p, i = ctypes.c_void_p, ctypes.c_int
-    return native.function("rope", "rope_in_place", (p, i, i, ctypes.c_int64, i, p, p))
+    return native.function("rope", "rope_in_place")
 
 
 def rotate_heads(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

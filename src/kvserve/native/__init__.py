@@ -9,8 +9,11 @@ use. The library links OpenMP's ``libgomp.so.1``, the runtime torch itself loade
 torch's threads instead of fighting them for the cores.
 
 Without a compiler (or with ``KVSERVE_NATIVE=0``) ``load`` returns None and callers keep their
-torch path; the reason is logged once. ``function`` hands out one function of a library with its
-ctypes signature set.
+torch path; the reason is logged once.
+
+Every exported function is declared once, in ``kernels.h``, which every source includes. ``function``
+hands out one function of a library with the ctypes signature ``abi`` reads from that declaration, so
+no argument list is written again in Python.
 
     cache key = sha256(source, the directory's headers, flags, compiler version, CPU flags, ISA)
                 -> <cache>/<name>-<key>.so
@@ -27,6 +30,8 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+
+from kvserve.native import abi
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +184,11 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
 
 
 @cache
-def function(source: str, name: str, argtypes: tuple, restype=None):
-    """The function ``name`` of the compiled ``<source>.c`` with its ctypes signature, or None where
-    ``load`` gives no library."""
+def function(source: str, name: str, argtypes: tuple | None = None, restype=None):
+    """The function ``name`` of the compiled ``<source>.c`` with kernels.h's ctypes signature (abi.py),
+    or None where ``load`` gives no library. A caller that still writes ``argtypes`` (and ``restype``)
+    by hand gets TypeError where they disagree with the header."""
+    if argtypes is not None:
+        abi.check(name, argtypes, restype)
     lib = load(source)
-    if lib is None:
-        return None
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = list(argtypes), restype
-    return fn
+    return None if lib is None else abi.bind(lib, name)

@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "parallel.h"
 #include "simd.h"
 

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "parallel.h"
 #include "simd.h"
 

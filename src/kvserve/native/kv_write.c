@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels.h"
 #include "kv_kinds.h"
 
 static inline uint16_t float_to_bf16(float f) { /* round to nearest even (finite inputs), as torch */

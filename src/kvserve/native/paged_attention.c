@@ -4,6 +4,7 @@
  * attention/native_paged.py and decode_step.c call.
  */
 #include "decode_attention.h"
+#include "kernels.h"
 #include "prefill_attention.h"
 
 SIMD_EXPORT_ISA

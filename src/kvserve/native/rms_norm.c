@@ -10,6 +10,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 static void norm_row(const float *restrict x, const float *restrict w, float eps, int hidden, float *restrict out) {
     float sum = 0.0f;
     for (int i = 0; i < hidden; i++) sum += x[i] * x[i];

@@ -12,6 +12,8 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
+
 static void rotate(float *restrict v, const float *restrict c, const float *restrict s, int D) {
     const int half = D / 2;
     float out[D];

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "exp_nonpositive.h" /* and simd.h */
+#include "kernels.h"
 
 SIMD_EXPORT_ISA
 

@@ -1,0 +1,96 @@
+/* The one declaration of every function the native libraries export.
+ *
+ * Every source of this directory includes it, so the compiler checks each definition against its
+ * prototype here; decode_step.c calls the kernels through these prototypes' types; and native/abi.py
+ * reads this file for the ctypes signatures the Python side calls with (and the decode step's
+ * operation layout). A signature is therefore written once: a mismatch is a compile error or a
+ * Python exception, never a call that reads its arguments from the wrong registers.
+ *
+ * Kept in a regular form so that a few lines of Python read it (abi.py says what it refuses):
+ *   - a section comment "<source>.c: ..." opening a line names the library that exports what follows;
+ *   - one prototype a statement, `<type> <name>(<type> <parameter>, ...);`, every parameter named, a
+ *     type being void, int, int64_t or float, or a pointer to one of those, uint8_t, uint16_t or char,
+ *     optionally const;
+ *   - integer constants as `#define NAME <number>` or an enum of `NAME = <number>` entries.
+ */
+#ifndef KVSERVE_KERNELS_H
+#define KVSERVE_KERNELS_H
+
+#include <stdint.h>
+
+/* Every library written against simd.h (int4_matmul, int8_matmul, paged_attention, silu_mul) also
+ * exports the name of the instruction-set path it was built for (weak: one per process). */
+const char *simd_isa(void);
+
+/* rms_norm.c: x [n, hidden] f32; h_is_bf16: h holds bf16 bit patterns instead of f32. */
+void rms_norm(const float *x, const float *w, float eps, int n, int hidden, float *out);
+void add_rms_norm(float *x, const void *h, int h_is_bf16, const float *w, float eps, int n, int hidden,
+                  float *out);
+
+/* rope.c: in place on the first `heads` head-vectors of each of `tokens` rows of x. */
+void rope_in_place(float *x, int tokens, int heads, int64_t token_stride, int D, const float *cos,
+                   const float *sin);
+
+/* silu_mul.c: gate_up [n, 2 * inter] -> out [n, inter]. */
+void silu_mul(const float *gate_up, int n, int inter, float *out);
+
+/* int4_matmul.c: y [M, N] = x [M, K] against packed 4-bit weights; 0, or -1 without workspace. */
+int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
+                int num_threads, int digits);
+
+/* int8_matmul.c: the int8 grids (f16 scale per 32 inputs; _g16: f32 scale and offset per 16). */
+int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
+                int num_threads);
+int int8_matmul_g16(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
+                    int num_threads);
+void int8_rows(const uint8_t *w, const int64_t *ids, int n, int K, float *out);
+void int8_rows_g16(const uint8_t *w, const int64_t *ids, int n, int K, float *out);
+
+/* kv_write.c: x [tokens, kv_heads, D] into the rows slot_rows [kv_heads * tokens] of a paged cache. */
+void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const int64_t *slot_rows, uint8_t *codes,
+              int64_t code_stride, uint8_t *scales, int64_t scale_stride, const float *rotation,
+              const float *levels);
+
+/* paged_attention.c: 0, or -1 when the workspace could not be allocated. */
+int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim, const float *q, float *out,
+                           const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                           int num_blocks, int block_size, int window, float scale,
+                           int k_kind, const void *k_codes, const void *k_scales, int64_t k_code_stride,
+                           int64_t k_scale_stride, const float *k_table,
+                           int v_kind, const void *v_codes, const void *v_scales, int64_t v_code_stride,
+                           int64_t v_scale_stride, const float *v_table, const float *q_rotation,
+                           const float *out_rotation, int num_threads);
+int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_heads, int head_dim, const float *q,
+                            float *out, const int64_t *block_table, int num_blocks, int block_size, int window,
+                            float scale, int k_kind, const void *k_codes, const void *k_scales,
+                            int64_t k_code_stride, int64_t k_scale_stride, const float *k_table, int v_kind,
+                            const void *v_codes, const void *v_scales, int64_t v_code_stride,
+                            int64_t v_scale_stride, const float *v_table, int num_threads);
+int paged_prefill_int_keys(void);
+
+/* decode_step.c: a decode step as a list of operations, OP_FIELDS int64 words each:
+ *
+ *   [kind, function address, word 0, word 1, ...]   word i: parameter i of the kind's function
+ *
+ * (a pointer as its address, an integer as itself, a float as the bits of a double). The parameters
+ * that change between steps (the number of sequences, block tables, ...) the step passes itself; their
+ * words are unused (native/decode_ops.py names them). OP_<NAME> calls the function <name> above. */
+#define OP_FIELDS 32
+enum {
+    OP_RMS_NORM = 1,
+    OP_ADD_RMS_NORM = 2,
+    OP_INT4_MATMUL = 3,
+    OP_ROPE_IN_PLACE = 4,
+    OP_COPY_ROWS = 5,
+    OP_KV_WRITE = 6,
+    OP_PAGED_DECODE_ATTENTION = 7,
+    OP_SILU_MUL = 8,
+};
+/* Row r of dst (strides in floats) = the first `width` floats of row r of src, for r < n. */
+void copy_rows(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t width, int n);
+/* Returns 0, or the (1-based) index of the operation that failed: a kernel that could not allocate its
+ * workspace, or an unknown kind. */
+int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tables, int64_t table_stride,
+                const int64_t *context_lens, const int64_t *slot_rows, const float *cos, const float *sin);
+
+#endif
