@@ -48,6 +48,12 @@ def ollama_error(r: httpx.Response, status: int) -> str:
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"50": 10}}, "logit_bias"),
         ({"best_guess": True}, "best_guess"),
+        # values must already have their type: no "yes" for true, no 5.0 or true for an integer
+        ({"stream": "yes"}, "stream"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"max_tokens": 5.0}, "max_tokens"),
+        ({"n": True}, "n"),
+        ({"temperature": "0.5"}, "temperature"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages",
@@ -75,11 +81,28 @@ def test_openai_invalid_parameters_are_400(server, change, param):
         ({"keep_alive": "forever"}, "keep_alive"),
         ({"raw": True, "system": "be brief"}, "raw"),
         ({"context": [10**9]}, "out of range"),
+        ({"stream": "yes"}, "stream"),
+        ({"raw": 1}, "raw"),
+        ({"context": [True]}, "context"),
+        ({"options": {"num_predict": "5"}}, "num_predict"),
+        ({"options": {"num_predict": 5.0}}, "num_predict"),
     ],
 )
 def test_ollama_invalid_parameters_are_400(server, change, word):
     with server.client() as c:
         assert word in ollama_error(c.post("/api/generate", json={**GENERATE, **change}), 400)
+
+
+@pytest.mark.parametrize("prompt", [[[False]], [1.5], [[1, "2"]], True, {"text": "hi"}])
+def test_token_ids_are_integers(server, prompt):
+    """Not a bool (false was token 0), not a float, not a string: the message says what prompt takes."""
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": "smollm2", "prompt": prompt, "max_tokens": 1})
+    error = openai_error(r, 400)
+    assert error["param"] == "prompt"
+    assert error["message"] == (
+        "prompt: must be a string, a list of strings, a list of integers or a list of lists of integers"
+    )
 
 
 def test_malformed_bodies_are_400(server):
@@ -134,15 +157,24 @@ def test_body_too_large_is_413(server):
 
 def test_missing_or_wrong_api_key_is_401(server):
     with httpx.Client(base_url=server.url) as c:
-        assert openai_error(c.get("/v1/models"), 401)["code"] == "invalid_api_key"
-        ollama_error(c.get("/api/tags", headers={"Authorization": "Bearer nope"}), 401)
+        r = c.get("/v1/models")
+        assert openai_error(r, 401)["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"  # RFC 9110: a 401 names its scheme
+        r = c.get("/api/tags", headers={"Authorization": "Bearer nope"})
+        ollama_error(r, 401)
+        assert r.headers["www-authenticate"] == "Bearer"
         assert c.get("/health").status_code == 200  # open, for load balancers
 
 
 def test_unknown_path_and_method(server):
     with server.client() as c:
         openai_error(c.get("/v1/nothing"), 404)
-        ollama_error(c.get("/api/generate"), 405)
+        r = c.get("/api/generate")
+        ollama_error(r, 405)
+        assert r.headers["allow"] == "POST"  # RFC 9110: a 405 lists the methods that are
+        r = c.delete("/v1/models")
+        openai_error(r, 405)
+        assert r.headers["allow"] == "GET"
 
 
 def test_full_queue_is_429_for_openai_and_503_for_ollama(idle):

@@ -1,5 +1,6 @@
 """Failures inside the server, in-process over a stand-in engine (no model): a bug answers 500 in the
-API's error shape without a traceback; a dead engine answers 503 and /health says so."""
+API's error shape without a traceback; a dead engine answers 503 and /health says so; every error
+response is counted by the status it was sent with."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.scheduler import QueueFullError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.server import ServerConfig, build_app
 from kvserve.server.model_card import ModelCard
@@ -57,7 +59,9 @@ class StubAsyncEngine:
         pass
 
 
-def make_client(error: BaseException) -> tuple[TestClient, StubAsyncEngine]:
+def make_client(
+    error: BaseException, config: ServerConfig | None = None
+) -> tuple[TestClient, StubAsyncEngine]:
     card = ModelCard(
         name="stub",
         path=Path("stub.gguf"),
@@ -72,7 +76,7 @@ def make_client(error: BaseException) -> tuple[TestClient, StubAsyncEngine]:
         chat_template="",
     )
     engine = StubAsyncEngine(error)
-    app = build_app(engine, ServerConfig(model_name="stub"), card)  # type: ignore[arg-type]
+    app = build_app(engine, config or ServerConfig(model_name="stub"), card)  # type: ignore[arg-type]
     return TestClient(app, raise_server_exceptions=False), engine
 
 
@@ -114,3 +118,22 @@ def test_internal_errors_are_counted():
     r = client.get("/metrics")
     assert 'kvserve_request_errors_total{status="500"} 1.0' in r.text
     assert 'kvserve_request_errors_total{status="404"} 1.0' in r.text
+
+
+def test_every_error_sent_is_counted_by_its_status():
+    """Whoever answers: the middleware's 401, 413 and bad Content-Length 400 are counted too, and
+    Ollama's answer to a full queue counts as the 503 it is, not as the 429 OpenAI gets."""
+    config = ServerConfig(model_name="stub", api_key="key", max_body_bytes=1024)
+    client, _ = make_client(QueueFullError("4 requests are waiting"), config)
+    key = {"Authorization": "Bearer key"}
+    assert client.get("/v1/models").status_code == 401
+    assert client.post("/v1/completions", content=b"x" * 2048, headers=key).status_code == 413
+    bad_length = {**key, "Content-Length": "12x"}
+    assert client.post("/v1/completions", content=b"{}", headers=bad_length).status_code == 400
+    assert client.post("/api/generate", json={**GENERATE, "raw": True}, headers=key).status_code == 503
+    completion = {"model": "stub", "prompt": [1, 2]}
+    assert client.post("/v1/completions", json=completion, headers=key).status_code == 429
+    assert client.get("/v1/nothing", headers=key).status_code == 404
+    metrics = client.get("/metrics", headers=key).text
+    for status in (400, 401, 404, 413, 429, 503):
+        assert f'kvserve_request_errors_total{{status="{status}"}} 1.0' in metrics, status

@@ -22,7 +22,12 @@ from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineView
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, JSONBodyMiddleware
+from kvserve.server.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    ErrorCountMiddleware,
+    JSONBodyMiddleware,
+)
 from kvserve.server.model_card import ModelCard
 from kvserve.server.serving import Serving
 
@@ -76,12 +81,13 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig, card: ModelCar
     app.state.view = view
     app.state.metrics = ServerMetrics(view)
     app.state.serving = Serving(async_engine, card, app.state.metrics, config)
-    install_error_handlers(app, app.state.metrics.record_error)
+    install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
     app.include_router(ops)
     app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)  # outermost: runs first
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ErrorCountMiddleware, record=app.state.metrics.record_error)  # outermost: sees all
     return app

@@ -4,7 +4,8 @@
     Ollama  {"error": "..."}
 
 Which shape a request gets depends on its path: ``/api/...`` is Ollama, everything else OpenAI.
-Ollama answers 503 where OpenAI answers 429 (a full queue), as Ollama itself does.
+Ollama answers 503 where OpenAI answers 429 (a full queue), as Ollama itself does. Error responses are
+counted (``kvserve_request_errors_total``) by ``middleware.ErrorCountMiddleware``, by the status sent.
 """
 
 from __future__ import annotations
@@ -37,12 +38,20 @@ OPENAI_TYPES = {
 class APIError(Exception):
     """An error with a status code and a message that tells the client what to do."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 class ClientDisconnected(Exception):
@@ -59,7 +68,9 @@ def openai_error_body(error: APIError) -> dict:
 
 
 def error_response(path: str, error: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+    headers = dict(error.headers or {})
+    if error.status in (429, 503):
+        headers.setdefault("Retry-After", "1")
     if is_ollama_path(path):
         status = 503 if error.status == 429 else error.status
         return JSONResponse({"error": error.message}, status_code=status, headers=headers)
@@ -104,7 +115,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     field = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ").removesuffix(".")
-    if kind == "extra_forbidden":
+    union = _union_failure(errors)
+    if union is not None:
+        field, message = union
+    elif kind == "extra_forbidden":
         message = f"unsupported parameter '{field}'; see the README's table of supported parameters"
     elif kind == "json_invalid":
         field, message = None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
@@ -117,12 +131,53 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, message, field)
 
 
-def install_error_handlers(app: FastAPI, on_error=None) -> None:
-    """``on_error(status)`` is called for every error response (metrics)."""
+def _is_union_member(part: object) -> bool:
+    """pydantic names a union's member in an error's location by its type: ``str``, ``list[int]``."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
+
+def _union_failure(errors: list[dict]) -> tuple[str, str] | None:
+    """(field, message) when the first error is one of a union's members failing: pydantic reports each
+    member's complaint, and the first (``prompt.str: Input should be a valid string``) misleads when the
+    client meant another member. Says which types the field takes instead."""
+    loc = [p for p in errors[0].get("loc", ()) if p != "body"]
+    at = next((i for i, part in enumerate(loc) if _is_union_member(part)), None)
+    if at is None:
+        return None
+    prefix = loc[:at]
+    members: list[str] = []
+    for error in errors:
+        other = [p for p in error.get("loc", ()) if p != "body"]
+        is_member = other[:at] == prefix and len(other) > at and _is_union_member(other[at])
+        if is_member and other[at] not in members:
+            members.append(other[at])
+    names = [_type_name(m) for m in members]
+    expected = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    field = ".".join(str(p) for p in prefix)
+    return field, f"{field}: must be {expected}"
+
+
+_TYPE_NAMES = {
+    "str": ("a string", "strings"),
+    "int": ("an integer", "integers"),
+    "float": ("a number", "numbers"),
+    "bool": ("a boolean", "booleans"),
+}
+
+
+def _type_name(tag: str, plural: bool = False) -> str:
+    """``list[list[int]]`` -> "a list of lists of integers"."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        items = _type_name(tag[5:-1], plural=True)
+        return f"lists of {items}" if plural else f"a list of {items}"
+    if tag.startswith("dict["):
+        return "objects" if plural else "an object"
+    one, many = _TYPE_NAMES.get(tag, (tag, tag))
+    return many if plural else one
+
+
+def install_error_handlers(app: FastAPI) -> None:
     def respond(request: Request, error: APIError) -> JSONResponse:
-        if on_error is not None:
-            on_error(error.status)
         return error_response(request.url.path, error)
 
     @app.exception_handler(APIError)
@@ -140,7 +195,8 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
             405: f"method {request.method} is not allowed on {request.url.path}",
         }
         message = messages.get(exc.status_code, str(exc.detail))
-        return respond(request, APIError(exc.status_code, message))
+        # the router's 405 carries Allow (RFC 9110 requires it); keep whatever headers it set
+        return respond(request, APIError(exc.status_code, message, headers=exc.headers))
 
     @app.exception_handler(ClientDisconnected)
     async def gone(request: Request, exc: ClientDisconnected) -> Response:

@@ -1,11 +1,12 @@
-"""Plain ASGI middleware: the API key check and the request body size limit.
+"""Plain ASGI middleware: error counting, the API key check, the request body size limit and JSON bodies.
 
-Both answer in the error shape of the API the path belongs to (see ``errors``).
+The API key and body checks answer in the error shape of the API the path belongs to (see ``errors``).
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -13,6 +14,37 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.server.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/", "/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+CLIENT_CLOSED = 499  # what the handlers "answer" a client that went away; it never reaches anyone
+
+
+class ErrorCountMiddleware:
+    """Calls ``record(status)`` for every error response, with the status actually sent, whoever sent
+    it: a handler, the middleware inside this one (401, 413, a bad Content-Length), or Starlette's
+    last-resort 500. Outermost of ours, so every other one is inside it."""
+
+    def __init__(self, app: ASGIApp, record: Callable[[int], None]) -> None:
+        self.app = app
+        self.record = record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400 and message["status"] != CLIENT_CLOSED:
+                    self.record(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:  # ServerErrorMiddleware, outside every middleware, answers it with a 500
+                self.record(500)
+            raise
 
 
 class APIKeyMiddleware:
@@ -32,7 +64,10 @@ class APIKeyMiddleware:
             given = auth[7:].strip()
         if not secrets.compare_digest(given, self.api_key):
             error = APIError(
-                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},  # RFC 9110: a 401 names its auth scheme
             )
             return await error_response(scope["path"], error)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -158,6 +158,12 @@ class ShowRequest(Strict):
     name: str | None = None  # the older spelling
     verbose: bool | None = None
 
+    @model_validator(mode="after")
+    def names_a_model(self):
+        if not self.model and not self.name:
+            raise ValueError("model is required")
+        return self
+
     @property
     def model_name(self) -> str | None:
         return self.model or self.name
