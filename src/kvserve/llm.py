@@ -54,7 +54,9 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params_list)]
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params; give one per prompt")
+        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params_list, strict=True)]
         final = self.engine.run_to_completion()
         return [final[i] for i in ids]
 

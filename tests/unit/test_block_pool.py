@@ -6,7 +6,7 @@ import pytest
 
 from kv_helpers import cached_ids, free_ids, ref_counts
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.hashing import PROCESS_SEED, extend_block_hashes, hash_block
+from kvserve.kv.hashing import extend_block_hashes, hash_block
 
 
 def ids(blocks):
@@ -16,8 +16,10 @@ def ids(blocks):
 # --- hashing ------------------------------------------------------------------------------------------------
 def test_hash_block_is_chained_and_salted():
     h0 = hash_block(None, (1, 2, 3, 4))
-    assert h0 == hash((PROCESS_SEED, (1, 2, 3, 4), None))
+    assert 0 <= h0 < 2**128
     assert hash_block(None, (1, 2, 3, 4)) == h0  # deterministic within the process
+    assert hash_block(None, (1, 2, 3, 4), "") != h0  # an empty salt is not no salt
+    assert hash_block(None, (1, 2, 3, 4 + 2**16)) != h0  # every bit of a token id counts
     assert hash_block(None, (1, 2, 3, 5)) != h0
     assert hash_block(None, (1, 2, 3, 4), "salt") != h0
     # same block content under a different parent hashes differently
@@ -229,3 +231,34 @@ def test_reset_prefix_cache_drops_only_free_blocks():
     assert pool.num_cached_free_blocks == 0
     assert free_ids(pool) == [3, 2, 0]  # the queue order is untouched
     assert ref_counts(pool) == [0, 1, 0, 0]
+
+
+def test_a_hit_must_follow_the_block_it_was_computed_after():
+    """Equal hash and tokens are not enough: the block before must be the one the cached block was
+    computed after (same id, same generation), and the salt the same."""
+    pool = BlockPool(4)
+    parent, child = pool.allocate(2)
+    tokens = (5, 6, 7, 8)
+    pool.cache_block(parent, 1, (1, 2, 3, 4))
+    pool.cache_block(child, 2, tokens, parent.ref, "s")
+    assert pool.lookup(2, tokens, parent.ref, "s") is child
+    assert pool.lookup(2, tokens, parent.ref, None) is None
+    assert pool.lookup(2, tokens, None, "s") is None
+    other = pool.allocate(1)[0]
+    assert pool.lookup(2, tokens, other.ref, "s") is None
+    # the parent handed out again (new content): its old child is unreachable through it
+    pool.free([parent])
+    pool.allocate(2)  # takes block 3, then the freed parent
+    assert parent.ref_count == 1 and pool.lookup(2, tokens, parent.ref, "s") is None
+
+
+def test_uncached_blocks_cut_the_chain_after_them():
+    pool = BlockPool(2)
+    parent, child = pool.allocate(2)
+    pool.cache_block(parent, 1, (1,))
+    old_ref = parent.ref
+    pool.cache_block(child, 2, (2,), old_ref)
+    pool.uncache([parent])
+    assert pool.lookup(1, (1,)) is None
+    pool.cache_block(parent, 1, (1,))  # re-registered after recomputation: a new generation
+    assert pool.lookup(2, (2,), parent.ref) is None and parent.ref != old_ref

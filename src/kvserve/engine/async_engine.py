@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; requests cannot be served."""
 
 
+class EngineShutdownError(EngineDeadError):
+    """The server is shutting down: running requests end now, new ones are refused."""
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -37,6 +41,7 @@ class AsyncLLMEngine:
         self._pending: deque[tuple[str, Request | str]] = deque()  # ("add", request) / ("abort", id)
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
         self._stopped = False
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
@@ -51,18 +56,21 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields one ``RequestOutput`` per step that produced a token; the last has ``finished``.
         Invalid requests raise (ValueError, PromptTooLongError, QueueFullError) before any await."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self.dead_error}")
+        self._raise_if_dead()
         request = self.engine.make_request(prompt, params, request_id, cache_salt)
-        self._admit(request)
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
-        self._pending.append(("add", request))
+        with self._streams_lock:  # against _fail_all: a stream registered here is failed there, or sees it
+            self._raise_if_dead()
+            self._admit(request)
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+            self._pending.append(("add", request))
         self._wakeup.set()
         finished = False
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, EngineShutdownError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine failed: {item}") from item
                 finished = item.finished
@@ -73,11 +81,22 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request.request_id)
 
+    def _raise_if_dead(self) -> None:
+        if isinstance(self.dead_error, EngineShutdownError):
+            raise EngineShutdownError(str(self.dead_error))
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.dead_error}")
+
     def _admit(self, request: Request) -> None:
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         self.engine.scheduler.check_capacity(num_pending=self.num_pending_adds)
+
+    def check_capacity(self, count: int) -> None:
+        """Raise QueueFullError now if ``count`` more requests could not all be admitted (so a request
+        of many prompts or choices is refused before any of them takes a place in the queue)."""
+        self.engine.scheduler.check_capacity(num_pending=self.num_pending_adds, count=count)
 
     @property
     def num_pending_adds(self) -> int:
@@ -97,9 +116,8 @@ class AsyncLLMEngine:
                     self._drain_pending()
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
-            except BaseException as e:  # keep serving nothing rather than hanging every caller
-                log.exception("engine step failed")
-                self.dead_error = e
+            except BaseException as e:  # a failed forward is handled in step(); this is the engine's own bug
+                log.exception("the engine loop failed; every request fails")
                 self._fail_all(e)
                 return
             if not busy:
@@ -123,11 +141,12 @@ class AsyncLLMEngine:
                     self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
-        target = self._streams.get(output.request_id)
-        if target is None:
-            return
-        if output.finished:
-            self._streams.pop(output.request_id, None)
+        with self._streams_lock:
+            target = self._streams.get(output.request_id)
+            if target is None:
+                return
+            if output.finished:
+                self._streams.pop(output.request_id, None)
         loop, queue = target
         try:
             loop.call_soon_threadsafe(queue.put_nowait, output)
@@ -135,7 +154,8 @@ class AsyncLLMEngine:
             pass
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
-        target = self._streams.pop(request_id, None)
+        with self._streams_lock:
+            target = self._streams.pop(request_id, None)
         if target is not None:
             try:
                 target[0].call_soon_threadsafe(target[1].put_nowait, error)
@@ -143,10 +163,37 @@ class AsyncLLMEngine:
                 pass
 
     def _fail_all(self, error: BaseException) -> None:
+        """Every waiter gets ``error`` at once; later ``generate`` calls raise EngineDeadError."""
+        with self._streams_lock:
+            self.dead_error = error
+            streams, self._streams = self._streams, {}
+        for loop, queue in streams.values():
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+            except RuntimeError:  # the caller's loop is closed
+                pass
         with self.lock:
-            for request_id in list(self._streams):
-                self._deliver_error(request_id, error)
-                self.engine.abort_request(request_id)
+            for request_id in streams:
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:  # noqa: BLE001 - the engine is broken already; the waiters are told
+                    log.exception("could not abort %s after the engine failed", request_id)
+
+    def end_streams(self, reason: str) -> None:
+        """Graceful shutdown, from any thread (a signal handler included): every caller's stream ends
+        now with ``EngineShutdownError`` (the server turns it into a final error event), and later
+        ``generate`` calls raise it. The engine thread aborts the requests and frees their blocks."""
+        error = EngineShutdownError(reason)
+        with self._streams_lock:
+            if self.dead_error is None:
+                self.dead_error = error
+            streams, self._streams = self._streams, {}
+        for request_id, (loop, queue) in streams.items():
+            self.abort(request_id)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+            except RuntimeError:  # the caller's loop is closed
+                pass
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,10 @@ from kvserve.kv.kv_types import kv_bytes_per_token, pool_num_blocks
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.models.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+MAX_STEP_FAILURES = 3  # a request in this many failed steps fails, even when never alone in one
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +157,11 @@ class LLMEngine:
         for s in out.scheduled:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
-        ready, logits = self.runner.execute(out)
+        try:
+            ready, logits = self.runner.execute(out)
+        except Exception as e:  # noqa: BLE001 - a kernel's MemoryError, a bug: the step's requests pay
+            return self._step_failed(out, e)
+        self.scheduler.step_succeeded(out)
         self.scheduler.update_after_step(out)
         sampled = self.sampler.sample(logits, ready) if ready else []
         now = time.perf_counter()
@@ -172,6 +181,24 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 self.scheduler.finish(request, request.status)
             results.append(output)
+        return results
+
+    def _step_failed(self, out, error: Exception) -> list[RequestOutput]:
+        """The forward raised: the step is undone and its requests run again, each alone when there
+        were several; a request that fails alone (or in MAX_STEP_FAILURES steps) finishes with an
+        error of its own. Nothing else is touched: the engine keeps serving."""
+        log.error("engine step with %d request(s) failed: %r", len(out.scheduled), error)
+        self.scheduler.roll_back(out)
+        now = time.perf_counter()
+        results = []
+        for s in out.scheduled:
+            request = s.request
+            request.num_step_failures += 1
+            if len(out.scheduled) == 1 or request.num_step_failures >= MAX_STEP_FAILURES:
+                request.error = f"the engine step failed: {error!r}"
+                request.metrics.finished_time = now
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+                results.append(self.outputs.process(request))
         return results
 
     def _record_token(self, request: Request, token: int, logprob, now: float) -> None:

@@ -64,9 +64,9 @@ class OutputProcessor:
             new_token_ids=list(new_ids),
             finished=request.is_finished,
             finish_reason=request.status.value if request.is_finished else None,
-            metrics=request.metrics,
+            metrics=request.metrics.snapshot(),
             stop_reason=request.stop_reason,
-            logprobs=logprobs,
+            logprobs=list(logprobs) if logprobs is not None else None,
             new_logprobs=logprobs[-len(new_ids):] if logprobs and new_ids else ([] if logprobs is not None else None),
             error=request.error,
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -27,6 +27,10 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     itls: list[float] = field(default_factory=list)
+
+    def snapshot(self) -> RequestMetrics:
+        """A copy the engine thread will not change under a reader on another thread."""
+        return replace(self, itls=list(self.itls))
 
     @property
     def queue_time(self) -> float | None:
@@ -64,10 +68,11 @@ class RequestMetrics:
 @dataclass(slots=True)
 class RequestOutput:
     """State of one request after a step. ``text`` and ``token_ids`` are cumulative; ``delta_text`` and
-    ``new_token_ids`` are what this step added. ``finish_reason`` is "stop", "length" or "abort"."""
+    ``new_token_ids`` are what this step added. ``finish_reason`` is "stop", "length", "abort" or
+    "error". Nothing in it is shared with the engine's live request: readers may be on other threads."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     text: str
     delta_text: str
     token_ids: list[int]

@@ -43,7 +43,7 @@ class Request:
         arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = tuple(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
@@ -55,6 +55,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        self.num_step_failures = 0  # failed forwards this request was part of
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         limit = max_total_tokens
         if params.max_tokens is not None:

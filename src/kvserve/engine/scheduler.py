@@ -55,6 +55,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # requests of a step that failed: each runs alone until a step of its own succeeds
+        self.suspects: set[str] = set()
+        # after a failed step of n requests, steps take at most n // 2 until the engine is idle again
+        # (a failure that comes with the batch's size, such as memory, does not come back at once)
+        self.batch_cap: int | None = None
 
     # --- admission ------------------------------------------------------------------------------------
     def check_prompt(self, request: Request) -> None:
@@ -70,15 +75,19 @@ class Scheduler:
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
 
-    def check_capacity(self, num_pending: int = 0) -> None:
-        """Raise QueueFullError if one more request (after ``num_pending`` others not yet added) would
-        leave more than ``max_waiting`` requests unable to start: requests that fit in free running
-        slots do not count as waiting."""
+    def check_capacity(self, num_pending: int = 0, count: int = 1) -> None:
+        """Raise QueueFullError if ``count`` more requests (after ``num_pending`` others not yet added)
+        would leave more than ``max_waiting`` requests unable to start: requests that fit in free
+        running slots do not count as waiting."""
         free_slots = max(0, self.config.max_num_seqs - len(self.running))
-        would_wait = max(0, len(self.waiting) + num_pending + 1 - free_slots)
+        would_wait = max(0, len(self.waiting) + num_pending + count - free_slots)
         if would_wait > self.config.max_waiting:
+            already = max(0, would_wait - count)
             raise QueueFullError(
-                f"{would_wait - 1} requests are already waiting (limit {self.config.max_waiting}); try again later"
+                f"{already} requests are already waiting and this one needs {count} more "
+                f"(limit {self.config.max_waiting} waiting); try again later"
+                if count > 1
+                else f"{already} requests are already waiting (limit {self.config.max_waiting}); try again later"
             )
 
     def add_request(self, request: Request) -> None:
@@ -86,6 +95,8 @@ class Scheduler:
         self.check_capacity()
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not self.has_unfinished:
+            self.batch_cap = None  # idle since the failure: full batches again
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -104,6 +115,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
+        self.suspects.discard(request.request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -111,10 +123,13 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.suspects:
+            return self._schedule_suspect()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        cap = self.batch_cap or self.config.max_num_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, num_new, out):
@@ -124,7 +139,8 @@ class Scheduler:
             # else: request itself was preempted and removed from running; i now points at the next
         if out.preempted:  # no room for new work this step
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(out.scheduled) < cap):
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -141,6 +157,52 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    def _schedule_suspect(self) -> SchedulerOutput:
+        """One suspect alone (they all wait, see ``roll_back``), as much of it as the budget takes."""
+        out = SchedulerOutput()
+        request = next((r for r in self.waiting if r.request_id in self.suspects), None)
+        if request is None:  # every suspect finished or was aborted
+            self.suspects.clear()
+            return self.schedule()
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit_tokens, self.config.max_num_batched_tokens)
+        if not self.kv.allocate_slots(request, num_new, hits):
+            # the pool is held by requests that are not suspects: run them as usual meanwhile
+            suspects, self.suspects = self.suspects, set()
+            try:
+                return self.schedule()
+            finally:
+                self.suspects = suspects
+        self.waiting.remove(request)
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new))
+        return out
+
+    def roll_back(self, out: SchedulerOutput) -> None:
+        """Undo a step whose forward failed: the blocks it was filling leave the prefix cache (their
+        content is unknown), and its requests go back to waiting with nothing computed. With more
+        than one request in the step, each is then run alone, so a request that fails by itself
+        fails alone."""
+        for s in out.scheduled:
+            self.kv.forget_uncomputed(s.request)
+        for s in reversed(out.scheduled):
+            request = s.request
+            if request in self.running:
+                self.running.remove(request)
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+        if len(out.scheduled) > 1:
+            self.suspects.update(s.request.request_id for s in out.scheduled)
+            self.batch_cap = max(1, len(out.scheduled) // 2)
+
+    def step_succeeded(self, out: SchedulerOutput) -> None:
+        if self.suspects:
+            self.suspects.difference_update(s.request.request_id for s in out.scheduled)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):

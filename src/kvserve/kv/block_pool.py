@@ -9,6 +9,12 @@ A block is in exactly one of three states:
 Allocation takes blocks from the head of the free queue (least recently freed first) and evicts
 their cached content. A prefix-cache hit on a cached-free block pulls it out of the queue.
 Pure bookkeeping: no tensors live here.
+
+A cached block's K/V depend on every token before it. So a hit must match the whole chain, not only
+its own hash and tokens: each cached block records which block (id and generation: a block's
+generation changes whenever it is handed out again) held the tokens before it when it was computed,
+and a lookup accepts it only after that very block. Even colliding hashes then cannot serve K/V
+computed under another prefix.
 """
 
 from __future__ import annotations
@@ -19,12 +25,23 @@ from dataclasses import dataclass
 from kvserve.kv.hashing import BlockHash
 
 
+BlockRef = tuple[int, int]  # (block id, generation): one filling of one block
+
+
 @dataclass(slots=True, eq=False)
 class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] | None = None  # kept with the hash so a cache hit can be verified
+    # kept with the hash so a cache hit can be verified: the tokens, the block before, the salt
+    token_ids: tuple[int, ...] | None = None
+    parent: BlockRef | None = None
+    salt: str | None = None
+    generation: int = 0
+
+    @property
+    def ref(self) -> BlockRef:
+        return (self.block_id, self.generation)
 
 
 class BlockPool:
@@ -46,9 +63,16 @@ class BlockPool:
     def num_cached_free_blocks(self) -> int:
         return sum(1 for b in self.free_queue.values() if b.block_hash is not None)
 
-    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
+    def lookup(
+        self,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        parent: BlockRef | None = None,
+        salt: str | None = None,
+    ) -> KVBlock | None:
+        """The cached block for this position of a chain whose previous block is ``parent``."""
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+        if block is None or block.token_ids != token_ids or block.parent != parent or block.salt != salt:
             return None
         return block
 
@@ -61,6 +85,7 @@ class BlockPool:
             self._evict(block)
             assert block.ref_count == 0
             block.ref_count = 1
+            block.generation += 1
             out.append(block)
         return out
 
@@ -81,14 +106,36 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        parent: BlockRef | None = None,
+        salt: str | None = None,
+    ) -> BlockRef:
+        """Register ``block``, computed after ``parent``. Returns the block the chain goes on from:
+        ``block``, or the first copy when the same content (same tokens after the same parent) was
+        cached already, so that the blocks after it stay reachable."""
         if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self.cached:  # same content computed twice; keep the first copy
-            return
+            return block.ref
+        first = self.cached.get(block_hash)
+        if first is not None:
+            same = first.token_ids == token_ids and first.parent == parent and first.salt == salt
+            return first.ref if same else block.ref
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.parent = parent
+        block.salt = salt
         self.cached[block_hash] = block
+        return block.ref
+
+    def uncache(self, blocks: list[KVBlock]) -> None:
+        """Blocks whose content is not what their hash says: no later lookup may find them, nor a
+        block cached after them."""
+        for block in blocks:
+            self._evict(block)
+            block.generation += 1
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
@@ -96,6 +143,8 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
             block.token_ids = None
+            block.parent = None
+            block.salt = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.free_queue.values():

@@ -1,25 +1,38 @@
 """Chained hashes of *full* KV blocks, the keys of the prefix cache.
 
     tokens:  [t0 .. t15][t16 .. t31][t32 .. t40]       block_size = 16
-    hashes:  h0 = H(seed, t0..t15, salt)
+    hashes:  h0 = H(root, t0..t15, salt)
              h1 = H(h0,   t16..t31, salt)              the partial tail block gets no hash
 
-A block's hash covers every token before it, so equal hashes mean equal prefixes. Hashes are
-64-bit and may collide; the pool keeps each cached block's token ids and verifies them on a hit.
-The seed is drawn once per process so hashes cannot be predicted from outside.
+H is BLAKE2b (128 bits) keyed with a secret drawn once per process: a block's hash commits to every
+token before it and cannot be predicted or collided from outside (Python's ``hash`` of a tuple could
+be, whatever its seed). The pool does not rely on it alone: a hit must also match the block's tokens,
+salt and the very block computed before it (see ``block_pool``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+import struct
 
 BlockHash = int
 
-PROCESS_SEED: int = secrets.randbits(63)
+PROCESS_KEY: bytes = secrets.token_bytes(32)
+_ROOT = bytes(16)
+_MAX_TOKEN = 2**32
 
 
 def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], salt: str | None = None) -> BlockHash:
-    return hash((PROCESS_SEED if parent is None else parent, token_ids, salt))
+    if any(not 0 <= t < _MAX_TOKEN for t in token_ids):
+        raise ValueError(f"token ids must be in [0, 2^32): {token_ids}")
+    h = hashlib.blake2b(key=PROCESS_KEY, digest_size=16)
+    h.update(_ROOT if parent is None else parent.to_bytes(16, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    if salt is not None:  # length-prefixed, so no salt is a prefix of another's encoding
+        encoded = salt.encode("utf-8", "surrogatepass")
+        h.update(struct.pack("<Q", len(encoded)) + encoded)
+    return int.from_bytes(h.digest(), "little")
 
 
 def extend_block_hashes(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvserve.kv.block_pool import BlockPool, KVBlock
+from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
 from kvserve.kv.hashing import extend_block_hashes
 
 
@@ -34,6 +34,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered
+        # per request, the cached block each registered position continues from (see cache_block)
+        self.chains: dict[str, list[BlockRef]] = {}
         self.prefix_queries = 0  # tokens looked up by admitted requests
         self.prefix_hits = 0  # of which found in the cache
 
@@ -48,7 +50,10 @@ class KVCacheManager:
         hits: list[KVBlock] = []
         for i in range(max_blocks):
             block = self.pool.lookup(
-                request.block_hashes[i], tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+                request.block_hashes[i],
+                tuple(tokens[i * self.block_size : (i + 1) * self.block_size]),
+                hits[-1].ref if hits else None,
+                request.cache_salt,
             )
             if block is None:
                 break
@@ -84,6 +89,7 @@ class KVCacheManager:
         if computed_blocks:  # prefix hits are taken only when the table is still empty
             assert not blocks
             self.num_cached_blocks[request.request_id] = len(computed_blocks)
+            self.chains[request.request_id] = [b.ref for b in computed_blocks]
         blocks.extend(computed_blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.allocate(num_new_blocks))
@@ -100,15 +106,28 @@ class KVCacheManager:
         blocks = self.req_blocks[request.request_id]
         start = self.num_cached_blocks[request.request_id]
         num_full = num_tokens // self.block_size
+        chain = self.chains.setdefault(request.request_id, [])
         for i in range(start, num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            self.pool.cache_block(blocks[i], request.block_hashes[i], chunk)
+            parent = chain[i - 1] if i else None
+            chain.append(self.pool.cache_block(blocks[i], request.block_hashes[i], chunk, parent, request.cache_salt))
         self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def forget_uncomputed(self, request: CacheableRequest) -> None:
+        """Take the request's blocks from its first not-yet-computed token on out of the prefix cache
+        (they were registered when scheduled, before a forward that did not happen)."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        self.pool.uncache(blocks[first:])
+        kept = min(self.num_cached_blocks.get(request.request_id, 0), first)
+        self.num_cached_blocks[request.request_id] = kept
+        del self.chains.setdefault(request.request_id, [])[kept:]
 
     def free(self, request: CacheableRequest) -> None:
         """Release every block of the request, tail first (so tail blocks are evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.chains.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
 
     # --- views ----------------------------------------------------------------------------------------
