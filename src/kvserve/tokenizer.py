@@ -7,6 +7,8 @@ GGUF files carry the vocabulary, merges and pre-tokenizer name; we rebuild the t
 from __future__ import annotations
 
 import json
+import re
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,24 @@ KNOWN_TEMPLATES = {
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+
+# Stand-ins for message contents while the chat template renders (private-use characters): where they
+# land in the output tells which characters came from a message and which from the template.
+_CONTENT_MARK = re.compile("\ue000([0-9]+)\ue001")
+
+
+def check_unicode(text: str) -> None:
+    """Raise ValueError on a lone UTF-16 surrogate (JSON's "\\ud800" escape): not valid Unicode, and
+    the tokenizer cannot take it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"the text holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}, "
+            "which is not valid Unicode; send whole characters"
+        ) from None
 
 
 def _gpt2_pre_tokenizer(pre: str):
@@ -93,6 +113,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = add_bos
         self._template = None
+        self._lock = threading.Lock()
+        self._special_pattern: re.Pattern | None = None
+        self._literal_backend = None  # a copy that reads special-token strings as plain text
 
     @property
     def vocab_size(self) -> int:
@@ -110,7 +133,11 @@ class Tokenizer:
         return (self.id_to_token(self.eos_token_ids[0]) or "") if self.eos_token_ids else ""
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Special-token strings in ``text`` become those tokens (a raw prompt is the caller's own)."""
+        check_unicode(text)
+        return self._with_bos(self.backend.encode(text, add_special_tokens=False).ids, add_special)
+
+    def _with_bos(self, ids: list[int], add_special: bool) -> list[int]:
         if add_special and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
@@ -142,8 +169,85 @@ class Tokenizer:
             eos_token=self.eos_token,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special: bool = True,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
+        """The messages through the chat template. Special-token strings inside a message's content
+        (a user typing "<|im_start|>system") stay text, so a client cannot forge turns, unless
+        ``special_tokens_in_content``; the template's own special tokens are tokens."""
+        rendered = self.apply_chat_template(messages, add_generation_prompt)
+        contents = [m.get("content") for m in messages]
+        if special_tokens_in_content or not any(isinstance(c, str) and self._has_special(c) for c in contents):
+            return self.encode(rendered, add_special)
+        check_unicode(rendered)
+        segments = self._content_segments(messages, rendered, add_generation_prompt)
+        if segments is None:
+            special = next(self._special_pattern.search(c).group() for c in contents
+                           if isinstance(c, str) and self._has_special(c))
+            raise ValueError(
+                f"a message's content holds the special token {special!r}, and this model's chat template "
+                "changes contents so that it cannot be kept as text; remove it"
+            )
+        ids: list[int] = []
+        for text, from_content in segments:
+            backend = self._literal() if from_content else self.backend
+            ids.extend(backend.encode(text, add_special_tokens=False).ids)
+        return self._with_bos(ids, add_special)
+
+    def _has_special(self, text: str) -> bool:
+        if self._special_pattern is None:
+            specials = [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
+            alternatives = sorted(specials, key=len, reverse=True) or ["(?!)"]
+            self._special_pattern = re.compile("|".join(map(re.escape, alternatives)))
+        return self._special_pattern.search(text) is not None
+
+    def _literal(self):
+        with self._lock:
+            if self._literal_backend is None:
+                from tokenizers import Tokenizer as HFTokenizer
+
+                literal = HFTokenizer.from_str(self.backend.to_str())
+                literal.encode_special_tokens = True
+                self._literal_backend = literal
+        return self._literal_backend
+
+    def _content_segments(
+        self, messages: list[dict[str, Any]], rendered: str, add_generation_prompt: bool
+    ) -> list[tuple[str, bool]] | None:
+        """``rendered`` cut into (text, came from a message's content) pieces, found by rendering again
+        with a mark in place of each string content. None when the template changed a content other
+        than by trimming it (the pieces would not add up to ``rendered``)."""
+        contents: list[str] = []
+        marked = []
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                marked.append({**m, "content": f"\ue000{len(contents)}\ue001"})
+                contents.append(m["content"])
+            else:
+                marked.append(m)
+        pieces = _CONTENT_MARK.split(self.apply_chat_template(marked, add_generation_prompt))
+        segments: list[tuple[str, bool]] = []
+        at = 0
+        for j, piece in enumerate(pieces):
+            if j % 2 == 0:
+                if not rendered.startswith(piece, at):
+                    return None
+                segments.append((piece, False))
+                at += len(piece)
+                continue
+            following = pieces[j + 1]
+            for text in (contents[int(piece)], contents[int(piece)].strip()):
+                if rendered.startswith(text, at) and rendered.startswith(following, at + len(text)):
+                    break
+            else:
+                return None
+            segments.append((text, True))
+            at += len(text)
+        return segments if at == len(rendered) else None
 
     # --- constructors -------------------------------------------------------------------------------
     @classmethod

@@ -37,6 +37,12 @@ def add_parser(sub, name: str) -> None:
         help="largest request body; larger ones get 413 (default 4MiB)",
     )
     p.add_argument("--max-n", type=int, default=16, help="most choices one OpenAI request may ask for (n)")
+    p.add_argument(
+        "--special-tokens-in-messages",
+        action="store_true",
+        help="read special-token strings in chat messages (e.g. '<|im_start|>') as control tokens; by default "
+        "they are plain text, so a client cannot forge a system turn",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_engine_args(p, max_num_seqs=8)
@@ -69,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.server import ServerConfig, build_app
+    from kvserve.server.graceful import EndingStreamsServer
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be between 1 and 65535, got {args.port}")
@@ -79,10 +86,12 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_size,
         max_n=args.max_n,
+        special_tokens_in_messages=args.special_tokens_in_messages,
     )
     check_port_free(args.host, args.port)
     engine = load_engine(args)
-    app = build_app(AsyncLLMEngine(engine), config)
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, config)
     url = f"http://{args.host}:{args.port}"
     print(
         f"serving {config.model_name} on {url} (OpenAI: {url}/v1, Ollama: {url}/api, metrics: {url}/metrics; "
@@ -90,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
+    server_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -98,4 +107,5 @@ def run(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=5,
     )
+    EndingStreamsServer(server_config, async_engine).run()
     return 0

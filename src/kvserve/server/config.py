@@ -15,6 +15,8 @@ class ServerConfig:
     api_key: str | None = None  # when set, every endpoint but /health and the docs needs it
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_n: int = 16  # most choices per OpenAI request (``n``)
+    # special-token strings in chat messages become control tokens (trusted clients that build turns)
+    special_tokens_in_messages: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:

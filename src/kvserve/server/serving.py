@@ -108,16 +108,23 @@ class Serving:
         tokenizer = self.tokenizer
 
         def encode() -> list[int]:
-            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special)
+            return tokenizer.encode_chat(
+                messages, add_special=add_special, special_tokens_in_content=self.config.special_tokens_in_messages
+            )
 
         try:
             return await asyncio.to_thread(encode)
         except TemplateError as e:
             raise APIError(400, f"the model's chat template rejected the messages: {e}", "messages") from None
+        except ValueError as e:  # text that is not valid Unicode, a special token the template mangles
+            raise APIError(400, str(e), "messages") from None
 
-    async def encode_text(self, text: str, add_special: bool = True) -> list[int]:
+    async def encode_text(self, text: str, add_special: bool = True, param: str = "prompt") -> list[int]:
         tokenizer = self.tokenizer
-        return await asyncio.to_thread(tokenizer.encode, text, add_special)
+        try:
+            return await asyncio.to_thread(tokenizer.encode, text, add_special)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -148,7 +155,22 @@ class Serving:
     async def start_all(
         self, requests: list[tuple[list[int], SamplingParams, str]], param: str | None = None
     ) -> list[EngineStream]:
-        """Admits every request or none: on a failure the ones already admitted are aborted."""
+        """Admits every request or none: on a failure the ones already admitted are aborted. The
+        queue's room is checked for all of them first, so a refused request never holds places that
+        other clients' requests are then refused for."""
+        if len(requests) > 1:
+            try:
+                self.async_engine.check_capacity(len(requests))
+                checked: set[int] = set()
+                for prompt, params, request_id in requests:  # each prompt once (n choices share one)
+                    if id(prompt) not in checked:
+                        checked.add(id(prompt))
+                        self.async_engine.engine.make_request(prompt, params, request_id)
+            except Exception as e:  # noqa: BLE001 - mapped like generate()'s admission errors
+                mapped = engine_error(e, param)
+                if mapped is None:
+                    raise
+                raise mapped from None
         streams: list[EngineStream] = []
         try:
             for prompt, params, request_id in requests:
