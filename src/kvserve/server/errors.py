@@ -11,6 +11,7 @@ counted (``kvserve_request_errors_total``) by ``middleware.ErrorCountMiddleware`
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,15 @@ OPENAI_TYPES = {
 }
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _whole_characters(text: str) -> str:
+    """``text`` with lone surrogates (a client's "\\ud800", echoed in a message) as U+FFFD: a JSON
+    body must encode as UTF-8."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
 class APIError(Exception):
     """An error with a status code and a message that tells the client what to do."""
 
@@ -46,6 +56,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = _whole_characters(message)
         super().__init__(message)
         self.status = status
         self.message = message
