@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.async_engine import EngineDeadError, EngineShutdownError
 from kvserve.engine.scheduler import QueueFullError
 from kvserve.errors import PromptTooLongError
 
@@ -97,6 +97,8 @@ def engine_error(e: Exception, param: str | None = None) -> APIError | None:
         return prompt_too_long(e.num_prompt_tokens, e.limit, param)
     if isinstance(e, QueueFullError):
         return APIError(429, f"the server is busy: {e}", code="queue_full")
+    if isinstance(e, EngineShutdownError):
+        return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(
             503, "the engine stopped after an internal error; restart the server", code="engine_dead"
