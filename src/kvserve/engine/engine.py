@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig
+from kvserve.engine.constraints import GrammarTokenizer, TokenConstraint
 from kvserve.engine.malloc import keep_freed_pages
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
@@ -73,6 +74,7 @@ class LLMEngine:
         decode = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else str
         self.sampler = Sampler(decode)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammar_tokenizer = GrammarTokenizer(self.tokenizer) if self.tokenizer else None
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else ()
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -116,6 +118,10 @@ class LLMEngine:
             self.eos_token_ids,
             cache_salt,
         )
+        if request.params.constraint is not None:
+            if self.grammar_tokenizer is None:
+                raise ValueError("this model has no tokenizer, which constrained output needs")
+            request.constraint = TokenConstraint(request.params.constraint, self.grammar_tokenizer)
         try:
             self.scheduler.check_prompt(request)
         except PromptTooLongError as e:
@@ -176,6 +182,8 @@ class LLMEngine:
                 continue
             self._record_token(request, token, logprob, now)
             request.check_stop_token()
+            if request.constraint is not None and request.constraint.complete and not request.is_finished:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
             output = self.outputs.process(request)
             if request.is_finished:
                 request.metrics.finished_time = now

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from kvserve.engine.constraints import TokenConstraint
 from kvserve.engine.outputs import RequestMetrics, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ class Request:
             num_prompt_tokens=len(prompt_token_ids),
         )
         self.generator: torch.Generator | None = None  # created by the sampler on first use
+        self.constraint: TokenConstraint | None = None  # params.constraint's state, set by the engine
 
     @property
     def num_tokens(self) -> int:

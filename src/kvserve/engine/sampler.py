@@ -56,12 +56,14 @@ class Sampler:
         """logits: [len(requests), vocab] float32. A request whose draw fails gets the exception
         instead of a token, so one bad request cannot stop the batch."""
         results = []
-        plain_greedy = [r.params.greedy and not _needs_penalty(r.params) for r in requests]
+        plain_greedy = [r.params.greedy and not _needs_penalty(r.params) and r.constraint is None for r in requests]
         # one argmax over the batch's rows (a call per row cost ~50 us at SmolLM2's 49k vocabulary)
         argmaxes = logits.argmax(-1).tolist() if sum(plain_greedy) > 1 else None
         for i, (row, request) in enumerate(zip(logits, requests)):
             try:
                 token = argmaxes[i] if argmaxes is not None and plain_greedy[i] else self._sample_one(row, request)
+                if request.constraint is not None:
+                    request.constraint.advance(token)
             except (RuntimeError, ValueError) as e:  # e.g. a distribution with no finite entry
                 results.append((e, None))
                 continue
@@ -71,6 +73,8 @@ class Sampler:
 
     def _sample_one(self, row: torch.Tensor, request: Request) -> int:
         p = request.params
+        if request.constraint is not None:  # first: penalties and filters then see only valid tokens
+            row = row.masked_fill(~request.constraint.allowed(row.shape[-1], row.device), float("-inf"))
         x = apply_penalties(row.clone(), request) if _needs_penalty(p) else row
         if p.greedy:
             return int(torch.argmax(torch.nan_to_num(x, nan=float("-inf"))))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.constraints import Constraint
+
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily: dividing logits by a temperature near float32's smallest
 # values overflows to inf, and a distribution that sharp is the argmax anyway (vLLM's cut-off too).
@@ -29,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k alternatives
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None  # a grammar the output must follow (JSON schema, regex, ...)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
