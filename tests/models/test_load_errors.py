@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
 from kvserve.errors import ModelLoadError, ModelNotFoundError
 from kvserve.models.loader import load_model
-
-gguf = pytest.importorskip("gguf")
 
 
 def load_error(model: str) -> ModelLoadError:

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
-
-from kvserve.attention.contiguous import ContiguousKVCache  # noqa: E402
-from kvserve.models.loader import load_model  # noqa: E402
+from kvserve.attention.contiguous import ContiguousKVCache
+from kvserve.models.loader import load_model
 
 VOCAB = 256
 HIDDEN = 64
