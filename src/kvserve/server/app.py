@@ -10,25 +10,29 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.server import ollama_api, openai_api
 from kvserve.server.config import ServerConfig
-from kvserve.server.engine_view import EngineView
+from kvserve.server.engine_view import EngineSnapshot, EngineView
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import (
+    OPEN_PATHS,
     APIKeyMiddleware,
     BodyLimitMiddleware,
     ErrorCountMiddleware,
     JSONBodyMiddleware,
 )
 from kvserve.server.model_card import ModelCard
+from kvserve.server.openapi_docs import ok, openapi_document
 from kvserve.server.serving import Serving
 
 ops = APIRouter(tags=["Operations"])
@@ -39,7 +43,18 @@ async def root() -> str:
     return "kvserve is running"  # Ollama answers "Ollama is running"; some clients probe it
 
 
-@ops.get("/health")
+class Health(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["ok", "error"]
+    model: str | None = None  # when ok
+    error: str | None = None  # when not
+
+
+@ops.get(
+    "/health",
+    response_model=None,
+    responses=ok(Health, "The engine runs") | {503: {"model": Health, "description": "The engine stopped"}},
+)
 async def health(request: Request) -> JSONResponse:
     serving: Serving = request.app.state.serving
     if serving.async_engine.dead_error is not None:
@@ -47,13 +62,17 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "model": serving.card.name})
 
 
-@ops.get("/metrics")
+@ops.get(
+    "/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format"}}
+)
 async def metrics(request: Request) -> Response:
     body = await asyncio.to_thread(request.app.state.metrics.exposition)  # waits for the engine lock
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-@ops.get("/v1/kvserve/cache")
+@ops.get(
+    "/v1/kvserve/cache", response_model=None, responses=ok(EngineSnapshot, "The KV cache's block accounting")
+)
 async def cache(request: Request) -> dict:
     """Exact block accounting, taken between engine steps: ``held_blocks`` is the union of the
     live requests' block tables, and every other block is free."""
@@ -90,4 +109,11 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig, card: ModelCar
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(ErrorCountMiddleware, record=app.state.metrics.record_error)  # outermost: sees all
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:  # built on first use, as FastAPI's own
+            app.openapi_schema = openapi_document(app, OPEN_PATHS if config.api_key else None)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

@@ -20,8 +20,10 @@ from kvserve import __version__
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.server.errors import APIError, prompt_too_long
+from kvserve.server import ollama_responses as responses
+from kvserve.server.errors import APIError, engine_error, prompt_too_long
 from kvserve.server.ollama_schemas import ChatRequest, GenerateRequest, Options, ShowRequest
+from kvserve.server.openapi_docs import ndjson_stream, ok, ollama_errors
 from kvserve.server.serving import EngineStream, Serving, sampling_params
 from kvserve.server.streaming import cancel_on_disconnect, ndjson_line, ndjson_response
 
@@ -176,7 +178,7 @@ async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
                 if out.finished:
                     yield ndjson_line(reply.final(out))
     except (APIError, EngineDeadError) as e:
-        yield ndjson_line({"error": e.message if isinstance(e, APIError) else f"the engine failed: {e}"})
+        yield ndjson_line({"error": (engine_error(e) or APIError(503, f"the engine failed: {e}")).message})
 
 
 def _load_reply(model: str, chat: bool) -> dict:
@@ -186,7 +188,16 @@ def _load_reply(model: str, chat: bool) -> dict:
     return obj | {"done": True, "done_reason": "load"}
 
 
-@router.post("/api/generate")
+@router.post(
+    "/api/generate",
+    response_model=None,
+    responses=ok(
+        responses.GenerateResponse,
+        "NDJSON lines as the answer is generated (the default), or one object with stream: false",
+        ndjson_stream(responses.GenerateResponse),
+    )
+    | ollama_errors(400, 404, 503),
+)
 async def generate(body: GenerateRequest, request: Request):
     received = time.perf_counter()
     serving = _serving(request)
@@ -205,7 +216,16 @@ async def generate(body: GenerateRequest, request: Request):
     return await _run(request, serving, body, ids, chat=False, received=received)
 
 
-@router.post("/api/chat")
+@router.post(
+    "/api/chat",
+    response_model=None,
+    responses=ok(
+        responses.ChatResponse,
+        "NDJSON lines as the answer is generated (the default), or one object with stream: false",
+        ndjson_stream(responses.ChatResponse),
+    )
+    | ollama_errors(400, 404, 503),
+)
 async def chat(body: ChatRequest, request: Request):
     received = time.perf_counter()
     serving = _serving(request)
@@ -238,12 +258,12 @@ async def _model_entry(serving: Serving) -> dict:
     }
 
 
-@router.get("/api/tags")
+@router.get("/api/tags", response_model=None, responses=ok(responses.Tags, "The served model"))
 async def tags(request: Request) -> dict:
     return {"models": [await _model_entry(_serving(request))]}
 
 
-@router.get("/api/ps")
+@router.get("/api/ps", response_model=None, responses=ok(responses.Ps, "The served model, always loaded"))
 async def ps(request: Request) -> dict:
     serving = _serving(request)
     card = serving.card
@@ -259,7 +279,11 @@ async def ps(request: Request) -> dict:
     return {"models": [entry]}
 
 
-@router.post("/api/show")
+@router.post(
+    "/api/show",
+    response_model=None,
+    responses=ok(responses.Show, "The model's details") | ollama_errors(400, 404),
+)
 async def show(body: ShowRequest, request: Request) -> dict:
     serving = _serving(request)
     serving.check_model(body.model_name)
@@ -289,6 +313,6 @@ async def show(body: ShowRequest, request: Request) -> dict:
     }
 
 
-@router.get("/api/version")
+@router.get("/api/version", response_model=None, responses=ok(responses.Version, "kvserve's version"))
 async def version() -> dict:
     return {"version": __version__}

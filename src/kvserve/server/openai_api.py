@@ -12,7 +12,8 @@ from fastapi import APIRouter, Request
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.server.errors import APIError, openai_error_body
+from kvserve.server import openai_responses as responses
+from kvserve.server.errors import APIError, engine_error, openai_error_body
 from kvserve.server.openai_format import (
     ChunkMaker,
     chat_logprobs,
@@ -22,6 +23,7 @@ from kvserve.server.openai_format import (
     usage,
 )
 from kvserve.server.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, merge, sampling_params
 from kvserve.server.streaming import SSE_DONE, cancel_on_disconnect, sse_event, sse_response
 
@@ -68,13 +70,20 @@ def _check_common(body: SamplingFields, serving: Serving) -> int:
 
 
 def _stream_error(e: Exception) -> dict:
-    if isinstance(e, APIError):
-        return openai_error_body(e)
-    return openai_error_body(APIError(503, f"the engine failed: {e}", code="engine_dead"))
+    return openai_error_body(engine_error(e) or APIError(503, f"the engine failed: {e}", code="engine_dead"))
 
 
 # --- /v1/chat/completions ---------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses=ok(
+        responses.ChatCompletion,
+        "The completion; with stream: true, chunks as server-sent events",
+        sse_stream(responses.ChatCompletionChunk),
+    )
+    | openai_errors(400, 404, 429, 503),
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     serving = _serving(request)
     n = _check_common(body, serving)
@@ -143,7 +152,16 @@ async def _chat_events(
 
 
 # --- /v1/completions --------------------------------------------------------------------------------
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses=ok(
+        responses.Completion,
+        "The completion; with stream: true, chunks as server-sent events",
+        sse_stream(responses.CompletionChunk),
+    )
+    | openai_errors(400, 404, 429, 503),
+)
 async def completions(body: CompletionRequest, request: Request):
     serving = _serving(request)
     n = _check_common(body, serving)
@@ -260,12 +278,16 @@ def _model_object(serving: Serving) -> dict:
     }
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses=ok(responses.ModelList, "The served model"))
 async def list_models(request: Request) -> dict:
     return {"object": "list", "data": [_model_object(_serving(request))]}
 
 
-@router.get("/v1/models/{model:path}")
+@router.get(
+    "/v1/models/{model:path}",
+    response_model=None,
+    responses=ok(responses.Model, "The model") | openai_errors(404),
+)
 async def get_model(model: str, request: Request) -> dict:
     serving = _serving(request)
     serving.check_model(model)

@@ -1,0 +1,149 @@
+"""Pydantic models of the OpenAI response objects we send, for the OpenAPI document only.
+
+The handlers build plain dicts (``openai_format``); these models say what those dicts hold, field for
+field, so a client or a fuzzer can check every response. Extra fields are forbidden here so that a field
+added to a response and not to its model fails the schema tests instead of going undocumented.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+FinishReason = Literal["stop", "length"]
+
+
+class Exact(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TopLogprob(Exact):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Exact):
+    content: list[TokenLogprob]
+    refusal: None
+
+
+class CompletionLogprobs(Exact):
+    """The legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class PromptTokensDetails(Exact):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class Usage(Exact):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class Response(Exact):
+    """What every response object and chunk shares."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
+class AssistantMessage(Exact):
+    role: Literal["assistant"]
+    content: str
+    refusal: None
+
+
+class ChatChoice(Exact):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(Response):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(Exact):
+    role: Literal["assistant"] | None = None  # only in each choice's first chunk
+    content: str | None = None
+
+
+class ChatChunkChoice(Exact):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(Response):
+    object: Literal["chat.completion.chunk"]
+    choices: list[ChatChunkChoice]
+    # present only with stream_options.include_usage: null on every chunk but the last
+    usage: Usage | None = None
+
+
+class CompletionChoice(Exact):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class Completion(Response):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(CompletionChoice):
+    finish_reason: FinishReason | None
+
+
+class CompletionChunk(Response):
+    object: Literal["text_completion"]
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None  # as in ChatCompletionChunk
+
+
+class Model(Exact):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int  # vLLM's extra: the context one request may use
+
+
+class ModelList(Exact):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class OpenAIErrorDetail(Exact):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(Exact):
+    """Every OpenAI-path error, and an SSE stream's last event when the engine fails mid-stream."""
+
+    error: OpenAIErrorDetail

@@ -1,0 +1,148 @@
+"""The OpenAPI document (``/openapi.json``) as the server really answers, so a client or a fuzzer can check
+every response against it.
+
+FastAPI documents what it can see: request bodies, and a 422 for validation errors that this server
+never sends. The routes add what it cannot (``responses=``): each status code with the error body of
+its API (``openai_responses.OpenAIError``, ``ollama_responses.OllamaError``), the 200 body's model,
+and for streaming endpoints the stream's media type with an ``itemSchema`` for one SSE event or one
+NDJSON line (OpenAPI 3.2's spelling, which FastAPI's own streaming routes use too).
+``openapi_document`` then adds what every route shares: 401 where the API key applies, 413 and a bad
+Content-Length for bodies, 500 everywhere, and the 422s removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+
+from kvserve.server import ollama_responses, openai_responses
+from kvserve.server.errors import is_ollama_path
+
+JSON = "application/json"
+SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
+SCHEMA_REF = "#/components/schemas/{model}"
+
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request: a parameter, the JSON body, or the prompt (too long for the context)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body over the server's limit",
+    429: "Too many requests waiting: retry after Retry-After seconds",
+    500: "Internal error; the server log has the details",
+    503: "The engine stopped after an internal error; restart the server",
+}
+OLLAMA_DESCRIPTIONS = ERROR_DESCRIPTIONS | {
+    503: "Too many requests waiting (retry after Retry-After seconds), or the engine stopped",
+}
+RETRY_AFTER = {
+    "Retry-After": {"description": "Seconds to wait", "schema": {"type": "string"}, "required": True}
+}
+WWW_AUTHENTICATE = {
+    "WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}, "required": True}
+}
+
+# models referenced only from stream item schemas, which FastAPI does not collect itself
+STREAMED_MODELS = (
+    openai_responses.ChatCompletionChunk,
+    openai_responses.CompletionChunk,
+    openai_responses.OpenAIError,
+    ollama_responses.GenerateResponse,
+    ollama_responses.ChatResponse,
+    ollama_responses.OllamaError,
+)
+
+
+def ref(model: type) -> dict:
+    return {"$ref": SCHEMA_REF.format(model=model.__name__)}
+
+
+def sse_stream(chunk: type) -> dict:
+    """``data: {chunk}`` events, then ``data: [DONE]``; an engine failure mid-stream sends
+    ``data: {error}`` before ``[DONE]``."""
+    data = {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "else": {
+            "contentMediaType": JSON,
+            "contentSchema": {"anyOf": [ref(chunk), ref(openai_responses.OpenAIError)]},
+        },
+    }
+    return {SSE: {"itemSchema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
+
+
+def ndjson_stream(line: type) -> dict:
+    """One JSON object a line, the last with ``done: true``, or an ``{"error": ...}`` line when the
+    engine fails mid-stream."""
+    return {NDJSON: {"itemSchema": {"anyOf": [ref(line), ref(ollama_responses.OllamaError)]}}}
+
+
+def ok(model: type, description: str, stream: dict | None = None) -> dict[int | str, dict[str, Any]]:
+    """The 200 response: ``model`` as JSON, and ``stream`` (``sse_stream``, ``ndjson_stream``) when the
+    request asks for a stream."""
+    response: dict[str, Any] = {"model": model, "description": description}
+    if stream is not None:
+        response["content"] = stream
+    return {200: response}
+
+
+def _errors(
+    error_model: type, statuses: tuple[int, ...], descriptions: dict[int, str]
+) -> dict[int | str, dict[str, Any]]:
+    responses: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        responses[status] = {"model": error_model, "description": descriptions[status]}
+        if status in (429, 503):
+            responses[status]["headers"] = RETRY_AFTER
+    return responses
+
+
+def openai_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return _errors(openai_responses.OpenAIError, statuses, ERROR_DESCRIPTIONS)
+
+
+def ollama_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return _errors(ollama_responses.OllamaError, statuses, OLLAMA_DESCRIPTIONS)
+
+
+def openapi_document(app: FastAPI, open_paths: frozenset[str] | None) -> dict:
+    """``app``'s OpenAPI document. ``open_paths``: the paths that need no API key, or None when the
+    server has no key."""
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    _, extra = models_json_schema([(m, "serialization") for m in STREAMED_MODELS], ref_template=SCHEMA_REF)
+    for name, schema in extra.get("$defs", {}).items():
+        schemas.setdefault(name, schema)
+    if open_paths is not None:
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
+    for path, operations in doc["paths"].items():
+        error = ref(ollama_responses.OllamaError if is_ollama_path(path) else openai_responses.OpenAIError)
+        needs_key = open_paths is not None and path not in open_paths
+        for operation in operations.values():
+            _add_shared_responses(operation, error, needs_key)
+    return doc
+
+
+def _add_shared_responses(operation: dict, error: dict, needs_key: bool) -> None:
+    responses = operation["responses"]
+    responses.pop("422", None)
+
+    def add(status: int, **extra: Any) -> None:
+        body = {"content": {JSON: {"schema": error}}, "description": ERROR_DESCRIPTIONS[status]}
+        responses.setdefault(str(status), body | extra)
+
+    if needs_key:
+        operation["security"] = [{"bearer": []}, {"apiKeyHeader": []}]
+        add(401, headers=WWW_AUTHENTICATE)
+    if "requestBody" in operation:
+        add(400)
+        add(413)
+    add(500)
