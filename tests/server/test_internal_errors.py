@@ -31,6 +31,9 @@ class StubTokenizer:
             raise RuntimeError(SECRET)
         return [1, 2, 3]
 
+    def encode_chat(self, messages, add_generation_prompt=True, add_special=True, **kwargs) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special)
+
     def decode(self, ids, skip_special_tokens=True) -> str:
         return ""
 

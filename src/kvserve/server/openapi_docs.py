@@ -33,10 +33,11 @@ ERROR_DESCRIPTIONS = {
     413: "Request body over the server's limit",
     429: "Too many requests waiting: retry after Retry-After seconds",
     500: "Internal error; the server log has the details",
-    503: "The engine stopped after an internal error; restart the server",
+    503: "The server is shutting down, or its engine stopped after an internal error",
 }
 OLLAMA_DESCRIPTIONS = ERROR_DESCRIPTIONS | {
-    503: "Too many requests waiting (retry after Retry-After seconds), or the engine stopped",
+    503: "Too many requests waiting (retry after Retry-After seconds), the server is shutting down, "
+    "or its engine stopped after an internal error",
 }
 RETRY_AFTER = {
     "Retry-After": {"description": "Seconds to wait", "schema": {"type": "string"}, "required": True}
