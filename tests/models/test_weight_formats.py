@@ -80,17 +80,29 @@ def test_symmetric_gguf_grids_are_held_exactly(qtype, fmt):
     assert torch.equal(lin.weight, weight)
 
 
-@pytest.mark.parametrize("fmt, bound", [("bf16", 0.01), ("int8", 0.01), ("q4", 0.01)])
+def ran_as(lin, fmt: str) -> bool:
+    """Whether ``lin`` is the format's own kernel (not a fallback to f32 weights)."""
+    if fmt == "bf16":
+        return isinstance(lin, DenseLinear) and lin.dtype == torch.bfloat16
+    if fmt == "int8":
+        return isinstance(lin, Int8GroupLinear) and lin.kernel is not None
+    return isinstance(lin, Int4Linear) and lin.kernel is not None and lin.digits == (1 if fmt == "q4-fast" else 2)
+
+
+@pytest.mark.parametrize("fmt, bound", [("bf16", 0.006), ("int8", 0.006), ("q4", 5e-4), ("q4-fast", 0.02)])
 def test_close_to_f32_with_activation_outliers(fmt, bound):
-    """Relative error of the output, with a few activation channels 100x the rest (as SmolLM2 has):
-    int8's two activation digits keep it as small as bf16's."""
+    """Relative error of the output, with a few activation channels 100x the rest (as SmolLM2 has), on a
+    4-bit grid's weights. Measured: bf16 0.0028; int8 0.0036 (its weights rounded to Q8_0's grid, the
+    two activation digits adding little: as small as bf16's); q4 1.3e-4 (the grid held exactly, only
+    the activations' two digits round); q4-fast 0.011 (one digit)."""
     w = four_bit_weight(384, 256, seed=2)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3))
     x[:, [5, 77, 200]] *= 100
     lins = formats(w)
+    assert ran_as(lins[fmt], fmt)
     ref = lins["f32"](x)
     err = (lins[fmt](x) - ref).norm() / ref.norm()
-    assert 0 < err < bound
+    assert err < bound
 
 
 def test_int8_one_digit_would_not_do():
