@@ -146,8 +146,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's template in a sandboxed jinja2 environment."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """Render messages with the model's template in a sandboxed jinja2 environment; ``variables``
+        are further template variables (``tools``)."""
         if not self.chat_template:
             return _plain_chat(messages, add_generation_prompt)
         if self._template is None:
@@ -167,6 +170,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            **variables,
         )
 
     def encode_chat(
@@ -175,16 +179,18 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         add_special: bool = True,
         special_tokens_in_content: bool = False,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """The messages through the chat template. Special-token strings inside a message's content
         (a user typing "<|im_start|>system") stay text, so a client cannot forge turns, unless
         ``special_tokens_in_content``; the template's own special tokens are tokens."""
-        rendered = self.apply_chat_template(messages, add_generation_prompt)
+        variables = variables or {}
+        rendered = self.apply_chat_template(messages, add_generation_prompt, **variables)
         contents = [m.get("content") for m in messages]
         if special_tokens_in_content or not any(isinstance(c, str) and self._has_special(c) for c in contents):
             return self.encode(rendered, add_special)
         check_unicode(rendered)
-        segments = self._content_segments(messages, rendered, add_generation_prompt)
+        segments = self._content_segments(messages, rendered, add_generation_prompt, variables)
         if segments is None:
             special = next(self._special_pattern.search(c).group() for c in contents
                            if isinstance(c, str) and self._has_special(c))
@@ -216,7 +222,7 @@ class Tokenizer:
         return self._literal_backend
 
     def _content_segments(
-        self, messages: list[dict[str, Any]], rendered: str, add_generation_prompt: bool
+        self, messages: list[dict[str, Any]], rendered: str, add_generation_prompt: bool, variables: dict[str, Any]
     ) -> list[tuple[str, bool]] | None:
         """``rendered`` cut into (text, came from a message's content) pieces, found by rendering again
         with a mark in place of each string content. None when the template changed a content other
@@ -229,7 +235,7 @@ class Tokenizer:
                 contents.append(m["content"])
             else:
                 marked.append(m)
-        pieces = _CONTENT_MARK.split(self.apply_chat_template(marked, add_generation_prompt))
+        pieces = _CONTENT_MARK.split(self.apply_chat_template(marked, add_generation_prompt, **variables))
         segments: list[tuple[str, bool]] = []
         at = 0
         for j, piece in enumerate(pieces):

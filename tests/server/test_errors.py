@@ -44,8 +44,10 @@ def ollama_error(r: httpx.Response, status: int) -> str:
         ({"seed": 2**64}, "seed"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"logit_bias": {"50": 10}}, "logit_bias"),
         ({"best_guess": True}, "best_guess"),
         # values must already have their type: no "yes" for true, no 5.0 or true for an integer

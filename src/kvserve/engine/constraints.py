@@ -61,8 +61,9 @@ class Constraint:
         return LLMatcher.grammar_from_lark(self.spec)
 
 
-# compact separators as models write them; whitespace between tokens allowed, as json.dumps(indent) has
-_JSON_OPTIONS = {"whitespace_flexible": True}
+# one line, with ", " and ": " as json.dumps writes it: pretty-printing costs tokens (small models
+# indent deeper and deeper), and clients parse either
+_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class GrammarTokenizer:

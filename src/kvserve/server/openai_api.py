@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,6 +11,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 
 from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.constraints import Constraint
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server import openai_responses as responses
@@ -26,6 +28,7 @@ from kvserve.server.openai_schemas import ChatCompletionRequest, CompletionReque
 from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, merge, sampling_params
 from kvserve.server.streaming import SSE_DONE, cancel_on_disconnect, sse_event, sse_response
+from kvserve.server.tools import CALL_OPEN, Tool, ToolCall, call_constraint, check_tools, parse_calls
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -37,7 +40,7 @@ def _serving(request: Request) -> Serving:
 
 
 def _params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None, choice: int
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, choice: int, constraint: Constraint | None = None
 ) -> SamplingParams:
     seed = body.seed
     if seed is not None and choice:
@@ -56,6 +59,7 @@ def _params(
         stop=tuple(body.stop or ()),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
+        constraint=constraint,
     )
 
 
@@ -67,6 +71,41 @@ def _check_common(body: SamplingFields, serving: Serving) -> int:
     if n > serving.config.max_n:
         raise APIError(400, f"n must be at most {serving.config.max_n}, got {n}", "n")
     return n
+
+
+def _chat_output_rules(body: ChatCompletionRequest) -> tuple[list[Tool], Constraint | None]:
+    """(the tools the model is shown, the grammar of its answer) from tools, tool_choice,
+    parallel_tool_calls and response_format."""
+    tools = [t.tool() for t in body.tools or []]
+    choice = body.tool_choice_spec()
+    try:
+        check_tools(tools, choice)
+        answer_format = body.response_format.constraint() if body.response_format else None
+    except ValueError as e:
+        raise APIError(400, str(e), "tools" if "tool" in str(e) else "response_format") from None
+    calls = call_constraint(tools, choice)
+    if calls is not None and answer_format is not None:
+        raise APIError(
+            400, "response_format other than text goes with tools only when tool_choice is 'none'", "response_format"
+        )
+    return (tools if choice.mode != "none" else []), calls or answer_format
+
+
+def _assistant_message(out: RequestOutput, tools_on: bool) -> tuple[dict, str]:
+    """(the message, its finish_reason): tool calls when the answer is calls."""
+    reason = finish_reason(out)
+    if tools_on:
+        content, calls = parse_calls(out.text)
+        if calls:
+            message = {"role": "assistant", "content": content or None, "refusal": None,
+                       "tool_calls": [_call_record(c) for c in calls]}
+            return message, "tool_calls"
+    return {"role": "assistant", "content": out.text, "refusal": None}, reason
+
+
+def _call_record(call: ToolCall) -> dict:
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 def _stream_error(e: Exception) -> dict:
@@ -93,31 +132,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = [_params(body, max_tokens, logprobs, i) for i in range(n)]
-    prompt = await serving.encode_chat([m.for_template() for m in body.messages])
+    tools, constraint = _chat_output_rules(body)
+    params = [_params(body, max_tokens, logprobs, i, constraint) for i in range(n)]
+    prompt = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.start_all(
         [(prompt, p, f"{response_id}-{i}") for i, p in enumerate(params)], param="messages"
     )
     maker = ChunkMaker(response_id, int(time.time()), body.model, "chat.completion.chunk", body.include_usage)
+    tools_on = bool(tools)
     if body.stream:
-        return sse_response(_chat_events(streams, maker, n, logprobs is not None), cleanup=_closer(streams))
+        events = _chat_events(streams, maker, n, logprobs is not None, tools_on)
+        return sse_response(events, cleanup=_closer(streams))
     finals = await _collect(request, streams)
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": out.text, "refusal": None},
-            "logprobs": chat_logprobs(out.logprobs),
-            "finish_reason": finish_reason(out),
-        }
-        for i, out in enumerate(finals)
-    ]
+    choices = []
+    for i, out in enumerate(finals):
+        message, reason = _assistant_message(out, tools_on)
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(out.logprobs), "finish_reason": reason})
     return maker.final("chat.completion", choices, usage(*prompt_usage([finals]), finals))
 
 
 async def _chat_events(
-    streams: list[EngineStream], maker: ChunkMaker, n: int, want_logprobs: bool
+    streams: list[EngineStream], maker: ChunkMaker, n: int, want_logprobs: bool, tools_on: bool
 ) -> AsyncIterator[bytes]:
+    """With tools, an answer that starts with a call (the grammar lets a call come first only) is
+    held back and sent as whole tool calls when it ends; text answers stream as usual."""
     for i in range(n):
         first = {
             "index": i,
@@ -127,20 +166,34 @@ async def _chat_events(
         }
         yield sse_event(maker.chunk([first]))
     finals: list[RequestOutput] = []
+    holding = [tools_on] * n  # still undecided or a call: text held back
     try:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
-                if out.delta_text or (want_logprobs and out.new_logprobs):
+                text = out.delta_text
+                if holding[i] and out.text and not out.text.startswith(CALL_OPEN[0]):
+                    holding[i], text = False, out.text  # a text answer: send what was held, then stream
+                if holding[i]:
+                    text = ""
+                if text or (want_logprobs and out.new_logprobs):
                     delta = {
                         "index": i,
-                        "delta": {"content": out.delta_text},
+                        "delta": {"content": text},
                         "logprobs": chat_logprobs(out.new_logprobs),
                         "finish_reason": None,
                     }
                     yield sse_event(maker.chunk([delta]))
                 if out.finished:
                     finals.append(out)
-                    done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out)}
+                    message, reason = _assistant_message(out, tools_on)
+                    if holding[i]:
+                        held = {"content": message["content"]} if message["content"] else {}
+                        if message.get("tool_calls"):
+                            held["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+                        if held:
+                            yield sse_event(maker.chunk([{"index": i, "delta": held, "logprobs": None,
+                                                          "finish_reason": None}]))
+                    done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
                     yield sse_event(maker.chunk([done]))
     except (APIError, EngineDeadError) as e:
         yield sse_event(_stream_error(e))

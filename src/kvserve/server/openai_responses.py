@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Exact(BaseModel):
@@ -62,17 +63,29 @@ class Response(Exact):
     system_fingerprint: str
 
 
+class FunctionCall(Exact):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(Exact):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(Exact):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is only tool calls
     refusal: None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Exact):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletion(Response):
@@ -81,16 +94,21 @@ class ChatCompletion(Response):
     usage: Usage
 
 
+class ToolCallDelta(ToolCall):
+    index: int  # which call of the choice this is
+
+
 class Delta(Exact):
     role: Literal["assistant"] | None = None  # only in each choice's first chunk
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None  # each call whole, in the choice's last content chunk
 
 
 class ChatChunkChoice(Exact):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(Response):

@@ -1,19 +1,21 @@
 """Pydantic models of the OpenAI requests we accept.
 
 Unknown fields are refused (400, "unsupported parameter"). Fields OpenAI defines that we cannot
-honour are accepted only with a value that asks for nothing (``tools: []``, ``response_format:
-{"type": "text"}``, ...); fields that do not change the output (``user``, ``metadata``, ...) are
+honour are accepted only with a value that asks for nothing (``logit_bias: {}``, ``functions: []``, ...); fields that do not change the output (``user``, ``metadata``, ...) are
 accepted and ignored. The README's table lists every field.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.strict_schema import Strict
+from kvserve.server.tools import Tool, ToolCall, ToolChoice
 
 MAX_STOP = 16
 SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed takes
@@ -21,9 +23,6 @@ SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed t
 # field -> the values that ask for nothing (anything else is refused)
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "modalities": (None, ["text"]),
@@ -46,13 +45,84 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = None  # ignored: chunks never carry an "obfuscation" field
 
 
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # arguments always follow the schema here
+
+
+class ToolDefinition(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def tool(self) -> Tool:
+        f = self.function
+        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}})
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
+    @classmethod
+    def json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value or "{}")
+        except json.JSONDecodeError:
+            raise ValueError("function arguments must be a JSON object as text") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("function arguments must be a JSON object as text")
+        return value
+
+
+class ToolCallRecord(Strict):
+    """An earlier assistant turn's call, as the client echoes it back."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class JSONSchemaFormat(Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # output always follows the schema here
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("json_object")
+        if self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return Constraint.json_schema(self.json_schema.schema_ or {"type": "object"})
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # ignored
+    tool_calls: list[ToolCallRecord] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
     # what clients echo back from an earlier assistant message; only empty values are accepted
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
     annotations: list[Any] | None = None
@@ -67,16 +137,21 @@ class ChatMessage(Strict):
                 raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
         return "\n".join(part["text"] for part in value)
 
-    @field_validator("tool_calls", "function_call", "audio", "refusal")
+    @field_validator("function_call", "audio", "refusal")
     @classmethod
     def empty_only(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
             raise ValueError(f"'{info.field_name}' in messages is not supported by this server")
         return value
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content or ""}
+        message: dict[str, Any] = {"role": role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                ToolCall(c.function.name, json.loads(c.function.arguments or "{}"), c.id) for c in self.tool_calls
+            ]
+        return message
 
 
 class SamplingFields(Strict):
@@ -131,10 +206,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    parallel_tool_calls: bool | None = None  # ignored: there are no tools
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -147,9 +222,6 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_options: dict[str, Any] | None = None
 
     check_chat_neutral = field_validator(
-        "response_format",
-        "tools",
-        "tool_choice",
         "functions",
         "function_call",
         "modalities",
@@ -161,6 +233,13 @@ class ChatCompletionRequest(SamplingFields):
         "moderation",
         "prompt_cache_options",
     )(neutral_only)
+
+    def tool_choice_spec(self) -> ToolChoice:
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            return ToolChoice("required", choice.function.name, parallel)
+        return ToolChoice(choice, None, parallel)
 
 
 class CompletionRequest(SamplingFields):

@@ -22,6 +22,7 @@ from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, engine_error
 from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
+from kvserve.server.tools import Tool, messages_for_template, template_takes_tools
 
 
 def sampling_params(param_names: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
@@ -103,13 +104,22 @@ class Serving:
             )
 
     # --- prompts --------------------------------------------------------------------------------------
-    async def encode_chat(self, messages: list[dict[str, Any]], add_special: bool = True) -> list[int]:
-        """The messages through the model's chat template, ending with the assistant's turn."""
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], add_special: bool = True, tools: list[Tool] | None = None
+    ) -> list[int]:
+        """The messages through the model's chat template, ending with the assistant's turn; with
+        ``tools``, they and the tool turns of ``messages`` as ``tools.messages_for_template`` puts them."""
         tokenizer = self.tokenizer
+        messages, variables = messages_for_template(
+            messages, tools or [], template_takes_tools(tokenizer.chat_template)
+        )
 
         def encode() -> list[int]:
             return tokenizer.encode_chat(
-                messages, add_special=add_special, special_tokens_in_content=self.config.special_tokens_in_messages
+                messages,
+                add_special=add_special,
+                special_tokens_in_content=self.config.special_tokens_in_messages,
+                variables=variables,
             )
 
         try:
