@@ -104,7 +104,7 @@ def test_list_ps_show(client):
     [p] = client.ps().models
     assert p.model == "smollm2:latest" and p.context_length == 512 and p.size > m.size
     s = client.show("smollm2")
-    assert s.modelinfo["general.architecture"] == "llama" and s.capabilities == ["completion"]
+    assert s.modelinfo["general.architecture"] == "llama" and s.capabilities == ["completion", "tools"]
     assert "im_start" in s.template
 
 

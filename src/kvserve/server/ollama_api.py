@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 
 from kvserve import __version__
 from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.constraints import Constraint
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server import ollama_responses as responses
@@ -26,6 +27,7 @@ from kvserve.server.ollama_schemas import ChatRequest, GenerateRequest, Options,
 from kvserve.server.openapi_docs import ndjson_stream, ok, ollama_errors
 from kvserve.server.serving import EngineStream, Serving, sampling_params
 from kvserve.server.streaming import cancel_on_disconnect, ndjson_line, ndjson_response
+from kvserve.server.tools import CALL_OPEN, ToolCall, ToolChoice, call_constraint, check_tools, parse_calls
 
 router = APIRouter(tags=["Ollama"])
 
@@ -46,7 +48,11 @@ def _iso(unix_time: float) -> str:
 
 
 def ollama_params(
-    options: Options | None, num_prompt_tokens: int, server_ctx: int, logprobs: int | None
+    options: Options | None,
+    num_prompt_tokens: int,
+    server_ctx: int,
+    logprobs: int | None,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9) except repeat_penalty, which is 1.0:
     Ollama's 1.1 applies to the last 64 tokens, a window this engine does not have."""
@@ -78,6 +84,7 @@ def ollama_params(
         seed=None if o.seed in (None, -1) else o.seed,
         stop=tuple(o.stop or ()),
         logprobs=logprobs,
+        constraint=constraint,
     )
 
 
@@ -124,11 +131,12 @@ def _done_reason(out: RequestOutput) -> str:
 class Reply:
     """Builds the objects of one /api/generate or /api/chat reply."""
 
-    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool) -> None:
+    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool, tools_on: bool = False) -> None:
         self.model = model
         self.chat = chat
         self.received = received
         self.want_logprobs = want_logprobs
+        self.tools_on = tools_on  # an answer may be tool calls (chat with tools)
 
     def part(self, text: str, out: RequestOutput | None = None, done: bool = False) -> dict:
         obj: dict = {"model": self.model, "created_at": _now()}
@@ -141,8 +149,10 @@ class Reply:
             obj["logprobs"] = _logprobs(out.new_logprobs)
         return obj
 
-    def final(self, out: RequestOutput, text: str = "") -> dict:
+    def final(self, out: RequestOutput, text: str = "", calls: list[ToolCall] | None = None) -> dict:
         obj = self.part(text, out, done=True)
+        if calls:
+            obj["message"]["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         obj["done_reason"] = _done_reason(out)
         if not self.chat:
             obj["context"] = list(out.prompt_token_ids) + list(out.token_ids)
@@ -158,7 +168,8 @@ async def _reply(request: Request, stream: EngineStream, reply: Reply, streaming
         final = await cancel_on_disconnect(request, _last(stream))
     finally:
         await stream.aclose()
-    return reply.final(final, final.text)
+    text, calls = parse_calls(final.text) if reply.tools_on else (final.text, [])
+    return reply.final(final, text, calls)
 
 
 async def _last(stream: EngineStream) -> RequestOutput:
@@ -170,13 +181,22 @@ async def _last(stream: EngineStream) -> RequestOutput:
 
 
 async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
+    """With tools, an answer that starts with a call is held back and its calls come whole in the
+    last line (a call can only come first); text answers stream as usual."""
+    holding = reply.tools_on
     try:
         async with aclosing(stream.__aiter__()) as outputs:
             async for out in outputs:
-                if out.delta_text or (reply.want_logprobs and out.new_logprobs):
-                    yield ndjson_line(reply.part(out.delta_text, out))
+                text = out.delta_text
+                if holding and out.text and not out.text.startswith(CALL_OPEN[0]):
+                    holding, text = False, out.text
+                if holding:
+                    text = ""
+                if text or (reply.want_logprobs and out.new_logprobs):
+                    yield ndjson_line(reply.part(text, out))
                 if out.finished:
-                    yield ndjson_line(reply.final(out))
+                    held, calls = parse_calls(out.text) if holding else ("", [])
+                    yield ndjson_line(reply.final(out, held, calls))
     except (APIError, EngineDeadError) as e:
         yield ndjson_line({"error": (engine_error(e) or APIError(503, f"the engine failed: {e}")).message})
 
@@ -232,15 +252,29 @@ async def chat(body: ChatRequest, request: Request):
     serving.check_model(body.model)
     if not body.messages:
         return _load_reply(body.model, chat=True)
-    ids = await serving.encode_chat([{"role": m.role, "content": m.content} for m in body.messages])
-    return await _run(request, serving, body, ids, chat=True, received=received)
+    tools = [t.tool() for t in body.tools or []]
+    try:
+        check_tools(tools, ToolChoice())
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    if tools and body.format:
+        raise APIError(400, "format goes with tools only when tools is empty; ask for one of them")
+    ids = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools)
+    calls = call_constraint(tools, ToolChoice())
+    return await _run(request, serving, body, ids, chat=True, received=received, calls=calls)
 
 
-async def _run(request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float):
+async def _run(
+    request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float, calls=None
+):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs)
+    try:
+        constraint = calls or body.format_constraint()
+    except ValueError as e:
+        raise APIError(400, f"format: {e}") from None
+    params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs, constraint)
     stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")
-    reply = Reply(body.model, chat, received, logprobs is not None)
+    reply = Reply(body.model, chat, received, logprobs is not None, tools_on=calls is not None)
     return await _reply(request, stream, reply, body.stream is not False)
 
 
@@ -308,7 +342,7 @@ async def show(body: ShowRequest, request: Request) -> dict:
         "template": card.chat_template,  # jinja2 (the model's own), not a Go template
         "details": card.details(),
         "model_info": info,
-        "capabilities": ["completion"],
+        "capabilities": ["completion", "tools"],
         "modified_at": _iso(card.modified),
     }
 

@@ -47,9 +47,19 @@ class GenerateResponse(Reply):
     context: list[int] | None = None  # prompt and answer token ids, on the last line
 
 
+class OllamaFunctionCall(Exact):
+    name: str
+    arguments: dict
+
+
+class OllamaToolCall(Exact):
+    function: OllamaFunctionCall
+
+
 class OllamaMessage(Exact):
     role: Literal["assistant"]
     content: str
+    tool_calls: list[OllamaToolCall] | None = None  # the answer's calls, in the line that ends it
 
 
 class ChatResponse(Reply):

@@ -12,8 +12,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
+from kvserve.server.openai_schemas import ToolDefinition
 from kvserve.server.strict_schema import Strict
+from kvserve.server.tools import ToolCall
 
 DURATION = re.compile(r"^-?(\d+(\.\d+)?|(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+)$")
 
@@ -22,11 +25,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "template": (None, ""),
     "format": (None, ""),
     "images": (None, []),
-    "tools": (None, []),
     "think": (None, False),
-    "tool_calls": (None, []),
     "thinking": (None, ""),
-    "tool_name": (None, ""),
     "typical_p": (None, 1.0),
     "tfs_z": (None, 1.0),
     "mirostat": (None, 0),
@@ -102,12 +102,17 @@ class GenerationFields(Strict):
     stream: bool | None = True
     options: Options | None = None
     keep_alive: str | float | None = None  # validated, then ignored: the model stays loaded
-    format: Any = None
+    format: Literal["json", ""] | dict[str, Any] | None = None  # any JSON, or a JSON schema
     think: bool | str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    check_neutral = field_validator("format", "think")(neutral_only)
+    check_neutral = field_validator("think")(neutral_only)
+
+    def format_constraint(self) -> Constraint | None:
+        if not self.format:
+            return None
+        return Constraint("json_object") if self.format == "json" else Constraint.json_schema(self.format)
 
     @field_validator("keep_alive")
     @classmethod
@@ -135,22 +140,36 @@ class GenerateRequest(GenerationFields):
     check_generate_neutral = field_validator("suffix", "template", "images")(neutral_only)
 
 
+class OllamaCalledFunction(Strict):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    index: int | None = None  # sent by newer Ollama servers; ignored
+
+
+class OllamaToolCallRecord(Strict):
+    function: OllamaCalledFunction
+
+
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[Any] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[OllamaToolCallRecord] | None = None  # assistant turns
     thinking: str | None = None
-    tool_name: str | None = None
+    tool_name: str | None = None  # tool turns: which tool answered
 
-    check_neutral = field_validator("images", "tool_calls", "thinking", "tool_name")(neutral_only)
+    check_neutral = field_validator("images", "thinking")(neutral_only)
+
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [ToolCall(c.function.name, c.function.arguments) for c in self.tool_calls]
+        return message
 
 
 class ChatRequest(GenerationFields):
     messages: list[Message] | None = None
-    tools: list[Any] | None = None
-
-    check_chat_neutral = field_validator("tools")(neutral_only)
+    tools: list[ToolDefinition] | None = None  # OpenAI's shape; the model chooses (no tool_choice)
 
 
 class ShowRequest(Strict):
