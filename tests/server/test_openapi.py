@@ -60,7 +60,8 @@ def test_the_document_lists_what_the_server_answers():
             if method == "post":
                 assert {"400", "413"} <= statuses, path
             error = operation["responses"]["500"]["content"]["application/json"]["schema"]["$ref"]
-            assert error.endswith("OllamaError" if path.startswith("/api/") else "OpenAIError")
+            expected = "OllamaError" if path.startswith("/api/") else "OpenAIError"
+            assert error.endswith("AnthropicError" if path.startswith("/v1/messages") else expected)
     # a full queue: OpenAI 429, Ollama 503 (as Ollama answers it)
     streams = {
         "/v1/chat/completions": ("text/event-stream", {"400", "404", "429", "503"}),

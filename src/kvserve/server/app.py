@@ -1,6 +1,7 @@
 """``build_app``: the FastAPI app over one ``AsyncLLMEngine``, plus the operational endpoints.
 
 /v1/...        OpenAI (openai_api)          /api/...      Ollama (ollama_api)
+/v1/messages   Anthropic (anthropic_api)
 /health        200 while the engine runs    /metrics      Prometheus text format
 /v1/kvserve/cache   KV blocks: free, held, and each live request's block table
 /openapi.json  the OpenAPI spec (FastAPI), /docs its UI
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.server import ollama_api, openai_api
+from kvserve.server import anthropic_api, ollama_api, openai_api
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot, EngineView
 from kvserve.server.errors import install_error_handlers
@@ -103,6 +104,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig, card: ModelCar
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
+    app.include_router(anthropic_api.router)
     app.include_router(ops)
     app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)

@@ -1,9 +1,11 @@
 """Errors as each API shapes them, with real status codes.
 
-    OpenAI  {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
-    Ollama  {"error": "..."}
+    OpenAI     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+    Ollama     {"error": "..."}
+    Anthropic  {"type": "error", "error": {"type": ..., "message": ...}}
 
-Which shape a request gets depends on its path: ``/api/...`` is Ollama, everything else OpenAI.
+Which shape a request gets depends on its path: ``/api/...`` is Ollama, ``/v1/messages...`` Anthropic,
+everything else OpenAI.
 Ollama answers 503 where OpenAI answers 429 (a full queue), as Ollama itself does. Error responses are
 counted (``kvserve_request_errors_total``) by ``middleware.ErrorCountMiddleware``, by the status sent.
 """
@@ -69,8 +71,29 @@ class ClientDisconnected(Exception):
     """The client went away before its response was ready; its engine requests were aborted."""
 
 
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
 def is_ollama_path(path: str) -> bool:
     return path.startswith("/api/")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(error: APIError) -> dict:
+    kind = ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def openai_error_body(error: APIError) -> dict:
@@ -85,6 +108,8 @@ def error_response(path: str, error: APIError) -> JSONResponse:
     if is_ollama_path(path):
         status = 503 if error.status == 429 else error.status
         return JSONResponse({"error": error.message}, status_code=status, headers=headers)
+    if is_anthropic_path(path):
+        return JSONResponse(anthropic_error_body(error), status_code=error.status, headers=headers)
     return JSONResponse(openai_error_body(error), status_code=error.status, headers=headers)
 
 

@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from kvserve.server import ollama_responses, openai_responses
-from kvserve.server.errors import is_ollama_path
+from kvserve.server import anthropic_responses, ollama_responses, openai_responses
+from kvserve.server.errors import is_anthropic_path, is_ollama_path
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -54,6 +54,7 @@ STREAMED_MODELS = (
     ollama_responses.GenerateResponse,
     ollama_responses.ChatResponse,
     ollama_responses.OllamaError,
+    *anthropic_responses.STREAM_EVENTS,
 )
 
 
@@ -73,6 +74,15 @@ def sse_stream(chunk: type) -> dict:
         },
     }
     return {SSE: {"itemSchema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
+
+
+def anthropic_sse_stream() -> dict:
+    """``event: <type>`` / ``data: {event}`` pairs: message_start, content blocks, message_delta,
+    message_stop; an ``error`` event when the engine fails mid-stream."""
+    data = {"contentMediaType": JSON, "contentSchema": {"anyOf": [ref(m) for m in anthropic_responses.STREAM_EVENTS]}}
+    item = {"type": "object", "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": {"type": "string", **data}}}
+    return {SSE: {"itemSchema": item}}
 
 
 def ndjson_stream(line: type) -> dict:
@@ -109,6 +119,18 @@ def ollama_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return _errors(ollama_responses.OllamaError, statuses, OLLAMA_DESCRIPTIONS)
 
 
+def anthropic_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return _errors(anthropic_responses.AnthropicError, statuses, ERROR_DESCRIPTIONS)
+
+
+def error_model(path: str) -> type:
+    if is_ollama_path(path):
+        return ollama_responses.OllamaError
+    if is_anthropic_path(path):
+        return anthropic_responses.AnthropicError
+    return openai_responses.OpenAIError
+
+
 def openapi_document(app: FastAPI, open_paths: frozenset[str] | None) -> dict:
     """``app``'s OpenAPI document. ``open_paths``: the paths that need no API key, or None when the
     server has no key."""
@@ -125,7 +147,7 @@ def openapi_document(app: FastAPI, open_paths: frozenset[str] | None) -> dict:
             "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"},
         }
     for path, operations in doc["paths"].items():
-        error = ref(ollama_responses.OllamaError if is_ollama_path(path) else openai_responses.OpenAIError)
+        error = ref(error_model(path))
         needs_key = open_paths is not None and path not in open_paths
         for operation in operations.values():
             _add_shared_responses(operation, error, needs_key)

@@ -1,0 +1,187 @@
+"""Pydantic models of the Anthropic Messages requests we accept (``/v1/messages``,
+``/v1/messages/count_tokens``).
+
+As on the other APIs: unknown fields are refused (400), values must have their documented type, and
+fields we cannot honour are accepted only at a value that asks for nothing (``thinking`` disabled).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from kvserve.engine.constraints import Constraint
+from kvserve.server.strict_schema import Strict
+from kvserve.server.tools import Tool, ToolCall, ToolChoice
+
+MAX_STOP = 16
+
+
+class AnthropicText(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # accepted: our prefix cache needs no marks
+    citations: list[Any] | None = None
+
+
+class AnthropicToolUse(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolResult(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[AnthropicText] = ""
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        body = self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content)
+        return f"error: {body}" if self.is_error else body
+
+
+Block = Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult, Field(discriminator="type")]
+
+
+class AnthropicMessage(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def for_template(self) -> list[dict[str, Any]]:
+        """The chat-template messages this turn becomes: tool results are tool turns of their own."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        text = "\n".join(b.text for b in self.content if isinstance(b, AnthropicText))
+        calls = [ToolCall(b.name, b.input, b.id) for b in self.content if isinstance(b, AnthropicToolUse)]
+        results = [b for b in self.content if isinstance(b, AnthropicToolResult)]
+        if self.role == "assistant" and results:
+            raise ValueError("tool_result blocks belong in user turns")
+        if self.role == "user" and calls:
+            raise ValueError("tool_use blocks belong in assistant turns")
+        turns: list[dict[str, Any]] = [{"role": "tool", "content": r.text} for r in results]
+        if text or not results:
+            turn: dict[str, Any] = {"role": self.role, "content": text}
+            if calls:
+                turn["tool_calls"] = calls
+            turns.append(turn)
+        return turns
+
+
+class AnthropicTool(Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+    def tool(self) -> Tool:
+        return Tool(self.name, self.description or "", self.input_schema)
+
+
+class AnthropicToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    def spec(self) -> ToolChoice:
+        parallel = not self.disable_parallel_tool_use
+        if self.type == "tool":
+            if not self.name:
+                raise ValueError("tool_choice of type 'tool' needs the tool's name")
+            return ToolChoice("required", self.name, parallel)
+        return ToolChoice({"any": "required"}.get(self.type, self.type), None, parallel)
+
+
+class AnthropicThinking(Strict):
+    type: Literal["disabled", "enabled"]
+    budget_tokens: int | None = None
+
+    @field_validator("type")
+    @classmethod
+    def disabled_only(cls, value: str) -> str:
+        if value != "disabled":
+            raise ValueError("extended thinking is not supported by this server; leave it out")
+        return value
+
+
+class AnthropicMetadata(Strict):
+    user_id: str | None = None  # ignored
+
+
+class AnthropicJSONFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(Strict):
+    format: AnthropicJSONFormat | None = None  # the answer follows this JSON schema
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # ignored: no thinking here
+
+    def constraint(self) -> Constraint | None:
+        return Constraint.json_schema(self.format.schema_) if self.format else None
+
+
+class CountTokensRequest(Strict):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[AnthropicText] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
+
+    @property
+    def system_text(self) -> str:
+        if isinstance(self.system, list):
+            return "\n".join(b.text for b in self.system)
+        return self.system or ""
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        turns = [{"role": "system", "content": self.system_text}] if self.system_text else []
+        for m in self.messages:
+            turns.extend(m.for_template())
+        return turns
+
+    def tool_rules(self) -> tuple[list[Tool], ToolChoice]:
+        tools = [t.tool() for t in self.tools or []]
+        choice = self.tool_choice.spec() if self.tool_choice else ToolChoice("auto" if tools else "none")
+        return tools, choice
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    output_config: AnthropicOutputConfig | None = None
+    metadata: AnthropicMetadata | None = None
+    # accepted and ignored: they do not change the output (the prefix cache needs no marks)
+    cache_control: dict[str, Any] | None = None
+    service_tier: str | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: str | None = None
+    diagnostics: dict[str, Any] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    container: None = None  # code execution containers: not here
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def stops(cls, value: list[str] | None) -> list[str] | None:
+        if value and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(value)}")
+        if value and any(not s for s in value):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+
+def input_json(call: ToolCall) -> str:
+    return json.dumps(call.arguments, ensure_ascii=False)
