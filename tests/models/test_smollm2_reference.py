@@ -221,7 +221,8 @@ def served(gguf_path, smollm2_q4):
     assert config.weights == "auto" and config.cache.cache_type_k == config.cache.cache_type_v == "f16"
     engine = LLMEngine(config, smollm2_q4)
     model = engine.loaded.model
-    assert all(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in (model.layers[0].qkv, model.layers[0].down))
+    layer = model.layers[0]
+    assert all(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in (layer.qkv, layer.down))
     assert native_paged.for_storage(engine.storage) is not None
     assert engine.runner.native_decode is not None
     return engine
