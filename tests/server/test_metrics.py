@@ -24,6 +24,8 @@ EXPECTED = {
     "kvserve_prefix_cache_queries": "counter",
     "kvserve_prefix_cache_hits": "counter",
     "kvserve_num_preemptions": "counter",
+    "kvserve_constrained_requests": "counter",
+    "kvserve_constraint_mask_seconds": "histogram",
 }
 
 
@@ -61,3 +63,16 @@ def test_metrics_follow_requests(idle):
     assert grew("kvserve_prefix_cache_queries_total") == 2 * first["usage"]["prompt_tokens"]
     assert after["kvserve_kv_cache_blocks"] == 256 and after["kvserve_kv_cache_usage_ratio"] == 0
     assert after["kvserve_num_requests_running"] == 0 and after["kvserve_num_requests_waiting"] == 0
+
+
+def test_constrained_requests_and_their_mask_times_are_counted(idle):
+    before = idle.metrics()
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "A colour?"}], "max_tokens": 6,
+            "temperature": 0, "response_format": {"type": "json_object"}}
+    with idle.client() as c:
+        answer = c.post("/v1/chat/completions", json=body).json()
+        c.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
+    after = idle.metrics()
+    assert after["kvserve_constrained_requests_total"] - before.get("kvserve_constrained_requests_total", 0) == 1
+    masks = after["kvserve_constraint_mask_seconds_count"] - before.get("kvserve_constraint_mask_seconds_count", 0)
+    assert masks == answer["usage"]["completion_tokens"]  # one mask a sampled token

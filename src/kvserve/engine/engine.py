@@ -122,6 +122,7 @@ class LLMEngine:
             if self.grammar_tokenizer is None:
                 raise ValueError("this model has no tokenizer, which constrained output needs")
             request.constraint = TokenConstraint(request.params.constraint, self.grammar_tokenizer)
+            request.metrics.constrained = True
         try:
             self.scheduler.check_prompt(request)
         except PromptTooLongError as e:

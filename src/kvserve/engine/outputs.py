@@ -27,10 +27,12 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     itls: list[float] = field(default_factory=list)
+    constrained: bool = False  # the output follows a grammar
+    mask_times: list[float] = field(default_factory=list)  # seconds per grammar token mask
 
     def snapshot(self) -> RequestMetrics:
         """A copy the engine thread will not change under a reader on another thread."""
-        return replace(self, itls=list(self.itls))
+        return replace(self, itls=list(self.itls), mask_times=list(self.mask_times))
 
     @property
     def queue_time(self) -> float | None:

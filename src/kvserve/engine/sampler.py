@@ -8,6 +8,7 @@ its own seeded ``torch.Generator``, so a seeded request draws the same tokens wh
 from __future__ import annotations
 
 import secrets
+import time
 
 import torch
 
@@ -74,7 +75,10 @@ class Sampler:
     def _sample_one(self, row: torch.Tensor, request: Request) -> int:
         p = request.params
         if request.constraint is not None:  # first: penalties and filters then see only valid tokens
-            row = row.masked_fill(~request.constraint.allowed(row.shape[-1], row.device), float("-inf"))
+            start = time.perf_counter()
+            allowed = request.constraint.allowed(row.shape[-1], row.device)
+            request.metrics.mask_times.append(time.perf_counter() - start)
+            row = row.masked_fill(~allowed, float("-inf"))
         x = apply_penalties(row.clone(), request) if _needs_penalty(p) else row
         if p.greedy:
             return int(torch.argmax(torch.nan_to_num(x, nan=float("-inf"))))

@@ -17,6 +17,7 @@ from kvserve.server.engine_view import EngineView
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
+MASK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
 class EngineCollector(Collector):
@@ -83,6 +84,15 @@ class ServerMetrics:
         self.errors = Counter(
             "kvserve_request_errors", "Error responses by status code", ["status"], registry=r
         )
+        self.constrained = Counter(
+            "kvserve_constrained_requests", "Finished requests whose output followed a grammar", registry=r
+        )
+        self.mask_time = Histogram(
+            "kvserve_constraint_mask_seconds",
+            "Time to compute one grammar token mask",
+            buckets=MASK_BUCKETS,
+            registry=r,
+        )
         r.register(EngineCollector(view))
 
     def exposition(self) -> bytes:
@@ -125,6 +135,10 @@ class RequestTracker:
         m = self.last.metrics
         for itl in m.itls:
             self.m.itl.observe(itl)
+        if m.constrained:
+            self.m.constrained.inc()
+            for seconds in m.mask_times:
+                self.m.mask_time.observe(seconds)
         if m.queue_time is not None:
             self.m.queue.observe(m.queue_time)
         e2e = (
