@@ -38,8 +38,7 @@ def test_unassembled_registry_model_is_planned_from_its_chunks(tmp_path, monkeyp
     from kvserve.models.registry import REGISTRY, installed_path
 
     entry = REGISTRY["gemma3-270m"]
-    if installed_path(entry, assemble=False) is None:
-        pytest.skip("gemma3-270m is not installed")
+    assert installed_path(entry, assemble=False) is not None, "gemma3-270m is not installed (make test pulls it)"
     module = importlib.import_module(entry.module)
     monkeypatch.setattr(module, "default_output_path", lambda base_dir=None: tmp_path / "not-assembled.gguf")
     monkeypatch.setattr(
