@@ -202,7 +202,8 @@ def served(smollm2_q4):
 
 def test_the_baseline_runs_the_served_kernels(served):
     loaded, _, baseline, engine = served
-    assert all(isinstance(lin.down, Int4Linear) and lin.down.kernel is not None for lin in loaded.model.layers)
+    downs = [layer.down for layer in loaded.model.layers]
+    assert all(isinstance(down, Int4Linear) and down.kernel is not None for down in downs)
     assert native_paged.for_storage(engine.storage) is not None
     assert engine.runner.native_decode.calls >= len(baseline) * (NUM_NEW - 1)
     assert all(len(o.tokens) == len(o.logprobs) == o.logits.shape[0] == NUM_NEW for o in baseline)
