@@ -67,7 +67,7 @@ class Recorder:
     max_ready: int = 0  # most requests given logits in one step
     partial_prefills: int = 0  # prompt chunks that were not a prompt's last
     mixed_steps: int = 0  # steps with decode tokens and prompt chunks together
-    one_token_prompt_chunks: int = 0  # attended by the decode kernel, as decode tokens are
+    one_token_prompt_chunks: int = 0  # attended with the prompts, not by the decode kernel
 
     def attach(self, engine) -> Recorder:
         execute = engine.runner.execute
@@ -227,9 +227,6 @@ def test_chunked_prefill_is_whole(served):
     assert_identical(baseline, got)
 
 
-@pytest.mark.xfail(strict=True, raises=NotBitIdentical,
-                   reason="a prompt chunk of one token is attended by the decode kernel, which sums a row in "
-                   "another order than the prefill kernel does")
 def test_a_one_token_chunk_is_whole(served):
     """Each prompt in a chunk of all its tokens but the last, then that one (a budget of 16 with six prompts
     gives such chunks too)."""

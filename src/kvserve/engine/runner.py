@@ -44,7 +44,9 @@ class ModelRunner:
             input_ids.extend(r.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:  # single-token sequences are attended together in one padded call
+            # generated tokens are attended together in one padded call (the decode kernel); a prompt
+            # chunk of one token goes with the prompts, so that it gets the bits a whole prefill gives
+            if n == 1 and end > r.num_prompt_tokens:
                 decode_rows.append(len(input_ids) - 1)
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(end)
