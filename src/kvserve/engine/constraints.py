@@ -2,7 +2,7 @@
 
     Constraint("json_schema", '{"type": "object", ...}')    spec: what the client asked for
         -> TokenConstraint (one per request)               its parser state, through llguidance
-             allowed(vocab)  -> bool mask for the sampler  (tokens that keep the output valid; EOS once complete)
+             forbidden(vocab) -> bool mask for the sampler (tokens that would leave the grammar)
              advance(token)                                after each sampled token
 
 llguidance (llama.cpp's choice too) was picked over xgrammar by measuring on our tokenizers (see the
@@ -101,14 +101,13 @@ class TokenConstraint:
             raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {self.matcher.get_error()}")
         self._words = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
 
-    def allowed(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[vocab_size] bool: the tokens that keep the output inside the grammar."""
+    def forbidden(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[vocab_size] bool: the tokens that would leave the grammar (the logits' padding rows too)."""
         self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")
-        mask = np.zeros(vocab_size, dtype=bool)
-        n = min(vocab_size, bits.size)
-        mask[:n] = bits[:n]
-        return torch.from_numpy(mask).to(device)
+        bits = np.unpackbits(~self._words.view(np.uint8), bitorder="little")
+        if bits.size < vocab_size:
+            bits = np.concatenate([bits, np.ones(vocab_size - bits.size, dtype=np.uint8)])
+        return torch.from_numpy(bits[:vocab_size].view(np.bool_)).to(device)
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):

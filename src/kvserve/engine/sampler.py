@@ -76,12 +76,13 @@ class Sampler:
         p = request.params
         if request.constraint is not None:  # first: penalties and filters then see only valid tokens
             start = time.perf_counter()
-            allowed = request.constraint.allowed(row.shape[-1], row.device)
+            forbidden = request.constraint.forbidden(row.shape[-1], row.device)
             request.metrics.mask_times.append(time.perf_counter() - start)
-            row = row.masked_fill(~allowed, float("-inf"))
-        x = apply_penalties(row.clone(), request) if _needs_penalty(p) else row
-        if p.greedy:
-            return int(torch.argmax(torch.nan_to_num(x, nan=float("-inf"))))
+            row = row.masked_fill(forbidden, float("-inf"))
+        penalized = _needs_penalty(p)
+        x = apply_penalties(row.clone(), request) if penalized else row
+        if p.greedy:  # only penalties can make NaN (0 * inf)
+            return int(torch.argmax(torch.nan_to_num(x, nan=float("-inf")) if penalized else x))
         # extreme (valid) penalties and temperatures push logits to +-inf or NaN (0 * inf): +inf
         # becomes the largest float, so those tokens share the draw; NaN is never drawn
         x = torch.nan_to_num(x / p.temperature, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
