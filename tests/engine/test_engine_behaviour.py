@@ -244,3 +244,32 @@ def test_engine_kv_bytes_per_token_match_the_formula_for_every_type(smollm2):
         expected = 2 * c.num_layers * c.num_kv_heads * c.head_dim * spec.bits_per_element(c.head_dim) / 8
         assert engine.kv_bytes_per_token == expected, name
         assert engine.kv_pool_bytes == engine.kv.num_blocks * 16 * expected, name
+
+
+def test_outputs_share_nothing_with_the_live_request(tiny_llama, check_no_leaks):
+    """An output handed to another thread must not change as the engine goes on."""
+    engine = make_engine(tiny_llama)
+    check_no_leaks.append(engine)
+    rid = engine.add_request(_prompt(12), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                         logprobs=1)).request_id
+    first = second = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and len(out.token_ids) == 2:
+                first = (out, list(out.token_ids), list(out.metrics.itls), len(out.logprobs))
+            if out.request_id == rid and out.finished:
+                second = out
+    out, tokens, itls, num_logprobs = first
+    assert (out.token_ids, out.metrics.itls, len(out.logprobs)) == (tokens, itls, num_logprobs)
+    assert len(second.token_ids) == 6 and len(second.metrics.itls) == 5
+    assert isinstance(out.prompt_token_ids, tuple)
+
+
+def test_generate_wants_one_params_per_prompt(tiny_llama):
+    from kvserve.llm import LLM
+
+    llm = LLM.__new__(LLM)  # the engine without a second model load
+    llm.engine = make_engine(tiny_llama)
+    with pytest.raises(ValueError, match="2 prompts but 3 sampling params"):
+        llm.generate([[5, 6], [7, 8]], [SamplingParams()] * 3)
+    assert not llm.engine.has_unfinished_requests()
