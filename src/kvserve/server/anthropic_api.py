@@ -52,8 +52,8 @@ async def _prompt(serving: Serving, body: CountTokensRequest) -> tuple[list[int]
         tools, choice = body.tool_rules()
         check_tools(tools, choice)
         turns = body.template_messages()
-    except ValueError as e:
-        raise APIError(400, str(e), "tools" if "tool_choice" in str(e) or "tool name" in str(e) else "messages") from None
+    except ValueError as e:  # Anthropic's errors name no parameter
+        raise APIError(400, str(e)) from None
     shown = tools if choice.mode != "none" else []
     return await serving.encode_chat(turns, tools=shown), shown, choice
 

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
 from kvserve.server import anthropic_api, ollama_api, openai_api
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot, EngineView
@@ -58,7 +58,10 @@ class Health(BaseModel):
 )
 async def health(request: Request) -> JSONResponse:
     serving: Serving = request.app.state.serving
-    if serving.async_engine.dead_error is not None:
+    dead = serving.async_engine.dead_error
+    if isinstance(dead, EngineShutdownError):
+        return JSONResponse({"status": "error", "error": str(dead)}, 503)
+    if dead is not None:
         return JSONResponse({"status": "error", "error": "the engine stopped after an internal error"}, 503)
     return JSONResponse({"status": "ok", "model": serving.card.name})
 

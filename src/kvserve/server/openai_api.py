@@ -80,9 +80,12 @@ def _chat_output_rules(body: ChatCompletionRequest) -> tuple[list[Tool], Constra
     choice = body.tool_choice_spec()
     try:
         check_tools(tools, choice)
+    except ValueError as e:
+        raise APIError(400, str(e), "tools") from None
+    try:
         answer_format = body.response_format.constraint() if body.response_format else None
     except ValueError as e:
-        raise APIError(400, str(e), "tools" if "tool" in str(e) else "response_format") from None
+        raise APIError(400, str(e), "response_format") from None
     calls = call_constraint(tools, choice)
     if calls is not None and answer_format is not None:
         raise APIError(
