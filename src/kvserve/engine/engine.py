@@ -118,18 +118,26 @@ class LLMEngine:
             self.eos_token_ids,
             cache_salt,
         )
+        self._check_prompt(request)
         if request.params.constraint is not None:
             if self.grammar_tokenizer is None:
                 raise ValueError("this model has no tokenizer, which constrained output needs")
             request.constraint = TokenConstraint(request.params.constraint, self.grammar_tokenizer)
             request.metrics.constrained = True
+        return request
+
+    def check_prompt(self, prompt: str | list[int]) -> None:
+        """Raise what ``make_request`` would for this prompt (ValueError, PromptTooLongError), without
+        building a request's state (a constraint's grammar)."""
+        self._check_prompt(Request("check", self.tokenize_prompt(prompt), SamplingParams(), self.max_model_len))
+
+    def _check_prompt(self, request: Request) -> None:
         try:
             self.scheduler.check_prompt(request)
         except PromptTooLongError as e:
             cache = self.config.cache
             advice = context_advice(self.model_config, e.num_prompt_tokens, cache.cache_type_k, cache.cache_type_v_resolved)
             raise PromptTooLongError(f"{e}; {advice}", e.num_prompt_tokens, e.limit) from None
-        return request
 
     def add_prepared(self, request: Request) -> Request:
         self.scheduler.add_request(request)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from kvserve.kv.hashing import BlockHash
 
-
 BlockRef = tuple[int, int]  # (block id, generation): one filling of one block
 
 

@@ -29,9 +29,17 @@ from kvserve.server import anthropic_responses as responses
 from kvserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from kvserve.server.errors import APIError, anthropic_error_body, engine_error
 from kvserve.server.openapi_docs import anthropic_errors, anthropic_sse_stream, ok
-from kvserve.server.serving import EngineStream, Serving, sampling_params
-from kvserve.server.streaming import cancel_on_disconnect, dumps, sse_response
-from kvserve.server.tools import CALL_OPEN, Tool, ToolCall, ToolChoice, call_constraint, check_tools, parse_calls
+from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
+from kvserve.server.streaming import dumps, sse_response
+from kvserve.server.tools import (
+    Tool,
+    ToolCall,
+    ToolChoice,
+    call_constraint,
+    check_tools,
+    parse_calls,
+    text_to_stream,
+)
 
 router = APIRouter(tags=["Anthropic"])
 
@@ -85,10 +93,7 @@ async def messages(body: MessagesRequest, request: Request):
     reply = MessageReply(message_id, body.model, bool(tools))
     if body.stream:
         return sse_response(_events(stream, reply), cleanup=stream.aclose)
-    try:
-        final = await cancel_on_disconnect(request, _last(stream))
-    finally:
-        await stream.aclose()
+    [final] = await collect_finals(request, [stream])
     return reply.message(final)
 
 
@@ -162,14 +167,6 @@ def _usage(out: RequestOutput) -> dict:
     }
 
 
-async def _last(stream: EngineStream) -> RequestOutput:
-    last = None
-    async with aclosing(stream.__aiter__()) as outputs:
-        async for out in outputs:
-            last = out
-    return last
-
-
 async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[bytes]:
     """Text streams as text deltas; with tools, an answer that starts with a call (a call can only
     come first) is held back and its calls are sent as tool_use blocks when it ends."""
@@ -182,10 +179,8 @@ async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[by
                     started = True
                     yield reply.start(out)
                     yield event("ping", {})
-                text = out.delta_text
-                if holding and out.text and not out.text.startswith(CALL_OPEN[0]):
-                    holding, text = False, out.text
-                if text and not holding:
+                holding, text = text_to_stream(holding, out)
+                if text:
                     if not text_open:
                         text_open = True
                         yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})

@@ -25,9 +25,16 @@ from kvserve.server import ollama_responses as responses
 from kvserve.server.errors import APIError, engine_error, prompt_too_long
 from kvserve.server.ollama_schemas import ChatRequest, GenerateRequest, Options, ShowRequest
 from kvserve.server.openapi_docs import ndjson_stream, ok, ollama_errors
-from kvserve.server.serving import EngineStream, Serving, sampling_params
-from kvserve.server.streaming import cancel_on_disconnect, ndjson_line, ndjson_response
-from kvserve.server.tools import CALL_OPEN, ToolCall, ToolChoice, call_constraint, check_tools, parse_calls
+from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
+from kvserve.server.streaming import ndjson_line, ndjson_response
+from kvserve.server.tools import (
+    ToolCall,
+    ToolChoice,
+    call_constraint,
+    check_tools,
+    parse_calls,
+    text_to_stream,
+)
 
 router = APIRouter(tags=["Ollama"])
 
@@ -164,20 +171,9 @@ class Reply:
 async def _reply(request: Request, stream: EngineStream, reply: Reply, streaming: bool):
     if streaming:
         return ndjson_response(_lines(stream, reply), cleanup=stream.aclose)
-    try:
-        final = await cancel_on_disconnect(request, _last(stream))
-    finally:
-        await stream.aclose()
+    [final] = await collect_finals(request, [stream])
     text, calls = parse_calls(final.text) if reply.tools_on else (final.text, [])
     return reply.final(final, text, calls)
-
-
-async def _last(stream: EngineStream) -> RequestOutput:
-    last = None
-    async with aclosing(stream.__aiter__()) as outputs:
-        async for out in outputs:
-            last = out
-    return last
 
 
 async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
@@ -187,11 +183,7 @@ async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
     try:
         async with aclosing(stream.__aiter__()) as outputs:
             async for out in outputs:
-                text = out.delta_text
-                if holding and out.text and not out.text.startswith(CALL_OPEN[0]):
-                    holding, text = False, out.text
-                if holding:
-                    text = ""
+                holding, text = text_to_stream(holding, out)
                 if text or (reply.want_logprobs and out.new_logprobs):
                     yield ndjson_line(reply.part(text, out))
                 if out.finished:

@@ -26,9 +26,16 @@ from kvserve.server.openai_format import (
 )
 from kvserve.server.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
-from kvserve.server.serving import EngineStream, Serving, merge, sampling_params
-from kvserve.server.streaming import SSE_DONE, cancel_on_disconnect, sse_event, sse_response
-from kvserve.server.tools import CALL_OPEN, Tool, ToolCall, call_constraint, check_tools, parse_calls
+from kvserve.server.serving import EngineStream, Serving, collect_finals, merge, sampling_params
+from kvserve.server.streaming import SSE_DONE, sse_event, sse_response
+from kvserve.server.tools import (
+    Tool,
+    ToolCall,
+    call_constraint,
+    check_tools,
+    parse_calls,
+    text_to_stream,
+)
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -147,7 +154,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         events = _chat_events(streams, maker, n, logprobs is not None, tools_on)
         return sse_response(events, cleanup=_closer(streams))
-    finals = await _collect(request, streams)
+    finals = await collect_finals(request, streams)
     choices = []
     for i, out in enumerate(finals):
         message, reason = _assistant_message(out, tools_on)
@@ -173,11 +180,7 @@ async def _chat_events(
     try:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
-                text = out.delta_text
-                if holding[i] and out.text and not out.text.startswith(CALL_OPEN[0]):
-                    holding[i], text = False, out.text  # a text answer: send what was held, then stream
-                if holding[i]:
-                    text = ""
+                holding[i], text = text_to_stream(holding[i], out)
                 if text or (want_logprobs and out.new_logprobs):
                     delta = {
                         "index": i,
@@ -239,7 +242,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.stream:
         events = _completion_events(streams, maker, echoes, n, body.logprobs)
         return sse_response(events, cleanup=_closer(streams))
-    finals = await _collect(request, streams)
+    finals = await collect_finals(request, streams)
     choices = [
         {
             "index": i,
@@ -296,24 +299,6 @@ async def _completion_events(
 
 
 # --- shared -----------------------------------------------------------------------------------------
-async def _collect(request: Request, streams: list[EngineStream]) -> list[RequestOutput]:
-    """Each stream's final output, in order; the requests are cancelled if the client goes away, and
-    the streams closed either way."""
-
-    async def finals_in_order() -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async with aclosing(merge(streams)) as outputs:
-            async for i, out in outputs:
-                if out.finished:
-                    finals[i] = out
-        return finals  # type: ignore[return-value]
-
-    try:
-        return await cancel_on_disconnect(request, finals_in_order())
-    finally:
-        await _closer(streams)()
-
-
 def _closer(streams: list[EngineStream]):
     async def close() -> None:
         for stream in streams:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from fastapi import Request
 from jinja2.exceptions import TemplateError
 
 from kvserve.engine.async_engine import AsyncLLMEngine
@@ -22,6 +23,7 @@ from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, engine_error
 from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
+from kvserve.server.streaming import cancel_on_disconnect
 from kvserve.server.tools import Tool, messages_for_template, template_takes_tools
 
 
@@ -172,10 +174,10 @@ class Serving:
             try:
                 self.async_engine.check_capacity(len(requests))
                 checked: set[int] = set()
-                for prompt, params, request_id in requests:  # each prompt once (n choices share one)
+                for prompt, _, _ in requests:  # each prompt once (n choices share one)
                     if id(prompt) not in checked:
                         checked.add(id(prompt))
-                        self.async_engine.engine.make_request(prompt, params, request_id)
+                        self.async_engine.engine.check_prompt(prompt)
             except Exception as e:  # noqa: BLE001 - mapped like generate()'s admission errors
                 mapped = engine_error(e, param)
                 if mapped is None:
@@ -190,6 +192,25 @@ class Serving:
                 await stream.aclose()
             raise
         return streams
+
+
+async def collect_finals(request: Request, streams: list[EngineStream]) -> list[RequestOutput]:
+    """Each stream's final output, in order, for answers sent as one object; the requests are
+    cancelled if the client goes away, and the streams closed either way."""
+
+    async def finals_in_order() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                if out.finished:
+                    finals[i] = out
+        return finals  # type: ignore[return-value]
+
+    try:
+        return await cancel_on_disconnect(request, finals_in_order())
+    finally:
+        for stream in streams:
+            await stream.aclose()
 
 
 async def merge(streams: list[EngineStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -119,6 +119,17 @@ def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
     return text[:start].rstrip("\n"), calls if not rest.strip() else []
 
 
+def text_to_stream(holding: bool, out) -> tuple[bool, str]:
+    """(still holding, text to send now) for one output of a streamed answer that may be calls: the
+    answer is held while it is empty or starts a call (a call can only come first, see
+    ``call_constraint``); once it is text, what was held goes out, then each delta as it comes."""
+    if not holding:
+        return False, out.delta_text
+    if out.text and not out.text.startswith(CALL_OPEN[0]):
+        return False, out.text
+    return True, ""
+
+
 def render_call(call: ToolCall) -> str:
     body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
     return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
