@@ -67,6 +67,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cache_type_k: str = "f32"
     cache_type_v: str | None = None  # None: same as cache_type_k
+    disk_cache_dir: str | None = None  # the prefix cache's disk tier (kv.disk_tier); None: RAM only
+    disk_cache_size: int = 8 << 30  # bytes the disk tier's directory may hold
 
     @property
     def cache_type_v_resolved(self) -> str:

@@ -29,7 +29,7 @@ def test_colliding_hashes_do_not_serve_kv_of_another_prefix(tiny_llama, check_no
     tail = [7]
     expected = _run(make_engine(tiny_llama, prefix_caching=False), y + a + tail)
 
-    monkeypatch.setattr(hashing, "hash_block", lambda parent, token_ids, salt=None: hash(token_ids))
+    monkeypatch.setattr(hashing, "hash_block", lambda parent, token_ids, salt=None, key=None: hash(token_ids))
     engine = make_engine(tiny_llama)
     check_no_leaks.append(engine)
     _run(engine, y + tail)  # caches block Y
@@ -42,7 +42,7 @@ def test_colliding_hashes_do_not_serve_kv_of_another_prefix(tiny_llama, check_no
 
 
 def test_salted_requests_do_not_share_blocks_even_when_hashes_collide(tiny_llama, check_no_leaks, monkeypatch):
-    monkeypatch.setattr(hashing, "hash_block", lambda parent, token_ids, salt=None: hash(token_ids))
+    monkeypatch.setattr(hashing, "hash_block", lambda parent, token_ids, salt=None, key=None: hash(token_ids))
     engine = make_engine(tiny_llama)
     check_no_leaks.append(engine)
     prompt = _block(4) + _block(5) + [9]

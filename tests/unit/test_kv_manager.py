@@ -282,11 +282,12 @@ def test_prefix_counters_count_recorded_lookups_only(make_manager):
     a = make_request("a", range(10))
     prefill(kv, a)
     kv.free(a)
-    hits, n = kv.get_computed_blocks(make_request("b", range(10)))
+    b = make_request("b", range(10))
+    hits, n = kv.get_computed_blocks(b)
     assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)  # a lookup alone counts nothing
-    kv.record_prefix_lookup(10, n)
+    kv.record_prefix_lookup(b, n)
     assert (kv.prefix_queries, kv.prefix_hits) == (10, 8)
-    kv.record_prefix_lookup(5, 0)
+    kv.record_prefix_lookup(make_request("c", range(5)), 0)
     assert (kv.prefix_queries, kv.prefix_hits) == (15, 8)
 
 

@@ -20,10 +20,15 @@ from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import PromptTooLongError
+from kvserve import native
 from kvserve.kv.auto_type import context_advice
+from kvserve.kv.disk_tier import DiskTier
+from kvserve.kv.hashing import PROCESS_KEY, cache_key
 from kvserve.kv.kv_types import kv_bytes_per_token, pool_num_blocks
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.offload import DiskOffload
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -64,11 +69,20 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         size = pool_size(loaded.config, config.cache, config.scheduler.max_num_seqs)
         self.max_model_len = size.max_model_len
-        self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.storage = PagedKVStorage(
             loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_type_k, loaded.model.device,
             config.cache.cache_type_v,
         )
+        self._identity: dict | None = None
+        self.disk: DiskTier | None = None
+        self.offload: DiskOffload | None = None
+        hash_key = PROCESS_KEY
+        if config.cache.disk_cache_dir and config.cache.enable_prefix_caching:
+            self.disk = DiskTier(config.cache.disk_cache_dir, config.cache.disk_cache_size, self.cache_identity)
+            self.offload = DiskOffload(self.storage, self.disk)
+            hash_key = cache_key(self.disk.secret, self.cache_identity)
+        self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                 hash_key, self.offload)
         self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len)
         self.runner = ModelRunner(loaded.model, self.storage, self.kv)
         decode = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else str
@@ -178,6 +192,9 @@ class LLMEngine:
             return self._step_failed(out, e)
         self.scheduler.step_succeeded(out)
         self.scheduler.update_after_step(out)
+        if self.offload is not None:
+            self.offload.save_computed(self.kv, [(s.request, s.request.num_computed_tokens - s.num_new_tokens,
+                                                  s.request.num_computed_tokens) for s in out.scheduled])
         sampled = self.sampler.sample(logits, ready) if ready else []
         now = time.perf_counter()
         results = []
@@ -240,7 +257,30 @@ class LLMEngine:
                     final[output.request_id] = output
         return final
 
+    def close(self) -> None:
+        """Finish the disk tier's writes (the engine is unusable afterwards only for new disk writes)."""
+        if self.disk is not None:
+            self.disk.close()
+
     # --- views ----------------------------------------------------------------------------------------
+    @property
+    def cache_identity(self) -> dict:
+        """Everything that makes this engine's K/V for given tokens what they are: blocks are shared
+        (through the disk tier or prompt-cache files) only between engines with equal identities."""
+        if self._identity is None:
+            model = self.loaded.model
+            self._identity = {
+                "format": 1,
+                "model": model_fingerprint(self.loaded.path),
+                "config": repr(self.model_config),
+                "weights": model.weight_format,
+                "dtype": str(model.dtype).removeprefix("torch."),
+                "device": model.device.type,
+                "kernels": native.kernel_path() if model.device.type == "cpu" else model.device.type,
+                "layout": self.storage.layout(),
+            }
+        return self._identity
+
     @property
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model_config, self.config.cache.cache_type_k, self.config.cache.cache_type_v)

@@ -147,7 +147,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            self.kv.record_prefix_lookup(request, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens

@@ -4,17 +4,24 @@
     hashes:  h0 = H(root, t0..t15, salt)
              h1 = H(h0,   t16..t31, salt)              the partial tail block gets no hash
 
-H is BLAKE2b (128 bits) keyed with a secret drawn once per process: a block's hash commits to every
-token before it and cannot be predicted or collided from outside (Python's ``hash`` of a tuple could
-be, whatever its seed). The pool does not rely on it alone: a hit must also match the block's tokens,
-salt and the very block computed before it (see ``block_pool``).
+H is BLAKE2b (128 bits) under a 32-byte key: a block's hash commits to every token before it and
+cannot be predicted or collided without the key (Python's ``hash`` of a tuple could be, whatever
+its seed). The key is ``cache_key(secret, identity)``: the identity holds everything that makes K/V
+differ for the same tokens (model file, weight format, KV types, block size, kernel path), so equal
+hashes mean interchangeable blocks, and two processes with the same secret and identity agree on
+every hash (the disk tier relies on it). Without a secret, each process draws its own.
+
+The pool does not rely on the hash alone: a hit must also match the block's tokens, salt and the
+very block computed before it (see ``block_pool``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import struct
+from collections.abc import Mapping
 
 BlockHash = int
 
@@ -23,10 +30,18 @@ _ROOT = bytes(16)
 _MAX_TOKEN = 2**32
 
 
-def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], salt: str | None = None) -> BlockHash:
+def cache_key(secret: bytes, identity: Mapping[str, object]) -> bytes:
+    """The hashing key of one engine setup: ``identity`` (JSON-able) under ``secret``."""
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canonical, key=secret, digest_size=32, person=b"kvserve-cachekey").digest()
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: tuple[int, ...], salt: str | None = None, key: bytes = PROCESS_KEY
+) -> BlockHash:
     if any(not 0 <= t < _MAX_TOKEN for t in token_ids):
         raise ValueError(f"token ids must be in [0, 2^32): {token_ids}")
-    h = hashlib.blake2b(key=PROCESS_KEY, digest_size=16)
+    h = hashlib.blake2b(key=key, digest_size=16)
     h.update(_ROOT if parent is None else parent.to_bytes(16, "little"))
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     if salt is not None:  # length-prefixed, so no salt is a prefix of another's encoding
@@ -36,10 +51,21 @@ def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], salt: str |
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: list[int], block_size: int, salt: str | None = None
+    hashes: list[BlockHash],
+    token_ids: list[int],
+    block_size: int,
+    salt: str | None = None,
+    key: bytes = PROCESS_KEY,
 ) -> None:
     """Append the hashes of blocks that became full since ``hashes`` was last extended."""
     num_full = len(token_ids) // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
-        hashes.append(hash_block(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), salt))
+        hashes.append(hash_block(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), salt, key))
+
+
+def salt_digest(salt: str | None) -> str | None:
+    """What a file records of a request's salt: enough to check it, not the salt itself."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()

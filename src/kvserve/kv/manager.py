@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
-from kvserve.kv.hashing import extend_block_hashes
+from kvserve.kv.disk_tier import BlockKey
+from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes, salt_digest
 
 
 class CacheableRequest(Protocol):
@@ -27,10 +28,29 @@ class CacheableRequest(Protocol):
     cache_salt: str | None
 
 
+class LowerTier(Protocol):
+    """Where blocks evicted from the pool can still be found (the disk tier, through the storage)."""
+
+    def contains(self, block_hash: int) -> bool: ...
+
+    def load(self, block_ids: list[int], keys: list[BlockKey]) -> int:
+        """Fill the pool's blocks ``block_ids`` with the blocks ``keys``; how many, from the first, it did."""
+        ...
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_key: bytes = PROCESS_KEY,
+        tier: LowerTier | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.hash_key = hash_key
+        self.tier = tier if enable_caching else None
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered
@@ -38,6 +58,8 @@ class KVCacheManager:
         self.chains: dict[str, list[BlockRef]] = {}
         self.prefix_queries = 0  # tokens looked up by admitted requests
         self.prefix_hits = 0  # of which found in the cache
+        self.prefix_tier_hits = 0  # of which loaded from the lower tier
+        self._tier_tokens: dict[str, int] = {}  # per waiting request: tokens its lookups loaded
 
     # --- lookup ---------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: CacheableRequest) -> tuple[list[KVBlock], int]:
@@ -45,25 +67,63 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         tokens = request.all_token_ids
-        extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt)
+        extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt, self.hash_key)
         max_blocks = (len(tokens) - 1) // self.block_size  # leave at least one token to compute
-        hits: list[KVBlock] = []
-        for i in range(max_blocks):
-            block = self.pool.lookup(
-                request.block_hashes[i],
-                tuple(tokens[i * self.block_size : (i + 1) * self.block_size]),
-                hits[-1].ref if hits else None,
-                request.cache_salt,
-            )
+        hits = self._pool_hits(request, [], max_blocks)
+        if self.tier is not None and len(hits) < max_blocks and self._load_from_tier(request, hits, max_blocks):
+            hits = self._pool_hits(request, hits, max_blocks)
+        return hits, len(hits) * self.block_size
+
+    def _pool_hits(self, request: CacheableRequest, hits: list[KVBlock], max_blocks: int) -> list[KVBlock]:
+        """``hits`` extended by the blocks of the pool's cache that continue the request's chain."""
+        hits = list(hits)
+        bs = self.block_size
+        for i in range(len(hits), max_blocks):
+            chunk = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(request.block_hashes[i], chunk, hits[-1].ref if hits else None, request.cache_salt)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def _load_from_tier(self, request: CacheableRequest, hits: list[KVBlock], max_blocks: int) -> int:
+        """Load the blocks after ``hits`` that the lower tier holds into free blocks of the pool, and
+        cache them there (as cached-free blocks, like any hit not taken yet). Returns how many."""
+        hashes, bs, start = request.block_hashes, self.block_size, len(hits)
+        count = 0
+        while start + count < max_blocks and self.tier.contains(hashes[start + count]):
+            count += 1
+        if not count:
+            return 0
+        self.pool.touch(hits)  # the allocation below must not evict them
+        try:
+            count = min(count, self.pool.num_free_blocks)
+            if not count:
+                return 0
+            blocks = self.pool.allocate(count)
+            salt = salt_digest(request.cache_salt)
+            keys = [BlockKey(hashes[i], hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs : (i + 1) * bs]),
+                             salt) for i in range(start, start + count)]
+            loaded = self.tier.load([b.block_id for b in blocks], keys)
+            parent = hits[-1].ref if hits else None
+            cached = 0
+            for block, key in zip(blocks[:loaded], keys):
+                ref = self.pool.cache_block(block, key.block_hash, key.token_ids, parent, request.cache_salt)
+                if ref != block.ref:  # the pool holds this hash for another chain: stop here
+                    break
+                parent, cached = ref, cached + 1
+            self.pool.uncache(blocks[cached:])
+            self.pool.free(list(reversed(blocks)))
+        finally:
+            self.pool.free(list(reversed(hits)))
+        self._tier_tokens[request.request_id] = self._tier_tokens.get(request.request_id, 0) + cached * bs
+        return cached
+
+    def record_prefix_lookup(self, request: CacheableRequest, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a blocked request's retries are not counted)."""
-        self.prefix_queries += num_tokens
+        self.prefix_queries += len(request.all_token_ids)
         self.prefix_hits += num_hit_tokens
+        self.prefix_tier_hits += min(self._tier_tokens.pop(request.request_id, 0), num_hit_tokens)
 
     # --- allocation -----------------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -102,7 +162,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         tokens = request.all_token_ids
-        extend_block_hashes(request.block_hashes, tokens[:num_tokens], self.block_size, request.cache_salt)
+        extend_block_hashes(request.block_hashes, tokens[:num_tokens], self.block_size, request.cache_salt, self.hash_key)
         blocks = self.req_blocks[request.request_id]
         start = self.num_cached_blocks[request.request_id]
         num_full = num_tokens // self.block_size
@@ -127,6 +187,7 @@ class KVCacheManager:
         """Release every block of the request, tail first (so tail blocks are evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self._tier_tokens.pop(request.request_id, None)
         self.chains.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
 

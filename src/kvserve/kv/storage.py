@@ -58,6 +58,49 @@ class PagedKVStorage:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for layer in self.k + self.v for p in layer)
 
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.num_blocks
+
+    def layout(self) -> dict[str, object]:
+        """What a block's bytes (``export_blocks``) mean: the stored parts' shapes and types, in order."""
+        return {
+            "block_size": self.block_size,
+            "kv_heads": self.num_kv_heads,
+            "layers": len(self.k),
+            "cache_type_k": self.k_codec.name,
+            "cache_type_v": self.v_codec.name,
+            "parts": [[p.shape[-1], str(p.dtype).removeprefix("torch.")] for p in self.k[0] + self.v[0]],
+            "bytes_per_block": self.bytes_per_block,
+        }
+
+    def _all_parts(self) -> list[torch.Tensor]:
+        return [p for k, v in zip(self.k, self.v) for p in k + v]
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The stored bytes of whole blocks, as they are held (a q8_0 block stays q8_0): a CPU
+        ``[len(block_ids), bytes_per_block]`` uint8 copy, layer by layer, K's parts then V's, each
+        part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of blocks."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self._head_offsets.device)
+        rows = [p.index_select(1, ids).transpose(0, 1).contiguous().view(torch.uint8).flatten(1)
+                for p in self._all_parts()]
+        return torch.cat(rows, dim=1).cpu()
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Store ``export_blocks``' bytes ``data`` [len(block_ids), bytes_per_block] into the given blocks."""
+        if data.shape != (len(block_ids), self.bytes_per_block):
+            raise ValueError(f"expected {len(block_ids)} blocks of {self.bytes_per_block} bytes, got {tuple(data.shape)}")
+        device = self._head_offsets.device
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        data = data.to(device)
+        offset = 0
+        for p in self._all_parts():
+            heads, _, bs, width = p.shape
+            size = heads * bs * width * p.element_size()
+            chunk = data[:, offset : offset + size].contiguous().view(p.dtype).view(len(block_ids), heads, bs, width)
+            p.index_copy_(1, ids, chunk.transpose(0, 1))
+            offset += size
+
     def slot_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """The flat row of each (head, token) slot: computed once per forward, used by every layer."""
         return (self._head_offsets * self.block_size + slot_mapping[None, :]).flatten()  # [heads * tokens]

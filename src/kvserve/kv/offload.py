@@ -1,0 +1,62 @@
+"""Between the pool's tensors and the disk tier: blocks go out once computed, come back on a hit.
+
+Every full block reaches the disk tier right after the step that computed it (write-through): the
+step copies the new blocks' bytes out of the pool in one gather, the tier's thread writes them. A
+block evicted from RAM later is then already on disk, and a crash loses at most the blocks still
+queued. Loading reads and checks each file, then copies the blocks into the pool in one scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kv.disk_tier import BlockKey, DiskTier
+from kvserve.kv.hashing import salt_digest
+from kvserve.kv.storage import PagedKVStorage
+
+
+class DiskOffload:
+    def __init__(self, storage: PagedKVStorage, tier: DiskTier) -> None:
+        self.storage = storage
+        self.tier = tier
+
+    # --- the manager's LowerTier ----------------------------------------------------------------------
+    def contains(self, block_hash: int) -> bool:
+        return self.tier.contains(block_hash)
+
+    def load(self, block_ids: list[int], keys: list[BlockKey]) -> int:
+        size = self.storage.bytes_per_block
+        payloads = []
+        for key in keys:
+            payload = self.tier.read(key, size)
+            if payload is None:
+                break
+            payloads.append(payload)
+        if payloads:
+            data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), size)
+            self.storage.import_blocks(block_ids[: len(payloads)], data)
+        return len(payloads)
+
+    # --- write-through --------------------------------------------------------------------------------
+    def save_computed(self, kv, computed: list[tuple[object, int, int]]) -> None:
+        """Queue the blocks that became full in tokens [start, end) of each (request, start, end) —
+        those the pool caches under the request's hash (a block whose content was cached already
+        under another block is not written twice)."""
+        bs = self.storage.block_size
+        ids, keys = [], []
+        for request, start, end in computed:
+            blocks = kv.req_blocks.get(request.request_id, [])
+            hashes = request.block_hashes
+            for i in range(start // bs, min(end // bs, len(hashes), len(blocks))):
+                block = blocks[i]
+                if block.block_hash != hashes[i] or self.tier.contains(hashes[i]):
+                    continue
+                ids.append(block.block_id)
+                keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, block.token_ids,
+                                     salt_digest(request.cache_salt)))
+        if not ids:
+            return
+        data = self.storage.export_blocks(ids)
+        rows = data.numpy()
+        for key, row in zip(keys, rows):
+            self.tier.put(key, memoryview(row), owner=data)
