@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.cli.chat import _command, cache_report
+from kvserve.cli.chat import ChatSession, _command, cache_report
 from kvserve.engine.sampling_params import SamplingParams
 from tests.support import make_engine
 
@@ -25,12 +25,17 @@ def test_show_cache_reports_blocks_and_bytes_by_k_and_v_type(tiny_llama_hd64):
 
 def test_set_parameter_and_clear(tiny_llama):
     engine = make_engine(tiny_llama)
-    params, system, history = _command("/set parameter temperature 0.2", engine, SamplingParams(), None, [1])
-    assert params.temperature == 0.2 and history == [1]
-    params, _, _ = _command("/set parameter num_predict 7", engine, params, None, [])
-    assert params.max_tokens == 7
-    params2, _, _ = _command("/set parameter top_p 5", engine, params, None, [])  # invalid: unchanged
-    assert params2 == params
-    assert _command("/clear", engine, params, "sys", [1, 2])[2] == []
-    assert _command("/set system be brief", engine, params, None, [])[1] == "be brief"
-    assert _command("/bye", engine, params, None, []) is None
+    chat = ChatSession(SamplingParams(), None, [1])
+    assert _command("/set parameter temperature 0.2", engine, chat)
+    assert chat.params.temperature == 0.2 and chat.history == [1]
+    _command("/set parameter num_predict 7", engine, chat)
+    assert chat.params.max_tokens == 7
+    before = chat.params
+    _command("/set parameter top_p 5", engine, chat)  # invalid: unchanged
+    assert chat.params == before
+    chat.system, chat.history = "sys", [1, 2]
+    _command("/clear", engine, chat)
+    assert chat.history == [] and chat.system == "sys"
+    _command("/set system be brief", engine, chat)
+    assert chat.system == "be brief"
+    assert _command("/bye", engine, chat) is False

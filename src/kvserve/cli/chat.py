@@ -1,9 +1,11 @@
-"""The interactive chat of ``kvserve run`` (like ``ollama run``): /bye, /clear, /set, /show."""
+"""The interactive chat of ``kvserve run`` (like ``ollama run``): /bye, /clear, /set, /show, /save, /load."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -13,6 +15,8 @@ HELP = """commands:
   /set parameter NAME VALUE temperature, top_p, top_k, min_p, seed, max_tokens, repetition_penalty
   /set system TEXT          replace the system message
   /show cache               KV pool: blocks in use, cached, free
+  /save NAME                save the conversation and its KV cache (NAME or a path ending in .kvc)
+  /load NAME                go on with a saved conversation, its prompt already cached
   /?                        this help"""
 
 _PARAMETERS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
@@ -20,10 +24,34 @@ _PARAMETERS = {"temperature": float, "top_p": float, "top_k": int, "min_p": floa
 _ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}
 
 
+@dataclass(slots=True)
+class ChatSession:
+    params: SamplingParams
+    system: str | None = None
+    history: list[dict] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the last turn's prompt and answer: what the cache holds
+
+    def messages(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+
+
+def sessions_dir() -> Path:
+    from kvserve.kv.disk_tier import default_cache_dir
+
+    return default_cache_dir().parent / "sessions"
+
+
+def session_path(name: str) -> Path:
+    """A bare name lives in the sessions folder; anything that looks like a path is used as given."""
+    if "/" in name or name.endswith(".kvc"):
+        return Path(name).expanduser()
+    return sessions_dir() / f"{name}.kvc"
+
+
 def interactive_chat(engine, params: SamplingParams, system: str | None) -> int:
     from kvserve.cli.run import generate_streaming, stats_line
 
-    history: list[dict] = []
+    chat = ChatSession(params, system)
     print("chat with the model; /? for help, /bye to leave", file=sys.stderr)
     while True:
         try:
@@ -35,46 +63,73 @@ def interactive_chat(engine, params: SamplingParams, system: str | None) -> int:
         if not text:
             continue
         if text.startswith("/"):
-            result = _command(text, engine, params, system, history)
-            if result is None:
+            if not _command(text, engine, chat):
                 return 0
-            params, system, history = result
             continue
-        messages = ([{"role": "system", "content": system}] if system else []) + history
-        messages.append({"role": "user", "content": line})
-        final = generate_streaming(engine, engine.tokenizer.encode_chat(messages), params)
+        messages = chat.messages() + [{"role": "user", "content": line}]
+        prompt_ids = engine.tokenizer.encode_chat(messages)
+        final = generate_streaming(engine, prompt_ids, chat.params)
         print()
         print(stats_line(engine, final), file=sys.stderr)
-        history = messages[1:] if system else messages
-        history.append({"role": "assistant", "content": final.text})
+        chat.history = messages[1:] if chat.system else messages
+        chat.history.append({"role": "assistant", "content": final.text})
+        chat.tokens = list(final.prompt_token_ids) + list(final.token_ids)
 
 
-def _command(text, engine, params, system, history):
+def _command(text: str, engine, chat: ChatSession) -> bool:
+    """Run one slash command on ``chat``; False when the chat should end."""
     parts = text.split(maxsplit=3)
     cmd = parts[0]
     if cmd in ("/bye", "/exit", "/quit"):
-        return None
+        return False
     if cmd == "/clear":
+        chat.history, chat.tokens = [], []
         print("conversation cleared", file=sys.stderr)
-        return params, system, []
-    if cmd == "/set" and len(parts) >= 3 and parts[1] == "system":
-        return params, text.split(maxsplit=2)[2], history
-    if cmd == "/set" and len(parts) == 4 and parts[1] == "parameter":
+    elif cmd == "/set" and len(parts) >= 3 and parts[1] == "system":
+        chat.system = text.split(maxsplit=2)[2]
+    elif cmd == "/set" and len(parts) == 4 and parts[1] == "parameter":
         name, value = parts[2], parts[3]
         if name not in _PARAMETERS:
             print(f"unknown parameter {name!r}; known: {', '.join(_PARAMETERS)}", file=sys.stderr)
-            return params, system, history
+            return True
         try:
-            params = dataclasses.replace(params, **{_ALIASES.get(name, name): _PARAMETERS[name](value)})
+            chat.params = dataclasses.replace(chat.params, **{_ALIASES.get(name, name): _PARAMETERS[name](value)})
             print(f"set {name} = {value}", file=sys.stderr)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
-        return params, system, history
-    if cmd == "/show" and len(parts) >= 2 and parts[1] == "cache":
+    elif cmd == "/show" and len(parts) >= 2 and parts[1] == "cache":
         print(cache_report(engine), file=sys.stderr)
-        return params, system, history
-    print(HELP, file=sys.stderr)
-    return params, system, history
+    elif cmd in ("/save", "/load") and len(parts) == 2:
+        _save_or_load(cmd, session_path(parts[1]), engine, chat)
+    else:
+        print(HELP, file=sys.stderr)
+    return True
+
+
+def _save_or_load(cmd: str, path: Path, engine, chat: ChatSession) -> None:
+    from kvserve.errors import KVServeError
+    from kvserve.kv.prompt_cache import load_prompt_cache, save_prompt_cache
+
+    try:
+        if cmd == "/save":
+            if not chat.history:
+                print("nothing to save yet: say something first", file=sys.stderr)
+                return
+            path.parent.mkdir(parents=True, exist_ok=True)
+            extra = {"system": chat.system, "history": chat.history}
+            tokens = save_prompt_cache(engine, chat.tokens, path, extra)
+            print(f"saved the conversation ({len(chat.history)} messages, {tokens} tokens of KV) to {path}",
+                  file=sys.stderr)
+            return
+        tokens, extra = load_prompt_cache(engine, path)
+        history = extra.get("history")
+        if not isinstance(history, list):
+            print(f"{path} holds a prompt cache but no conversation; {tokens} tokens cached", file=sys.stderr)
+            return
+        chat.system, chat.history, chat.tokens = extra.get("system"), history, []
+        print(f"loaded {len(history)} messages from {path} ({tokens} tokens cached)", file=sys.stderr)
+    except (KVServeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
 
 
 def cache_report(engine) -> str:

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "serve": "kvserve.cli.serve",
     "eval": "kvserve.cli.eval",
     "bench": "kvserve.cli.bench",
+    "cache": "kvserve.cli.cache",
 }
 
 

@@ -37,6 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
     g.add_argument("-ctv", "--cache-type-v", default=None, choices=CACHE_TYPES, help="KV cache type of V")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    g.add_argument("--kv-disk-cache", nargs="?", const="default", default=None, metavar="DIR",
+                   help="keep every full KV block on disk too, so prefixes survive eviction and restarts "
+                        "(default DIR: ~/.cache/kvserve/kv-blocks)")
+    g.add_argument("--kv-disk-cache-size", type=parse_bytes, default=8 << 30, metavar="SIZE",
+                   help="bytes the disk cache may hold; least recently used blocks go first (8GiB)")
+    g.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="load a prompt cache (kvserve cache save) into the prefix cache at start")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests run at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--max-waiting", type=int, default=256, help="waiting requests; more are refused")
@@ -53,6 +60,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     for name in ("num_ctx", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kv_disk_cache_size == "auto" or args.kv_disk_cache_size < 1:
+        raise ValueError("--kv-disk-cache-size must be a positive size, e.g. 20GiB")
+    disk_dir = args.kv_disk_cache
+    if disk_dir == "default":
+        from kvserve.kv.disk_tier import default_cache_dir
+
+        disk_dir = str(default_cache_dir())
     cache_type_k = args.cache_type_k or args.cache_type
     cache_type_v = args.cache_type_v or args.cache_type
     kv_cache_memory = args.kv_cache_memory
@@ -72,6 +86,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=not args.no_prefix_caching,
             cache_type_k=cache_type_k,
             cache_type_v=cache_type_v,
+            disk_cache_dir=disk_dir,
+            disk_cache_size=args.kv_disk_cache_size,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting),
@@ -82,7 +98,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def load_engine(args: argparse.Namespace):
-    """Build the engine with a progress bar on stderr while the weights load."""
+    """Build the engine with a progress bar on stderr while the weights load, then load
+    ``--prompt-cache``."""
+    engine = _build_engine(args)
+    if args.prompt_cache:
+        from kvserve.kv.prompt_cache import load_prompt_cache
+
+        tokens, _ = load_prompt_cache(engine, args.prompt_cache)
+        print(f"prompt cache {args.prompt_cache}: {tokens} tokens in the prefix cache", file=sys.stderr)
+    return engine
+
+
+def _build_engine(args: argparse.Namespace):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvserve.engine.engine import LLMEngine

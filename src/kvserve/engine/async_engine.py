@@ -199,3 +199,5 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.engine.close()  # the disk tier's queued blocks reach the disk

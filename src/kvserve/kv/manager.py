@@ -13,6 +13,7 @@ known tokens, so the last token is always computed and yields logits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
@@ -26,6 +27,16 @@ class CacheableRequest(Protocol):
     block_hashes: list[int]
     num_computed_tokens: int
     cache_salt: str | None
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """A lookup that is not a request's (saving a prompt cache)."""
+
+    all_token_ids: list[int]
+    cache_salt: str | None
+    request_id: str = "lookup"
+    block_hashes: list[int] = field(default_factory=list)
 
 
 class LowerTier(Protocol):
@@ -68,11 +79,30 @@ class KVCacheManager:
             return [], 0
         tokens = request.all_token_ids
         extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt, self.hash_key)
-        max_blocks = (len(tokens) - 1) // self.block_size  # leave at least one token to compute
+        hits = self._find(request, (len(tokens) - 1) // self.block_size)  # leave a token to compute
+        return hits, len(hits) * self.block_size
+
+    def cached_prefix(self, token_ids: list[int], salt: str | None = None) -> list[KVBlock]:
+        """The cached blocks (pool, then lower tier) holding the full blocks of ``token_ids``, as far as
+        the chain goes. Not referenced: use them before the next allocation."""
+        lookup = self._lookup(token_ids, salt)
+        hits = self._find(lookup, len(token_ids) // self.block_size)
+        self._tier_tokens.pop(lookup.request_id, None)
+        return hits
+
+    def block_hashes_of(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        return self._lookup(token_ids, salt).block_hashes
+
+    def _lookup(self, token_ids: list[int], salt: str | None) -> _Lookup:
+        lookup = _Lookup(list(token_ids), salt)
+        extend_block_hashes(lookup.block_hashes, lookup.all_token_ids, self.block_size, salt, self.hash_key)
+        return lookup
+
+    def _find(self, request: CacheableRequest, max_blocks: int) -> list[KVBlock]:
         hits = self._pool_hits(request, [], max_blocks)
         if self.tier is not None and len(hits) < max_blocks and self._load_from_tier(request, hits, max_blocks):
             hits = self._pool_hits(request, hits, max_blocks)
-        return hits, len(hits) * self.block_size
+        return hits
 
     def _pool_hits(self, request: CacheableRequest, hits: list[KVBlock], max_blocks: int) -> list[KVBlock]:
         """``hits`` extended by the blocks of the pool's cache that continue the request's chain."""
@@ -89,10 +119,27 @@ class KVCacheManager:
     def _load_from_tier(self, request: CacheableRequest, hits: list[KVBlock], max_blocks: int) -> int:
         """Load the blocks after ``hits`` that the lower tier holds into free blocks of the pool, and
         cache them there (as cached-free blocks, like any hit not taken yet). Returns how many."""
-        hashes, bs, start = request.block_hashes, self.block_size, len(hits)
+        hashes, start = request.block_hashes, len(hits)
         count = 0
         while start + count < max_blocks and self.tier.contains(hashes[start + count]):
             count += 1
+        cached = self._install(request, hits, count, self.tier)
+        self._tier_tokens[request.request_id] = self._tier_tokens.get(request.request_id, 0) + cached * self.block_size
+        return cached
+
+    def install_prefix(self, token_ids: list[int], source: LowerTier, salt: str | None = None) -> int:
+        """Cache the full blocks of ``token_ids`` that the pool lacks, loaded from ``source`` (a
+        prompt-cache file), as far as the pool has room. Returns how many blocks of the prefix the
+        pool now caches."""
+        lookup = self._lookup(token_ids, salt)
+        max_blocks = len(token_ids) // self.block_size
+        hits = self._pool_hits(lookup, [], max_blocks)
+        self._install(lookup, hits, max_blocks - len(hits), source)
+        return len(self._pool_hits(lookup, hits, max_blocks))
+
+    def _install(self, request: CacheableRequest, hits: list[KVBlock], count: int, source: LowerTier) -> int:
+        """Load the ``count`` blocks after ``hits`` from ``source`` into free blocks, cached-free."""
+        hashes, bs, start = request.block_hashes, self.block_size, len(hits)
         if not count:
             return 0
         self.pool.touch(hits)  # the allocation below must not evict them
@@ -104,7 +151,7 @@ class KVCacheManager:
             salt = salt_digest(request.cache_salt)
             keys = [BlockKey(hashes[i], hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs : (i + 1) * bs]),
                              salt) for i in range(start, start + count)]
-            loaded = self.tier.load([b.block_id for b in blocks], keys)
+            loaded = source.load([b.block_id for b in blocks], keys)
             parent = hits[-1].ref if hits else None
             cached = 0
             for block, key in zip(blocks[:loaded], keys):
@@ -116,7 +163,6 @@ class KVCacheManager:
             self.pool.free(list(reversed(blocks)))
         finally:
             self.pool.free(list(reversed(hits)))
-        self._tier_tokens[request.request_id] = self._tier_tokens.get(request.request_id, 0) + cached * bs
         return cached
 
     def record_prefix_lookup(self, request: CacheableRequest, num_hit_tokens: int) -> None:

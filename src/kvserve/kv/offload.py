@@ -43,20 +43,28 @@ class DiskOffload:
         those the pool caches under the request's hash (a block whose content was cached already
         under another block is not written twice)."""
         bs = self.storage.block_size
-        ids, keys = [], []
+        blocks, keys = [], []
         for request, start, end in computed:
-            blocks = kv.req_blocks.get(request.request_id, [])
+            table = kv.req_blocks.get(request.request_id, [])
             hashes = request.block_hashes
-            for i in range(start // bs, min(end // bs, len(hashes), len(blocks))):
-                block = blocks[i]
-                if block.block_hash != hashes[i] or self.tier.contains(hashes[i]):
-                    continue
-                ids.append(block.block_id)
-                keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, block.token_ids,
-                                     salt_digest(request.cache_salt)))
-        if not ids:
+            salt = salt_digest(request.cache_salt)
+            for i in range(start // bs, min(end // bs, len(hashes), len(table))):
+                if table[i].block_hash == hashes[i]:
+                    blocks.append(table[i])
+                    keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, table[i].token_ids, salt))
+        self._save(blocks, keys)
+
+    def save_prefix(self, kv, token_ids: list[int]) -> None:
+        """Queue the cached blocks of ``token_ids`` (unsalted), as far as the pool holds them."""
+        hashes = kv.block_hashes_of(token_ids)
+        blocks = kv.cached_prefix(token_ids)
+        self._save(blocks, [BlockKey(hashes[i], hashes[i - 1] if i else None, b.token_ids, None)
+                            for i, b in enumerate(blocks)])
+
+    def _save(self, blocks: list, keys: list[BlockKey]) -> None:
+        todo = [(b, k) for b, k in zip(blocks, keys) if not self.tier.contains(k.block_hash)]
+        if not todo:
             return
-        data = self.storage.export_blocks(ids)
-        rows = data.numpy()
-        for key, row in zip(keys, rows):
+        data = self.storage.export_blocks([b.block_id for b, _ in todo])
+        for (_, key), row in zip(todo, data.numpy()):
             self.tier.put(key, memoryview(row), owner=data)

@@ -16,6 +16,7 @@ from pathlib import Path
 HEAD_BYTES = 1 << 20
 NUM_SAMPLES = 64
 SAMPLE_BYTES = 4096
+FOLDER_SUFFIXES = {".safetensors", ".json", ".model", ".txt", ".bin"}  # what a HF folder's model is made of
 
 
 def _file_digest(path: Path, h) -> None:
@@ -33,7 +34,7 @@ def _file_digest(path: Path, h) -> None:
 def model_fingerprint(path: str | os.PathLike) -> str:
     path = Path(path)
     h = hashlib.blake2b(digest_size=16, person=b"kvserve-model")
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in FOLDER_SUFFIXES) if path.is_dir() else [path]
     for f in files:
         _file_digest(f, h)
     return h.hexdigest()

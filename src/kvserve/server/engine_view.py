@@ -14,6 +14,26 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 
 
 @dataclass(slots=True)
+class DiskCacheSnapshot:
+    """The prefix cache's disk tier (``--kv-disk-cache``): the directory as this server last saw it
+    (other servers sharing it included) and this server's reads and writes since it started."""
+
+    directory: str
+    max_bytes: int
+    blocks_on_disk: int
+    bytes_on_disk: int
+    blocks_written: int
+    bytes_written: int
+    write_seconds: float
+    blocks_read: int
+    bytes_read: int
+    read_seconds: float
+    rejected_files: int  # corrupt, truncated or written for another setup: removed
+    dropped_writes: int
+    evicted_files: int
+
+
+@dataclass(slots=True)
 class EngineSnapshot:
     block_size: int
     num_blocks: int
@@ -23,11 +43,13 @@ class EngineSnapshot:
     num_running: int
     num_waiting: int
     prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # of which found
+    prefix_cache_hits: int  # of which found (in RAM or on disk)
+    prefix_cache_disk_hits: int  # of which loaded from the disk tier
     num_preemptions: int
     engine_alive: bool
     requests: dict[str, list[int]] = field(default_factory=dict)  # request id -> block table
     held_blocks: list[int] = field(default_factory=list)  # block ids with a reference, sorted
+    disk_cache: DiskCacheSnapshot | None = None  # None: no disk tier
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -52,9 +74,13 @@ class EngineView:
                 num_waiting=len(engine.scheduler.waiting) + self.async_engine.num_pending_adds,
                 prefix_cache_queries=kv.prefix_queries,
                 prefix_cache_hits=kv.prefix_hits,
+                prefix_cache_disk_hits=kv.prefix_tier_hits,
                 num_preemptions=engine.num_preemptions,
                 engine_alive=self.async_engine.dead_error is None,
             )
+            if engine.disk is not None:
+                snap.disk_cache = DiskCacheSnapshot(str(engine.disk.root), engine.disk.max_bytes,
+                                                    **engine.disk.stats.to_json())
             if with_blocks:
                 snap.requests = {rid: kv.block_ids(rid) for rid in list(kv.req_blocks)}
                 snap.held_blocks = [b.block_id for b in kv.pool.blocks if b.ref_count > 0]

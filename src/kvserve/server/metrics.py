@@ -36,6 +36,13 @@ class EngineCollector(Collector):
             ("kvserve_kv_cache_blocks", "KV blocks in the pool", s.num_blocks),
             ("kvserve_kv_cache_free_blocks", "KV blocks free (cached-free included)", s.num_free_blocks),
         ]
+        disk = s.disk_cache
+        if disk is not None:
+            gauges += [
+                ("kvserve_disk_cache_blocks", "KV blocks in the disk cache directory", disk.blocks_on_disk),
+                ("kvserve_disk_cache_bytes", "Bytes in the disk cache directory", disk.bytes_on_disk),
+                ("kvserve_disk_cache_max_bytes", "Bytes the disk cache may hold", disk.max_bytes),
+            ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [
@@ -46,7 +53,20 @@ class EngineCollector(Collector):
             ),
             ("kvserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
             ("kvserve_num_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions),
+            ("kvserve_prefix_cache_disk_hits", "Prompt tokens found in the prefix cache's disk tier",
+             s.prefix_cache_disk_hits),
         ]
+        if disk is not None:
+            counters += [
+                ("kvserve_disk_cache_written_bytes", "Bytes of KV blocks written to disk", disk.bytes_written),
+                ("kvserve_disk_cache_write_seconds", "Time spent writing KV blocks", disk.write_seconds),
+                ("kvserve_disk_cache_read_bytes", "Bytes of KV blocks read back from disk", disk.bytes_read),
+                ("kvserve_disk_cache_read_seconds", "Time spent reading KV blocks", disk.read_seconds),
+                ("kvserve_disk_cache_rejected_files", "Disk cache files removed as corrupt or foreign",
+                 disk.rejected_files),
+                ("kvserve_disk_cache_dropped_writes", "KV blocks not written (writer behind, disk error)",
+                 disk.dropped_writes),
+            ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
 
