@@ -46,6 +46,10 @@ SECRET_BYTES = 32
 LOW_WATER = 0.9  # an eviction pass frees down to this fraction of the bound, so passes are rare
 MAX_PENDING_BYTES = 256 << 20  # blocks waiting for the writer; more are dropped, not waited for
 STALE_TEMP_SECONDS = 3600.0  # a temporary file this old belongs to a writer that died
+# Eviction goes by file time, oldest first. A chain is useless past its first missing block, so each
+# block's time is set back by its position in the chain: of blocks used together, the tail goes
+# first and the head last (as the pool evicts in RAM).
+SECONDS_PER_POSITION = 1e-3
 
 
 def default_cache_dir() -> Path:
@@ -61,6 +65,7 @@ class BlockKey:
     parent_hash: int | None
     token_ids: tuple[int, ...]
     salt_digest: str | None
+    index: int = 0  # the block's position in its chain (0: the first block of a prompt)
 
     def header(self) -> dict:
         return {
@@ -99,7 +104,7 @@ class _Pending:
 def load_secret(root: Path) -> bytes:
     """The directory's secret, created on first use (atomically: every process gets the same one)."""
     path = root / "secret"
-    for _ in range(2):
+    for _ in range(3):  # read; or create, then read; or remove a damaged one, create, read
         try:
             secret = path.read_bytes()
         except FileNotFoundError:
@@ -180,8 +185,7 @@ class DiskTier:
             with self._lock:
                 self.stats.rejected_files += 1
             return None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # recently used: last to be evicted
+        self._touch(path, key)
         with self._lock:
             self.stats.blocks_read += 1
             self.stats.bytes_read += len(data)
@@ -245,6 +249,7 @@ class DiskTier:
                     f.write(piece)
             os.replace(tmp, path)
             written = True
+            self._touch(path, pending.key)
         except OSError as e:
             log.warning("disk KV cache: cannot write %s: %s", path, e)
             tmp.unlink(missing_ok=True)
@@ -262,6 +267,13 @@ class DiskTier:
             over = self.stats.bytes_on_disk > self.max_bytes
         if over:
             self._scan()
+
+    @staticmethod
+    def _touch(path: Path, key: BlockKey) -> None:
+        """Mark a block used now (see SECONDS_PER_POSITION)."""
+        t = time.time() - key.index * SECONDS_PER_POSITION
+        with contextlib.suppress(OSError):
+            os.utime(path, (t, t))
 
     # --- the size bound -------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -150,7 +150,7 @@ class KVCacheManager:
             blocks = self.pool.allocate(count)
             salt = salt_digest(request.cache_salt)
             keys = [BlockKey(hashes[i], hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs : (i + 1) * bs]),
-                             salt) for i in range(start, start + count)]
+                             salt, i) for i in range(start, start + count)]
             loaded = source.load([b.block_id for b in blocks], keys)
             parent = hits[-1].ref if hits else None
             cached = 0

@@ -51,14 +51,14 @@ class DiskOffload:
             for i in range(start // bs, min(end // bs, len(hashes), len(table))):
                 if table[i].block_hash == hashes[i]:
                     blocks.append(table[i])
-                    keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, table[i].token_ids, salt))
+                    keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, table[i].token_ids, salt, i))
         self._save(blocks, keys)
 
     def save_prefix(self, kv, token_ids: list[int]) -> None:
         """Queue the cached blocks of ``token_ids`` (unsalted), as far as the pool holds them."""
         hashes = kv.block_hashes_of(token_ids)
         blocks = kv.cached_prefix(token_ids)
-        self._save(blocks, [BlockKey(hashes[i], hashes[i - 1] if i else None, b.token_ids, None)
+        self._save(blocks, [BlockKey(hashes[i], hashes[i - 1] if i else None, b.token_ids, None, i)
                             for i, b in enumerate(blocks)])
 
     def _save(self, blocks: list, keys: list[BlockKey]) -> None:
