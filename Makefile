@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 MODEL ?= smollm2
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test bench setup test-setup cross-tools model lint clean
+.PHONY: run test bench setup test-setup cross-tools browser model lint clean
 
 $(VENV)/.setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,18 @@ cross-tools:
 		else echo "note: no aarch64 cross tools: the ARM kernel tests will be skipped"; fi; \
 	fi
 
-test: test-setup cross-tools
+# Debian's Chromium and its driver for the web page's tests (tests/browser; Selenium is given this
+# chromedriver, so nothing downloads a browser); where they cannot be installed those tests report
+# themselves skipped.
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+			(apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
+				|| echo "note: chromium not installed: the web page's browser tests will be skipped"; \
+		else echo "note: no chromium: the web page's browser tests will be skipped"; fi; \
+	fi
+
+test: test-setup cross-tools browser
 	$(KVSERVE) pull smollm2
 	$(KVSERVE) pull gemma3-270m
 	$(PY) -m pytest -q

@@ -89,6 +89,7 @@ def api(server):
 # fields refused unless they ask for nothing: dropped from most requests, so that most get to generate
 REFUSED = {*openai_schemas.NEUTRAL_VALUES, *ollama_schemas.NEUTRAL_VALUES, "keep_alive", "repeat_last_n"}
 STREAMING = {"/v1/chat/completions", "/v1/completions", "/api/generate", "/api/chat"}
+POOL_STREAM = "/v1/kvserve/cache/stream"
 REFUSED_IN_MESSAGES = {"refusal", "tool_calls", "function_call", "audio", "images", "thinking", "tool_name"}
 
 
@@ -126,6 +127,18 @@ def bounded(path: str, body: object) -> None:
             predict = options.get("num_predict")
             if predict is None or _is_int(predict) and not 0 < predict <= MAX_TOKENS:
                 options["num_predict"] = MAX_TOKENS  # Ollama's default is the whole context too
+
+
+def bounded_stream(path: str, query: dict | None) -> dict | None:
+    """The pool stream runs until the client leaves: a few frames each. A value of the wrong type is left
+    alone: it must still get a 400."""
+    if path != POOL_STREAM:
+        return query
+    query = dict(query or {})
+    events = query.get("max_events")
+    if events is None or isinstance(events, list) or _is_int(events) and events > 2 or str(events).isdigit():
+        query["max_events"] = 2
+    return query
 
 
 def _drop(obj: object, keys: set[str]) -> None:
@@ -177,6 +190,7 @@ def test_every_response_is_documented(api, server, mode):
         )
         def run(case) -> None:
             bounded(case.path, case.body)
+            case.query = bounded_stream(case.path, case.query)
             response = case.call_and_validate(
                 headers=server.headers,
                 checks=CHECKS,

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
-from kvserve.server import anthropic_api, ollama_api, openai_api
+from kvserve.server import anthropic_api, ollama_api, openai_api, web_ui
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot, EngineView
 from kvserve.server.errors import install_error_handlers
@@ -108,6 +108,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig, card: ModelCar
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(web_ui.router)  # before ops: its / serves browsers the page
     app.include_router(ops)
     app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)

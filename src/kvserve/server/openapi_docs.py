@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 
 from kvserve.server import anthropic_responses, ollama_responses, openai_responses
 from kvserve.server.errors import is_anthropic_path, is_ollama_path
+from kvserve.server.pool_view import PoolFrame
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -55,6 +56,7 @@ STREAMED_MODELS = (
     ollama_responses.ChatResponse,
     ollama_responses.OllamaError,
     *anthropic_responses.STREAM_EVENTS,
+    PoolFrame,
 )
 
 

@@ -1,0 +1,112 @@
+"""The built-in web page: chat over our OpenAI API and a live picture of the KV pool.
+
+GET /                        the page to a browser (Accept: text/html); "kvserve is running" to others,
+                             as before, for clients that probe the root the way they probe Ollama's
+GET /v1/kvserve/cache/stream the pool a few times a second as server-sent events (``PoolFrame``s)
+
+The page is one HTML document with its script and style inlined (``web/``), so it loads without the API
+key (``/`` is open, as ``/health`` is) and nothing else needs to be fetched; everything it then asks
+the server for goes through ``fetch`` with ``Authorization: Bearer``, which EventSource cannot send.
+Its Content-Security-Policy allows exactly that script and style and connections back to this server.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from functools import cache
+from importlib import resources
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
+
+from kvserve.server.errors import APIError
+from kvserve.server.openapi_docs import JSON, SSE, openai_errors, ref
+from kvserve.server.pool_stream import PoolStream
+from kvserve.server.pool_view import PoolFrame, PoolView
+from kvserve.server.streaming import EngineStreamingResponse, sse_response
+
+router = APIRouter(tags=["kvserve"])
+
+SCRIPTS = ("api.js", "pool.js", "chat.js")  # one script, in this order
+
+STREAM_ITEM = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "contentMediaType": JSON, "contentSchema": ref(PoolFrame)}},
+}
+
+
+@cache
+def page() -> tuple[str, str]:
+    """(the HTML with its script and style inlined, its Content-Security-Policy)."""
+    web = resources.files("kvserve.server") / "web"
+    script = "\n".join((web / name).read_text(encoding="utf-8") for name in SCRIPTS)
+    style = (web / "app.css").read_text(encoding="utf-8")
+    html = (web / "index.html").read_text(encoding="utf-8")
+    html = html.replace("/*STYLE*/", style).replace("/*SCRIPT*/", script)
+
+    def digest(text: str) -> str:
+        return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+    policy = (
+        f"default-src 'none'; script-src {digest(script)}; style-src {digest(style)}; connect-src 'self'; "
+        "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return html, policy
+
+
+@router.get("/", include_in_schema=False)
+async def root(request: Request) -> Response:
+    if "text/html" not in request.headers.get("accept", ""):
+        return PlainTextResponse("kvserve is running")  # Ollama answers "Ollama is running"; clients probe it
+    html, policy = page()
+    headers = {
+        "Content-Security-Policy": policy,
+        "X-Content-Type-Options": "nosniff",
+        "Cache-Control": "no-cache",
+    }
+    return HTMLResponse(html, headers=headers)
+
+
+def pool_stream(request: Request) -> PoolStream:
+    """The app's one stream, made on first use."""
+    state = request.app.state
+    stream = getattr(state, "pool_stream", None)
+    if stream is None:
+        serving = state.serving
+        stream = state.pool_stream = PoolStream(PoolView(serving.async_engine, serving.card.name))
+    return stream
+
+
+@router.get(
+    "/v1/kvserve/cache/stream",
+    status_code=200,
+    response_class=EngineStreamingResponse,  # no media type of its own: the 200 documents only the stream
+    responses={
+        200: {
+            "description": "PoolFrames as server-sent events, a few a second",
+            "content": {SSE: {"itemSchema": STREAM_ITEM}},
+        }
+    }
+    | openai_errors(400, 503),
+)
+async def cache_stream(
+    request: Request,
+    max_events: int | None = Query(
+        None, ge=1, description="end the stream after this many frames (default: never)"
+    ),
+):
+    """The KV pool live: each event one ``PoolFrame`` (every block's state as one character, each live
+    request's blocks and context, counters for rates). Frames are taken between engine steps; every
+    subscriber gets the same frames, so more pages cost the engine nothing more. The stream ends when
+    the engine stops."""
+    if request.app.state.serving.async_engine.dead_error is not None:
+        raise APIError(503, "the engine has stopped: the pool no longer changes", code="engine_dead")
+    stream = pool_stream(request)
+
+    async def events():
+        async for frame in stream.frames(max_events):
+            yield b"data: " + frame + b"\n\n"
+
+    return sse_response(events())
