@@ -49,11 +49,13 @@ def add_parser(sub, name: str) -> None:
     p.add_argument(
         "--memory", default=None, help="memory to fit in, e.g. 16GiB or 16GB (default: available now)"
     )
+    p.add_argument("--kv-disk-cache-size", default=None,
+                   help="plan the prefix cache's disk tier too: tokens a directory of this size holds (e.g. 20GiB)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(handler=run)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--memory") -> int:
     """``16GiB`` and ``16G`` are binary (16 x 2^30), ``16GB`` decimal (16 x 10^9), a bare number bytes."""
     m = _SIZE.match(text)
     value = 0
@@ -62,7 +64,7 @@ def parse_size(text: str) -> int:
         decimal = unit and not binary and text.strip().lower().endswith("b")
         value = int(number * (1000 if decimal else 1024) ** _POWERS.get(unit, 0))
     if value < 1:
-        raise ValueError(f"--memory: not a size: {text!r} (use e.g. 16GiB, 16GB, 512MiB or a byte count)")
+        raise ValueError(f"{flag}: not a size: {text!r} (use e.g. 16GiB, 16GB, 512MiB or a byte count)")
     return value
 
 
@@ -123,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         dtype=args.dtype,
+        disk_cache_bytes=parse_size(args.kv_disk_cache_size, "--kv-disk-cache-size") if args.kv_disk_cache_size else None,
     )
     plan = make_plan(spec, settings)
     if args.json:

@@ -52,6 +52,15 @@ STALE_TEMP_SECONDS = 3600.0  # a temporary file this old belongs to a writer tha
 SECONDS_PER_POSITION = 1e-3
 
 
+HEADER_ALLOWANCE = 2048  # framing, the JSON header (identity, hashes, tokens) and the checksum of one file, at most about
+
+
+def capacity(max_bytes: int, bytes_per_token: int, block_size: int) -> tuple[int, int]:
+    """(bytes of one block file, blocks a directory of ``max_bytes`` holds), for planning."""
+    file_bytes = bytes_per_token * block_size + HEADER_ALLOWANCE
+    return file_bytes, max_bytes // file_bytes
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvserve" / "kv-blocks"

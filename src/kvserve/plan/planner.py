@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
+from kvserve.kv.disk_tier import capacity as disk_capacity
 from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type, pool_bytes
 from kvserve.plan.source import ModelSpec
 
@@ -42,8 +43,11 @@ class PlanSettings:
     max_num_batched_tokens: int = 512
     block_size: int = 16
     dtype: str = "float32"  # the engine's compute dtype: weights are dequantized to it at load
+    disk_cache_bytes: int | None = None  # --kv-disk-cache-size: the prefix cache's disk tier
 
     def __post_init__(self) -> None:
+        if self.disk_cache_bytes is not None and self.disk_cache_bytes < 1:
+            raise ValueError(f"--kv-disk-cache-size must be >= 1, got {self.disk_cache_bytes}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -106,6 +110,11 @@ class KVTypePlan:
     contexts: tuple[ContextPlan, ...]
     max_ctx: int  # largest ctx (<= the model's trained context) whose total fits; 0: none
     engine_max_ctx: int  # the same for today's engine total
+
+    def disk_tier(self, max_bytes: int, block_size: int) -> tuple[int, int]:
+        """(bytes per block file, tokens) the disk tier of ``max_bytes`` holds in this KV type."""
+        file_bytes, blocks = disk_capacity(max_bytes, self.bytes_per_token, block_size)
+        return file_bytes, blocks * block_size
 
     @property
     def name(self) -> str:

@@ -81,6 +81,11 @@ def notes(plan: Plan) -> list[str]:
             f"ctx {', '.join(f'{x:,}' for x in too_long)} beyond the model's trained context "
             f"{c.max_position_embeddings:,}; largest-context figures stop at {c.max_position_embeddings:,}"
         )
+    if s.disk_cache_bytes:
+        out.append(
+            f"disk tier: {fmt_bytes(s.disk_cache_bytes)} of block files (--kv-disk-cache-size) hold the tokens "
+            "of the 'disk tier' column; not counted in memory (the OS caches what it can in free RAM)"
+        )
     out += [f"KV type {name} skipped: {why}" for name, why in plan.skipped]
     return out
 
@@ -111,6 +116,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "dtype": s.dtype,
             "memory_bytes": s.memory,
             "memory_source": s.memory_source,
+            "disk_cache_bytes": s.disk_cache_bytes,
         },
         "weights": {
             "num_params": m.num_params,
@@ -130,6 +136,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
                 "bytes_per_token": t.bytes_per_token,
                 "max_ctx": t.max_ctx,
                 "engine_max_ctx": t.engine_max_ctx,
+                "disk_tier": None if not s.disk_cache_bytes else dict(
+                    zip(("file_bytes", "tokens"), t.disk_tier(s.disk_cache_bytes, s.block_size))),
                 "contexts": [
                     {
                         "ctx": p.ctx,
@@ -228,6 +236,7 @@ def render(plan: Plan, console) -> None:
         *(f"KV @ {p.ctx:,}{windowed}" for p in first.contexts),
         "largest ctx (plan)",
         "largest ctx (today's engine)",
+        *(["disk tier (tokens)"] if s.disk_cache_bytes else []),
         box=box.SIMPLE_HEAD,
         title_justify="left",
         title=f"largest context that fits in {fmt_bytes(s.memory)} ({s.memory_source}), {seqs}",
@@ -247,6 +256,7 @@ def render(plan: Plan, console) -> None:
             *(fmt_bytes(p.kv_bytes_windowed) for p in t.contexts),
             _max_ctx(t.max_ctx, c.max_position_embeddings),
             _max_ctx(t.engine_max_ctx, c.max_position_embeddings),
+            *([f"{t.disk_tier(s.disk_cache_bytes, s.block_size)[1]:,}"] if s.disk_cache_bytes else []),
         )
     console.print(fit)
     for line in notes(plan):
