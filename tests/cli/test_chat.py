@@ -39,3 +39,28 @@ def test_set_parameter_and_clear(tiny_llama):
     _command("/set system be brief", engine, chat)
     assert chat.system == "be brief"
     assert _command("/bye", engine, chat) is False
+
+
+def test_save_and_load_a_conversation_with_its_kv(tiny_llama, tmp_path, capsys):
+    a = make_engine(tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [(i * 13) % 90 + 3 for i in range(60)]
+    rid = a.add_request(prompt, params).request_id
+    final = a.run_to_completion()[rid]
+    chat = ChatSession(params, "be brief", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                       list(final.prompt_token_ids) + final.token_ids)
+    path = tmp_path / "talk.kvc"
+    _command(f"/save {path}", a, chat)
+    assert "saved the conversation (2 messages, 64 tokens" in capsys.readouterr().err
+
+    b = make_engine(tiny_llama)
+    fresh = ChatSession(params)
+    _command(f"/load {path}", b, fresh)
+    assert "loaded 2 messages" in capsys.readouterr().err
+    assert fresh.system == "be brief" and fresh.history == chat.history
+    rid = b.add_request(prompt + final.token_ids + [5, 6], params).request_id
+    assert b.run_to_completion()[rid].metrics.num_cached_tokens == 64
+    _command(f"/load {tmp_path / 'missing.kvc'}", b, fresh)  # an error line, the chat goes on
+    assert "error: cannot read" in capsys.readouterr().err and fresh.history == chat.history
+    _command("/save x.kvc", b, ChatSession(params))
+    assert "nothing to save" in capsys.readouterr().err

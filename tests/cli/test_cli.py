@@ -94,3 +94,22 @@ def test_bad_flag_values():
 def test_list_shows_registry():
     r = kvserve("list")
     assert r.returncode == 0 and "smollm2" in r.stdout and "gemma3-270m" in r.stdout
+
+
+def test_cache_save_info_and_run_with_the_prompt_cache(tmp_path):
+    prompt = "Paper was made from rags before wood pulp. " * 12
+    (tmp_path / "prompt.txt").write_text(prompt)
+    out = tmp_path / "s.kvc"
+    r = kvserve("cache", "save", "smollm2", "--prompt-file", str(tmp_path / "prompt.txt"), "-o", str(out),
+                "--cache-type", "q8_0", "-c", "512")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(kvserve("cache", "info", str(out), "--json").stdout)
+    assert info["cache_type_k"] == info["cache_type_v"] == "q8_0" and info["tokens"] % 16 == 0 and info["tokens"] > 100
+    r = kvserve("run", "smollm2", prompt + "Paper", "--prompt-cache", str(out), "--cache-type", "q8_0", "-c", "512",
+                "--raw", "--json", "-n", "4", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["cached_prompt_tokens"] == info["tokens"]
+    r = kvserve("run", "smollm2", "Hi", "--prompt-cache", str(out), "--json", "-n", "2")  # f16: another setup
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "another engine setup" in r.stderr
+    r = kvserve("cache", "info", str(tmp_path / "prompt.txt"))
+    assert r.returncode == 1 and "not a usable prompt cache" in r.stderr

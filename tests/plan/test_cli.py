@@ -44,6 +44,21 @@ def test_json_with_a_context_list():
     assert f16["max_ctx"] == 8192  # the model's trained context fits easily in 4 GiB
 
 
+def test_disk_tier_tokens_per_kv_type():
+    r = kvserve("plan", "smollm2", "--json", "--ctx", "1024", "--cache-types", "f16,q8_0", "--kv-disk-cache-size", "1GiB")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["settings"]["disk_cache_bytes"] == 1 << 30
+    f16, q8 = plan["kv_types"]
+    # a block file: 16 tokens of K/V as stored plus at most 2 KiB of header and checksum
+    assert f16["disk_tier"]["file_bytes"] == 16 * f16["bytes_per_token"] + 2048
+    assert f16["disk_tier"]["tokens"] == (1 << 30) // f16["disk_tier"]["file_bytes"] * 16
+    assert q8["disk_tier"]["tokens"] > 1.8 * f16["disk_tier"]["tokens"]
+    assert "disk tier" in " ".join(plan["notes"])
+    without = json.loads(kvserve("plan", "smollm2", "--json", "--ctx", "1024").stdout)
+    assert without["kv_types"][0]["disk_tier"] is None
+
+
 def test_all_cache_types():
     r = kvserve(
         "plan", "Llama-3.1-8B", "--cache-types", "all", "--ctx", "131072", "--memory", "40GiB", "--json"
@@ -93,6 +108,7 @@ def test_unknown_preset_is_one_error_line():
         (["Llama-3.1-8B", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["Llama-3.1-8B", "--dtype", "int8"], "unknown dtype 'int8'"),
         (["missing/model.gguf"], "no such file"),
+        (["Llama-3.1-8B", "--kv-disk-cache-size", "lots"], "--kv-disk-cache-size: not a size"),
     ],
 )
 def test_bad_input_is_one_error_line(capsys, args, message):

@@ -78,7 +78,10 @@ class LLMEngine:
         self.offload: DiskOffload | None = None
         hash_key = PROCESS_KEY
         if config.cache.disk_cache_dir and config.cache.enable_prefix_caching:
-            self.disk = DiskTier(config.cache.disk_cache_dir, config.cache.disk_cache_size, self.cache_identity)
+            try:
+                self.disk = DiskTier(config.cache.disk_cache_dir, config.cache.disk_cache_size, self.cache_identity)
+            except OSError as e:
+                raise ValueError(f"cannot use {config.cache.disk_cache_dir} as the disk KV cache: {e}") from None
             self.offload = DiskOffload(self.storage, self.disk)
             hash_key = cache_key(self.disk.secret, self.cache_identity)
         self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
