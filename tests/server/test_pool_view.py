@@ -91,7 +91,9 @@ def test_a_frame_is_valid_json_of_its_schema(tiny_llama):
     engine = make_engine(tiny_llama, num_ctx=64, max_num_seqs=2, block_size=BS)
     engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=2), "r")
     engine.step()
-    data = json.loads(json.dumps(_view(engine).frame().to_json()))
+    frame = _view(engine).frame()
+    data = json.loads(frame.encode())
+    assert data == json.loads(json.dumps(frame.to_json()))
     assert data["requests"][0]["id"] == "r" and len(data["blocks"]) == data["num_blocks"]
     engine.run_to_completion()
 
@@ -106,7 +108,7 @@ class FakeView:
     def frame(self):
         self.calls += 1
         n = self.calls
-        return SimpleNamespace(to_json=lambda: {"n": n}, engine_alive=n != self.stop_at)
+        return SimpleNamespace(encode=lambda: json.dumps({"n": n}).encode(), engine_alive=n != self.stop_at)
 
 
 def test_every_subscriber_shares_one_sampler():
@@ -144,3 +146,15 @@ def test_the_stream_ends_when_the_engine_stops():
         assert frames[-1] == 3  # the engine's last frame, then the end
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_failing_view_ends_every_stream(caplog):
+    class Broken:
+        def frame(self):
+            raise RuntimeError("a bug")
+
+    async def main():
+        return [f async for f in PoolStream(Broken(), interval=0.001).frames()]
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == []  # ended, not hung
+    assert "the KV pool view failed" in caplog.text

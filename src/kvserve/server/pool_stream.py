@@ -13,7 +13,6 @@ then closes them within its graceful timeout).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -60,7 +59,7 @@ class PoolStream:
     def _take(self) -> tuple[bytes, bool]:
         """(the frame encoded, whether the engine runs), in a worker thread: the lock waits for a step."""
         frame = self.view.frame()
-        return json.dumps(frame.to_json(), separators=(",", ":")).encode(), frame.engine_alive
+        return frame.encode(), frame.engine_alive
 
     async def _sample(self) -> None:
         try:
