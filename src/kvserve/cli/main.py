@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "eval": "kvserve.cli.eval",
     "bench": "kvserve.cli.bench",
     "cache": "kvserve.cli.cache",
+    "top": "kvserve.cli.top",
 }
 
 

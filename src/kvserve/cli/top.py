@@ -1,0 +1,173 @@
+"""``kvserve top [URL]``: a running server's KV pool live in the terminal, the numbers of its web page.
+
+Reads ``/v1/kvserve/cache/stream`` (four frames a second) and redraws: totals, every block as one coloured
+cell (free, cached, in use, shared by n), the live requests, and tokens generated per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import deque
+from collections.abc import Iterator
+
+CELL = {".": ("·", "grey50"), "c": ("■", "blue")}
+USED, SHARED = "green", "dark_orange"
+SPARKS = "▁▂▃▄▅▆▇█"
+RATE_WINDOW_S = 60
+MAX_ROWS = 16  # of block cells; a larger pool draws several blocks per cell, the busiest
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="watch a running server's KV pool live: blocks, requests, tok/s")
+    p.add_argument(
+        "url", nargs="?", default="http://127.0.0.1:8000", help="the server (http://127.0.0.1:8000)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSERVE_API_KEY"),
+        help="the server's --api-key (default: $KVSERVE_API_KEY)",
+    )
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.set_defaults(handler=run)
+
+
+def frames(url: str, api_key: str | None, max_events: int | None = None) -> Iterator[dict]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    params = {"max_events": max_events} if max_events else {}
+    try:
+        with httpx.stream(
+            "GET",
+            url.rstrip("/") + "/v1/kvserve/cache/stream",
+            headers=headers,
+            params=params,
+            timeout=httpx.Timeout(10, read=None),
+        ) as r:
+            if r.status_code == 401:
+                raise ValueError(f"{url} needs its API key: give --api-key or set $KVSERVE_API_KEY")
+            if r.status_code != 200:
+                raise ValueError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:200]}")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    yield json.loads(line[6:])
+    except httpx.TransportError as e:
+        raise ValueError(f"cannot reach {url} ({e}): is `kvserve serve` running there?") from None
+
+
+def _cell(codes: str) -> tuple[str, str]:
+    """(character, style) of a cell drawing ``codes``: its busiest block."""
+    used = [10 if c == "+" else int(c) for c in codes if c not in CELL]
+    if not used:
+        return CELL["c" if "c" in codes else "."]
+    n = max(used)
+    return ("█", USED) if n == 1 else (str(n) if n < 10 else "+", f"black on {SHARED}")
+
+
+def pool_grid(frame: dict, width: int):
+    from rich.text import Text
+
+    codes = frame["blocks"]
+    group = max(1, -(-len(codes) // (width * MAX_ROWS)))
+    grid = Text()
+    for i, start in enumerate(range(0, len(codes), group)):
+        if i and i % width == 0:
+            grid.append("\n")
+        grid.append(*_cell(codes[start : start + group]))
+    return grid
+
+
+def sparkline(rates: list[float]) -> str:
+    top = max(rates, default=0) or 1
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(r / top * len(SPARKS)))] for r in rates)
+
+
+def render(frame: dict, rates: list[float], width: int = 80):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    mib = 1 << 20
+    queries = frame["prefix_cache_queries"]
+    hits = f"{100 * frame['prefix_cache_hits'] / queries:.1f}%" if queries else "-"
+    room = frame["num_free_blocks"] * frame["block_size"] + sum(
+        len(r["blocks"]) * frame["block_size"] - r["num_tokens"]
+        for r in frame["requests"]
+        if r["status"] == "running"
+    )
+    kv = (
+        frame["cache_type_k"]
+        if frame["cache_type_k"] == frame["cache_type_v"]
+        else (f"{frame['cache_type_k']}/{frame['cache_type_v']}")
+    )
+    rate = f"{rates[-1]:.0f}" if rates else "-"
+    head = Text.assemble(
+        (f"{frame['model']}", "bold"),
+        f"  {frame['num_running']} running, {frame['num_waiting']} waiting  |  KV {kv}, "
+        f"{frame['kv_bytes_per_token'] / 1024:.1f} KiB/token, pool {frame['kv_pool_bytes'] / mib:.1f} MiB\n",
+        f"blocks {frame['num_used_blocks']}/{frame['num_blocks']} in use ({100 * frame['usage']:.0f}%), "
+        f"{frame['num_shared_blocks']} shared, {frame['num_cached_free_blocks']} cached  |  prefix hits {hits}\n",
+        f"room before a preemption {room} tokens  |  preemptions {frame['num_preemptions']}\n",
+        f"{rate} tok/s ",
+        (sparkline(rates[-(width - 12) :]), "green"),
+    )
+    table = Table(box=None, pad_edge=False, header_style="dim")
+    for column in ("request", "state", "context", "blocks", "KV MiB"):
+        table.add_column(column, justify="right" if column in ("blocks", "KV MiB") else "left")
+    for r in frame["requests"]:
+        table.add_row(
+            r["id"],
+            r["status"],
+            f"{r['num_tokens']} / {frame['max_model_len']}",
+            str(len(r["blocks"])),
+            f"{r['kv_bytes'] / mib:.2f}",
+        )
+    legend = Text.assemble(
+        ("· free  ", "grey50"),
+        ("■ cached  ", "blue"),
+        ("█ in use  ", USED),
+        ("2 ", f"black on {SHARED}"),
+        (" shared by n", SHARED),
+    )
+    return Group(head, legend, pool_grid(frame, width), table)
+
+
+class Rates:
+    """Tokens generated per second over the second before each frame, for the last minute."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, int]] = deque()
+        self.rates: deque[float] = deque(maxlen=RATE_WINDOW_S * 4)
+
+    def add(self, frame: dict) -> list[float]:
+        now = frame["time"]
+        self.samples.append((now, frame["num_generated_tokens"]))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - 1:
+            self.samples.popleft()
+        (t0, g0), (t1, g1) = self.samples[0], self.samples[-1]
+        if t1 > t0:
+            self.rates.append((g1 - g0) / (t1 - t0))
+        return list(self.rates)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    width = max(20, console.width - 2)
+    rates = Rates()
+    if args.once:
+        for frame in frames(args.url, args.api_key, max_events=1):
+            console.print(render(frame, rates.add(frame), width))
+        return 0
+    try:
+        with Live(console=console, auto_refresh=False, screen=console.is_terminal) as live:
+            for frame in frames(args.url, args.api_key):
+                live.update(render(frame, rates.add(frame), width), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+    console.print("the server stopped", style="dim")
+    return 0
