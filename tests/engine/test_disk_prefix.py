@@ -159,7 +159,7 @@ def test_prompt_cache_file_round_trip_and_refusals(tiny_llama_hd64, tmp_path, ch
     damaged = bytearray(path.read_bytes())
     damaged[-40] ^= 1
     (tmp_path / "bad.kvc").write_bytes(bytes(damaged))
-    with pytest.raises(PromptCacheError, match="checksum"):
+    with pytest.raises(PromptCacheError, match="CRC mismatch"):
         load_prompt_cache(b, tmp_path / "bad.kvc")
     with pytest.raises(PromptCacheError, match="cannot read"):
         load_prompt_cache(b, tmp_path / "missing.kvc")

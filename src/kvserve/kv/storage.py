@@ -82,8 +82,8 @@ class PagedKVStorage:
         ``[len(block_ids), bytes_per_block]`` uint8 copy, layer by layer, K's parts then V's, each
         part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of blocks."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self._head_offsets.device)
-        rows = [p.index_select(1, ids).transpose(0, 1).contiguous().view(torch.uint8).flatten(1)
-                for p in self._all_parts()]
+        # gathering from the transposed view writes each block's heads in order: one pass, no reorder copy
+        rows = [p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1) for p in self._all_parts()]
         return torch.cat(rows, dim=1).cpu()
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
