@@ -79,7 +79,7 @@ def live(driver) -> dict:
 def test_an_answer_streams_with_its_ttft_and_its_blocks_turn_cached(page, idle: Server):
     num_blocks = idle.cache()["num_blocks"]
     assert live(page)["numCells"] == num_blocks
-    settings(page, max_tokens=48)
+    settings(page, max_tokens=128)
     send(page, LONG)
     lengths = set()
     running = wait_for(
@@ -109,7 +109,7 @@ def test_an_answer_streams_with_its_ttft_and_its_blocks_turn_cached(page, idle: 
 def test_a_second_turn_reuses_the_first_turns_cached_blocks(page, idle: Server):
     live(page)
     # a system prompt no earlier request had: every block of the first turn is its own
-    settings(page, max_tokens=48, system=f"You tell stories. Session {uuid.uuid4().hex}.")
+    settings(page, max_tokens=128, system=f"You tell stories. Session {uuid.uuid4().hex}.")
     send(page, LONG)
     first = wait_for(page, lambda s: s["state"] == "done" and s["blocks"], "the first answer")
     send(page, "Now make it shorter.")

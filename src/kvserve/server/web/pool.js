@@ -91,6 +91,7 @@ function drawTotals(frame) {
   setTotal("t-requests", `${frame.num_running} running`, `${frame.num_waiting} waiting`);
   const type = frame.cache_type_k === frame.cache_type_v ? frame.cache_type_k : `${frame.cache_type_k}/${frame.cache_type_v}`;
   setTotal("t-kv", type, `${bytes(frame.kv_bytes_per_token)}/token · pool ${bytes(frame.kv_pool_bytes)}`);
+  $("requests").tHead.rows[0].cells[4].textContent = `KV ${type}`; // every request's blocks hold this type
 }
 
 function drawRequests(frame, activeId) {
