@@ -10,6 +10,8 @@
    distinct 2K-token prefixes (each with its own short question) twice over. Reported: of the second
    cycle's prompt tokens, the share found in the cache and the share loaded from disk (the server's
    ``/metrics``), and the second cycle's TTFTs.
+3. Overhead: decode tok/s of 16 streams in one engine (in this process) with the disk tier on (every
+   full block written through) and off, in alternating runs; reported: the median ratio.
 """
 
 from __future__ import annotations
@@ -147,11 +149,42 @@ def cycle(model: str, cache_type: str, workdir: str, log: str, num_prefixes: int
             "disk_share": disk_hits / queries, "ttft_median_s": statistics.median(ttfts)}
 
 
+def overhead(model: str, cache_type: str, workdir: str, runs: int = 3) -> dict:
+    from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.models.loader import load_model
+
+    loaded = load_model(model, weight_format="auto")
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+
+    def decode_rate(disk: str | None) -> float:
+        cache = CacheConfig(num_ctx=512, cache_type_k=cache_type, disk_cache_dir=disk)
+        engine = LLMEngine(EngineConfig(model, cache, SchedulerConfig(max_num_seqs=16)), loaded)
+        for s in range(16):
+            engine.add_request(prompt_tokens(3000 + s, 64), params)
+        while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                              for r in engine.scheduler.running):
+            engine.step()  # prompts first: only decode steps are timed
+        start, before = time.perf_counter(), engine.num_generated_tokens
+        engine.run_to_completion()
+        rate = (engine.num_generated_tokens - before) / (time.perf_counter() - start)
+        engine.close()
+        return rate
+
+    off, on = [], []
+    for _ in range(runs):
+        off.append(decode_rate(None))
+        on.append(decode_rate(tempfile.mkdtemp(dir=workdir)))
+    return {"bench": "overhead", "cache_type": cache_type, "streams": 16, "decode_tok_s_off": off,
+            "decode_tok_s_on": on, "ratio": statistics.median(on) / statistics.median(off)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--cache-types", default="f16,q8_0")
-    p.add_argument("--only", choices=["restart", "cycle"], default=None)
+    p.add_argument("--only", choices=["restart", "cycle", "overhead"], default=None)
     p.add_argument("--json", default=None, help="write the rows to this file too")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -164,6 +197,9 @@ def main() -> int:
                 print(json.dumps(rows[-1]), flush=True)
             if args.only in (None, "cycle"):
                 rows.append(cycle(args.model, cache_type, workdir, log))
+                print(json.dumps(rows[-1]), flush=True)
+            if args.only in (None, "overhead"):
+                rows.append(overhead(args.model, cache_type, workdir))
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -27,6 +27,7 @@ import logging
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"KVSBLK1\n"
 SECRET_BYTES = 32
 LOW_WATER = 0.9  # an eviction pass frees down to this fraction of the bound, so passes are rare
+WRITER_NICE = 10  # the writer yields the cores to the forward (CFS weight 110 vs 1024), yet keeps up
 MAX_PENDING_BYTES = 256 << 20  # blocks waiting for the writer; more are dropped, not waited for
 STALE_TEMP_SECONDS = 3600.0  # a temporary file this old belongs to a writer that died
 # Eviction goes by file time, oldest first. A chain is useless past its first missing block, so each
@@ -232,6 +234,9 @@ class DiskTier:
         atexit.unregister(self.close)
 
     def _write_loop(self) -> None:
+        if sys.platform == "linux":  # on Linux a thread has its own nice value: yield the cores to the forward
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while (block_hash := self._queue.get()) is not None:
             try:
                 self._write(block_hash)
