@@ -108,7 +108,7 @@ def test_other_setups_do_not_share_blocks(tiny_llama_hd64, tmp_path):
     a = make_engine(tiny_llama_hd64, disk_cache_dir=tmp_path)
     _run(a, prompt)
     a.close()
-    for other in (dict(cache_type_k="q8_0"), dict(block_size=32), dict(disk_cache_dir=tmp_path / "elsewhere")):
+    for other in ({"cache_type_k": "q8_0"}, {"block_size": 32}, {"disk_cache_dir": tmp_path / "elsewhere"}):
         b = make_engine(tiny_llama_hd64, **{"disk_cache_dir": tmp_path, **other})
         assert b.kv.block_hashes_of(prompt)[0] != a.kv.block_hashes_of(prompt)[0]
         assert _run(b, prompt).metrics.num_cached_tokens == 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import native
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig
 from kvserve.engine.constraints import GrammarTokenizer, TokenConstraint
 from kvserve.engine.malloc import keep_freed_pages
@@ -20,7 +21,6 @@ from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import PromptTooLongError
-from kvserve import native
 from kvserve.kv.auto_type import context_advice
 from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.hashing import PROCESS_KEY, cache_key

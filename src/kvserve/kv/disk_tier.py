@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvserve.kv.kv_file import KVFileError, pack, unpack
+from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
 
 try:
     import fcntl
@@ -240,7 +240,7 @@ class DiskTier:
         while (block_hash := self._queue.get()) is not None:
             try:
                 self._write(block_hash)
-            except Exception:  # noqa: BLE001 - a bug here must not stop later writes
+            except Exception:  # a bug here must not stop the writes after it
                 log.exception("disk KV cache: writing a block failed")
             finally:
                 self._queue.task_done()
@@ -252,21 +252,14 @@ class DiskTier:
         start = time.perf_counter()
         path = self.path(block_hash)
         header = {"identity": self.identity, **pending.key.header()}
-        pieces = pack(MAGIC, header, pending.payload, self.secret)
-        size = sum(len(p) for p in pieces)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        written = False
+        size, written = 0, False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                for piece in pieces:
-                    f.write(piece)
-            os.replace(tmp, path)
+            size = write_atomically(path, pack(MAGIC, header, pending.payload, self.secret))
             written = True
             self._touch(path, pending.key)
         except OSError as e:
             log.warning("disk KV cache: cannot write %s: %s", path, e)
-            tmp.unlink(missing_ok=True)
         with self._lock:
             del self._pending[block_hash]
             self._pending_bytes -= len(pending.payload)

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
+import threading
 import zlib
+from pathlib import Path
 
 CHECKSUM_BYTES = 32
 _HEADER_LEN = struct.Struct("<I")
@@ -71,3 +74,16 @@ def unpack(data: bytes | memoryview, magic: bytes, key: bytes | None = None) -> 
     if zlib.crc32(payload) != crc:
         raise KVFileError("payload CRC mismatch: the K/V bytes were changed or damaged")
     return header, payload
+
+
+def write_atomically(path: Path, pieces: list[bytes | memoryview]) -> int:
+    """Write ``pieces`` to ``path`` through a temporary name and a rename: a reader sees the whole file
+    or none. Returns the bytes written; raises OSError (the temporary file removed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(pieces)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return sum(len(p) for p in pieces)

@@ -15,7 +15,6 @@ one): a later request whose prompt starts with those tokens finds them like any 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -23,10 +22,9 @@ import torch
 from kvserve.errors import KVServeError
 from kvserve.kv.disk_tier import BlockKey
 from kvserve.kv.hashing import extend_block_hashes
-from kvserve.kv.kv_file import KVFileError, pack, unpack
+from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
 
 MAGIC = b"KVSPC01\n"
-SUFFIX = ".kvc"
 
 
 class PromptCacheError(KVServeError):
@@ -45,15 +43,7 @@ def save_prompt_cache(engine, token_ids: list[int], path: str | os.PathLike, ext
     num_tokens = len(blocks) * engine.kv.block_size
     header = {"identity": engine.cache_identity, "tokens": list(token_ids[:num_tokens]), "blocks": len(blocks),
               "extra": extra or {}}
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for piece in pack(MAGIC, header, memoryview(data.numpy()).cast("B")):
-                f.write(piece)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomically(Path(path), pack(MAGIC, header, memoryview(data.numpy()).cast("B")))
     return num_tokens
 
 
