@@ -52,6 +52,7 @@ class StubAsyncEngine:
             kv=KVCacheManager(8, 4),
             scheduler=SimpleNamespace(running=[], waiting=[]),
             num_preemptions=0,
+            disk=None,  # no disk tier
         )
 
     async def generate(self, prompt, params=None, request_id=None, cache_salt=None):
