@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 
@@ -139,16 +140,36 @@ def test_size_bound_holds_and_least_recently_used_go_first(tmp_path):
 
 
 def test_a_chain_loses_its_tail_first(tmp_path):
-    """Blocks written together: eviction keeps a chain's head (usable alone), not its tail."""
+    """One request's blocks, written over time (a long prompt's chunks): eviction keeps the chain's
+    head (usable alone), not its tail."""
     tier = _tier(tmp_path)
-    chain = [BlockKey(2000 + i, 2000 + i - 1 if i else None, (i,) * 4, None, index=i) for i in range(8)]
+    arrival = time.time() - 5
+    chain = [BlockKey(2000 + i, 2000 + i - 1 if i else None, (i,) * 4, None, i, arrival) for i in range(8)]
     for key in chain:
         tier.put(key, _payload(key.index))
+        tier.flush()
+        time.sleep(0.01)  # later chunks are written later: the file times still follow the chain
     tier.close()
     size = tier.stats.bytes_on_disk // 8
     small = _tier(tmp_path, max_bytes=5 * size)
     kept = [small.path(k.block_hash).exists() for k in chain]
     assert kept == sorted(kept, reverse=True) and 0 < sum(kept) < 8  # a prefix of the chain survives
+    small.close()
+
+
+def test_a_prefix_found_again_is_kept_over_older_ones(tmp_path):
+    tier = _tier(tmp_path)
+    old = [BlockKey(3000 + i, None, (i,) * 4, None, i, time.time() - 100) for i in range(4)]
+    new = [BlockKey(4000 + i, None, (i,) * 4, None, i, time.time() - 50) for i in range(4)]
+    for key in old + new:
+        tier.put(key, _payload(key.index))
+    tier.flush()
+    tier.touch([k.block_hash for k in old])  # a request was admitted with the old chain as its prefix
+    tier.close()
+    size = tier.stats.bytes_on_disk // 8
+    small = _tier(tmp_path, max_bytes=5 * size)
+    assert all(small.path(k.block_hash).exists() for k in old)
+    assert not small.path(new[-1].block_hash).exists()
     small.close()
 
 

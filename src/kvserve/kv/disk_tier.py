@@ -48,9 +48,11 @@ LOW_WATER = 0.9  # an eviction pass frees down to this fraction of the bound, so
 WRITER_NICE = 10  # the writer yields the cores to the forward (CFS weight 110 vs 1024), yet keeps up
 MAX_PENDING_BYTES = 256 << 20  # blocks waiting for the writer; more are dropped, not waited for
 STALE_TEMP_SECONDS = 3600.0  # a temporary file this old belongs to a writer that died
-# Eviction goes by file time, oldest first. A chain is useless past its first missing block, so each
-# block's time is set back by its position in the chain: of blocks used together, the tail goes
-# first and the head last (as the pool evicts in RAM).
+# Eviction goes by file time, oldest first. A file's time is when a request last used its block (the
+# request's arrival for blocks it wrote, its admission for blocks it found), set back by the block's
+# position in the chain: a chain is useless past its first missing block, so of the blocks one request
+# used the tail goes first and the head last (as the pool evicts in RAM), even when a long prompt's
+# chunks were written seconds apart.
 SECONDS_PER_POSITION = 1e-3
 
 
@@ -77,6 +79,7 @@ class BlockKey:
     token_ids: tuple[int, ...]
     salt_digest: str | None
     index: int = 0  # the block's position in its chain (0: the first block of a prompt)
+    used_at: float | None = None  # wall time of the request that wrote it; None: now
 
     def header(self) -> dict:
         return {
@@ -175,7 +178,7 @@ class DiskTier:
         with self._lock:
             pending = self._pending.get(key.block_hash)
         if pending is not None:
-            return pending.payload if pending.key == key else None
+            return pending.payload if pending.key.header() == key.header() else None
         start = time.perf_counter()
         path = self.path(key.block_hash)
         try:
@@ -277,10 +280,16 @@ class DiskTier:
 
     @staticmethod
     def _touch(path: Path, key: BlockKey) -> None:
-        """Mark a block used now (see SECONDS_PER_POSITION)."""
-        t = time.time() - key.index * SECONDS_PER_POSITION
+        """Mark a block used (see SECONDS_PER_POSITION)."""
+        t = (key.used_at or time.time()) - key.index * SECONDS_PER_POSITION
         with contextlib.suppress(OSError):
             os.utime(path, (t, t))
+
+    def touch(self, block_hashes: list[int]) -> None:
+        """Blocks a request found (in RAM or here), the first of a chain first: used now."""
+        now = time.time()
+        for i, block_hash in enumerate(block_hashes):
+            self._touch(self.path(block_hash), BlockKey(block_hash, None, (), None, i, now))
 
     # --- the size bound -------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -48,6 +48,10 @@ class LowerTier(Protocol):
         """Fill the pool's blocks ``block_ids`` with the blocks ``keys``; how many, from the first, it did."""
         ...
 
+    def touch(self, block_hashes: list[int]) -> None:
+        """A request was admitted with these blocks as its prefix (its least recently used order)."""
+        ...
+
 
 class KVCacheManager:
     def __init__(
@@ -170,6 +174,8 @@ class KVCacheManager:
         self.prefix_queries += len(request.all_token_ids)
         self.prefix_hits += num_hit_tokens
         self.prefix_tier_hits += min(self._tier_tokens.pop(request.request_id, 0), num_hit_tokens)
+        if self.tier is not None and num_hit_tokens:
+            self.tier.touch(request.block_hashes[: num_hit_tokens // self.block_size])
 
     # --- allocation -----------------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:

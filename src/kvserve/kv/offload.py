@@ -8,6 +8,8 @@ queued. Loading reads and checks each file, then copies the blocks into the pool
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvserve.kv.disk_tier import BlockKey, DiskTier
@@ -23,6 +25,9 @@ class DiskOffload:
     # --- the manager's LowerTier ----------------------------------------------------------------------
     def contains(self, block_hash: int) -> bool:
         return self.tier.contains(block_hash)
+
+    def touch(self, block_hashes: list[int]) -> None:
+        self.tier.touch(block_hashes)
 
     def load(self, block_ids: list[int], keys: list[BlockKey]) -> int:
         size = self.storage.bytes_per_block
@@ -44,14 +49,17 @@ class DiskOffload:
         under another block is not written twice)."""
         bs = self.storage.block_size
         blocks, keys = [], []
+        wall_minus_perf = time.time() - time.perf_counter()
         for request, start, end in computed:
             table = kv.req_blocks.get(request.request_id, [])
             hashes = request.block_hashes
             salt = salt_digest(request.cache_salt)
+            arrival = request.metrics.arrival_time + wall_minus_perf  # every block of a request: one time
             for i in range(start // bs, min(end // bs, len(hashes), len(table))):
                 if table[i].block_hash == hashes[i]:
                     blocks.append(table[i])
-                    keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, table[i].token_ids, salt, i))
+                    keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, table[i].token_ids, salt, i,
+                                         arrival))
         self._save(blocks, keys)
 
     def save_prefix(self, kv, token_ids: list[int]) -> None:
