@@ -7,13 +7,18 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (``rope_type == "llama3"``) or linear scaling."""
+    """RoPE frequency scaling: Llama 3's, linear, YaRN's, or Phi-3's LongRoPE (models.rope)."""
 
-    rope_type: str = "none"  # "none" | "linear" | "llama3"
+    rope_type: str = "none"  # "none" | "linear" | "llama3" | "yarn" | "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float | None = None  # yarn / longrope: cos and sin scaled (None: from factor)
+    beta_fast: float = 32.0  # yarn: the rotations below which frequencies are interpolated
+    beta_slow: float = 1.0
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the original context
+    long_factor: tuple[float, ...] = ()  # longrope: beyond it
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,17 @@ class ModelConfig:
     attn_scale: float | None = None  # default 1/sqrt(head_dim)
     tie_word_embeddings: bool = True
     name: str = ""
+    # the architectures beyond the Llama family (models.arch describes which sets what)
+    qk_norm_per_head: bool = True  # olmoe: q and k normalized over the whole projection instead
+    rotary_dim: int | None = None  # phi3 / partial rotary: dims of each head rotated (None: all)
+    attn_logit_softcap: float | None = None  # gemma2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # gemma2: the same on the output logits
+    residual_scale: float = 1.0  # granite: each block's output scaled before the residual add
+    logits_divisor: float = 1.0  # granite: logits divided by this
+    num_experts: int = 0  # mixture of experts (qwen3moe, olmoe): 0 = a dense MLP
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalized to sum to 1
 
     @property
     def kv_size_per_token(self) -> int:
@@ -82,6 +98,27 @@ class SchedulerConfig:
     max_waiting: int = 256
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: ``method`` "ngram" proposes the tokens that followed the last
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens where they occurred before (prompt lookup);
+    up to ``num_speculative_tokens`` of them are verified in one step. None: off."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram'")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= --prompt-lookup-min <= --prompt-lookup-max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+
 WEIGHT_CHOICES = ("auto", "q4", "q4-fast", "int8", "bf16", "f32")  # see models.linear
 
 
@@ -90,6 +127,7 @@ class EngineConfig:
     model: str
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "auto"
     dtype: str = "float32"
     weights: str = "auto"  # weight format of the projections: auto | f32 | bf16 | int8 | q4 | q4-fast (models.linear)

@@ -20,6 +20,7 @@ from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.speculative import NgramProposer
 from kvserve.errors import PromptTooLongError
 from kvserve.kv.auto_type import context_advice
 from kvserve.kv.disk_tier import DiskTier
@@ -86,7 +87,11 @@ class LLMEngine:
             hash_key = cache_key(self.disk.secret, self.cache_identity)
         self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  hash_key, self.offload)
-        self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len)
+        proposer = NgramProposer(config.speculative) if config.speculative.method == "ngram" else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len, proposer)
+        self.num_draft_tokens = 0  # speculative tokens proposed, verified and kept (all requests)
+        self.num_accepted_tokens = 0
+        self.num_verify_steps = 0  # request-steps that verified drafts
         self.runner = ModelRunner(loaded.model, self.storage, self.kv)
         decode = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else str
         self.sampler = Sampler(decode)
@@ -196,29 +201,57 @@ class LLMEngine:
         self.scheduler.step_succeeded(out)
         self.scheduler.update_after_step(out)
         if self.offload is not None:
-            self.offload.save_computed(self.kv, [(s.request, s.request.num_computed_tokens - s.num_new_tokens,
-                                                  s.request.num_computed_tokens) for s in out.scheduled])
-        sampled = self.sampler.sample(logits, ready) if ready else []
+            self.offload.save_computed(self.kv, [s.request for s in out.scheduled])
+        drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}
+        first_rows, row = [], 0  # each ready request's first logits row (a request with drafts has more)
+        for r in ready:
+            first_rows.append(row)
+            row += 1 + len(drafts.get(r.request_id, ()))
+        firsts = logits if row == len(ready) else logits.index_select(0, torch.tensor(first_rows, device=logits.device))
+        sampled = self.sampler.sample(firsts, ready) if ready else []
         now = time.perf_counter()
         results = []
-        for request, (token, logprob) in zip(ready, sampled):
-            if isinstance(token, Exception):  # this request's sampling failed; the others go on
-                request.error = f"sampling failed: {token}"
+        for request, first, (token, logprob) in zip(ready, first_rows, sampled):
+            if not isinstance(token, Exception):
+                self._take_token(request, token, logprob, now)
+                if request.request_id in drafts:
+                    self._verify(request, drafts[request.request_id], logits, first, token, now)
+            if isinstance(token, Exception) or request.error is not None:  # this request fails; the others go on
+                request.error = request.error or f"sampling failed: {token}"
                 request.status = RequestStatus.FINISHED_ERROR
-                request.metrics.finished_time = now
-                results.append(self.outputs.process(request))
-                self.scheduler.finish(request, request.status)
-                continue
-            self._record_token(request, token, logprob, now)
-            request.check_stop_token()
-            if request.constraint is not None and request.constraint.complete and not request.is_finished:
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
             output = self.outputs.process(request)
             if request.is_finished:
                 request.metrics.finished_time = now
                 self.scheduler.finish(request, request.status)
             results.append(output)
         return results
+
+    def _take_token(self, request: Request, token: int, logprob, now: float) -> None:
+        self._record_token(request, token, logprob, now)
+        request.check_stop_token()
+        if request.constraint is not None and request.constraint.complete and not request.is_finished:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
+
+    def _verify(self, request: Request, draft: list[int], logits: torch.Tensor, first: int, token: int,
+                now: float) -> None:
+        """Keep the drafts that equal the tokens drawn at their positions, one position at a time (each
+        draw sees the tokens before it, as decoding one token at a time does); the first token that
+        differs, or the one after the last draft, is the step's last. Drafts past it are dropped: their
+        K/V lies beyond the computed tokens and is written over."""
+        accepted = 0
+        while accepted < len(draft) and token == draft[accepted] and not request.is_finished:
+            accepted += 1
+            ((token, logprob),) = self.sampler.sample(logits[first + accepted : first + accepted + 1], [request])
+            if isinstance(token, Exception):
+                request.error = f"sampling failed: {token}"
+                break
+            self._take_token(request, token, logprob, now)
+        request.num_computed_tokens += accepted
+        request.metrics.num_draft_tokens += len(draft)
+        request.metrics.num_accepted_tokens += accepted
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_tokens += accepted
+        self.num_verify_steps += 1
 
     def _step_failed(self, out, error: Exception) -> list[RequestOutput]:
         """The forward raised: the step is undone and its requests run again, each alone when there

@@ -26,6 +26,8 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative tokens verified for this request
+    num_accepted_tokens: int = 0  # of which kept
     itls: list[float] = field(default_factory=list)
     constrained: bool = False  # the output follows a grammar
     mask_times: list[float] = field(default_factory=list)  # seconds per grammar token mask

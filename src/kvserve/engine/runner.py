@@ -25,7 +25,8 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run one forward over every scheduled token. Returns the requests whose known tokens are now
-        all computed, with their last-position logits ([len(ready), vocab] float32)."""
+        all computed, with their last-position logits ([len(ready), vocab] float32); a request with
+        speculative drafts has one row more per draft, right after its own."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -41,9 +42,18 @@ class ModelRunner:
             table = self.kv.block_ids(r.request_id)
             end = start + n
             num_blocks = -(-end // bs)
-            input_ids.extend(r.all_token_ids[start:end])
+            input_ids.extend(r.all_token_ids[start:end] + s.draft_token_ids if s.draft_token_ids
+                             else r.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.draft_token_ids:  # each a decode row of its own: the bits decoding one at a time gives
+                for p in range(start, end):
+                    decode_rows.append(len(input_ids) - end + p)
+                    decode_tables.append(table[: p // bs + 1])
+                    decode_lens.append(p + 1)
+                    logit_rows.append(len(input_ids) - end + p)
+                ready.append(r)
+                continue
             # generated tokens are attended together in one padded call (the decode kernel); a prompt
             # chunk of one token goes with the prompts, so that it gets the bits a whole prefill gives
             if n == 1 and end > r.num_prompt_tokens:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
+from kvserve.engine.speculative import NgramProposer
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.errors import KVServeError, PromptTooLongError
 from kvserve.kv.manager import KVCacheManager
@@ -29,7 +30,8 @@ class QueueFullError(KVServeError):
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens after the request's own
 
 
 @dataclass(slots=True)
@@ -47,8 +49,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, proposer: NgramProposer | None = None
+    ) -> None:
         self.config = config
+        self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -116,6 +121,8 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self.suspects.discard(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -132,7 +139,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_new, out):
+            drafts = self._drafts(request, num_new, budget)
+            if drafts and self.kv.allocate_slots(request, num_new + len(drafts)):
+                out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
+                i += 1
+            elif self._allocate_or_preempt(request, num_new, out):
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
                 i += 1
@@ -157,6 +169,15 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Speculative tokens for a decoding request: room for them in the step's budget and in the
+        request's length limit (a step emits up to one token more than it verifies)."""
+        if (self.proposer is None or num_new != 1 or request.num_computed_tokens < request.num_prompt_tokens
+                or request.params.stop):  # stop strings end a request mid-token-list: decode one at a time
+            return []
+        limit = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
+        return self.proposer.propose(request.request_id, request.all_token_ids, limit)
 
     def _schedule_suspect(self) -> SchedulerOutput:
         """One suspect alone (they all wait, see ``roll_back``), as much of it as the budget takes."""
@@ -226,7 +247,8 @@ class Scheduler:
         step: each of them gets one sampled token."""
         ready = []
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+            # drafts count once verified (the engine adds those it keeps)
+            s.request.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids)
             if s.request.num_computed_tokens == s.request.num_tokens:
                 ready.append(s.request)
         return ready

@@ -71,6 +71,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered
         # per request, the cached block each registered position continues from (see cache_block)
         self.chains: dict[str, list[BlockRef]] = {}
+        self.num_saved_blocks: dict[str, int] = {}  # how many of a request's blocks the lower tier was given
         self.prefix_queries = 0  # tokens looked up by admitted requests
         self.prefix_hits = 0  # of which found in the cache
         self.prefix_tier_hits = 0  # of which loaded from the lower tier
@@ -201,6 +202,7 @@ class KVCacheManager:
         if computed_blocks:  # prefix hits are taken only when the table is still empty
             assert not blocks
             self.num_cached_blocks[request.request_id] = len(computed_blocks)
+            self.num_saved_blocks[request.request_id] = len(computed_blocks)  # cached: saved when computed
             self.chains[request.request_id] = [b.ref for b in computed_blocks]
         blocks.extend(computed_blocks)
         if num_new_blocks > 0:
@@ -217,13 +219,23 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, tokens[:num_tokens], self.block_size, request.cache_salt, self.hash_key)
         blocks = self.req_blocks[request.request_id]
         start = self.num_cached_blocks[request.request_id]
-        num_full = num_tokens // self.block_size
+        num_full = min(num_tokens, len(tokens)) // self.block_size  # speculative drafts are no tokens yet
         chain = self.chains.setdefault(request.request_id, [])
         for i in range(start, num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             parent = chain[i - 1] if i else None
             chain.append(self.pool.cache_block(blocks[i], request.block_hashes[i], chunk, parent, request.cache_salt))
         self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def unsaved_blocks(self, request: CacheableRequest) -> list[tuple[int, KVBlock]]:
+        """(position, block) of the request's cached blocks whose tokens are all computed and that the
+        lower tier was not given yet; they count as given from now on."""
+        rid = request.request_id
+        first = self.num_saved_blocks.get(rid, 0)
+        last = min(self.num_cached_blocks.get(rid, 0), request.num_computed_tokens // self.block_size)
+        blocks = self.req_blocks.get(rid, [])
+        self.num_saved_blocks[rid] = max(first, last)
+        return [(i, blocks[i]) for i in range(first, last) if blocks[i].block_hash == request.block_hashes[i]]
 
     def forget_uncomputed(self, request: CacheableRequest) -> None:
         """Take the request's blocks from its first not-yet-computed token on out of the prefix cache
@@ -239,6 +251,7 @@ class KVCacheManager:
         """Release every block of the request, tail first (so tail blocks are evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_saved_blocks.pop(request.request_id, None)
         self._tier_tokens.pop(request.request_id, None)
         self.chains.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))

@@ -43,23 +43,18 @@ class DiskOffload:
         return len(payloads)
 
     # --- write-through --------------------------------------------------------------------------------
-    def save_computed(self, kv, computed: list[tuple[object, int, int]]) -> None:
-        """Queue the blocks that became full in tokens [start, end) of each (request, start, end) —
-        those the pool caches under the request's hash (a block whose content was cached already
-        under another block is not written twice)."""
-        bs = self.storage.block_size
-        blocks, keys = [], []
+    def save_computed(self, kv, requests: list) -> None:
+        """Queue the requests' blocks that are full, computed and cached since the last call (a block
+        whose content the pool cached under another block is not written twice)."""
         wall_minus_perf = time.time() - time.perf_counter()
-        for request, start, end in computed:
-            table = kv.req_blocks.get(request.request_id, [])
+        blocks, keys = [], []
+        for request in requests:
             hashes = request.block_hashes
             salt = salt_digest(request.cache_salt)
             arrival = request.metrics.arrival_time + wall_minus_perf  # every block of a request: one time
-            for i in range(start // bs, min(end // bs, len(hashes), len(table))):
-                if table[i].block_hash == hashes[i]:
-                    blocks.append(table[i])
-                    keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, table[i].token_ids, salt, i,
-                                         arrival))
+            for i, block in kv.unsaved_blocks(request):
+                blocks.append(block)
+                keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, block.token_ids, salt, i, arrival))
         self._save(blocks, keys)
 
     def save_prefix(self, kv, token_ids: list[int]) -> None:
