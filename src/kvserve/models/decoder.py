@@ -1,7 +1,11 @@
-"""A decoder-only transformer forward for the Llama family, switched by ``ModelConfig`` fields.
+"""One decoder-only transformer forward for every architecture, switched by ``ModelConfig`` fields
+(``models.arch`` says which architecture sets which).
 
-llama / SmolLM2 / Mistral: RMSNorm, RoPE, GQA attention, SwiGLU. qwen2 adds a bias on q, k, v.
-gemma3 switches on q/k norms, post-norms, GELU, embedding scaling and sliding-window layers.
+llama / SmolLM2 / Mistral: RMSNorm, RoPE, GQA attention, SwiGLU. The others switch on: q/k/v bias
+(qwen2), q/k norms per head (qwen3, gemma3) or over the projection (olmoe), post-norms, GELU,
+embedding scaling and sliding-window layers (gemma), partial rotary (phi3), residual and logit
+multipliers (granite), soft-capped attention scores and logits (gemma2), and a mixture-of-experts
+MLP (qwen3moe, olmoe). Fused files (phi3's qkv and gate_up) load as the fused projections they are.
 
 The forward takes a flat batch of tokens from any number of sequences, their explicit positions,
 and an ``AttentionBackend`` that owns the KV cache: it stores this step's k/v and attends over
@@ -18,8 +22,10 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.models.activations import gated
 from kvserve.models.linear import Int8GroupLinear, Linear, int8_groups16, make_linear, pack_into_arena
+from kvserve.models.moe import MoE
 from kvserve.models.norms import add_rms_norm, rms_norm
-from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotate_heads
+from kvserve.models.rope import RotaryEmbedding, attention_factor, inverse_frequencies, rotate_heads
+from kvserve.models.softcap_attention import SoftcapAttention
 
 
 class AttentionBackend(Protocol):
@@ -41,12 +47,18 @@ class LayerWeights:
     qkv: Linear  # hidden -> q_dim + 2 * kv_dim: q, k, v stacked (with qwen2's bias)
     o: Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear  # hidden -> 2 * intermediate: gate then up
-    down: Linear
+    gate_up: Linear | None  # hidden -> 2 * intermediate: gate then up (None: the layer's MLP is ``moe``)
+    down: Linear | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
     post_ffn_norm: torch.Tensor | None = None
+    moe: MoE | None = None
+
+    @property
+    def linears(self) -> list[Linear]:
+        experts = [] if self.moe is None else self.moe.gate_up + self.moe.down
+        return [lin for lin in (self.qkv, self.o, self.gate_up, self.down) if lin is not None] + experts
 
 
 class DecoderLM:
@@ -65,6 +77,8 @@ class DecoderLM:
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return make_linear(weight, bias, weight_format, device, dtype)
+
+        self._linear, self._weights = linear, weights
 
         def projection(names: list[str], bias: torch.Tensor | None = None) -> Linear:
             """The tensors ``names`` stacked as one projection; where the file states the grid of one of them
@@ -96,36 +110,60 @@ class DecoderLM:
             # the head's int8 groups are the embedding, exactly (a Q8_0 tensor): rows come from them, and
             # the f32 copy goes (SmolLM2 113 MB, Gemma 3 270M 671 MB)
             self.embed = None
-        self.layers: list[LayerWeights] = []
-        for i in range(config.num_layers):
-            p = f"blk.{i}."
-            bias = None
-            if p + "attn_q.bias" in weights:
-                bias = torch.cat([w(p + "attn_q.bias"), w(p + "attn_k.bias"), w(p + "attn_v.bias")])
-            self.layers.append(
-                LayerWeights(
-                    attn_norm=w(p + "attn_norm.weight"),
-                    qkv=projection([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], bias),
-                    o=projection([p + "attn_output.weight"]),
-                    ffn_norm=w(p + "ffn_norm.weight"),
-                    gate_up=projection([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-                    down=projection([p + "ffn_down.weight"]),
-                    q_norm=opt(p + "attn_q_norm.weight"),
-                    k_norm=opt(p + "attn_k_norm.weight"),
-                    post_attn_norm=opt(p + "post_attention_norm.weight"),
-                    post_ffn_norm=opt(p + "post_ffw_norm.weight"),
-                )
-            )
-        pack_into_arena([self.lm_head] + [lin for layer in self.layers
-                                          for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)])
+        self.layers = [self._layer(f"blk.{i}.", w, opt, projection) for i in range(config.num_layers)]
+        pack_into_arena([self.lm_head] + [lin for layer in self.layers for lin in layer.linears])
         freq_factors = weights.get("rope_freqs")
-        self.rope = RotaryEmbedding(inverse_frequencies(config, config.rope_theta, freq_factors), device, dtype)
+        if config.rope_scaling.rope_type == "longrope":  # a GGUF's LongRoPE factors (within the original context)
+            freq_factors = weights.get("rope_factors_short.weight")
+        self.rope = RotaryEmbedding(inverse_frequencies(config, config.rope_theta, freq_factors), device, dtype,
+                                    attention_factor(config))
         self.rope_local = self.rope
         if config.rope_theta_local is not None:
             self.rope_local = RotaryEmbedding(inverse_frequencies(config, config.rope_theta_local), device, dtype)
         self.scale = config.attn_scale or config.head_dim**-0.5
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
+        del self._weights  # the loader's dict: not kept past the load
+
+    def _layer(self, p: str, w, opt, projection) -> LayerWeights:
+        """Layer ``p``'s weights by their GGUF names: q, k, v stacked (or the file's fused attn_qkv), gate
+        and up stacked (or phi3's fused ffn_up), or the experts of a mixture."""
+        bias = None
+        if p + "attn_q.bias" in self._weights:
+            bias = torch.cat([w(p + "attn_q.bias"), w(p + "attn_k.bias"), w(p + "attn_v.bias")])
+        fused_qkv = p + "attn_qkv.weight" in self._weights
+        qkv = [p + "attn_qkv.weight"] if fused_qkv else [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        layer = LayerWeights(
+            attn_norm=w(p + "attn_norm.weight"),
+            qkv=projection(qkv, bias),
+            o=projection([p + "attn_output.weight"]),
+            ffn_norm=w(p + "ffn_norm.weight"),
+            gate_up=None,
+            down=None,
+            q_norm=opt(p + "attn_q_norm.weight"),
+            k_norm=opt(p + "attn_k_norm.weight"),
+            post_attn_norm=opt(p + "post_attention_norm.weight"),
+            post_ffn_norm=opt(p + "post_ffw_norm.weight"),
+        )
+        if self.config.num_experts:
+            layer.moe = self._experts(p, w)
+            return layer
+        fused_gate_up = p + "ffn_gate.weight" not in self._weights  # phi3: ffn_up holds gate then up
+        layer.gate_up = projection([p + "ffn_up.weight"] if fused_gate_up else [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        layer.down = projection([p + "ffn_down.weight"])
+        return layer
+
+    def _experts(self, p: str, w) -> MoE:
+        """The router (f32) and each expert's gate_up and down in the model's weight format, from the
+        stacked [experts, out, in] tensors (GGUF's *_exps; the HF loader stacks its per-expert tensors)."""
+        cfg = self.config
+        router = self._weights.pop(p + "ffn_gate_inp.weight").to(self.device, torch.float32)
+        gate, up = w(p + "ffn_gate_exps.weight"), w(p + "ffn_up_exps.weight")
+        gate_up = [self._linear(torch.cat([gate[e], up[e]])) for e in range(cfg.num_experts)]
+        del gate, up
+        down_all = w(p + "ffn_down_exps.weight")
+        down = [self._linear(down_all[e]) for e in range(cfg.num_experts)]
+        return MoE(router, gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
 
     def embed_tokens(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The embedding rows of input_ids [num_tokens] (into out when given): from the f32 table, or from
@@ -151,6 +189,9 @@ class DecoderLM:
         rope_tables = self.rope.tables(positions, max_pos)
         local_tables = self.rope_local.tables(positions, max_pos) if self.rope_local is not self.rope else rope_tables
         eps = cfg.rms_norm_eps
+        if cfg.attn_logit_softcap:
+            attn = SoftcapAttention(attn, cfg.attn_logit_softcap)
+        residual = cfg.residual_scale
         pending = None  # the last block's output, added to the residual stream by the next norm
         for i, layer in enumerate(self.layers):
             sliding = cfg.is_sliding(i)
@@ -161,8 +202,7 @@ class DecoderLM:
             qkv = layer.qkv(h).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
             heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
             if layer.q_norm is not None:
-                q, k, v = qkv.split(heads, dim=1)
-                qkv = torch.cat([rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps), v], 1)
+                qkv = self._qk_norm(layer, qkv, heads)
             cos, sin = local_tables if sliding else rope_tables
             q, k, v = rotate_heads(qkv, heads[0] + heads[1], cos, sin).split(heads, dim=1)  # q and k in one go
             window = cfg.sliding_window if sliding else None
@@ -170,15 +210,40 @@ class DecoderLM:
             h = layer.o(o.reshape(n, self.q_dim))
             if layer.post_attn_norm is not None:
                 h = rms_norm(h, layer.post_attn_norm, eps)
+            if residual != 1.0:
+                h = h * residual
             x, h = add_rms_norm(x, h, layer.ffn_norm, eps)
-            pending = layer.down(gated(layer.gate_up(h), cfg.hidden_act))
+            if layer.moe is not None:
+                pending = layer.moe(h)
+            else:
+                pending = layer.down(gated(layer.gate_up(h), cfg.hidden_act))
             if layer.post_ffn_norm is not None:
                 pending = rms_norm(pending, layer.post_ffn_norm, eps)
+            if residual != 1.0:
+                pending = pending * residual
         if pending is None:
             return rms_norm(x, self.final_norm, eps)
         return add_rms_norm(x, pending, self.final_norm, eps)[1]
 
+    def _qk_norm(self, layer: LayerWeights, qkv: torch.Tensor, heads: list[int]) -> torch.Tensor:
+        """RMSNorm of q and k per head (head_dim weights), or over all heads at once (olmoe)."""
+        eps, n = self.config.rms_norm_eps, qkv.shape[0]
+        q, k, v = qkv.split(heads, dim=1)
+        if self.config.qk_norm_per_head:
+            q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+        else:
+            q = rms_norm(q.reshape(n, -1), layer.q_norm, eps).view(q.shape)
+            k = rms_norm(k.reshape(n, -1), layer.k_norm, eps).view(k.shape)
+        return torch.cat([q, k, v], 1)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_seqs, hidden] -> float32 logits [num_seqs, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden: [num_seqs, hidden] -> float32 logits [num_seqs, vocab] (granite's divided, gemma2's
+        soft-capped)."""
+        logits = self.lm_head(hidden).float()
+        cfg = self.config
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_logit_softcap:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits

@@ -6,8 +6,7 @@ from typing import Any
 
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelLoadError
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+from kvserve.models.arch import ARCHS, SUPPORTED_ARCHITECTURES, sliding_layers, switches
 
 
 def read_model_config(h, require_supported: bool = True) -> ModelConfig:
@@ -19,6 +18,7 @@ def read_model_config(h, require_supported: bool = True) -> ModelConfig:
         raise ModelLoadError(
             f"{h.path}: architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    spec = ARCHS.get(arch, ARCHS["llama"])
 
     def key(name: str, default: Any = None) -> Any:
         return h.get(f"{arch}.{name}", default)
@@ -33,41 +33,63 @@ def read_model_config(h, require_supported: bool = True) -> ModelConfig:
     if not vocab and "token_embd.weight" in h.tensors:
         vocab = int(h.tensors["token_embd.weight"].dims[1])
     num_layers = int(h.require(f"{arch}.block_count"))
-    # Llama 3.x files carry their frequency scaling as rope_freqs.weight (read with the weights)
-    scaling = RopeScaling()
-    if key("rope.scaling.type") == "linear" and key("rope.scaling.factor"):
-        scaling = RopeScaling(rope_type="linear", factor=float(key("rope.scaling.factor")))
+    window = key("attention.sliding_window")
+    rotary_dim = key("rope.dimension_count")
     fields: dict[str, Any] = dict(
-        architecture=arch,
+        switches(spec, hidden),
         num_layers=num_layers,
         hidden_size=hidden,
-        intermediate_size=int(h.require(f"{arch}.feed_forward_length")),
+        intermediate_size=int(key("feed_forward_length", 0) if spec.moe else h.require(f"{arch}.feed_forward_length")),
         num_heads=num_heads,
         num_kv_heads=int(num_kv_heads),
         head_dim=head_dim,
         vocab_size=int(vocab),
         max_position_embeddings=int(key("context_length", 2048)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", spec.rms_norm_eps)),
+        rope_theta=float(key("rope.freq_base", spec.rope_theta)),
+        rope_scaling=_rope_scaling(key),
+        rotary_dim=int(rotary_dim) if rotary_dim and int(rotary_dim) < head_dim else None,
+        sliding_window=int(window) if window and spec.sliding else None,
+        sliding_window_layers=sliding_layers(spec, num_layers, window),
         tie_word_embeddings="output.weight" not in h.tensors,
         name=str(h.get("general.name", "") or ""),
     )
-    if arch == "qwen2":
-        fields["attention_bias"] = True
-        fields["rope_theta"] = float(key("rope.freq_base", 1000000.0))
+    if spec.moe:
+        fields.update(num_experts=int(h.require(f"{arch}.expert_count")),
+                      num_experts_per_tok=int(h.require(f"{arch}.expert_used_count")),
+                      moe_intermediate_size=int(key("expert_feed_forward_length", 0) or fields["intermediate_size"]),
+                      # llama.cpp renormalizes qwen3moe's chosen weights always, olmoe's never
+                      norm_topk_prob=bool(key("expert_weights_norm", arch == "qwen3moe")))
+    if arch == "granite":  # llama.cpp spells its multipliers so; logit_scale divides
+        fields.update(embedding_scale=float(key("embedding_scale", 1.0)),
+                      residual_scale=float(key("residual_scale", 1.0)),
+                      logits_divisor=float(key("logit_scale", 1.0)))
+    if key("attention.scale") is not None:
+        fields["attn_scale"] = float(key("attention.scale"))
+    if arch == "gemma2":
+        # query_pre_attn_scalar is not in the file: head_dim, but hidden / heads for the 27B (as llama.cpp)
+        fields.setdefault("attn_scale", (hidden / num_heads if num_layers == 46 else head_dim) ** -0.5)
+        fields.update(attn_logit_softcap=key("attn_logit_softcapping"), final_logit_softcap=key("final_logit_softcapping"))
     if arch == "gemma3":
-        pattern = 6  # five local layers, then one global
-        fields.update(
-            qk_norm=True,
-            post_norms=True,
-            hidden_act="gelu_tanh",
-            embedding_scale=float(hidden) ** 0.5,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            sliding_window=int(key("attention.sliding_window", 512)),
-            sliding_window_layers=tuple((i + 1) % pattern != 0 for i in range(num_layers)),
-            rope_theta=float(key("rope.freq_base", 1000000.0)),
-            rope_theta_local=10000.0,
-            attn_scale=float(head_dim) ** -0.5,
-        )
+        fields.update(rope_theta_local=10000.0, attn_scale=float(head_dim) ** -0.5)
+        if not window:
+            fields.update(sliding_window=512, sliding_window_layers=sliding_layers(spec, num_layers, 512))
     return ModelConfig(**fields)
+
+
+def _rope_scaling(key) -> RopeScaling:
+    """The scaling GGUF files state in keys (Llama 3's comes as rope_freqs.weight, Phi-3's LongRoPE as
+    rope_factors_*.weight: read with the weights)."""
+    kind, factor = key("rope.scaling.type"), key("rope.scaling.factor")
+    if kind == "linear" and factor:
+        return RopeScaling(rope_type="linear", factor=float(factor))
+    if kind == "yarn" and factor:
+        return RopeScaling(rope_type="yarn", factor=float(factor),
+                           original_max_position_embeddings=int(key("rope.scaling.original_context_length", 4096)),
+                           beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+                           beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0) or 1.0))
+    attn_factor = key("rope.scaling.attn_factor")
+    if attn_factor is not None:  # phi3: LongRoPE's cos/sin scale, the factors in tensors
+        return RopeScaling(rope_type="longrope", attention_factor=float(attn_factor),
+                           original_max_position_embeddings=int(key("rope.scaling.original_context_length", 4096)))
+    return RopeScaling()

@@ -15,6 +15,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
+from kvserve.models.arch import ARCHS
 from kvserve.models.gguf_config import read_model_config  # noqa: F401  (re-exported)
 from kvserve.models.gguf_header import read_gguf_header
 
@@ -170,8 +171,8 @@ class GGUFWeights:
         return self._fix_rows(name, self.gf.load_tensor(self.names[name]))  # a KeyError for a missing tensor
 
     def _fix_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        """The architecture's fix-ups of a tensor's rows (llama's q/k RoPE permutation)."""
-        if self.config.architecture == "llama":
+        """The architecture's fix-ups of a tensor's rows (the q/k RoPE permutation of llama and granite)."""
+        if ARCHS[self.config.architecture].gguf_permuted_qk:
             if name.endswith("attn_q.weight"):
                 w = unpermute_rope_rows(w, self.config.num_heads)
             elif name.endswith("attn_k.weight"):

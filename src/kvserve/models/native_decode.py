@@ -40,8 +40,10 @@ def supports(model: DecoderLM) -> bool:
     four_bit = all(
         isinstance(lin, Int4Linear) and lin.kernel is not None
         for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    plain_config = (cfg.hidden_act == "silu" and cfg.embedding_scale == 1.0 and cfg.residual_scale == 1.0
+                    and cfg.rotary_dim is None and not cfg.attn_logit_softcap and not cfg.num_experts)
     return (model.device.type == "cpu" and model.dtype == torch.float32 and plain_layers and four_bit
-            and cfg.hidden_act == "silu" and cfg.embedding_scale == 1.0 and model.rope_local is model.rope)
+            and plain_config and model.rope_local is model.rope)
 
 
 def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeDecodeStep | None:

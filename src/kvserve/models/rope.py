@@ -1,4 +1,5 @@
-"""Rotary position embeddings (half-split layout), with Llama 3 and linear frequency scaling.
+"""Rotary position embeddings (half-split layout), with Llama 3, linear, YaRN and LongRoPE frequency
+scaling, over all of each head or its first ``rotary_dim`` dims (partial rotary: Phi-3/4).
 
 ``apply_rotary`` returns rotated copies (torch); ``rotate_heads`` rotates the leading heads of a
 fused qkv, in place through ``native/rope.c`` where it runs (the same bits), else through
@@ -19,16 +20,51 @@ from kvserve.config import ModelConfig
 def inverse_frequencies(
     config: ModelConfig, base: float, freq_factors: torch.Tensor | None = None
 ) -> torch.Tensor:
-    dim = config.head_dim
+    dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling
-    if freq_factors is not None:  # llama.cpp files carry Llama 3 scaling as per-frequency divisors
+    if freq_factors is not None:  # llama.cpp files carry Llama 3 and LongRoPE scaling as per-frequency divisors
         inv_freq = inv_freq / freq_factors.to(torch.float64)
     elif scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
+    elif scaling.rope_type == "yarn":
+        inv_freq = _yarn_scale(inv_freq, scaling, base, dim)
+    elif scaling.rope_type == "longrope" and scaling.short_factor:
+        # within the original context, as transformers does for such prompts (and llama.cpp for such a
+        # context size): the long factors apply only past it
+        inv_freq = inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float64)
     return inv_freq
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """YaRN's and LongRoPE's scale of cos and sin (1 for the other variants)."""
+    s = config.rope_scaling
+    if s.rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
+    if s.factor <= 1.0:
+        return 1.0
+    if s.rope_type == "yarn":
+        return 0.1 * math.log(s.factor) + 1.0
+    return math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_position_embeddings))
+
+
+def _yarn_scale(inv_freq: torch.Tensor, s, base: float, dim: int) -> torch.Tensor:
+    """Frequencies that turn fewer than beta_slow times over the original context interpolated (divided
+    by factor), those turning more than beta_fast times kept, a linear ramp between (transformers' formula)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s) -> torch.Tensor:
@@ -45,11 +81,12 @@ def _llama3_scale(inv_freq: torch.Tensor, s) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables grown on demand (sin with the rotation's sign folded into its first half);
-    ``apply_rotary`` rotates q and k at explicit positions."""
+    """cos/sin tables grown on demand (sin with the rotation's sign folded into its first half), as wide
+    as the rotated dims; ``apply_rotary`` rotates q and k at explicit positions."""
 
-    def __init__(self, inv_freq: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, inv_freq: torch.Tensor, device: torch.device, dtype: torch.dtype, scale: float = 1.0) -> None:
         self.inv_freq = inv_freq
+        self.scale = scale  # YaRN / LongRoPE attention factor, folded into the tables
         self.device = device
         self.dtype = dtype
         self.cos = torch.empty(0, device=device)
@@ -60,8 +97,10 @@ class RotaryEmbedding:
         t = torch.arange(length, dtype=torch.float64)
         freqs = torch.outer(t, self.inv_freq)  # [length, head_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(self.device, self.dtype)
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        self.cos = cos.to(self.device, self.dtype)
         sin[:, : sin.shape[1] // 2].neg_()  # sign folded in: apply_rotary needs no negation
         self.sin = sin.to(self.device, self.dtype)
 
@@ -88,6 +127,11 @@ def rotate_heads(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tens
     """x [num_tokens, total_heads, head_dim] with heads [0, heads) rotated (the rest, e.g. the values
     of a fused qkv, as they were) by cos/sin [num_tokens, 1, head_dim] from ``tables``. In place
     through the kernel (f32 on the CPU, contiguous); otherwise a new tensor from ``apply_rotary``."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:  # partial rotary: the rest of each head passes through
+        out = x.clone()
+        out[:, :heads, :rotated] = apply_rotary(x[:, :heads, :rotated], cos, sin)
+        return out
     kernel = _kernel() if x.device.type == "cpu" else None
     if (kernel is None or x.dtype != torch.float32 or not x.is_contiguous()
             or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):

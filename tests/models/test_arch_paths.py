@@ -1,0 +1,141 @@
+"""Which kernels each architecture runs on, and that a feature a kernel lacks falls back to torch
+rather than giving wrong results; mixture-of-experts decode reads only the chosen experts.
+
+The files here store every projection (experts included) as Q4_1, as a 4-bit GGUF does, so
+``--weights q4`` holds them in the native 4-bit format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention import native_paged
+from kvserve.attention.contiguous import ContiguousKVCache
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.models.linear import Int4Linear
+from kvserve.models.loader import load_model
+from tests.models import arch_builders as ab
+from tests.models.test_tiny_random import rel_err
+from tests.support import assert_same_or_near_tie, make_engine, reference_greedy
+
+
+@pytest.fixture(scope="module")
+def q4_files(tmp_path_factory):
+    """name -> a Q4_1 GGUF of that tiny architecture (built once, on demand)."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            hf = ab.build_hf_model(name)
+            cache[name] = ab.write_gguf(tmp_path_factory.mktemp(name) / f"{name}-q4_1.gguf", hf, name, quantized=True)
+        return cache[name]
+
+    return get
+
+
+def _prompt(n: int, seed: int = 3) -> list[int]:
+    return torch.randint(0, ab.VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe"])
+def test_moe_decode_runs_only_the_chosen_experts(q4_files, name):
+    """A decode step of one sequence runs exactly top-k experts a layer, reading only their 4-bit weights;
+    the router stays f32; the 4-bit model's logits are the f32 model's within the kernel's rounding."""
+    lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
+    f32 = load_model(str(q4_files(name)), device="cpu", weight_format="f32")
+    moes = [layer.moe for layer in lm.model.layers]
+    assert all(isinstance(lin, Int4Linear) for m in moes for lin in m.gate_up + m.down)
+    assert all(m.router.dtype == torch.float32 and m.num_experts == ab.EXPERTS for m in moes)
+
+    prompt = _prompt(20)
+    cache = ContiguousKVCache(lm.config.num_layers)
+    hidden = lm.model.forward(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+    token = int(lm.model.compute_logits(hidden[-1:]).argmax())
+    for m in moes:
+        m.expert_calls, m.bytes_read = [0] * m.num_experts, 0
+    h_in = []  # each layer's MoE input, to check which experts the router chose
+    for m in moes:
+        route = m.route
+        m.route = lambda h, route=route: h_in.append(h.clone()) or route(h)
+    lm.model.forward(torch.tensor([token]), torch.tensor([len(prompt)]), cache)
+    for m, h in zip(moes, h_in):
+        chosen = set(m.route(h)[1][0].tolist())
+        assert [i for i, c in enumerate(m.expert_calls) if c] == sorted(chosen)
+        assert sum(m.expert_calls) == ab.TOP_K
+        expert_bytes = m.gate_up[0].nbytes + m.down[0].nbytes
+        assert m.bytes_read == ab.TOP_K * expert_bytes  # of EXPERTS * expert_bytes held
+    del m.route
+
+    # the same input routes alike (the f32 router), and the 4-bit experts give the f32 ones' output
+    # within the kernel's activation rounding (a whole forward is no test of that: a near-tie in some
+    # token's routing, flipped by any rounding, changes that token's MLP outright)
+    h = torch.randn(16, ab.HIDDEN, generator=torch.Generator().manual_seed(0))
+    for m4, m32 in zip(moes, (layer.moe for layer in f32.model.layers)):
+        assert torch.equal(m4.route(h)[1], m32.route(h)[1])
+        assert rel_err(m4(h), m32(h)) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe"])
+def test_moe_paged_engine_decode_step_counts(q4_files, name):
+    """Through the paged engine: a step that decodes two sequences runs at most 2 * top-k experts a layer."""
+    lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
+    engine = make_engine(lm, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for seed in (1, 2):
+        engine.add_request(_prompt(12, seed), params)
+    engine.step()  # both prompts
+    moes = [layer.moe for layer in lm.model.layers]
+    for m in moes:
+        m.expert_calls = [0] * m.num_experts
+    engine.step()  # one decode token each
+    assert all(ab.TOP_K <= sum(m.expert_calls) <= 2 * ab.TOP_K for m in moes)
+    assert all(max(m.expert_calls) == 1 for m in moes)  # each chosen expert runs once over its tokens
+
+
+class _Spy:
+    """Counts the native paged attention kernels' calls."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        for method in ("decode", "prefill"):
+            original = getattr(native_paged.NativePagedAttention, method)
+
+            def counted(this, *args, original=original, **kwargs):
+                self.calls += 1
+                return original(this, *args, **kwargs)
+
+            monkeypatch.setattr(native_paged.NativePagedAttention, method, counted)
+
+
+@pytest.mark.parametrize("name,native_attention", [("gemma2", False), ("qwen3", True)])
+def test_softcapped_attention_falls_back_to_torch(q4_files, monkeypatch, name, native_attention):
+    """The native attention kernels cannot cap scores: gemma2 never calls them (and still gives the
+    reference's tokens over a window-crossing prompt); a model without a cap does call them."""
+    lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
+    spy = _Spy(monkeypatch)
+    engine = make_engine(lm, budget=16)
+    prompt = _prompt(30)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).request_id
+    out = engine.run_to_completion()[rid]
+    if native_paged.for_storage(engine.storage) is not None:
+        assert (spy.calls > 0) == native_attention
+    assert_same_or_near_tie(lm, prompt, reference_greedy(lm, prompt, 10), out.token_ids)
+
+
+@pytest.mark.parametrize("name,one_call", [("mistral", True), ("qwen3", False), ("phi3", False),
+                                           ("granite", False), ("qwen3moe", False)])
+def test_one_call_decode_step_only_where_its_kernels_cover_the_arch(q4_files, name, one_call):
+    """The one-call native decode step (models/native_decode.py) runs Mistral (a plain Llama with a
+    window); q/k norms, partial rotary, Granite's multipliers and experts go through ``forward``. Either
+    way the engine's tokens are the reference path's."""
+    lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
+    engine = make_engine(lm, budget=16)
+    step = engine.runner.native_decode
+    prompt = _prompt(30)  # longer than mistral's window of 8
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).request_id
+    out = engine.run_to_completion()[rid]
+    if one_call and native_paged.for_storage(engine.storage) is not None:
+        assert step is not None and step.calls > 0
+    if not one_call:
+        assert step is None
+    assert_same_or_near_tie(lm, prompt, reference_greedy(lm, prompt, 10), out.token_ids)
