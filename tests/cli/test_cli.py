@@ -113,3 +113,16 @@ def test_cache_save_info_and_run_with_the_prompt_cache(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr and "another engine setup" in r.stderr
     r = kvserve("cache", "info", str(tmp_path / "prompt.txt"))
     assert r.returncode == 1 and "not a usable prompt cache" in r.stderr
+
+
+def test_run_with_speculative_decoding_gives_the_same_text():
+    prompt = "One block, two blocks, three blocks, four blocks. " * 6 + "One block,"
+    common = ["run", "smollm2", prompt, "--raw", "--json", "-n", "24", "--temperature", "0", "-c", "512"]
+    plain = kvserve(*common)
+    fast = kvserve(*common, "--speculative", "ngram", "--num-speculative-tokens", "6")
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+    a, b = json.loads(plain.stdout), json.loads(fast.stdout)
+    assert a["text"] == b["text"] and a["draft_tokens"] == 0
+    assert b["accepted_draft_tokens"] > 0 and b["draft_tokens"] >= b["accepted_draft_tokens"]
+    bad = kvserve("run", "smollm2", "Hi", "--speculative", "ngram", "--num-speculative-tokens", "0")
+    assert bad.returncode == 1 and "--num-speculative-tokens must be >= 1" in bad.stderr

@@ -52,6 +52,9 @@ class StubAsyncEngine:
             kv=KVCacheManager(8, 4),
             scheduler=SimpleNamespace(running=[], waiting=[]),
             num_preemptions=0,
+            num_draft_tokens=0,
+            num_accepted_tokens=0,
+            num_verify_steps=0,
             disk=None,  # no disk tier
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvserve.config import WEIGHT_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import WEIGHT_CHOICES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.kv.kv_types import KV_TYPES
 from kvserve.models.registry import DEFAULT_MODEL
 
@@ -52,6 +52,13 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
                         "activations: KLD 1e-6 vs f32 on SmolLM2), q4-fast (int8 activations as llama.cpp's: "
                         "faster batches and prefill, KLD 0.002), int8, bf16, f32 (the exact reference); "
                         "auto = q4 for a GGUF on CPU, else f32")
+    g.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding: 'ngram' proposes the tokens that followed the context's last "
+                        "tokens where they occurred before (prompt lookup); the same output, faster on text "
+                        "that repeats its input")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts verified per step at most (4)")
+    g.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched (2)")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (4)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
 
@@ -91,6 +98,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting),
+        speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.prompt_lookup_min,
+                                      args.prompt_lookup_max),
         device=args.device,
         weights=args.weights,
         num_threads=args.threads,

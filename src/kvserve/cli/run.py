@@ -117,6 +117,8 @@ def result_record(engine, out: RequestOutput) -> dict:
         "cache_type_k": engine.config.cache.cache_type_k,
         "cache_type_v": engine.config.cache.cache_type_v_resolved,
         "kv_pool_bytes": engine.kv_pool_bytes,
+        "draft_tokens": m.num_draft_tokens,
+        "accepted_draft_tokens": m.num_accepted_tokens,
         "weights": engine.loaded.model.weight_format,
         "kernels": native.kernel_path() if engine.loaded.model.device.type == "cpu" else "torch",
     }

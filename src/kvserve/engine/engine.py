@@ -247,6 +247,7 @@ class LLMEngine:
                 break
             self._take_token(request, token, logprob, now)
         request.num_computed_tokens += accepted
+        self.scheduler.proposer.record(request.request_id, len(draft), accepted)
         request.metrics.num_draft_tokens += len(draft)
         request.metrics.num_accepted_tokens += accepted
         self.num_draft_tokens += len(draft)

@@ -47,6 +47,9 @@ class EngineSnapshot:
     prefix_cache_disk_hits: int  # of which loaded from the disk tier
     num_preemptions: int
     engine_alive: bool
+    spec_draft_tokens: int = 0  # speculative tokens verified
+    spec_accepted_tokens: int = 0  # of which kept
+    spec_verify_steps: int = 0  # request-steps that verified drafts: tokens per step = (accepted + steps) / steps
     requests: dict[str, list[int]] = field(default_factory=dict)  # request id -> block table
     held_blocks: list[int] = field(default_factory=list)  # block ids with a reference, sorted
     disk_cache: DiskCacheSnapshot | None = None  # None: no disk tier
@@ -77,6 +80,9 @@ class EngineView:
                 prefix_cache_disk_hits=kv.prefix_tier_hits,
                 num_preemptions=engine.num_preemptions,
                 engine_alive=self.async_engine.dead_error is None,
+                spec_draft_tokens=engine.num_draft_tokens,
+                spec_accepted_tokens=engine.num_accepted_tokens,
+                spec_verify_steps=engine.num_verify_steps,
             )
             if engine.disk is not None:
                 snap.disk_cache = DiskCacheSnapshot(str(engine.disk.root), engine.disk.max_bytes,

@@ -55,6 +55,10 @@ class EngineCollector(Collector):
             ("kvserve_num_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions),
             ("kvserve_prefix_cache_disk_hits", "Prompt tokens found in the prefix cache's disk tier",
              s.prefix_cache_disk_hits),
+            ("kvserve_spec_decode_num_draft_tokens", "Speculative tokens verified", s.spec_draft_tokens),
+            ("kvserve_spec_decode_num_accepted_tokens", "Speculative tokens kept", s.spec_accepted_tokens),
+            ("kvserve_spec_decode_num_verify_steps", "Request-steps that verified speculative tokens",
+             s.spec_verify_steps),
         ]
         if disk is not None:
             counters += [
