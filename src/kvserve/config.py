@@ -91,11 +91,24 @@ class CacheConfig:
         return self.cache_type_v or self.cache_type_k
 
 
+CONTEXT_OVERFLOW = ("error", "shift")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_waiting: int = 256
+    # a request that outgrows the context: "error" ends it (length) and refuses too long a prompt;
+    # "shift" keeps its first num_keep tokens, drops the older half of the rest and goes on
+    context_overflow: str = "error"
+    num_keep: int = 4  # Ollama's default
+
+    def __post_init__(self) -> None:
+        if self.context_overflow not in CONTEXT_OVERFLOW:
+            raise ValueError(f"--context-overflow must be one of {', '.join(CONTEXT_OVERFLOW)}, got {self.context_overflow!r}")
+        if self.num_keep < 0:
+            raise ValueError(f"num_keep must be >= 0, got {self.num_keep}")
 
 
 @dataclass(frozen=True, slots=True)

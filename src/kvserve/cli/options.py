@@ -52,6 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
                         "activations: KLD 1e-6 vs f32 on SmolLM2), q4-fast (int8 activations as llama.cpp's: "
                         "faster batches and prefill, KLD 0.002), int8, bf16, f32 (the exact reference); "
                         "auto = q4 for a GGUF on CPU, else f32")
+    g.add_argument("--context-overflow", default=None, choices=["error", "shift"],
+                   help="a conversation that outgrows --num-ctx: 'shift' keeps the first --num-keep tokens and "
+                        "drops the older half of the rest (kvserve run's chat), 'error' ends it (the default elsewhere)")
+    g.add_argument("--num-keep", type=int, default=4, help="tokens a context shift keeps at the start (4)")
     g.add_argument("--speculative", default=None, choices=["ngram"],
                    help="speculative decoding: 'ngram' proposes the tokens that followed the context's last "
                         "tokens where they occurred before (prompt lookup); the same output, faster on text "
@@ -97,7 +101,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             disk_cache_size=args.kv_disk_cache_size,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting=args.max_waiting),
+                                  max_waiting=args.max_waiting, context_overflow=args.context_overflow or "error",
+                                  num_keep=args.num_keep),
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.prompt_lookup_min,
                                       args.prompt_lookup_max),
         device=args.device,

@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise ValueError("no prompt: give one as an argument or on stdin")
+    if prompt is None and args.context_overflow is None:
+        args.context_overflow = "shift"  # a chat goes on past the context, as Ollama's does
     engine = load_engine(args)
     if prompt is None:
         return interactive_chat(engine, params, args.system)

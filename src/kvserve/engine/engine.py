@@ -132,13 +132,19 @@ class LLMEngine:
     ) -> Request:
         """Tokenize and validate a request without touching engine state (safe from any thread).
         Raises ValueError or PromptTooLongError."""
+        params = params or SamplingParams()
+        tokens = self.tokenize_prompt(prompt)
+        shift = self.config.scheduler.context_overflow == "shift"
+        if shift:
+            tokens = self.scheduler.shift_prompt(tokens, params.num_keep)
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
-            self.tokenize_prompt(prompt),
-            params or SamplingParams(),
+            tokens,
+            params,
             self.max_model_len,
             self.eos_token_ids,
             cache_salt,
+            shift_context=shift,
         )
         self._check_prompt(request)
         if request.params.constraint is not None:
@@ -151,7 +157,10 @@ class LLMEngine:
     def check_prompt(self, prompt: str | list[int]) -> None:
         """Raise what ``make_request`` would for this prompt (ValueError, PromptTooLongError), without
         building a request's state (a constraint's grammar)."""
-        self._check_prompt(Request("check", self.tokenize_prompt(prompt), SamplingParams(), self.max_model_len))
+        tokens = self.tokenize_prompt(prompt)
+        if self.config.scheduler.context_overflow == "shift":
+            tokens = self.scheduler.shift_prompt(tokens, None)
+        self._check_prompt(Request("check", tokens, SamplingParams(), self.max_model_len))
 
     def _check_prompt(self, request: Request) -> None:
         try:

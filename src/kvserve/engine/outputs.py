@@ -26,6 +26,7 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    num_context_shifts: int = 0  # times the context outgrew the limit and was shifted
     num_draft_tokens: int = 0  # speculative tokens verified for this request
     num_accepted_tokens: int = 0  # of which kept
     itls: list[float] = field(default_factory=list)

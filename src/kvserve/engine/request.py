@@ -42,6 +42,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        shift_context: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
@@ -62,6 +63,7 @@ class Request:
         if params.max_tokens is not None:
             limit = min(limit, len(prompt_token_ids) + params.max_tokens)
         self.max_total_tokens = limit
+        self.shift_context = shift_context  # outgrowing the context shifts it (scheduler) instead of ending
         self.metrics = RequestMetrics(
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             num_prompt_tokens=len(prompt_token_ids),
@@ -92,6 +94,15 @@ class Request:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
         elif last in self.params.stop_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
-        elif self.num_tokens >= self.max_total_tokens:
+        elif self.params.max_tokens is not None and len(self.output_token_ids) >= self.params.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+        elif not self.shift_context and self.num_tokens >= self.max_total_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
         return self.is_finished
+
+    @property
+    def num_outputs_left(self) -> int | None:
+        """Tokens it may still generate; None: no limit (a shifting context, no max_tokens)."""
+        if self.params.max_tokens is not None:
+            return self.params.max_tokens - len(self.output_token_ids)
+        return None if self.shift_context else self.max_total_tokens - self.num_tokens

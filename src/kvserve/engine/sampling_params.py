@@ -32,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k alternatives
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None  # a grammar the output must follow (JSON schema, regex, ...)
+    num_keep: int | None = None  # tokens a context shift keeps at the start (None: the engine's --num-keep)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,7 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (self.num_keep is None or self.num_keep >= 0, f"num_keep must be >= 0, got {self.num_keep}"),
             (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
         ]
         for ok, message in checks:

@@ -60,6 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_context_shifts = 0
         # requests of a step that failed: each runs alone until a step of its own succeeds
         self.suspects: set[str] = set()
         # after a failed step of n requests, steps take at most n // 2 until the engine is idle again
@@ -138,6 +139,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             request = self.running[i]
+            if request.num_tokens > self.max_model_len:  # its newest token has no position: shift
+                self._shift(request)
+                continue  # it waits at the head of the queue, to be recomputed
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, num_new, budget)
             if drafts and self.kv.allocate_slots(request, num_new + len(drafts)):
@@ -176,8 +180,39 @@ class Scheduler:
         if (self.proposer is None or num_new != 1 or request.num_computed_tokens < request.num_prompt_tokens
                 or request.params.stop):  # stop strings end a request mid-token-list: decode one at a time
             return []
-        limit = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
+        left = request.num_outputs_left
+        limit = min(budget - 1, self.max_model_len - request.num_tokens, (left if left is not None else budget) - 1)
         return self.proposer.propose(request.request_id, request.all_token_ids, limit)
+
+    def _shift(self, request: Request) -> None:
+        """Context shift (llama.cpp's and Ollama's): keep the first ``num_keep`` tokens, drop the older
+        half of the rest, and recompute the request from there (its kept prefix from the prefix cache)."""
+        tokens = request.all_token_ids
+        keep = min(self.num_keep(request), self.max_model_len // 2)
+        discard = (len(tokens) - keep) // 2
+        request.all_token_ids = tokens[:keep] + tokens[keep + discard :]
+        request.block_hashes = []
+        request.metrics.num_context_shifts += 1
+        self.num_context_shifts += 1
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)  # its n-gram index holds the old positions
+
+    def num_keep(self, request: Request) -> int:
+        return self.config.num_keep if request.params.num_keep is None else request.params.num_keep
+
+    def shift_prompt(self, prompt: list[int], num_keep: int | None) -> list[int]:
+        """A prompt too long for the context, shifted as a context would be: the first ``num_keep``
+        tokens and the newest tokens that fill half the room after them."""
+        if len(prompt) < self.max_model_len:
+            return prompt
+        keep = min(self.config.num_keep if num_keep is None else num_keep, self.max_model_len // 2)
+        tail = (self.max_model_len - keep) // 2
+        return prompt[:keep] + prompt[len(prompt) - tail :]
 
     def _schedule_suspect(self) -> SchedulerOutput:
         """One suspect alone (they all wait, see ``roll_back``), as much of it as the budget takes."""

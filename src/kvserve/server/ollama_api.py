@@ -92,6 +92,7 @@ def ollama_params(
         stop=tuple(o.stop or ()),
         logprobs=logprobs,
         constraint=constraint,
+        num_keep=o.num_keep,
     )
 
 

@@ -54,11 +54,11 @@ class Options(Strict):
     typical_p: float | None = None
     tfs_z: float | None = None
     mirostat: int | None = None
+    num_keep: int | None = None  # tokens a context shift keeps (a server run with --context-overflow shift)
     # ignored: no effect without mirostat, deprecated, or load-time settings of a model already loaded
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
     penalize_newline: bool | None = None
-    num_keep: int | None = None
     numa: bool | None = None
     num_gpu: int | None = None
     main_gpu: int | None = None
