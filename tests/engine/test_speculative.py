@@ -60,8 +60,8 @@ def test_a_draft_never_runs_past_the_end_of_the_tokens():
 
 
 def test_bad_settings_are_refused():
-    for bad in (dict(method="medusa"), dict(method="ngram", num_speculative_tokens=0),
-                dict(method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)):
+    for bad in ({"method": "medusa"}, {"method": "ngram", "num_speculative_tokens": 0},
+                {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}):
         with pytest.raises(ValueError):
             SpeculativeConfig(**bad)
 
