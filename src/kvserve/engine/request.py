@@ -94,15 +94,15 @@ class Request:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
         elif last in self.params.stop_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
-        elif self.params.max_tokens is not None and len(self.output_token_ids) >= self.params.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-        elif not self.shift_context and self.num_tokens >= self.max_total_tokens:
+        elif self.num_outputs_left is not None and self.num_outputs_left <= 0:  # max_tokens, or the context
             self.status = RequestStatus.FINISHED_LENGTH
         return self.is_finished
 
     @property
     def num_outputs_left(self) -> int | None:
         """Tokens it may still generate; None: no limit (a shifting context, no max_tokens)."""
+        left = None if self.shift_context else self.max_total_tokens - self.num_tokens
         if self.params.max_tokens is not None:
-            return self.params.max_tokens - len(self.output_token_ids)
-        return None if self.shift_context else self.max_total_tokens - self.num_tokens
+            by_max_tokens = self.params.max_tokens - len(self.output_token_ids)
+            left = by_max_tokens if left is None else min(left, by_max_tokens)
+        return left

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.engine.speculative import NgramProposer
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.speculative import NgramProposer
 from kvserve.errors import KVServeError, PromptTooLongError
 from kvserve.kv.manager import KVCacheManager
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from kvserve.config import SpeculativeConfig
 
-
 MAX_BACKOFF = 16  # steps without drafts after a run of fully rejected ones, at most
 
 
 class _Index:
-    __slots__ = ("indexed", "follows", "backoff", "skip", "width")
+    __slots__ = ("backoff", "follows", "indexed", "skip", "width")
 
     def __init__(self, sizes: range, width: int) -> None:
         self.width = width  # drafts to propose next: follows how many the last ones kept
