@@ -20,65 +20,21 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
+from local_server import local_server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, args: list[str], log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvserve", "serve", *args, "--port", str(self.port), "--no-access-log"]
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_ready(log_path)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_ready(self, log_path: str) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        else:
-            raise RuntimeError("server not healthy after 300 s")
-        self.model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+class Client:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
     def complete(self, prompt: list[int]) -> tuple[float, int]:
         """(TTFT seconds, cached prompt tokens) of a one-token streamed completion."""
@@ -105,18 +61,26 @@ class Server:
         return 0.0
 
 
+@contextmanager
+def serving(model: str, args: list[str]) -> Iterator[Client]:
+    """A ``kvserve serve`` process, stopped with SIGTERM at the end (its disk tier flushed, as a user's
+    server's is)."""
+    with local_server(model, *args) as (url, _):
+        yield Client(url)
+
+
 def prompt_tokens(seed: int, n: int, vocab: int = 40000) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def restart(model: str, cache_type: str, workdir: str, log: str) -> dict:
+def restart(model: str, cache_type: str, workdir: str) -> dict:
     disk = tempfile.mkdtemp(dir=workdir)
-    args = [model, "-c", "4224", "--max-num-seqs", "1", "--cache-type", cache_type, "--kv-disk-cache", disk]
+    args = ["-c", "4224", "--max-num-seqs", "1", "--cache-type", cache_type, "--kv-disk-cache", disk]
     prompt = prompt_tokens(1, 4096)
-    with Server(args, log) as server:
+    with serving(model, args) as server:
         cold, cached_cold = server.complete(prompt)
-    with Server(args, log) as server:  # the restart
+    with serving(model, args) as server:  # the restart
         warm, cached_warm = server.complete(prompt)
         disk_hits = server.metric("kvserve_prefix_cache_disk_hits_total")
     return {"bench": "restart", "cache_type": cache_type, "prompt_tokens": len(prompt), "ttft_cold_s": cold,
@@ -124,14 +88,14 @@ def restart(model: str, cache_type: str, workdir: str, log: str) -> dict:
             "cached_after_restart": cached_warm, "disk_hit_tokens": disk_hits}
 
 
-def cycle(model: str, cache_type: str, workdir: str, log: str, num_prefixes: int = 8, prefix_len: int = 2048) -> dict:
+def cycle(model: str, cache_type: str, workdir: str, num_prefixes: int = 8, prefix_len: int = 2048) -> dict:
     disk = tempfile.mkdtemp(dir=workdir)
     bytes_per_token = {"f16": 23040, "q8_0": 12240, "f32": 46080}.get(cache_type, 23040)  # SmolLM2
     pool = int(1.25 * (prefix_len + 64) * bytes_per_token)  # about one prefix
-    args = [model, "-c", str(prefix_len + 128), "--max-num-seqs", "1", "--cache-type", cache_type,
+    args = ["-c", str(prefix_len + 128), "--max-num-seqs", "1", "--cache-type", cache_type,
             "--kv-cache-memory", str(pool), "--kv-disk-cache", disk]
     prefixes = [prompt_tokens(100 + i, prefix_len) for i in range(num_prefixes)]
-    with Server(args, log) as server:
+    with serving(model, args) as server:
         for i, p in enumerate(prefixes):  # the first cycle computes them
             server.complete(p + prompt_tokens(1000 + i, 16))
         queries0 = server.metric("kvserve_prefix_cache_queries_total")
@@ -190,13 +154,12 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        log = os.path.join(workdir, "server.log")
         for cache_type in args.cache_types.split(","):
             if args.only in (None, "restart"):
-                rows.append(restart(args.model, cache_type, workdir, log))
+                rows.append(restart(args.model, cache_type, workdir))
                 print(json.dumps(rows[-1]), flush=True)
             if args.only in (None, "cycle"):
-                rows.append(cycle(args.model, cache_type, workdir, log))
+                rows.append(cycle(args.model, cache_type, workdir))
                 print(json.dumps(rows[-1]), flush=True)
             if args.only in (None, "overhead"):
                 rows.append(overhead(args.model, cache_type, workdir))
