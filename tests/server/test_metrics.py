@@ -26,6 +26,12 @@ EXPECTED = {
     "kvserve_num_preemptions": "counter",
     "kvserve_constrained_requests": "counter",
     "kvserve_constraint_mask_seconds": "histogram",
+    # the Gateway API Inference Extension's model-server protocol, under vLLM's names
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_running": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:cache_config_info": "gauge",
 }
 
 

@@ -43,6 +43,13 @@ def add_parser(sub, name: str) -> None:
         help="read special-token strings in chat messages (e.g. '<|im_start|>') as control tokens; by default "
         "they are plain text, so a client cannot forge a system turn",
     )
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish the prefix cache's events (block stored / removed / all cleared) over ZeroMQ in vLLM's "
+        "format, for llm-d's KV indexer or Dynamo's KV router: tcp://*:5557 binds, tcp://HOST:PORT connects",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_engine_args(p, max_num_seqs=8)
@@ -76,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.server import ServerConfig, build_app
     from kvserve.server.graceful import EndingStreamsServer
+    from kvserve.server.kv_events import check_endpoint
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be between 1 and 65535, got {args.port}")
@@ -87,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         max_n=args.max_n,
         special_tokens_in_messages=args.special_tokens_in_messages,
+        kv_events=check_endpoint(args.kv_events) if args.kv_events else None,
     )
     check_port_free(args.host, args.port)
     engine = load_engine(args)

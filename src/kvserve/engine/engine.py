@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from kvserve.engine.speculative import NgramProposer
 from kvserve.errors import PromptTooLongError
 from kvserve.kv.auto_type import context_advice
 from kvserve.kv.disk_tier import DiskTier
+from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.hashing import PROCESS_KEY, cache_key
 from kvserve.kv.kv_types import kv_bytes_per_token, pool_num_blocks
 from kvserve.kv.manager import KVCacheManager
@@ -101,6 +103,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._kv_event_sink: Callable[[list[KVEvent]], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress=None, auto_pull: bool = False) -> LLMEngine:
@@ -196,6 +199,13 @@ class LLMEngine:
 
     # --- the loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            if self._kv_event_sink is not None:
+                self.flush_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -302,6 +312,19 @@ class LLMEngine:
                 if output.finished:
                     final[output.request_id] = output
         return final
+
+    def publish_kv_events(self, sink: Callable[[list[KVEvent]], None]) -> None:
+        """From now on, hand ``sink`` the prefix cache's events (``kv.events``) after every step,
+        starting with the blocks cached already. The sink runs on the engine's thread: it must not block."""
+        self.kv.pool.events = KVEventLog("GPU" if self.loaded.model.device.type == "cuda" else "CPU")
+        self.kv.pool.record_cached()
+        self._kv_event_sink = sink
+        self.flush_kv_events()
+
+    def flush_kv_events(self) -> None:
+        pending = self.kv.pool.events
+        if self._kv_event_sink is not None and pending is not None and pending.events:
+            self._kv_event_sink(pending.take())
 
     def close(self) -> None:
         """Finish the disk tier's writes (the engine is unusable afterwards only for new disk writes)."""

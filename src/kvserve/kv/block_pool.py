@@ -15,6 +15,9 @@ its own hash and tokens: each cached block records which block (id and generatio
 generation changes whenever it is handed out again) held the tokens before it when it was computed,
 and a lookup accepts it only after that very block. Even colliding hashes then cannot serve K/V
 computed under another prefix.
+
+With ``events`` set (a ``KVEventLog``), every hash the cache gains or loses is recorded there, for
+routers outside the process (see ``kv.events``); None, the default, records nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvserve.kv.events import KVEventLog
 from kvserve.kv.hashing import BlockHash
 
 BlockRef = tuple[int, int]  # (block id, generation): one filling of one block
@@ -52,6 +56,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,7 +132,16 @@ class BlockPool:
         block.parent = parent
         block.salt = salt
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, self.hash_of(parent), token_ids)
         return block.ref
+
+    def hash_of(self, ref: BlockRef | None) -> BlockHash | None:
+        """The hash of the block ``ref`` names, while that filling is cached (else None)."""
+        if ref is None:
+            return None
+        block = self.blocks[ref[0]]
+        return block.block_hash if block.generation == ref[1] else None
 
     def uncache(self, blocks: list[KVBlock]) -> None:
         """Blocks whose content is not what their hash says: no later lookup may find them, nor a
@@ -140,11 +154,24 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = None
             block.parent = None
             block.salt = None
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached-free block (blocks in use stay cached)."""
         for block in self.free_queue.values():
             self._evict(block)
+        if self.events is not None and not self.cached:
+            self.events.cleared()
+
+    def record_cached(self) -> None:
+        """Record every block cached now as stored (for a subscriber that starts after them).
+        ``cached`` keeps insertion order, and a block is registered only after its parent, so
+        parents come before their children."""
+        if self.events is not None:
+            for block_hash, block in self.cached.items():
+                self.events.stored(block_hash, self.hash_of(block.parent), block.token_ids)

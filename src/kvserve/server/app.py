@@ -85,14 +85,28 @@ async def cache(request: Request) -> dict:
     return snapshot.to_json()
 
 
+def _publish_kv_events(async_engine: AsyncLLMEngine, publisher) -> None:
+    with async_engine.lock:  # between steps
+        async_engine.engine.publish_kv_events(publisher)
+
+
 def build_app(async_engine: AsyncLLMEngine, config: ServerConfig, card: ModelCard | None = None) -> FastAPI:
     """The app owns ``async_engine`` from now on: it shuts the engine down when the server stops."""
     card = card or ModelCard.from_engine(async_engine.engine, config.model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        publisher = None
+        if config.kv_events:
+            from kvserve.server.kv_events import KVEventPublisher
+
+            publisher = KVEventPublisher(config.kv_events)
+            await asyncio.to_thread(_publish_kv_events, async_engine, publisher)
+        app.state.kv_events = publisher
         yield
         await asyncio.to_thread(async_engine.shutdown)
+        if publisher is not None:  # after the engine's last step, so its events go out too
+            await asyncio.to_thread(publisher.close)
 
     app = FastAPI(
         title="kvserve",

@@ -17,6 +17,7 @@ class ServerConfig:
     max_n: int = 16  # most choices per OpenAI request (``n``)
     # special-token strings in chat messages become control tokens (trusted clients that build turns)
     special_tokens_in_messages: bool = False
+    kv_events: str | None = None  # a ZeroMQ address to publish the prefix cache's events on (server.kv_events)
 
     def __post_init__(self) -> None:
         if not self.model_name:

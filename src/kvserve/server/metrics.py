@@ -3,6 +3,10 @@ engine state (queues, KV blocks, prefix cache, preemptions) read at scrape time.
 
 Names follow vLLM's where one exists, with a ``kvserve_`` prefix. Everything lives in one registry
 per app, so tests can build several apps in one process.
+
+Beside them, the gauges a router scrapes under vLLM's own names (``ROUTER_GAUGES``): the model-server
+protocol of the Kubernetes Gateway API Inference Extension reads queue length, running requests and KV
+cache utilization from them, so its endpoint picker balances kvserve like a vLLM server.
 """
 
 from __future__ import annotations
@@ -12,7 +16,31 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server.engine_view import EngineView
+from kvserve.server.engine_view import EngineSnapshot, EngineView
+
+# The model-server protocol's metrics, under the names its endpoint picker reads from vLLM
+ROUTER_GAUGES = {
+    "vllm:num_requests_waiting": "TotalQueuedRequests: requests waiting for a slot",
+    "vllm:num_requests_running": "TotalRunningRequests: requests in the running batch",
+    "vllm:kv_cache_usage_perc": "KVCacheUtilization: fraction of KV blocks held by requests (1 = 100%)",
+    "vllm:gpu_cache_usage_perc": "KVCacheUtilization under its older name (the same value)",
+}
+
+
+def router_families(s: EngineSnapshot):
+    values = {
+        "vllm:num_requests_waiting": s.num_waiting,
+        "vllm:num_requests_running": s.num_running,
+        "vllm:kv_cache_usage_perc": s.usage,
+        "vllm:gpu_cache_usage_perc": s.usage,
+    }
+    for name, doc in ROUTER_GAUGES.items():
+        yield GaugeMetricFamily(name, doc, value=values[name])
+    # the pool's shape, as labels: what a prefix-aware picker needs to mirror the cache (value 1)
+    info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",
+                             labels=["block_size", "num_gpu_blocks"])
+    info.add_metric([str(s.block_size), str(s.num_blocks)], 1)
+    yield info
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
@@ -28,7 +56,11 @@ class EngineCollector(Collector):
         self.view = view
 
     def collect(self):
-        s = self.view.snapshot(with_blocks=False)
+        s = self.view.snapshot(with_blocks=False)  # one snapshot per scrape: the numbers agree
+        yield from self._kvserve(s)
+        yield from router_families(s)
+
+    def _kvserve(self, s: EngineSnapshot):
         gauges = [
             ("kvserve_num_requests_running", "Requests in the running batch", s.num_running),
             ("kvserve_num_requests_waiting", "Requests waiting for a slot", s.num_waiting),
