@@ -205,9 +205,9 @@ def test_processes_sharing_a_directory_agree_and_do_not_corrupt_it(tiny_llama, t
     bound = 24 * 10_000  # tiny_llama: ~9.3 KB per block file, 48 distinct blocks written: evictions happen
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
-    def start(seeds):
+    def start(seeds, size=bound):
         return subprocess.Popen([sys.executable, "-c", _WORKER, str(tiny_llama.path), str(disk), json.dumps(seeds),
-                                 str(bound)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                                 str(size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
 
     workers = [start([0, 1, 2, 3, 4, 5, 6, 7]), start([7, 6, 5, 4, 3, 2, 1, 0])]  # overlapping, at once
     results = []
@@ -223,7 +223,9 @@ def test_processes_sharing_a_directory_agree_and_do_not_corrupt_it(tiny_llama, t
     secret = (disk / "secret").read_bytes()
     for f in files:
         unpack(f.read_bytes(), MAGIC, secret)  # every file whole and valid
-    later = start(list(range(8)))  # a third process finds what the others left
+    # a third process finds what the others left (with room of its own: its misses' writes would
+    # otherwise evict, before it gets to them, the chains that survived)
+    later = start(list(range(8)), size=10**9)
     stdout, stderr = later.communicate(timeout=300)
     assert later.returncode == 0, stderr[-3000:]
     assert json.loads(stdout)["tier_hits"] > 0
