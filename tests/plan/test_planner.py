@@ -103,7 +103,7 @@ def test_totals_add_up_and_show_both_engines():
 
 def test_activations_by_formula():
     c = llama(num_layers=32, num_kv_heads=8)  # hidden 4096, intermediate 16384, 32 heads x 128
-    s = PlanSettings(contexts=(8192,), kv_types=(("f16", "f16"),), memory=1 << 40)
+    s = PlanSettings(contexts=(8192,), kv_types=(("f16", "f16"),), memory=1 << 40, attention="torch")
     a = activations(c, 8192, "f16", "f16", s)
     assert a.hidden_states == 512 * (4096 + 4096 + 2 * 1024 + 2 * 16384) * 4
     scores = 2 * 32 * 512 * 8192 * 4  # scores and softmax of one 512-query tile
@@ -112,9 +112,40 @@ def test_activations_by_formula():
     assert (a.attention, a.attention_path) == (scores + kernel_copies + gathered, "prefill")
     assert a.logits == 32000 * 4
     many = activations(
-        c, 8192, "f16", "f16", PlanSettings((8192,), (("f16", "f16"),), 1 << 40, max_num_seqs=64)
+        c, 8192, "f16", "f16", PlanSettings((8192,), (("f16", "f16"),), 1 << 40, max_num_seqs=64, attention="torch")
     )
     assert many.attention_path == "decode" and many.logits == 64 * 32000 * 4
+
+
+def test_native_attention_plans_the_kernels_workspace_not_torchs_tiles():
+    c = llama(num_layers=32, num_kv_heads=8)  # 32 heads x 128, groups of 4
+    s = PlanSettings(contexts=(131072,), kv_types=(("f16", "f16"),), memory=1 << 40, attention="native", threads=2)
+    a = activations(c, 131072, "f16", "f16", s)
+    prefill = 2 * (4 * (128 * 258 + 64 * 128 * 3) + 2 * (128 * 128 + 64 * 128) + 4 * (128 + 256))
+    decode = 4 * 8 * 512 * 4 * 130 + 2 * 4 * (4 * 256 + 16 * 128) + 4 * 32 * 128  # 512 partitions of 256
+    assert (a.attention, a.attention_path, a.attention_kernels) == (max(prefill, decode), "decode", "native")
+    torch_path = activations(c, 131072, "f16", "f16", PlanSettings((131072,), (("f16", "f16"),), 1 << 40,
+                                                                   attention="torch"))
+    assert torch_path.attention > 20 * 2**30 > 1000 * a.attention  # Llama 3.1 8B at 128K: GiBs vs MiBs
+    assert activations(c, 1024, "f16", "f16", s).attention < a.attention  # only decode states grow with ctx
+
+
+def test_auto_attention_follows_the_engine(monkeypatch):
+    from dataclasses import replace
+
+    from kvserve import native
+    from kvserve.plan.planner import attention_kernels
+
+    c = llama(num_layers=2, num_kv_heads=8)
+    s = PlanSettings((1024,), (("f16", "f16"),), 1 << 40)
+    monkeypatch.setattr(native, "compiler", lambda: "cc")
+    assert attention_kernels(c, s) == "native"
+    assert attention_kernels(replace(c, attn_logit_softcap=50.0), s) == "torch"  # gemma2's capped scores
+    monkeypatch.setenv("KVSERVE_NATIVE", "0")
+    assert attention_kernels(c, s) == "torch"
+    monkeypatch.delenv("KVSERVE_NATIVE")
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert attention_kernels(c, s) == "torch"
 
 
 def test_largest_fit_is_exact():
@@ -125,7 +156,7 @@ def test_largest_fit_is_exact():
 
 def test_largest_context_fits_and_one_more_does_not():
     spec = resolve_model("Llama-3.1-8B")
-    s = PlanSettings(contexts=(8192,), kv_types=(("f16", "f16"), ("tq3", "tq3")), memory=24 << 30)
+    s = PlanSettings(contexts=(8192,), kv_types=(("f16", "f16"), ("tq3", "tq3")), memory=18 << 30, attention="native")
     plan = make_plan(spec, s)
     f16, tq3 = plan.kv
     assert 0 < f16.max_ctx < tq3.max_ctx < 131072

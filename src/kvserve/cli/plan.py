@@ -49,6 +49,9 @@ def add_parser(sub, name: str) -> None:
     p.add_argument(
         "--memory", default=None, help="memory to fit in, e.g. 16GiB or 16GB (default: available now)"
     )
+    p.add_argument("--attention", default="auto", choices=["auto", "native", "torch"],
+                   help="the attention kernels to plan for: auto = the native ones where they build here "
+                        "(they read K/V in place), torch = torch's path (gathers K/V, scores per query tile)")
     p.add_argument("--kv-disk-cache-size", default=None,
                    help="plan the prefix cache's disk tier too: tokens a directory of this size holds (e.g. 20GiB)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -125,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         dtype=args.dtype,
+        attention=args.attention,
         disk_cache_bytes=parse_size(args.kv_disk_cache_size, "--kv-disk-cache-size") if args.kv_disk_cache_size else None,
     )
     plan = make_plan(spec, settings)

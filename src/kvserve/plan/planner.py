@@ -27,6 +27,9 @@ from kvserve.plan.source import ModelSpec
 MiB, GiB = 1 << 20, 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUERY_TILE = 1024  # queries per attention tile, as in kvserve.attention.ops.QUERY_TILE
+# the native kernels' tiles (native/prefill_attention.h, native/decode_attention.h)
+NATIVE_QUERY_TILE, NATIVE_KEY_TILE, NATIVE_PARTITION = 32, 64, 256
+ATTENTION_KERNELS = ("auto", "native", "torch")
 # Resident memory of the Python process before any weight or cache: VmRSS after
 # `python -c "import torch, kvserve"` measured 218.6 MiB (torch 2.13 CPU build, Python 3.11);
 # re-measure with measure_runtime_overhead(). A CUDA build adds its context on top.
@@ -44,8 +47,12 @@ class PlanSettings:
     block_size: int = 16
     dtype: str = "float32"  # the engine's compute dtype: weights are dequantized to it at load
     disk_cache_bytes: int | None = None  # --kv-disk-cache-size: the prefix cache's disk tier
+    attention: str = "auto"  # the attention kernels planned for: auto = the ones the engine would run here
+    threads: int = 0  # the native kernels' threads (each has a workspace); 0: this machine's CPUs
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
         if self.disk_cache_bytes is not None and self.disk_cache_bytes < 1:
             raise ValueError(f"--kv-disk-cache-size must be >= 1, got {self.disk_cache_bytes}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "memory"):
@@ -77,12 +84,16 @@ class Activations:
 
     The attention terms follow torch's CPU math kernel (what runs for a masked tile): measured peak
     for a [32 heads, 512, 16384] tile with 8 KV heads, float32: +2.80 GiB, this formula 2.75 GiB.
+    Where the native kernels run (``attention_kernels``), attention is their workspace instead
+    (``native_attention``): they read the blocks in place, so nothing grows with ctx but the decode
+    path's softmax states, one per 256 positions.
     """
 
     hidden_states: int
     attention: int
     logits: int
     attention_path: str  # "prefill" or "decode": which path is larger
+    attention_kernels: str = "torch"  # "native" (tiles read in place, see native_attention) or "torch"
 
     @property
     def total(self) -> int:
@@ -159,12 +170,49 @@ def windowed_kv_bytes(
     return tokens * per_layer_token
 
 
+def attention_kernels(config: ModelConfig, s: PlanSettings) -> str:
+    """The attention kernels the engine would run: the native ones on the CPU where they build (a C
+    compiler, KVSERVE_NATIVE not 0) and the model has no score cap (gemma2's runs in torch)."""
+    if s.attention != "auto":
+        return s.attention
+    from kvserve import native
+
+    usable = native.compiler() is not None and os.environ.get("KVSERVE_NATIVE", "1") != "0"
+    return "native" if usable and not config.attn_logit_softcap and s.dtype == "float32" else "torch"
+
+
+def native_attention(config: ModelConfig, ctx: int, s: PlanSettings) -> tuple[int, str]:
+    """Workspace bytes of the native kernels, which read K/V blocks in place (nothing gathered):
+
+    prefill  per thread: a tile of 32 queries x G heads (q, accumulator, max, sum: 2D + 2 floats a row)
+             and 64 keys decoded (K, V, K transposed: 3D floats each), plus int16 copies for q8_0/q4_0 keys
+    decode   per (sequence, kv head, 256-position partition) a softmax state of G x (D + 2) floats,
+             per thread the scores of a partition (G x 256) and one decoded block; a rotated query
+    """
+    c = config
+    g, d = c.num_heads // c.num_kv_heads, c.head_dim
+    threads = s.threads or os.cpu_count() or 1
+    rows = NATIVE_QUERY_TILE * g
+    int_keys = 2 * (rows * d + NATIVE_KEY_TILE * d) + 4 * (rows + NATIVE_KEY_TILE * d // 32)
+    prefill = threads * (4 * (rows * (2 * d + 2) + NATIVE_KEY_TILE * d * 3) + int_keys)
+    partitions = -(-ctx // NATIVE_PARTITION)
+    block_rows = -(-s.block_size // 16) * 16
+    decode = (4 * s.max_num_seqs * c.num_kv_heads * partitions * g * (d + 2)
+              + threads * 4 * (g * NATIVE_PARTITION + block_rows * d) + 4 * s.max_num_seqs * c.num_heads * d)
+    return (decode, "decode") if decode > prefill else (prefill, "prefill")
+
+
 def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) -> Activations:
     fb = DTYPE_BYTES[s.dtype]
     c = config
     chunk = min(s.max_num_batched_tokens, ctx)
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     hidden = chunk * (c.hidden_size + q_dim + 2 * kv_dim + 2 * c.intermediate_size) * fb
+    rows = min(s.max_num_seqs, chunk)
+    logits = rows * c.vocab_size * (4 if fb == 4 else 4 + fb)
+    if attention_kernels(c, s) == "native":
+        attention, path = native_attention(c, ctx, s)
+        return Activations(hidden, attention, logits, path, "native")
     tile = min(chunk, QUERY_TILE)
     all_sliding = bool(c.sliding_window) and all(c.is_sliding(i) for i in range(c.num_layers))
     keys = min(ctx, c.sliding_window + tile) if all_sliding else ctx
@@ -178,8 +226,6 @@ def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) 
     )
     prefill = 2 * c.num_heads * tile * keys * fb + keys * copies + ctx * gathered
     decode = s.max_num_seqs * ctx * (copies + gathered + 2 * c.num_heads * fb)
-    rows = min(s.max_num_seqs, chunk)
-    logits = rows * c.vocab_size * (4 if fb == 4 else 4 + fb)
     if decode > prefill:
         return Activations(hidden, decode, logits, "decode")
     return Activations(hidden, prefill, logits, "prefill")

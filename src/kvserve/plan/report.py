@@ -71,9 +71,14 @@ def notes(plan: Plan) -> list[str]:
         f"runtime overhead: {fmt_bytes(plan.runtime_overhead)}, the resident size of "
         '`python -c "import torch, kvserve"` (CPU build; CUDA adds its context)'
     )
+    kernels = plan.kv[0].contexts[0].activations.attention_kernels
     out.append(
         f"activations: one step of at most {s.max_num_batched_tokens} tokens (--max-num-batched-tokens), "
-        f"{s.dtype}; attention scores of one query tile and the K/V gathered for attention grow with ctx"
+        f"{s.dtype}; "
+        + ("the native attention kernels read K/V blocks in place: their workspace grows with ctx only by "
+           "a softmax state per 256 positions of each decoding sequence (--attention torch plans torch's path)"
+           if kernels == "native" else
+           "torch's attention: scores of one query tile and the K/V gathered for attention grow with ctx")
     )
     too_long = [ctx for ctx in s.contexts if ctx > c.max_position_embeddings]
     if too_long:
@@ -150,6 +155,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
                             "logits": p.activations.logits,
                             "total": p.activations.total,
                             "attention_path": p.activations.attention_path,
+                            "attention_kernels": p.activations.attention_kernels,
                         },
                         "total_bytes": p.total,
                         "engine_total_bytes": p.engine_total,
@@ -215,7 +221,7 @@ def render(plan: Plan, console) -> None:
     row(
         "activations",
         [p.activations.total for p in first.contexts],
-        f"chunk {s.max_num_batched_tokens} tokens",
+        f"chunk {s.max_num_batched_tokens} tokens, {first.contexts[0].activations.attention_kernels} attention",
     )
     row("runtime overhead", [plan.runtime_overhead] * n, "torch + Python")
     row("total (plan)", [p.total for p in first.contexts], "", style="bold")
