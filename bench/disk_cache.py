@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+from decode_rate import decode_rate
 from local_server import local_server
 
 
@@ -122,24 +123,19 @@ def overhead(model: str, cache_type: str, workdir: str, runs: int = 3) -> dict:
     loaded = load_model(model, weight_format="auto")
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
 
-    def decode_rate(disk: str | None) -> float:
+    def rate_with(disk: str | None) -> float:
         cache = CacheConfig(num_ctx=512, cache_type_k=cache_type, disk_cache_dir=disk)
         engine = LLMEngine(EngineConfig(model, cache, SchedulerConfig(max_num_seqs=16)), loaded)
         for s in range(16):
             engine.add_request(prompt_tokens(3000 + s, 64), params)
-        while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                              for r in engine.scheduler.running):
-            engine.step()  # prompts first: only decode steps are timed
-        start, before = time.perf_counter(), engine.num_generated_tokens
-        engine.run_to_completion()
-        rate = (engine.num_generated_tokens - before) / (time.perf_counter() - start)
+        rate, _ = decode_rate(engine)
         engine.close()
         return rate
 
     off, on = [], []
     for _ in range(runs):
-        off.append(decode_rate(None))
-        on.append(decode_rate(tempfile.mkdtemp(dir=workdir)))
+        off.append(rate_with(None))
+        on.append(rate_with(tempfile.mkdtemp(dir=workdir)))
     return {"bench": "overhead", "cache_type": cache_type, "streams": 16, "decode_tok_s_off": off,
             "decode_tok_s_on": on, "ratio": statistics.median(on) / statistics.median(off)}
 

@@ -15,8 +15,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from dataclasses import replace
+
+from decode_rate import decode_rate
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.engine import LLMEngine
@@ -44,11 +45,7 @@ def decode(loaded, model: str, prompt: list[int], streams: int, k: int, max_toke
     engine = LLMEngine(config, loaded)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(prompt, params).request_id for _ in range(streams)]
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-        engine.step()  # prompts first: only decoding is timed
-    start, before = time.perf_counter(), engine.num_generated_tokens
-    done = engine.run_to_completion()
-    rate = (engine.num_generated_tokens - before) / (time.perf_counter() - start)
+    rate, done = decode_rate(engine)
     return rate, [done[i].token_ids for i in ids], engine
 
 

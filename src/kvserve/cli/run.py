@@ -7,7 +7,6 @@ import contextlib
 import json
 import sys
 
-from kvserve import native
 from kvserve.cli.chat import interactive_chat
 from kvserve.cli.live import LiveAnswer
 from kvserve.cli.options import add_engine_args, load_engine
@@ -122,7 +121,7 @@ def result_record(engine, out: RequestOutput) -> dict:
         "draft_tokens": m.num_draft_tokens,
         "accepted_draft_tokens": m.num_accepted_tokens,
         "weights": engine.loaded.model.weight_format,
-        "kernels": native.kernel_path() if engine.loaded.model.device.type == "cpu" else "torch",
+        "kernels": engine.kernels,
     }
 
 

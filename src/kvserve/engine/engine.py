@@ -136,18 +136,14 @@ class LLMEngine:
         """Tokenize and validate a request without touching engine state (safe from any thread).
         Raises ValueError or PromptTooLongError."""
         params = params or SamplingParams()
-        tokens = self.tokenize_prompt(prompt)
-        shift = self.config.scheduler.context_overflow == "shift"
-        if shift:
-            tokens = self.scheduler.shift_prompt(tokens, params.num_keep)
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
-            tokens,
+            self.scheduler.fit_prompt(self.tokenize_prompt(prompt), params.num_keep),
             params,
             self.max_model_len,
             self.eos_token_ids,
             cache_salt,
-            shift_context=shift,
+            shift_context=self.scheduler.shifts_context,
         )
         self._check_prompt(request)
         if request.params.constraint is not None:
@@ -160,9 +156,7 @@ class LLMEngine:
     def check_prompt(self, prompt: str | list[int]) -> None:
         """Raise what ``make_request`` would for this prompt (ValueError, PromptTooLongError), without
         building a request's state (a constraint's grammar)."""
-        tokens = self.tokenize_prompt(prompt)
-        if self.config.scheduler.context_overflow == "shift":
-            tokens = self.scheduler.shift_prompt(tokens, None)
+        tokens = self.scheduler.fit_prompt(self.tokenize_prompt(prompt), None)
         self._check_prompt(Request("check", tokens, SamplingParams(), self.max_model_len))
 
     def _check_prompt(self, request: Request) -> None:
@@ -345,10 +339,15 @@ class LLMEngine:
                 "weights": model.weight_format,
                 "dtype": str(model.dtype).removeprefix("torch."),
                 "device": model.device.type,
-                "kernels": native.kernel_path() if model.device.type == "cpu" else model.device.type,
+                "kernels": self.kernels,
                 "layout": self.storage.layout(),
             }
         return self._identity
+
+    @property
+    def kernels(self) -> str:
+        """The CPU kernel path the model runs on (``native.kernel_path``), or "torch" off the CPU."""
+        return native.kernel_path() if self.loaded.model.device.type == "cpu" else "torch"
 
     @property
     def kv_bytes_per_token(self) -> int:

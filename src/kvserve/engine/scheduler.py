@@ -205,10 +205,15 @@ class Scheduler:
     def num_keep(self, request: Request) -> int:
         return self.config.num_keep if request.params.num_keep is None else request.params.num_keep
 
-    def shift_prompt(self, prompt: list[int], num_keep: int | None) -> list[int]:
-        """A prompt too long for the context, shifted as a context would be: the first ``num_keep``
-        tokens and the newest tokens that fill half the room after them."""
-        if len(prompt) < self.max_model_len:
+    @property
+    def shifts_context(self) -> bool:
+        return self.config.context_overflow == "shift"
+
+    def fit_prompt(self, prompt: list[int], num_keep: int | None) -> list[int]:
+        """With context shift, a prompt too long for the context shifted as a context would be: the
+        first ``num_keep`` tokens and the newest tokens that fill half the room after them. Otherwise
+        (or when it fits) the prompt as it is (``check_prompt`` refuses it if too long)."""
+        if not self.shifts_context or len(prompt) < self.max_model_len:
             return prompt
         keep = min(self.config.num_keep if num_keep is None else num_keep, self.max_model_len // 2)
         tail = (self.max_model_len - keep) // 2

@@ -81,6 +81,12 @@ class BlockKey:
     index: int = 0  # the block's position in its chain (0: the first block of a prompt)
     used_at: float | None = None  # wall time of the request that wrote it; None: now
 
+    @classmethod
+    def in_chain(cls, hashes: list[int], index: int, token_ids: tuple[int, ...], salt_digest: str | None,
+                 used_at: float | None = None) -> BlockKey:
+        """The key of block ``index`` of a chain whose block hashes are ``hashes``."""
+        return cls(hashes[index], hashes[index - 1] if index else None, token_ids, salt_digest, index, used_at)
+
     def header(self) -> dict:
         return {
             "hash": f"{self.block_hash:032x}",
@@ -156,7 +162,8 @@ class DiskTier:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._pending_bytes = 0
-        self._queue: queue.Queue[int | None] = queue.Queue()
+        # the writer thread's jobs: ("write", hash) or ("touch", hashes, time); None stops it
+        self._queue: queue.Queue[tuple | None] = queue.Queue()
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kvserve-disk-tier", daemon=True)
         self._writer.start()
@@ -208,20 +215,17 @@ class DiskTier:
 
     # --- writes ---------------------------------------------------------------------------------------
     def put(self, key: BlockKey, payload: memoryview, owner: object = None) -> None:
-        """Queue one block for writing, unless it is on disk or queued already. ``owner`` keeps
-        ``payload``'s memory alive until it is written."""
+        """Queue one block for writing, unless it is queued already (the writer skips it if it is on
+        disk by then). ``owner`` keeps ``payload``'s memory alive until it is written."""
         with self._lock:
             if key.block_hash in self._pending:
                 return
             if self._pending_bytes + len(payload) > MAX_PENDING_BYTES:
                 self.stats.dropped_writes += 1
                 return
-        if self.path(key.block_hash).is_file():
-            return
-        with self._lock:
             self._pending[key.block_hash] = _Pending(key, payload, owner)
             self._pending_bytes += len(payload)
-        self._queue.put(key.block_hash)
+        self._queue.put(("write", key.block_hash))
 
     def flush(self) -> None:
         """Wait until every queued block is on disk, then hold the size bound for the whole directory
@@ -240,11 +244,14 @@ class DiskTier:
         if sys.platform == "linux":  # on Linux a thread has its own nice value: yield the cores to the forward
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        while (block_hash := self._queue.get()) is not None:
+        while (job := self._queue.get()) is not None:
             try:
-                self._write(block_hash)
+                if job[0] == "write":
+                    self._write(job[1])
+                else:
+                    self._touch_chain(*job[1:])
             except Exception:  # a bug here must not stop the writes after it
-                log.exception("disk KV cache: writing a block failed")
+                log.exception("disk KV cache: %s failed", job[0])
             finally:
                 self._queue.task_done()
         self._queue.task_done()
@@ -254,6 +261,12 @@ class DiskTier:
             pending = self._pending[block_hash]
         start = time.perf_counter()
         path = self.path(block_hash)
+        if path.is_file():  # written meanwhile (another process, or the block was loaded from here)
+            self._touch(path, pending.key)
+            with self._lock:
+                del self._pending[block_hash]
+                self._pending_bytes -= len(pending.payload)
+            return
         header = {"identity": self.identity, **pending.key.header()}
         size, written = 0, False
         try:
@@ -286,8 +299,11 @@ class DiskTier:
             os.utime(path, (t, t))
 
     def touch(self, block_hashes: list[int]) -> None:
-        """Blocks a request found (in RAM or here), the first of a chain first: used now."""
-        now = time.time()
+        """Blocks a request found (in RAM or here), the first of a chain first: used now. Done by the
+        writer thread: a long prefix is a system call per block, kept off the scheduling step."""
+        self._queue.put(("touch", list(block_hashes), time.time()))
+
+    def _touch_chain(self, block_hashes: list[int], now: float) -> None:
         for i, block_hash in enumerate(block_hashes):
             self._touch(self.path(block_hash), BlockKey(block_hash, None, (), None, i, now))
 

@@ -39,14 +39,18 @@ class _Lookup:
     block_hashes: list[int] = field(default_factory=list)
 
 
-class LowerTier(Protocol):
-    """Where blocks evicted from the pool can still be found (the disk tier, through the storage)."""
-
-    def contains(self, block_hash: int) -> bool: ...
+class BlockSource(Protocol):
+    """Where blocks can be loaded from into the pool (the disk tier, a prompt-cache file)."""
 
     def load(self, block_ids: list[int], keys: list[BlockKey]) -> int:
         """Fill the pool's blocks ``block_ids`` with the blocks ``keys``; how many, from the first, it did."""
         ...
+
+
+class LowerTier(BlockSource, Protocol):
+    """Where blocks evicted from the pool can still be found (the disk tier, through the storage)."""
+
+    def contains(self, block_hash: int) -> bool: ...
 
     def touch(self, block_hashes: list[int]) -> None:
         """A request was admitted with these blocks as its prefix (its least recently used order)."""
@@ -132,7 +136,7 @@ class KVCacheManager:
         self._tier_tokens[request.request_id] = self._tier_tokens.get(request.request_id, 0) + cached * self.block_size
         return cached
 
-    def install_prefix(self, token_ids: list[int], source: LowerTier, salt: str | None = None) -> int:
+    def install_prefix(self, token_ids: list[int], source: BlockSource, salt: str | None = None) -> int:
         """Cache the full blocks of ``token_ids`` that the pool lacks, loaded from ``source`` (a
         prompt-cache file), as far as the pool has room. Returns how many blocks of the prefix the
         pool now caches."""
@@ -142,7 +146,7 @@ class KVCacheManager:
         self._install(lookup, hits, max_blocks - len(hits), source)
         return len(self._pool_hits(lookup, hits, max_blocks))
 
-    def _install(self, request: CacheableRequest, hits: list[KVBlock], count: int, source: LowerTier) -> int:
+    def _install(self, request: CacheableRequest, hits: list[KVBlock], count: int, source: BlockSource) -> int:
         """Load the ``count`` blocks after ``hits`` from ``source`` into free blocks, cached-free."""
         hashes, bs, start = request.block_hashes, self.block_size, len(hits)
         if not count:
@@ -154,8 +158,8 @@ class KVCacheManager:
                 return 0
             blocks = self.pool.allocate(count)
             salt = salt_digest(request.cache_salt)
-            keys = [BlockKey(hashes[i], hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs : (i + 1) * bs]),
-                             salt, i) for i in range(start, start + count)]
+            keys = [BlockKey.in_chain(hashes, i, tuple(request.all_token_ids[i * bs : (i + 1) * bs]), salt)
+                    for i in range(start, start + count)]
             loaded = source.load([b.block_id for b in blocks], keys)
             parent = hits[-1].ref if hits else None
             cached = 0

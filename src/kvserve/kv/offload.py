@@ -54,15 +54,14 @@ class DiskOffload:
             arrival = request.metrics.arrival_time + wall_minus_perf  # every block of a request: one time
             for i, block in kv.unsaved_blocks(request):
                 blocks.append(block)
-                keys.append(BlockKey(hashes[i], hashes[i - 1] if i else None, block.token_ids, salt, i, arrival))
+                keys.append(BlockKey.in_chain(hashes, i, block.token_ids, salt, arrival))
         self._save(blocks, keys)
 
     def save_prefix(self, kv, token_ids: list[int]) -> None:
         """Queue the cached blocks of ``token_ids`` (unsalted), as far as the pool holds them."""
-        hashes = kv.block_hashes_of(token_ids)
         blocks = kv.cached_prefix(token_ids)
-        self._save(blocks, [BlockKey(hashes[i], hashes[i - 1] if i else None, b.token_ids, None, i)
-                            for i, b in enumerate(blocks)])
+        hashes = [b.block_hash for b in blocks]  # a cached block holds its hash: the chain's, in order
+        self._save(blocks, [BlockKey.in_chain(hashes, i, b.token_ids, None) for i, b in enumerate(blocks)])
 
     def _save(self, blocks: list, keys: list[BlockKey]) -> None:
         todo = [(b, k) for b, k in zip(blocks, keys) if not self.tier.contains(k.block_hash)]

@@ -21,7 +21,6 @@ import torch
 
 from kvserve.errors import KVServeError
 from kvserve.kv.disk_tier import BlockKey
-from kvserve.kv.hashing import extend_block_hashes
 from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
 
 MAGIC = b"KVSPC01\n"
@@ -48,19 +47,15 @@ def save_prompt_cache(engine, token_ids: list[int], path: str | os.PathLike, ext
 
 
 class _FileBlocks:
-    """A loaded file's blocks, as the ``LowerTier`` the manager installs from."""
+    """A loaded file's blocks, as the source the manager installs from: the file holds a chain from its
+    first block, so a key's position in the chain is its row."""
 
-    def __init__(self, storage, payload: memoryview, block_hashes: list[int]) -> None:
+    def __init__(self, storage, payload: memoryview, num_blocks: int) -> None:
         self.storage = storage
-        self.rows = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(len(block_hashes), -1)
-        self.index = {h: i for i, h in enumerate(block_hashes)}
-
-    def contains(self, block_hash: int) -> bool:
-        return block_hash in self.index
+        self.rows = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(num_blocks, -1)
 
     def load(self, block_ids: list[int], keys: list[BlockKey]) -> int:
-        rows = [self.index[k.block_hash] for k in keys]
-        self.storage.import_blocks(block_ids, self.rows[rows])
+        self.storage.import_blocks(block_ids, self.rows[[k.index for k in keys]])
         return len(block_ids)
 
 
@@ -92,9 +87,7 @@ def load_prompt_cache(engine, path: str | os.PathLike) -> tuple[int, dict]:
     if (not isinstance(tokens, list) or not isinstance(num_blocks, int) or len(tokens) != num_blocks * bs
             or len(payload) != num_blocks * engine.storage.bytes_per_block):
         raise PromptCacheError(f"{path}: its header does not match its payload")
-    hashes: list[int] = []
-    extend_block_hashes(hashes, tokens, bs, None, engine.kv.hash_key)
-    installed = engine.kv.install_prefix(tokens, _FileBlocks(engine.storage, payload, hashes))
+    installed = engine.kv.install_prefix(tokens, _FileBlocks(engine.storage, payload, num_blocks))
     if engine.offload is not None:
         engine.offload.save_prefix(engine.kv, tokens[: installed * bs])
     return installed * bs, header.get("extra") or {}
