@@ -14,18 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.errors import ModelLoadError
-
-# Pre-tokenizer split patterns used by llama.cpp for each `tokenizer.ggml.pre` name.
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_PATTERNS = {"llama-bpe": _LLAMA3_PATTERN, "llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN,
-                   "deepseek-r1-qwen": _QWEN2_PATTERN}
+from kvserve.pretokenizers import PreTokenizer, build_normalizer, build_pre_tokenizer, pre_tokenizer_for
 
 # Chat formats of architectures whose GGUF files may lack tokenizer.chat_template.
 KNOWN_TEMPLATES = {
@@ -61,30 +50,17 @@ def check_unicode(text: str) -> None:
         ) from None
 
 
-def _gpt2_pre_tokenizer(pre: str):
-    from tokenizers import Regex, pre_tokenizers
-
-    if pre == "smollm":  # digits one by one, then the GPT-2 split
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-        )
-    if pre in _SPLIT_PATTERNS:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_SPLIT_PATTERNS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    return pre_tokenizers.ByteLevel(add_prefix_space=False)
-
-
-def _build_gpt2_bpe(tokens: list[str], merges: list[str], token_types: list[int], pre: str):
+def _build_gpt2_bpe(tokens: list[str], merges: list[str], token_types: list[int], pre: PreTokenizer):
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tk = Tokenizer(models.BPE(vocab, merge_pairs, fuse_unk=False, byte_fallback=False))
-    tk.pre_tokenizer = _gpt2_pre_tokenizer(pre)
+    tk = Tokenizer(models.BPE(vocab, merge_pairs, fuse_unk=False, byte_fallback=False,
+                              ignore_merges=pre.ignore_merges))
+    normalizer = build_normalizer(pre)
+    if normalizer is not None:
+        tk.normalizer = normalizer
+    tk.pre_tokenizer = build_pre_tokenizer(pre)
     tk.decoder = decoders.ByteLevel()
     specials = [
         AddedToken(tokens[i], special=(t == TOKEN_TYPE_CONTROL), normalized=False)
@@ -263,9 +239,12 @@ class Tokenizer:
         if model is None or tokens is None:
             raise ModelLoadError(f"{gf.path}: the GGUF file carries no tokenizer")
         token_types = gf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        default_bos = model == "llama"
         if model == "gpt2":
             merges = gf.get("tokenizer.ggml.merges") or []
-            backend = _build_gpt2_bpe(tokens, merges, token_types, gf.get("tokenizer.ggml.pre", "default"))
+            pre = pre_tokenizer_for(gf.get("tokenizer.ggml.pre") or "default", gf.path)
+            backend = _build_gpt2_bpe(tokens, merges, token_types, pre)
+            default_bos = pre.add_bos
         elif model == "llama":
             from kvserve.spm import build_spm_tokenizer
 
@@ -281,7 +260,7 @@ class Tokenizer:
             eos_ids.append(int(eot))
         add_bos = gf.get("tokenizer.ggml.add_bos_token")
         if add_bos is None:
-            add_bos = model == "llama"
+            add_bos = default_bos
         template = gf.get("tokenizer.chat_template") or KNOWN_TEMPLATES.get(gf.architecture)
         if gf.architecture == "gemma3":  # Gemma ends its turns with <end_of_turn>
             eot_id = backend.token_to_id("<end_of_turn>")

@@ -1,0 +1,108 @@
+"""How a byte-level BPE vocabulary cuts text into words before merging, by `tokenizer.ggml.pre`.
+
+A GGUF names its pre-tokenizer instead of storing it; the name is llama.cpp's (`llama-vocab.cpp`,
+`convert_hf_to_gguf.py`). The regexes below are the ones in each model's own tokenizer.json: merges
+learned over one split give other tokens over another, so a wrong or unknown name is an error, never
+a silent fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.errors import ModelLoadError
+
+# GPT-2's split, which `ByteLevel(use_regex=True)` applies itself.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama 3 (tiktoken's cl100k): digits in runs of up to three.
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2: the same, but every digit alone.
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# GPT-4o (tiktoken's o200k; Phi-4-mini, Llama 4): words split at lower-to-upper case changes, combining
+# marks part of a word, contractions kept on their word.
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's tekken (Mistral Nemo, Ministral): GPT-4o's case split, digits alone, no contractions.
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """splits: regexes applied in turn, each cutting the pieces the one before left (a match and the
+    text between matches both become pieces). nfc: the text is NFC-normalized first, as the model's
+    own tokenizer does. ignore_merges: a piece that is itself a token is that token, whatever the merges
+    would build (tiktoken's rule). add_bos: llama.cpp's default for a BOS when the file does not say."""
+
+    splits: tuple[str, ...]
+    nfc: bool = False
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_GPT2_SPLIT = PreTokenizer((_GPT2,))
+_DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2))
+_LLAMA3_SPLIT = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
+_QWEN2_SPLIT = PreTokenizer((_QWEN2,), nfc=True)
+_GPT4O_SPLIT = PreTokenizer((_GPT4O,))
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    # a file that names none gets "default"; we give it GPT-2's split, as transformers does
+    "default": _GPT2_SPLIT,
+    "gpt-2": _GPT2_SPLIT,
+    "phi-2": _GPT2_SPLIT,
+    "mpt": _GPT2_SPLIT,
+    "olmo": _GPT2_SPLIT,  # OLMo, OLMoE
+    "smollm": _DIGITS_THEN_GPT2,
+    "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,  # Granite 3
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "pixtral": _LLAMA3_SPLIT,
+    "dbrx": PreTokenizer((_LLAMA3,)),  # cl100k vocabularies (Phi-4)
+    "smaug-bpe": PreTokenizer((_LLAMA3,)),
+    "qwen2": _QWEN2_SPLIT,  # Qwen2, 2.5, 3, 3-MoE
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT,
+    "llama4": _GPT4O_SPLIT,
+    "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
+}
+
+
+def pre_tokenizer_for(pre: str, source: object) -> PreTokenizer:
+    """The split `tokenizer.ggml.pre` names; ModelLoadError for a name we do not know."""
+    spec = PRE_TOKENIZERS.get(pre)
+    if spec is None:
+        raise ModelLoadError(
+            f"{source}: pre-tokenizer '{pre}' (tokenizer.ggml.pre) is not supported, and another split "
+            f"would give the model tokens it was not trained on; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    return spec
+
+
+def build_pre_tokenizer(spec: PreTokenizer):
+    """The `tokenizers` pre-tokenizer of ``spec``: its splits, then bytes mapped to GPT-2's alphabet."""
+    from tokenizers import Regex, pre_tokenizers
+
+    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in spec.splits]
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def build_normalizer(spec: PreTokenizer):
+    from tokenizers import normalizers
+
+    return normalizers.NFC() if spec.nfc else None
