@@ -98,3 +98,41 @@ def test_paged_engine_in_every_mode(built, cache_type):
     again = _run(engine, ps[1:2], params)[0]  # its prefix blocks are cached now
     assert again.metrics.num_cached_tokens > 0
     _assert_matches(reference[1:2], [again])
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    """phi3-longrope (original context 128, 512 in all): transformers' model, ours from the folder and
+    from the GGUF (the factors as rope_factors_short/long.weight tensors)."""
+    hf = ab.build_hf_model("phi3-longrope")
+    folder = tmp_path_factory.mktemp("hf-longrope")
+    hf.save_pretrained(str(folder))
+    path = ab.write_gguf(tmp_path_factory.mktemp("gguf-longrope") / "longrope.gguf", hf, "phi3-longrope")
+    return hf, {"folder": load_model(str(folder), device="cpu"), "gguf": load_model(str(path), device="cpu")}
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_longrope_past_the_original_context(longrope, source):
+    """A 200-token prompt, past the original 128: transformers rotates the whole sequence with the long
+    factors, as we do once set up for a longer context (whole prefill, chunked prefill, greedy decode);
+    on the short factors the logits are far off. Set back up for the original context, a short prompt
+    matches on the short factors again."""
+    hf, models = longrope
+    ours = models[source]
+    rope, original = ours.model.rope, ours.config.rope_scaling.original_max_position_embeddings
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, ab.VOCAB, (200,), generator=g).tolist()
+    ref = hf_last_logits(hf, prompt)
+    on_short = rel_err(our_last_logits(ours, prompt), ref)
+    rope.fit_context(ab.CONTEXT)
+    try:
+        errs = [rel_err(our_last_logits(ours, prompt), ref), rel_err(our_last_logits(ours, prompt, [100, 60, 40]), ref)]
+        greedy = our_greedy(ours, prompt, 8)
+    finally:
+        rope.fit_context(original)
+    print(f"longrope {source}: rel err {errs}, on the short factors {on_short}")
+    assert max(errs) < LOGITS_RTOL, errs
+    assert on_short > 100 * LOGITS_RTOL
+    assert greedy == hf_greedy(hf, prompt, 8)
+    short_prompt = prompt[:40]
+    assert rel_err(our_last_logits(ours, short_prompt), hf_last_logits(hf, short_prompt)) < LOGITS_RTOL

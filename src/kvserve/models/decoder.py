@@ -24,7 +24,7 @@ from kvserve.models.activations import gated
 from kvserve.models.linear import Int8GroupLinear, Linear, int8_groups16, make_linear, pack_into_arena
 from kvserve.models.moe import MoE
 from kvserve.models.norms import add_rms_norm, rms_norm
-from kvserve.models.rope import RotaryEmbedding, attention_factor, inverse_frequencies, rotate_heads
+from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding, rotate_heads
 from kvserve.models.softcap_attention import SoftcapAttention
 
 
@@ -112,11 +112,7 @@ class DecoderLM:
             self.embed = None
         self.layers = [self._layer(f"blk.{i}.", w, opt, projection) for i in range(config.num_layers)]
         pack_into_arena([self.lm_head] + [lin for layer in self.layers for lin in layer.linears])
-        freq_factors = weights.get("rope_freqs")
-        if config.rope_scaling.rope_type == "longrope":  # a GGUF's LongRoPE factors (within the original context)
-            freq_factors = weights.get("rope_factors_short.weight")
-        self.rope = RotaryEmbedding(inverse_frequencies(config, config.rope_theta, freq_factors), device, dtype,
-                                    attention_factor(config))
+        self.rope = rotary_embedding(config, weights, device, dtype)
         self.rope_local = self.rope
         if config.rope_theta_local is not None:
             self.rope_local = RotaryEmbedding(inverse_frequencies(config, config.rope_theta_local), device, dtype)

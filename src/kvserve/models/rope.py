@@ -18,8 +18,9 @@ from kvserve.config import ModelConfig
 
 
 def inverse_frequencies(
-    config: ModelConfig, base: float, freq_factors: torch.Tensor | None = None
+    config: ModelConfig, base: float, freq_factors: torch.Tensor | None = None, long_context: bool = False
 ) -> torch.Tensor:
+    """long_context: LongRoPE's long factors instead of its short ones (see ``rotary_embedding``)."""
     dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling
@@ -31,11 +32,28 @@ def inverse_frequencies(
         inv_freq = _llama3_scale(inv_freq, scaling)
     elif scaling.rope_type == "yarn":
         inv_freq = _yarn_scale(inv_freq, scaling, base, dim)
-    elif scaling.rope_type == "longrope" and scaling.short_factor:
-        # within the original context, as transformers does for such prompts (and llama.cpp for such a
-        # context size): the long factors apply only past it
-        inv_freq = inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float64)
+    elif scaling.rope_type == "longrope":
+        factors = scaling.long_factor if long_context else scaling.short_factor
+        if factors:
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
     return inv_freq
+
+
+def rotary_embedding(config: ModelConfig, weights, device: torch.device, dtype: torch.dtype) -> RotaryEmbedding:
+    """The model's rotary embedding at ``config.rope_theta``. ``weights`` may hold a GGUF's per-frequency
+    divisors: ``rope_freqs`` (Llama 3), ``rope_factors_short.weight`` / ``rope_factors_long.weight``
+    (LongRoPE; an HF config carries those as short_factor / long_factor). LongRoPE starts on its short
+    factors; ``RotaryEmbedding.fit_context`` moves to the long ones for a context past the original."""
+    scale = attention_factor(config)
+    if config.rope_scaling.rope_type != "longrope":
+        return RotaryEmbedding(inverse_frequencies(config, config.rope_theta, weights.get("rope_freqs")),
+                               device, dtype, scale)
+    short = inverse_frequencies(config, config.rope_theta, weights.get("rope_factors_short.weight"))
+    long_factors = weights.get("rope_factors_long.weight")
+    if long_factors is None and not config.rope_scaling.long_factor:
+        return RotaryEmbedding(short, device, dtype, scale)
+    long = inverse_frequencies(config, config.rope_theta, long_factors, long_context=True)
+    return RotaryEmbedding(short, device, dtype, scale, (long, config.rope_scaling.original_max_position_embeddings))
 
 
 def attention_factor(config: ModelConfig) -> float:
@@ -84,13 +102,38 @@ class RotaryEmbedding:
     """cos/sin tables grown on demand (sin with the rotation's sign folded into its first half), as wide
     as the rotated dims; ``apply_rotary`` rotates q and k at explicit positions."""
 
-    def __init__(self, inv_freq: torch.Tensor, device: torch.device, dtype: torch.dtype, scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype,
+        scale: float = 1.0,
+        long_context: tuple[torch.Tensor, int] | None = None,
+    ) -> None:
+        """long_context: LongRoPE's (long-factor frequencies, original context length), for ``fit_context``."""
         self.inv_freq = inv_freq
-        self.scale = scale  # YaRN / LongRoPE attention factor, folded into the tables
+        self.short_inv_freq = inv_freq
+        self.long_context = long_context
+        self.scale = scale  # YaRN / LongRoPE attention factor, folded into the tables (either factor set)
         self.device = device
         self.dtype = dtype
         self.cos = torch.empty(0, device=device)
         self.sin = torch.empty(0, device=device)
+
+    def fit_context(self, num_ctx: int) -> None:
+        """LongRoPE: every position on the long factors when the context served is longer than the
+        original, on the short ones otherwise. One set for all positions, chosen by context size as
+        llama.cpp chooses (transformers by the length of the sequence it is given, the same for a
+        sequence in one forward): cached keys then stay comparable with every later query. Call before
+        any key is cached; a no-op for other rotary embeddings."""
+        if self.long_context is None:
+            return
+        long_inv_freq, original = self.long_context
+        inv_freq = long_inv_freq if num_ctx > original else self.short_inv_freq
+        if inv_freq is not self.inv_freq:
+            self.inv_freq = inv_freq
+            self.cos = torch.empty(0, device=self.device)
+            self.sin = torch.empty(0, device=self.device)
 
     def _grow(self, length: int) -> None:
         length = max(length, 2 * self.cos.shape[0], 256)
