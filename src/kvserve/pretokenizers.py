@@ -73,7 +73,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "llama-bpe": _LLAMA3_SPLIT,
     "falcon3": _LLAMA3_SPLIT,
     "pixtral": _LLAMA3_SPLIT,
-    "dbrx": PreTokenizer((_LLAMA3,)),  # cl100k vocabularies (Phi-4)
+    "dbrx": PreTokenizer((_LLAMA3,)),  # cl100k vocabularies
     "smaug-bpe": PreTokenizer((_LLAMA3,)),
     "qwen2": _QWEN2_SPLIT,  # Qwen2, 2.5, 3, 3-MoE
     "deepseek-r1-qwen": _QWEN2_SPLIT,
