@@ -74,3 +74,27 @@ def test_not_used_where_its_kernels_do_not_apply(smollm2, smollm2_q4):
     assert fp8_kv.runner.native_decode is None
     assert not native_decode.supports(smollm2.model)
     assert native_decode.supports(smollm2_q4.model)
+
+
+@pytest.fixture(scope="module")
+def gemma3_q4():
+    return load_model("gemma3-270m", weight_format="q4")
+
+
+@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("q8_0", "q4_0")])
+def test_gemma3_same_logits_as_forward(gemma3_q4, cache_types, check_no_leaks):
+    """Gemma 3: q/k norms, post-norms, GELU gating, an embedding scale, int8 and 4-bit projections, and
+    sliding layers with their own RoPE table and window (a prompt longer than the window of 512)."""
+    k, v = cache_types
+    prompts = [[2, 818, 5279, 529, 7001, 563] * n for n in (3, 7, 90)]
+    late = [2, 9259, 236764, 1217, 107]
+    native = make_engine(gemma3_q4, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
+    plain = make_engine(gemma3_q4, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
+    check_no_leaks.extend([native, plain])
+    assert native.runner.native_decode is not None
+    plain.runner.native_decode = None
+    got, expected = run(native, prompts, late), run(plain, prompts, late)
+    assert native.runner.native_decode.calls >= 10
+    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+    for (_, logits), (_, logits_ref) in zip(got, expected):
+        assert torch.equal(logits, logits_ref)

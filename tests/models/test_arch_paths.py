@@ -122,12 +122,12 @@ def test_softcapped_attention_falls_back_to_torch(q4_files, monkeypatch, name, n
     assert_same_or_near_tie(lm, prompt, reference_greedy(lm, prompt, 10), out.token_ids)
 
 
-@pytest.mark.parametrize("name,one_call", [("mistral", True), ("qwen3", False), ("phi3", False),
+@pytest.mark.parametrize("name,one_call", [("mistral", True), ("qwen3", True), ("phi3", False),
                                            ("granite", False), ("qwen3moe", False)])
 def test_one_call_decode_step_only_where_its_kernels_cover_the_arch(q4_files, name, one_call):
     """The one-call native decode step (models/native_decode.py) runs Mistral (a plain Llama with a
-    window); q/k norms, partial rotary, Granite's multipliers and experts go through ``forward``. Either
-    way the engine's tokens are the reference path's."""
+    window) and Qwen3 (q/k norms per head); partial rotary, Granite's multipliers and experts go through
+    ``forward``. Either way the engine's tokens are the reference path's."""
     lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
     engine = make_engine(lm, budget=16)
     step = engine.runner.native_decode

@@ -1,6 +1,7 @@
-"""GGUF's K-quants held in their own grids by the int8 groups (``Int8GroupLinear``'s f32 scales and offsets
-per 16 inputs): Gemma 3 270M's Q4_K and Q6_K tensors, read from the real file, the same bits as the gguf
-library's dequantization; and the arithmetic of such groups against float64."""
+"""GGUF's K-quants held in their own grids: Q4_K as 4-bit groups with f32 scales and offsets (``Int4Linear``)
+in the q4 formats, and by the int8 groups (``Int8GroupLinear``'s f32 scales and offsets per 16 inputs) in the
+int8 format and for Q6_K: Gemma 3 270M's Q4_K and Q6_K tensors, read from the real file, the same bits as
+the gguf library's dequantization; and the arithmetic of such groups against float64."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.models.gguf_file import GGUFFile, GGUFWeights
-from kvserve.models.linear import Int8GroupLinear, int8_groups16, make_linear, pack_int8_groups16
+from kvserve.models.linear import Int4Linear, Int8GroupLinear, int8_groups16, make_linear, pack_int8_groups16
 from kvserve.models.registry import resolve
 
 CPU = torch.device("cpu")
@@ -29,13 +30,18 @@ def test_gemma3_k_quant_tensors_are_held_exactly(gemma_weights, name, qtype):
     assert gf.tensors[name].type_name == qtype
     weight = gf.load_tensor(name)  # the gguf library's dequantization
     lin = make_linear(weight, None, "q4", CPU, torch.float32, weights.grid16(name))  # decoded when needed
-    assert isinstance(lin, Int8GroupLinear) and lin.layout == "g16"
+    if qtype == "Q4_K":  # 4-bit groups of 32 with the file's scales and offsets (products f16 cannot hold)
+        assert isinstance(lin, Int4Linear) and lin.f32_scales
+    else:
+        assert isinstance(lin, Int8GroupLinear) and lin.layout == "g16"
     assert torch.equal(lin.weight, weight)
+    int8 = make_linear(weight, None, "int8", CPU, torch.float32, weights.grid16(name))
+    assert isinstance(int8, Int8GroupLinear) and int8.layout == "g16" and torch.equal(int8.weight, weight)
     if qtype == "Q6_K":  # symmetric: found from the values alone
         assert weights.grid16(name) is None and int8_groups16(weight) is not None
     else:  # Q4_K's codes need not span 0..15: only the file says its grid; without it, Q8_0's grid
         assert int8_groups16(weight) is None
-        rounded = make_linear(weight, None, "q4", CPU, torch.float32)
+        rounded = make_linear(weight, None, "int8", CPU, torch.float32)
         assert isinstance(rounded, Int8GroupLinear) and rounded.layout == "g32"
         groups = weight.view(weight.shape[0], -1, 32)
         step = groups.abs().amax(-1, keepdim=True) / 127  # d of each group of 32, before its f16 rounding
@@ -116,3 +122,31 @@ def test_grids_of_random_blocks_are_the_librarys_dequantization(qtype, size):
     weight = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType[qtype]))
     lin = make_linear(weight, None, "int8", CPU, torch.float32, GRID_DECODERS[qtype](blocks.reshape(-1), rows, cols))
     assert lin.layout == "g16" and torch.equal(lin.weight, weight)
+
+
+@pytest.mark.parametrize("qtype, size, f32_scales", [("Q4_K", 144, True), ("Q4_1", 20, False)])
+def test_four_bit_grids_run_as_four_bit_groups(qtype, size, f32_scales):
+    """Random Q4_K and Q4_1 blocks (codes that need not span 0..15) in the q4 format: 4-bit groups holding the
+    gguf library's dequantization bit for bit (f32 scales only where f16 cannot hold them), the product
+    within the activations' rounding of float64's, each row the same bits alone or batched."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kvserve.models.gguf_file import GRID_DECODERS
+
+    rng = np.random.default_rng(10)
+    rows, cols = 40, 512
+    blocks = rng.integers(0, 256, (rows * cols // (256 if "K" in qtype else 32), size), dtype=np.uint8)
+    scales = (rng.random((blocks.shape[0], 2)) * 0.02 + 1e-4).astype(np.float16)
+    blocks[:, 0:4] = scales.view(np.uint8).reshape(-1, 4)
+    weight = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType[qtype]))
+    lin = make_linear(weight, None, "q4", CPU, torch.float32, lambda: GRID_DECODERS[qtype](blocks.reshape(-1), rows, cols))
+    assert isinstance(lin, Int4Linear) and lin.f32_scales == f32_scales
+    assert torch.equal(lin.weight, weight)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(11)) * torch.linspace(0.01, 30, cols)
+    y = lin(x)
+    exact = x.double() @ weight.double().T
+    assert float((y.double() - exact).norm() / exact.norm()) < 1e-4
+    for i in (0, 8):
+        assert torch.equal(lin(x[i : i + 1])[0], y[i])

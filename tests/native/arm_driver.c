@@ -2,7 +2,8 @@
  * tests/native/test_arm.py builds it with aarch64-linux-gnu-gcc and runs it under qemu-aarch64.
  *
  *   arm_driver IN OUT
- *   IN:  int32 kernel (4: int4_matmul, 8: int8_matmul, 16: int8_matmul_g16), M, N, K, digits, weight bytes,
+ *   IN:  int32 kernel (4: int4_matmul, 32: int4_matmul with f32 scales, 8: int8_matmul, 16: int8_matmul_g16),
+ *        M, N, K, digits, weight bytes,
  *        has bias;
  *        then x f32 [M][K], the packed weights, bias f32 [N] if any
  *   OUT: y f32 [M][N], then the path's name (simd_isa)
@@ -37,7 +38,7 @@ int main(int argc, char **argv) {
     float *bias = has_bias ? read_exactly(in, sizeof(float) * (size_t)N) : NULL;
     fclose(in);
     float *y = calloc((size_t)M * N, sizeof(float));
-    int rc = kind == 4    ? int4_matmul(x, w, bias, M, N, K, y, 2, digits)
+    int rc = kind == 4 || kind == 32 ? int4_matmul(x, w, bias, M, N, K, y, 2, digits, kind == 32)
              : kind == 16 ? int8_matmul_g16(x, w, bias, M, N, K, y, 2)
                           : int8_matmul(x, w, bias, M, N, K, y, 2);
     if (rc != 0) return 3;

@@ -57,12 +57,13 @@ def run_arm(program: Path, tmp_path: Path, kind: int, x, packed, bias, n: int, d
 
 @pytest.mark.parametrize("path", list(ARM_PATHS))
 def test_arm_int4_matmul_same_bits_as_x86_portable(arm_programs, tmp_path, path):
-    for digits in (2, 1):
+    for digits, f32_scales in ((2, False), (1, False), (2, True)):
         for seed, (m, n, k) in enumerate(SHAPES):
-            x, packed, bias = int4_inputs(m, n, k, seed)
-            y, isa = run_arm(arm_programs[path], tmp_path, 4, x, packed, bias, n, digits)
+            x, packed, bias = int4_inputs(m, n, k, seed, f32_scales)
+            y, isa = run_arm(arm_programs[path], tmp_path, 32 if f32_scales else 4, x, packed, bias, n, digits)
             assert isa == path
-            assert torch.equal(y, run_int4("portable", x, packed, bias, n, digits, 1)), (path, digits, m, n, k)
+            reference = run_int4("portable", x, packed, bias, n, digits, 1, f32_scales)
+            assert torch.equal(y, reference), (path, digits, f32_scales, m, n, k)
 
 
 @pytest.mark.parametrize("path", list(ARM_PATHS))

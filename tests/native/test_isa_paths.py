@@ -34,21 +34,25 @@ def kernel(source: str, name: str, isa: str):
     return abi.bind(lib, name)
 
 
-def int4_inputs(m: int, n: int, k: int, seed: int):
+def int4_inputs(m: int, n: int, k: int, seed: int, f32_scales: bool = False):
+    """f32_scales: scales and offsets f16 cannot hold (Q4_K's), in the 384-byte layout."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
-    lo = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    scale = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3
+    lo = -torch.rand(n, k // 32, generator=g) * 0.1
+    if not f32_scales:
+        scale, lo = scale.half().float(), lo.half().float()
     x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)  # outliers, as real activations have
     x[0, :32] = 0.0  # an all-zero group (q4-fast's scale 0)
-    return x, pack_int4(codes, scale, lo), torch.randn(n, generator=g)
+    return x, pack_int4(codes, scale, lo, f32_scales), torch.randn(n, generator=g)
 
 
-def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int) -> torch.Tensor:
+def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int, f32_scales: bool = False) -> torch.Tensor:
     fn = kernel("int4_matmul", "int4_matmul", isa)
     m, k = x.shape
     y = torch.full((m, n), float("nan"))
-    assert fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), m, n, k, y.data_ptr(), threads, digits) == 0
+    assert fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), m, n, k, y.data_ptr(), threads, digits,
+              int(f32_scales)) == 0
     return y
 
 
@@ -66,11 +70,12 @@ SHAPES = [(1, 48, 64), (7, 40, 96), (13, 72, 128)]
 
 @pytest.mark.parametrize("isa", FAST_PATHS)
 @pytest.mark.parametrize("digits", [2, 1])
-def test_int4_matmul_same_bits_as_portable(isa, digits):
+@pytest.mark.parametrize("f32_scales", [False, True])
+def test_int4_matmul_same_bits_as_portable(isa, digits, f32_scales):
     for seed, (m, n, k) in enumerate(SHAPES):
-        x, packed, bias = int4_inputs(m, n, k, seed)
-        reference = run_int4("portable", x, packed, bias, n, digits, 1)
-        assert torch.equal(run_int4(isa, x, packed, bias, n, digits, 2), reference), (m, n, k)
+        x, packed, bias = int4_inputs(m, n, k, seed, f32_scales)
+        reference = run_int4("portable", x, packed, bias, n, digits, 1, f32_scales)
+        assert torch.equal(run_int4(isa, x, packed, bias, n, digits, 2, f32_scales), reference), (m, n, k)
 
 
 @pytest.mark.parametrize("isa", FAST_PATHS)

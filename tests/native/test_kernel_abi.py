@@ -105,7 +105,9 @@ def python_bindings() -> dict[str, object]:
     attention, writer = native_paged.for_storage(storage), native_paged.writer_for_storage(storage)
     return {
         "rms_norm": norms._rms_norm_kernel(), "add_rms_norm": norms._add_rms_norm_kernel(),
-        "silu_mul": activations._silu_mul_kernel(), "rope_in_place": rope._kernel(),
+        "rms_norm_heads": norms._rms_norm_heads_kernel(),
+        "silu_mul": activations.gate_kernel("silu"), "gelu_tanh_mul": activations.gate_kernel("gelu_tanh"),
+        "rope_in_place": rope._kernel(),
         "int4_matmul": linear._int4_matmul_kernel(),
         "int8_matmul": linear._int8_matmul_kernel("int8_matmul"),
         "int8_matmul_g16": linear._int8_matmul_kernel("int8_matmul_g16"),
@@ -137,7 +139,7 @@ def test_a_hand_written_signature_that_disagrees_raises():
     with pytest.raises(TypeError, match=r"rms_norm: ctypes signature .* disagrees with kernels.h's"):
         native.function("rms_norm", "rms_norm", (p, p, i, i, i, p))
     with pytest.raises(TypeError, match="int4_matmul"):
-        native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i))  # its int result left out
+        native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i, i))  # its int result left out
     with pytest.raises(LookupError, match="no_such_kernel: no prototype in native/kernels.h"):
         native.function("rms_norm", "no_such_kernel")
 
@@ -196,7 +198,7 @@ def sentinel(c_type: str, index: int) -> int | float:
 
 
 STEP = {"n": 3, "block_tables": 0xB000, "table_stride": (1 << 41) + 5, "context_lens": 0xC000,
-        "slot_rows": 0xD000, "cos": 0xE000, "sin": 0xF000}
+        "slot_rows": 0xD000}
 
 
 def run_operations(probes, ops: list[list[int]]) -> list[list[int]]:
@@ -205,7 +207,7 @@ def run_operations(probes, ops: list[list[int]]) -> list[list[int]]:
     step = native.function("decode_step", "decode_step")
     table = torch.tensor(ops, dtype=torch.int64)
     assert step(table.data_ptr(), len(ops), STEP["n"], STEP["block_tables"], STEP["table_stride"],
-                STEP["context_lens"], STEP["slot_rows"], STEP["cos"], STEP["sin"]) == 0
+                STEP["context_lens"], STEP["slot_rows"]) == 0
     log = (ctypes.c_int64 * 32 * 64).in_dll(probes, "probe_log")
     return [list(log[c]) for c in range(ctypes.c_int.in_dll(probes, "probe_calls").value)]
 

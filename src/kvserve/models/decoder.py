@@ -23,7 +23,7 @@ from kvserve.config import ModelConfig
 from kvserve.models.activations import gated
 from kvserve.models.linear import Int8GroupLinear, Linear, int8_groups16, make_linear, pack_into_arena
 from kvserve.models.moe import MoE
-from kvserve.models.norms import add_rms_norm, rms_norm
+from kvserve.models.norms import add_rms_norm, rms_norm, rms_norm_heads
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding, rotate_heads
 from kvserve.models.softcap_attention import SoftcapAttention
 
@@ -222,14 +222,15 @@ class DecoderLM:
         return add_rms_norm(x, pending, self.final_norm, eps)[1]
 
     def _qk_norm(self, layer: LayerWeights, qkv: torch.Tensor, heads: list[int]) -> torch.Tensor:
-        """RMSNorm of q and k per head (head_dim weights), or over all heads at once (olmoe)."""
+        """RMSNorm of q and k per head (head_dim weights; in place where the kernel runs), or over all
+        heads at once (olmoe)."""
         eps, n = self.config.rms_norm_eps, qkv.shape[0]
-        q, k, v = qkv.split(heads, dim=1)
         if self.config.qk_norm_per_head:
-            q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
-        else:
-            q = rms_norm(q.reshape(n, -1), layer.q_norm, eps).view(q.shape)
-            k = rms_norm(k.reshape(n, -1), layer.k_norm, eps).view(k.shape)
+            qkv = rms_norm_heads(qkv, 0, heads[0], layer.q_norm, eps)
+            return rms_norm_heads(qkv, heads[0], heads[1], layer.k_norm, eps)
+        q, k, v = qkv.split(heads, dim=1)
+        q = rms_norm(q.reshape(n, -1), layer.q_norm, eps).view(q.shape)
+        k = rms_norm(k.reshape(n, -1), layer.k_norm, eps).view(k.shape)
         return torch.cat([q, k, v], 1)
 
     @torch.inference_mode()

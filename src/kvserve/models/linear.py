@@ -10,9 +10,10 @@
            tensor rounded to Q8_0's grid; each activation one int16 code (two int8 digits joined), so
            the product is exact integer arithmetic and only the weights' rounding matters. Where the C
            kernel cannot be built, one scale per output row through torch (``Int8Linear``).
-    q4     4-bit weights in groups of 32 (an f16 scale and offset each) for every tensor whose groups
-           are exactly such a grid already (GGUF Q4_1, whose groups span their codes 0..15: the
-           conversion is exact), int8 groups as above for every other tensor (the output head included:
+    q4     4-bit weights in groups of 32 (a scale and an offset each) for every tensor whose groups
+           are exactly such a grid already: GGUF Q4_1, whose groups span their codes 0..15 (found from
+           the values, f16 scales), and Q4_K (the file's grid, f32 scales: d * sc is no f16); int8
+           groups as above for every other tensor (the output head included:
            SmolLM2's Q8_0, held exactly). The matmul is
            ``native/int4_matmul.c`` (f32 activations as two int8 digits, exact integer group sums),
            torch's int4 CPU kernel (bf16 activations) where it cannot be built.
@@ -310,11 +311,12 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes, scale, lo
 
 
-def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, f32_scales: bool = False) -> torch.Tensor:
     """The layout ``native/int4_matmul.c`` reads: per panel of 16 outputs and group of 32 inputs,
     320 bytes = 256 of codes (chunk c: k-quads 2c and 2c + 1 as low and high nibbles, byte
-    4 * lane + i = output lane's code at k = 4 * quad + i) + 16 f16 scales + 16 f16 offsets.
-    Outputs are padded to a multiple of 16 with zero weights."""
+    4 * lane + i = output lane's code at k = 4 * quad + i) + 16 f16 scales + 16 f16 offsets; with
+    ``f32_scales`` 384 bytes, the scales and offsets as f32. Outputs are padded to a multiple of 16 with
+    zero weights."""
     n, k = codes.shape
     panels, groups = -(-n // 16), k // INT4_GROUP
     pad = panels * 16 - n
@@ -325,17 +327,46 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tor
     nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(panels, groups, 256)
 
     def halves(t: torch.Tensor) -> torch.Tensor:
-        return t.half().view(panels, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+        t = t.float() if f32_scales else t.half()
+        return t.view(panels, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat([nibbles, halves(scale), halves(lo)], -1).contiguous()
 
 
+def unpack_int4(packed: torch.Tensor, n: int, f32_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_int4's inverse: (codes uint8 [n, in], scale, lo f32 [n, groups])."""
+    panels, groups, _ = packed.shape
+    nibbles = packed[..., :256].view(panels, groups, 4, 16, 4)  # P G chunk lane i
+    q = torch.stack([nibbles & 0x0F, nibbles >> 4], 3)  # P G chunk half lane i
+    codes = q.permute(0, 4, 1, 2, 3, 5).reshape(panels * 16, groups * INT4_GROUP)[:n]
+
+    def part(start: int) -> torch.Tensor:
+        width = 64 if f32_scales else 32
+        raw = packed[..., start : start + width].contiguous().view(torch.float32 if f32_scales else torch.float16)
+        return raw.view(panels, groups, 16).transpose(1, 2).reshape(panels * 16, groups)[:n].float()
+
+    return codes, part(256), part(256 + (64 if f32_scales else 32))
+
+
+def int4_grid_from16(grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+    """A file's grid per 16 inputs (``GGUFWeights.grid16``) as 4-bit groups of 32, where it is one: codes
+    0..15 and each 32 inputs' two halves sharing their scale and offset (GGUF Q4_K, Q4_1). Returns
+    (codes uint8, scale, lo f32 [out, groups]) or None."""
+    codes, scales, offsets = grid
+    if codes.shape[1] % INT4_GROUP or int(codes.min()) < 0 or int(codes.max()) > 15:
+        return None
+    pairs = [t.view(t.shape[0], -1, 2) for t in (scales, offsets)]
+    if not all(torch.equal(p[..., 0], p[..., 1]) for p in pairs):
+        return None
+    return codes.to(torch.uint8), pairs[0][..., 0].contiguous(), pairs[1][..., 0].contiguous()
+
+
 class Int4Linear:
-    """4-bit groups (codes 0..15, an f16 scale and offset per 32 inputs: Q4_1's grid) through
-    ``native/int4_matmul.c``: f32 activations split per token into two int8 digits, exact integer
-    group sums (AVX-512 VNNI), f32 group scaling. Against torch's int4 CPU kernel (bf16 activations)
-    it is ~50x more accurate (relative output error ~5e-5 vs ~3e-3) and, measured on SmolLM2's
-    shapes, ~2x faster at one row and ~1.5x at 512. ``fast``: one int8 code per activation with a
+    """4-bit groups (codes 0..15, a scale and an offset per 32 inputs: Q4_1's grid with f16 ones, Q4_K's
+    with f32 ones) through ``native/int4_matmul.c``: f32 activations split per token into two int8
+    digits, exact integer group sums (AVX-512 VNNI), f32 group scaling. Against torch's int4 CPU kernel
+    (bf16 activations) it is ~50x more accurate (relative output error ~5e-5 vs ~3e-3) and, measured on
+    SmolLM2's shapes, ~2x faster at one row and ~1.5x at 512. ``fast``: one int8 code per activation with a
     scale per group of 32 (llama.cpp's q8 activations): ~1.7x faster again at 16 to 512 rows, relative
     output error ~5e-3. Where the kernel cannot be built, torch's kernel (its convention
     w = (q - 8) * scale + zero, so zero = lo + 8 * scale; returns bf16)."""
@@ -348,8 +379,10 @@ class Int4Linear:
         self.digits = 1 if fast else 2
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernel = _int4_matmul_kernel()
+        # f32 where f16 cannot hold a scale or offset exactly (Q4_K's d * sc): 20% more bytes
+        self.f32_scales = not all(torch.equal(t, t.half().float()) for t in (scale, lo))
         if self.kernel is not None:
-            self.packed = pack_int4(codes, scale, lo)
+            self.packed = pack_int4(codes, scale, lo, self.f32_scales)
             self.nbytes = self.packed.numel()
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -357,12 +390,20 @@ class Int4Linear:
         self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.nbytes = self.packed.numel() + self.scales_zeros.numel() * 2
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in] f32: scale * code + offset per group, as the file's dequantization rounds it."""
+        codes, scale, lo = unpack_int4(self.packed, self.out_features, self.f32_scales)
+        groups = codes.view(self.out_features, -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]
+        return groups.view(self.out_features, -1)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
             x = x.to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
             return y if self.bias is None else y + self.bias
-        return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features, (self.digits,))
+        return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features,
+                           (self.digits, int(self.f32_scales)))
 
 
 def _int4_matmul_kernel():
@@ -394,7 +435,7 @@ def pack_into_arena(linears: list) -> None:
 
 def make_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device, dtype: torch.dtype,
-    grid16: Callable[[], tuple[torch.Tensor, ...] | None] | None = None,
+    grid16: Callable[[], tuple[torch.Tensor, ...] | None] | tuple[torch.Tensor, ...] | None = None,
 ) -> Linear:
     """``fmt``'s projection: 4-bit groups for a tensor that is a 4-bit grid already (q4, q4-fast), int8
     groups for every other (q4, q4-fast, int8), dense floats for f32 and bf16. grid16: the file's own grid
@@ -409,6 +450,9 @@ def make_linear(
         )
     if fmt in ("q4", "q4-fast") and weight.shape[1] % INT4_GROUP == 0:
         groups = int4_groups(weight)
+        if groups is None and grid16 is not None and _int4_matmul_kernel() is not None:
+            grid16 = grid16()  # decoded once: the int8 groups take it where it is no 4-bit grid
+            groups = None if grid16 is None else int4_grid_from16(grid16)
         if groups is not None:
             return Int4Linear(*groups, bias, fast=fmt == "q4-fast")
     if fmt in ("int8", "q4", "q4-fast"):

@@ -6,10 +6,12 @@ once, as a list of operations over activation buffers it owns, and a step become
 rows, the RoPE rows, one call. The arithmetic is the same calls with the same arguments, so the
 hidden states are the same bits as ``forward``'s (tested).
 
-It covers what those kernels cover: the Llama family on the CPU in f32 with 4-bit weights
-(``--weights q4`` / ``q4-fast``), SiLU, one RoPE table, and KV codecs the C writer and the decode
-kernel both take (all but fp8). ``for_model`` returns None for anything else (Gemma's extra norms and
-GELU, other weight formats, fp8 KV, no compiler), and the engine keeps ``forward``.
+It covers what those kernels cover: decoders on the CPU in f32 whose projections all run through the
+4-bit or int8 kernels (``--weights q4`` / ``q4-fast`` / ``int8``), SiLU or GELU gating, q/k norms per
+head, post-norms, an embedding scale, a second RoPE table for sliding layers (the Llama family, Qwen3,
+Gemma 3), and KV codecs the C writer and the decode kernel both take (all but fp8). ``for_model``
+returns None for anything else (partial rotary, soft-capped scores, residual multipliers, experts,
+other weight formats, fp8 KV, no compiler), and the engine keeps ``forward``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from kvserve import native
 from kvserve.attention import native_paged
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.models.decoder import DecoderLM
-from kvserve.models.linear import Int4Linear
+from kvserve.models import activations
+from kvserve.models.linear import Int4Linear, Int8GroupLinear
 from kvserve.native.decode_ops import kernel_addresses, operation
 
 
@@ -31,19 +34,26 @@ def _step_function():
     return native.function("decode_step", "decode_step")
 
 
+def _kernel_name(lin) -> str | None:
+    """The native matmul a projection runs through, or None where it has none."""
+    if isinstance(lin, Int4Linear) and lin.kernel is not None:
+        return "int4_matmul"
+    if isinstance(lin, Int8GroupLinear) and lin.kernel is not None:
+        return "int8_matmul_g16" if lin.layout == "g16" else "int8_matmul"
+    return None
+
+
 def supports(model: DecoderLM) -> bool:
     """Whether every call of this model's decode step has a kernel (see the module's docstring)."""
     cfg = model.config
-    plain_layers = all(
-        layer.q_norm is None and layer.k_norm is None and layer.post_attn_norm is None
-        and layer.post_ffn_norm is None for layer in model.layers)
-    four_bit = all(
-        isinstance(lin, Int4Linear) and lin.kernel is not None
-        for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    plain_config = (cfg.hidden_act == "silu" and cfg.embedding_scale == 1.0 and cfg.residual_scale == 1.0
-                    and cfg.rotary_dim is None and not cfg.attn_logit_softcap and not cfg.num_experts)
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and plain_layers and four_bit
-            and plain_config and model.rope_local is model.rope)
+    native_matmuls = all(
+        layer.moe is None and all(_kernel_name(lin) is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        for layer in model.layers)
+    head_norms = all(layer.q_norm is None or cfg.qk_norm_per_head for layer in model.layers)
+    plain_config = (cfg.residual_scale == 1.0 and cfg.rotary_dim is None and not cfg.attn_logit_softcap
+                    and not cfg.num_experts and activations.gate_kernel(cfg.hidden_act) is not None)
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and native_matmuls and head_norms
+            and plain_config)
 
 
 def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeDecodeStep | None:
@@ -73,18 +83,21 @@ class NativeDecodeStep:
 
     def _plan(self, capacity: int, threads: int) -> None:
         """Activation buffers for ``capacity`` sequences and the operations over them."""
-        cfg = self.model.config
+        model, cfg = self.model, self.model.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        hidden, inter = cfg.hidden_size, self.model.layers[0].gate_up.out_features // 2
-        self.buffers = {name: torch.zeros(capacity, width) for name, width in (
-            ("x", hidden), ("h", hidden), ("qkv", q_dim + 2 * kv_dim), ("q", q_dim), ("k", kv_dim),
-            ("v", kv_dim), ("attn", q_dim), ("o", hidden), ("gate_up", 2 * inter), ("act", inter),
-            ("down", hidden), ("out", hidden))}
+        hidden, inter = cfg.hidden_size, model.layers[0].gate_up.out_features // 2
+        widths = {"x": hidden, "h": hidden, "qkv": q_dim + 2 * kv_dim, "q": q_dim, "k": kv_dim, "v": kv_dim,
+                  "attn": q_dim, "o": hidden, "o_normed": hidden, "gate_up": 2 * inter, "act": inter,
+                  "down": hidden, "down_normed": hidden, "out": hidden, "cos": cfg.head_dim, "sin": cfg.head_dim}
+        if model.rope_local is not model.rope:
+            widths |= {"cos_local": cfg.head_dim, "sin_local": cfg.head_dim}
+        self.buffers = {name: torch.zeros(capacity, width) for name, width in widths.items()}
         self.ops = torch.tensor(self._operations(threads), dtype=torch.int64)
         self.capacity, self.threads = capacity, threads
 
     def _operations(self, threads: int) -> list[list[int]]:
-        """The step's kernel calls over ``self.buffers``, each parameter named as kernels.h names it."""
+        """The step's kernel calls over ``self.buffers``, each parameter named as kernels.h names it, in
+        ``DecoderLM.forward``'s order."""
         model, cfg, b = self.model, self.model.config, self.buffers
         heads, kv_heads, d, hidden = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         ptr = {name: t.data_ptr() for name, t in b.items()}
@@ -94,22 +107,39 @@ class NativeDecodeStep:
         def op(kernel: str, **args) -> None:
             ops.append(operation(kernel, fn[kernel], **args))
 
-        def matmul(lin: Int4Linear, x: str, y: str) -> None:
+        def matmul(lin, x: str, y: str) -> None:
             bias = None if lin.bias is None else lin.bias.data_ptr()
-            op("int4_matmul", x=ptr[x], w=lin.packed.data_ptr(), bias=bias, N=lin.out_features,
-               K=b[x].shape[1], y=ptr[y], num_threads=threads, digits=lin.digits)
+            kernel = _kernel_name(lin)
+            options = {"digits": lin.digits, "f32_scales": int(lin.f32_scales)} if kernel == "int4_matmul" else {}
+            op(kernel, x=ptr[x], w=lin.packed.data_ptr(), bias=bias, N=lin.out_features, K=b[x].shape[1],
+               y=ptr[y], num_threads=threads, **options)
+
+        def norm(x: str, w: torch.Tensor, out: str) -> None:
+            op("rms_norm", x=ptr[x], w=w.data_ptr(), eps=eps, hidden=hidden, out=ptr[out])
 
         def add_norm(h: str, w: torch.Tensor, out: str) -> None:
             op("add_rms_norm", x=ptr["x"], h=ptr[h], h_is_bf16=0, w=w.data_ptr(), eps=eps, hidden=hidden,
                out=ptr[out])
 
+        def head_norm(first: int, count: int, w: torch.Tensor) -> None:
+            op("rms_norm_heads", x=qkv + 4 * first * d, heads=count, token_stride=qkv_dim, D=d, w=w.data_ptr(),
+               eps=eps)
+
+        gate = activations.GATE_KERNELS[cfg.hidden_act][1]
+        pending = None  # the buffer holding the last block's output, added by the next norm
         for i, layer in enumerate(model.layers):
-            if i == 0:
-                op("rms_norm", x=ptr["x"], w=layer.attn_norm.data_ptr(), eps=eps, hidden=hidden, out=ptr["h"])
+            if pending is None:
+                norm("x", layer.attn_norm, "h")
             else:
-                add_norm("down", layer.attn_norm, "h")
+                add_norm(pending, layer.attn_norm, "h")
             matmul(layer.qkv, "h", "qkv")
-            op("rope_in_place", x=qkv, heads=heads + kv_heads, token_stride=qkv_dim, D=d)
+            if layer.q_norm is not None:
+                head_norm(0, heads, layer.q_norm)
+                head_norm(heads, kv_heads, layer.k_norm)
+            sliding = cfg.is_sliding(i)
+            table = "_local" if sliding and model.rope_local is not model.rope else ""
+            op("rope_in_place", x=qkv, heads=heads + kv_heads, token_stride=qkv_dim, D=d, cos=ptr["cos" + table],
+               sin=ptr["sin" + table])
             offset = 0
             for name in ("q", "k", "v"):
                 width = b[name].shape[1]
@@ -121,16 +151,27 @@ class NativeDecodeStep:
                 op("kv_write", kind=kind, x=ptr[name], kv_heads=kv_heads, D=d, codes=codes,
                    code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
                    levels=levels)
-            window = cfg.sliding_window if cfg.is_sliding(i) else None
+            window = cfg.sliding_window if sliding else None
             op("paged_decode_attention", num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=ptr["q"],
                out=ptr["attn"], window=window or 0, scale=model.scale, num_threads=threads,
                **self._attention_cache_args(i))
             matmul(layer.o, "attn", "o")
-            add_norm("o", layer.ffn_norm, "h")
+            attn_out = "o"
+            if layer.post_attn_norm is not None:
+                norm("o", layer.post_attn_norm, "o_normed")
+                attn_out = "o_normed"
+            add_norm(attn_out, layer.ffn_norm, "h")
             matmul(layer.gate_up, "h", "gate_up")
-            op("silu_mul", gate_up=ptr["gate_up"], inter=b["act"].shape[1], out=ptr["act"])
+            op(gate, gate_up=ptr["gate_up"], inter=b["act"].shape[1], out=ptr["act"])
             matmul(layer.down, "act", "down")
-        add_norm("down", model.final_norm, "out")
+            pending = "down"
+            if layer.post_ffn_norm is not None:
+                norm("down", layer.post_ffn_norm, "down_normed")
+                pending = "down_normed"
+        if pending is None:
+            norm("x", model.final_norm, "out")
+        else:
+            add_norm(pending, model.final_norm, "out")
         return ops
 
     def _attention_cache_args(self, layer: int) -> dict[str, int]:
@@ -151,12 +192,19 @@ class NativeDecodeStep:
         threads = torch.get_num_threads()
         if n > self.capacity or threads != self.threads:
             self._plan(max(n, 2 * self.capacity if n > self.capacity else self.capacity), threads)
-        model = self.model
-        model.embed_tokens(input_ids, out=self.buffers["x"][:n])
-        cos, sin = model.rope.tables(positions, int(positions.max()))
+        model, b = self.model, self.buffers
+        x = model.embed_tokens(input_ids, out=b["x"][:n])
+        if model.config.embedding_scale != 1.0:  # forward's multiply, in place
+            x.mul_(torch.tensor(model.config.embedding_scale, dtype=x.dtype))
+        max_position = int(positions.max())
+        for rope, suffix in ((model.rope, ""), (model.rope_local, "_local")):
+            if "cos" + suffix in b:
+                cos, sin = rope.tables(positions, max_position)
+                b["cos" + suffix][:n].copy_(cos.squeeze(1))
+                b["sin" + suffix][:n].copy_(sin.squeeze(1))
         tables, lens, rows = (t.contiguous() for t in (block_tables, context_lens, slot_rows))
         failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, tables.data_ptr(), tables.stride(0),
-                                  lens.data_ptr(), rows.data_ptr(), cos.data_ptr(), sin.data_ptr())
+                                  lens.data_ptr(), rows.data_ptr())
         if failed:
             raise MemoryError(f"native decode step: operation {failed - 1} could not allocate its workspace")
         self.calls += 1

@@ -1,4 +1,5 @@
-"""RMSNorm, and the residual add fused in front of it, through ``native/rms_norm.c`` on CPU.
+"""RMSNorm, the residual add fused in front of it, and per-head q/k norms, through ``native/rms_norm.c``
+on CPU.
 
 torch's CPU ``rms_norm`` costs ~40 us a call at one token (61 calls a SmolLM2 decode step, ~2.5 ms);
 the C version does the arithmetic only. Any tensor the kernel does not take (another device, a
@@ -23,6 +24,11 @@ def _rms_norm_kernel():
 @cache
 def _add_rms_norm_kernel():
     return native.function("rms_norm", "add_rms_norm")
+
+
+@cache
+def _rms_norm_heads_kernel():
+    return native.function("rms_norm", "rms_norm_heads")
 
 
 def _native_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -56,3 +62,17 @@ def add_rms_norm(
     _add_rms_norm_kernel()(x.data_ptr(), h.data_ptr(), int(h.dtype == torch.bfloat16), weight.data_ptr(), eps,
                            x.numel() // hidden, hidden, out.data_ptr())
     return x, out
+
+
+def rms_norm_heads(x: torch.Tensor, first: int, count: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Heads [first, first + count) of x [num_tokens, total_heads, head_dim] normalized (per head vector,
+    ``weight`` [head_dim]): in place through the kernel where it runs (the arithmetic of ``rms_norm``'s
+    rows, so a head's result never depends on the batch or on which path ran), else into a copy."""
+    n, total, d = x.shape
+    kernel = _rms_norm_heads_kernel()
+    if _native_ok(x, weight) and kernel is not None:
+        kernel(x.data_ptr() + 4 * first * d, n, count, total * d, d, weight.data_ptr(), eps)
+        return x
+    x = x.clone()
+    x[:, first : first + count] = F.rms_norm(x[:, first : first + count], (d,), weight.to(x.dtype), eps)
+    return x

@@ -26,12 +26,16 @@ STEP_ARGS = {
     "rms_norm": {"n": "n"},
     "add_rms_norm": {"n": "n"},
     "int4_matmul": {"M": "n"},
-    "rope_in_place": {"tokens": "n", "cos": "cos", "sin": "sin"},
+    "rope_in_place": {"tokens": "n"},
     "copy_rows": {"n": "n"},
     "kv_write": {"tokens": "n", "slot_rows": "slot_rows"},
     "paged_decode_attention": {"n": "n", "block_tables": "block_tables", "table_stride": "table_stride",
                                "context_lens": "context_lens"},
     "silu_mul": {"n": "n"},
+    "gelu_tanh_mul": {"n": "n"},
+    "int8_matmul": {"M": "n"},
+    "int8_matmul_g16": {"M": "n"},
+    "rms_norm_heads": {"tokens": "n"},
 }
 _RANGES = {ctypes.c_int: 32, ctypes.c_int64: 64}  # bits of the integer types
 

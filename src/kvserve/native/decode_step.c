@@ -1,8 +1,9 @@
-/* A whole decode step of a Llama-family decoder in one call from Python: a list of operations, each
- * a call into another kernel of this directory (rms_norm.c, int4_matmul.c, rope.c, kv_write.c,
- * paged_attention.c, silu_mul.c) or a row copy. models/native_decode.py writes the list once per
+/* A whole decode step of a decoder in one call from Python: a list of operations, each a call into
+ * another kernel of this directory (rms_norm.c, int4_matmul.c, int8_matmul.c, rope.c, kv_write.c,
+ * paged_attention.c, silu_mul.c, gelu_mul.c) or a row copy. models/native_decode.py writes the list once per
  * model and KV cache; a step passes only what changes between steps: the number of sequences, their
- * block tables, context lengths, KV slot rows and RoPE tables.
+ * block tables, context lengths and KV slot rows (the RoPE rows it writes into buffers the operations
+ * name, one pair per table: Gemma's sliding layers rotate with another base).
  *
  * The operations are the same calls, with the same arguments, that models/decoder.py makes one by
  * one through ctypes, so a step's outputs are the same bits either way (tested). What goes is the
@@ -41,9 +42,9 @@ void copy_rows(const float *src, int64_t src_stride, float *dst, int64_t dst_str
 }
 
 /* n sequences, one token each. block_tables [n, table_stride] int64, context_lens [n] int64,
- * slot_rows [kv heads * n] (kv_write.c's layout), cos and sin [n, D]. */
+ * slot_rows [kv heads * n] (kv_write.c's layout). */
 int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tables, int64_t table_stride,
-                const int64_t *context_lens, const int64_t *slot_rows, const float *cos, const float *sin) {
+                const int64_t *context_lens, const int64_t *slot_rows) {
     for (int op = 0; op < num_ops; op++) {
         const int64_t *a = ops + (int64_t)op * OP_FIELDS;
         int rc = 0;
@@ -55,10 +56,10 @@ int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tab
             CALL(add_rms_norm)(P(0), P(1), I(2), P(3), F(4), n, I(6), P(7));
             break;
         case OP_INT4_MATMUL:
-            rc = CALL(int4_matmul)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7), I(8));
+            rc = CALL(int4_matmul)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7), I(8), I(9));
             break;
         case OP_ROPE_IN_PLACE:
-            CALL(rope_in_place)(P(0), n, I(2), L(3), I(4), cos, sin);
+            CALL(rope_in_place)(P(0), n, I(2), L(3), I(4), P(5), P(6));
             break;
         case OP_COPY_ROWS:
             CALL(copy_rows)(P(0), L(1), P(2), L(3), L(4), n);
@@ -74,6 +75,18 @@ int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tab
             break;
         case OP_SILU_MUL:
             CALL(silu_mul)(P(0), n, I(2), P(3));
+            break;
+        case OP_GELU_TANH_MUL:
+            CALL(gelu_tanh_mul)(P(0), n, I(2), P(3));
+            break;
+        case OP_INT8_MATMUL:
+            rc = CALL(int8_matmul)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7));
+            break;
+        case OP_INT8_MATMUL_G16:
+            rc = CALL(int8_matmul_g16)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7));
+            break;
+        case OP_RMS_NORM_HEADS:
+            CALL(rms_norm_heads)(P(0), n, I(2), L(3), I(4), P(5), F(6));
             break;
         default:
             return op + 1;

@@ -21,7 +21,9 @@
  *     256 bytes: 4 chunks of 64; chunk c holds k-quads 2c (low nibbles) and 2c+1 (high nibbles),
  *                byte 4 * lane + i = code of output lane, k = 4 * quad + i (the VNNI operand layout)
  *      32 bytes: 16 scales (f16)      32 bytes: 16 offsets (f16)
- * models/linear.py's pack_int4 writes this layout.
+ * or, with f32_scales (384 bytes a group), 64 bytes of f32 scales and 64 of f32 offsets: the grids whose
+ * scales f16 cannot hold (GGUF Q4_K: d * sc and -dmin * m per 32, products of an f16 and a 6-bit
+ * integer). models/linear.py's pack_int4 writes this layout.
  *
  * Threads split the panels; rows are taken in blocks (digits stay in L2) and tiles of ROW_TILE rows
  * that share each unpacked weight vector. The digits (and per-group sums and scales) are stored tile by
@@ -39,7 +41,9 @@
 
 #define GROUP 32
 #define PANEL 16
-#define BLOCK_BYTES 320
+#define CODE_BYTES 256
+#define BLOCK_BYTES 320     /* codes, f16 scales and offsets */
+#define BLOCK_BYTES_F32 384 /* codes, f32 scales and offsets */
 #if VL == 8 /* 16 vector registers: a tile's accumulators beside a group's 8 code vectors */
 #define ROW_TILE 4
 #else
@@ -106,23 +110,27 @@ static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int G, const int8_t *d1,
                                                              const int8_t *d2, const float *usum,
                                                              const float *gscale, float *out, const int nr,
-                                                             const int digits) {
+                                                             const int digits, const int f32_scales) {
     const vf inv254 = vf_set1(1.0f / 254.0f);
+    const int block = f32_scales ? BLOCK_BYTES_F32 : BLOCK_BYTES;
     for (int h = 0; h < PANEL / VL; h++) {
         vf acc[ROW_TILE]; /* locals, stored once at the end (through a pointer GCC stored them every group) */
 #pragma GCC unroll 8
         for (int r = 0; r < nr; r++) acc[r] = vf_zero();
         for (int g = 0; g < G; g++) {
-            const uint8_t *blk = panel + (int64_t)g * BLOCK_BYTES;
+            const uint8_t *blk = panel + (int64_t)g * block;
             if (h == 0)
-                for (int i = 0; i < BLOCK_BYTES; i += 64) simd_prefetch(blk + PREFETCH + i);
+                for (int i = 0; i < block; i += 64) simd_prefetch(blk + PREFETCH + i);
             vb c[8];
             for (int i = 0; i < 4; i++) {
                 const vb v = vb_load(blk + 64 * i + 4 * VL * h);
                 c[2 * i] = vb_low_nibbles(v);
                 c[2 * i + 1] = vb_high_nibbles(v);
             }
-            const vf scale = vf_from_half(blk + 256 + 2 * VL * h), lo = vf_from_half(blk + 288 + 2 * VL * h);
+            const vf scale = f32_scales ? vf_load((const float *)(blk + CODE_BYTES) + VL * h)
+                                        : vf_from_half(blk + CODE_BYTES + 2 * VL * h);
+            const vf lo = f32_scales ? vf_load((const float *)(blk + CODE_BYTES + 64) + VL * h)
+                                     : vf_from_half(blk + CODE_BYTES + 32 + 2 * VL * h);
 #pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
                 const int64_t at = (int64_t)g * TILE_GROUP + r * GROUP;
@@ -140,27 +148,34 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 
 /* Rows [0, nr) against one panel, written to y (row stride ldy) with the row scale and bias. */
 static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8_t *d2, const float *usum,
-                       const float *gscale, int digits, int K, int nr, const float *row_scale, const float *bias,
-                       int width, float *y, int ldy) {
+                       const float *gscale, int digits, int f32_scales, int nr, const float *row_scale,
+                       const float *bias, int width, float *y, int ldy) {
     float out[ROW_TILE][PANEL];
-#define TILE(n, digits) panel_tile(panel, G, d1, d2, usum, gscale, out[0], n, digits)
+    /* each combination of digits and scale format its own inlined copy: constants in the inner loop */
+#define TILE(n, digits, f32) panel_tile(panel, G, d1, d2, usum, gscale, out[0], n, digits, f32)
 #if ROW_TILE == 6
-#define TILE_6_5(digits) case 6: TILE(6, digits); break; case 5: TILE(5, digits); break;
+#define TILE_6_5(digits, f32) case 6: TILE(6, digits, f32); break; case 5: TILE(5, digits, f32); break;
 #else
-#define TILE_6_5(digits)
+#define TILE_6_5(digits, f32)
 #endif
-#define TILES(digits)                                                                                    \
+#define TILES(digits, f32)                                                                               \
     switch (nr) {                                                                                        \
-    TILE_6_5(digits)                                                                                     \
-    case 4: TILE(4, digits); break;                                                                      \
-    case 3: TILE(3, digits); break;                                                                      \
-    case 2: TILE(2, digits); break;                                                                      \
-    default: TILE(1, digits); break;                                                                     \
+    TILE_6_5(digits, f32)                                                                                \
+    case 4: TILE(4, digits, f32); break;                                                                 \
+    case 3: TILE(3, digits, f32); break;                                                                 \
+    case 2: TILE(2, digits, f32); break;                                                                 \
+    default: TILE(1, digits, f32); break;                                                                \
     }
     if (digits == 2) {
-        TILES(2)
+        if (f32_scales) {
+            TILES(2, 1)
+        } else {
+            TILES(2, 0)
+        }
+    } else if (f32_scales) {
+        TILES(1, 1)
     } else {
-        TILES(1)
+        TILES(1, 0)
     }
 #undef TILES
 #undef TILE_6_5
@@ -169,12 +184,13 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
         for (int i = 0; i < width; i++) y[(int64_t)r * ldy + i] = fmaf(out[r][i], row_scale[r], bias ? bias[i] : 0.0f);
 }
 
-/* x [M, K] f32, w packed [ceil(N / 16), K / 32, 320 bytes], bias [N] or NULL, y [M, N] f32; digits
- * 2 (exact group sums) or 1 (llama.cpp's int8 activations). Returns 0, or -1 when the digits could
- * not be allocated. */
+/* x [M, K] f32, w packed [ceil(N / 16), K / 32, 320 or 384 bytes], bias [N] or NULL, y [M, N] f32;
+ * digits 2 (exact group sums) or 1 (llama.cpp's int8 activations); f32_scales: the 384-byte groups.
+ * Returns 0, or -1 when the digits could not be allocated. */
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                 int num_threads, int digits) {
+                 int num_threads, int digits, int f32_scales) {
     const int G = K / GROUP, panels = (N + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = (int64_t)G * (f32_scales ? BLOCK_BYTES_F32 : BLOCK_BYTES);
     const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
     int8_t *d1 = malloc(rows * K), *d2 = digits == 2 ? malloc(rows * K) : d1;
     float *usum = malloc(sizeof(float) * rows * G), *row_scale = malloc(sizeof(float) * (size_t)M);
@@ -205,12 +221,12 @@ int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
         for (int mb = 0; mb < M; mb += ROW_BLOCK) {
             const int m_end = M - mb < ROW_BLOCK ? M : mb + ROW_BLOCK;
             for (int p = p_begin; p < p_end; p++) {
-                const uint8_t *panel = w + (int64_t)p * G * BLOCK_BYTES;
+                const uint8_t *panel = w + p * panel_bytes;
                 const int n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
                 for (int m0 = mb; m0 < m_end; m0 += ROW_TILE) {
                     const int nr = m_end - m0 < ROW_TILE ? m_end - m0 : ROW_TILE;
                     panel_rows(panel, G, d1 + (int64_t)m0 * K, d2 + (int64_t)m0 * K, usum + (int64_t)m0 * G,
-                               gscale + (int64_t)m0 * G, digits, K, nr, row_scale + m0, bias ? bias + n0 : NULL,
+                               gscale + (int64_t)m0 * G, digits, f32_scales, nr, row_scale + m0, bias ? bias + n0 : NULL,
                                width, y + (int64_t)m0 * N + n0, N);
                 }
             }

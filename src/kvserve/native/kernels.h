@@ -18,7 +18,8 @@
 
 #include <stdint.h>
 
-/* Every library written against simd.h (int4_matmul, int8_matmul, paged_attention, silu_mul) also
+/* Every library written against simd.h (int4_matmul, int8_matmul, paged_attention, silu_mul,
+ * gelu_mul) also
  * exports the name of the instruction-set path it was built for (weak: one per process). */
 const char *simd_isa(void);
 
@@ -26,6 +27,7 @@ const char *simd_isa(void);
 void rms_norm(const float *x, const float *w, float eps, int n, int hidden, float *out);
 void add_rms_norm(float *x, const void *h, int h_is_bf16, const float *w, float eps, int n, int hidden,
                   float *out);
+void rms_norm_heads(float *x, int tokens, int heads, int64_t token_stride, int D, const float *w, float eps);
 
 /* rope.c: in place on the first `heads` head-vectors of each of `tokens` rows of x. */
 void rope_in_place(float *x, int tokens, int heads, int64_t token_stride, int D, const float *cos,
@@ -34,9 +36,13 @@ void rope_in_place(float *x, int tokens, int heads, int64_t token_stride, int D,
 /* silu_mul.c: gate_up [n, 2 * inter] -> out [n, inter]. */
 void silu_mul(const float *gate_up, int n, int inter, float *out);
 
-/* int4_matmul.c: y [M, N] = x [M, K] against packed 4-bit weights; 0, or -1 without workspace. */
+/* gelu_mul.c: gate_up [n, 2 * inter] -> out [n, inter], GELU's tanh form. */
+void gelu_tanh_mul(const float *gate_up, int n, int inter, float *out);
+
+/* int4_matmul.c: y [M, N] = x [M, K] against packed 4-bit weights (f16 or, with f32_scales, f32 group
+ * scales and offsets); 0, or -1 without workspace. */
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                int num_threads, int digits);
+                int num_threads, int digits, int f32_scales);
 
 /* int8_matmul.c: the int8 grids (f16 scale per 32 inputs; _g16: f32 scale and offset per 16). */
 int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
@@ -85,12 +91,16 @@ enum {
     OP_KV_WRITE = 6,
     OP_PAGED_DECODE_ATTENTION = 7,
     OP_SILU_MUL = 8,
+    OP_INT8_MATMUL = 9,
+    OP_INT8_MATMUL_G16 = 10,
+    OP_RMS_NORM_HEADS = 11,
+    OP_GELU_TANH_MUL = 12,
 };
 /* Row r of dst (strides in floats) = the first `width` floats of row r of src, for r < n. */
 void copy_rows(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t width, int n);
 /* Returns 0, or the (1-based) index of the operation that failed: a kernel that could not allocate its
  * workspace, or an unknown kind. */
 int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tables, int64_t table_stride,
-                const int64_t *context_lens, const int64_t *slot_rows, const float *cos, const float *sin);
+                const int64_t *context_lens, const int64_t *slot_rows);
 
 #endif
