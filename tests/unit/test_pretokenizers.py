@@ -206,13 +206,14 @@ USER_DEFINED = "<|tool|>"
 
 
 def spm_vocab() -> list[str]:
-    """Pieces of a SentencePiece-style BPE (words start with ▁), too few characters for the whole text so
-    that the rest falls back to bytes, plus runs of ▁ as Llama's vocabulary has."""
+    """Pieces of a SentencePiece-style BPE (words start with ▁), without the emoji and too few characters
+    for the rest of the text, so that those fall back to bytes, plus runs of ▁ as Llama's vocabulary has."""
     tk = HFTokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     tk.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=700, limit_alphabet=150, show_progress=False))
     vocab = tk.get_vocab()
-    return ["▁▁", "▁▁▁▁", *sorted(vocab, key=vocab.get)]
+    pieces = [p for p in sorted(vocab, key=vocab.get) if not any(ord(c) >= 0x1F000 for c in p)]
+    return ["▁▁", "▁▁▁▁", *pieces]
 
 
 def write_spm_gguf(path: Path, arch: str) -> Path:
