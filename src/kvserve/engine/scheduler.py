@@ -34,6 +34,14 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens after the request's own
 
 
+def shifted_context(tokens: list[int], num_keep: int, max_len: int) -> list[int]:
+    """Context shift's rule (llama.cpp's and Ollama's): the first ``num_keep`` tokens (at most half the
+    context) and the newer half of the rest."""
+    keep = min(num_keep, max_len // 2)
+    discard = (len(tokens) - keep) // 2
+    return tokens[:keep] + tokens[keep + discard :]
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -187,10 +195,7 @@ class Scheduler:
     def _shift(self, request: Request) -> None:
         """Context shift (llama.cpp's and Ollama's): keep the first ``num_keep`` tokens, drop the older
         half of the rest, and recompute the request from there (its kept prefix from the prefix cache)."""
-        tokens = request.all_token_ids
-        keep = min(self.num_keep(request), self.max_model_len // 2)
-        discard = (len(tokens) - keep) // 2
-        request.all_token_ids = tokens[:keep] + tokens[keep + discard :]
+        request.all_token_ids = shifted_context(request.all_token_ids, self.num_keep(request), self.max_model_len)
         request.block_hashes = []
         request.metrics.num_context_shifts += 1
         self.num_context_shifts += 1
