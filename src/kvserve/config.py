@@ -115,16 +115,20 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding: ``method`` "ngram" proposes the tokens that followed the last
     ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens where they occurred before (prompt lookup);
-    up to ``num_speculative_tokens`` of them are verified in one step. None: off."""
+    "draft" the greedy guesses of ``draft_model``, a smaller model with the same tokenizer. Up to
+    ``num_speculative_tokens`` of them are verified in one step. None: off."""
 
     method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram"):
-            raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram'")
+        if self.method not in (None, "ngram", "draft"):
+            raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram' or 'draft'")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative draft needs --draft-model, and --draft-model goes with --speculative draft")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -56,10 +56,13 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
                    help="a conversation that outgrows --num-ctx: 'shift' keeps the first --num-keep tokens and "
                         "drops the older half of the rest (kvserve run's chat), 'error' ends it (the default elsewhere)")
     g.add_argument("--num-keep", type=int, default=4, help="tokens a context shift keeps at the start (4)")
-    g.add_argument("--speculative", default=None, choices=["ngram"],
+    g.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: 'ngram' proposes the tokens that followed the context's last "
-                        "tokens where they occurred before (prompt lookup); the same output, faster on text "
-                        "that repeats its input")
+                        "tokens where they occurred before (prompt lookup); 'draft' the guesses of --draft-model; "
+                        "the same output, faster where the guesses are often right")
+    g.add_argument("--draft-model", default=None,
+                   help="a smaller model with the same tokenizer whose greedy guesses are verified "
+                        "(implies --speculative draft)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts verified per step at most (4)")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched (2)")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (4)")
@@ -103,8 +106,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting, context_overflow=args.context_overflow or "error",
                                   num_keep=args.num_keep),
-        speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.prompt_lookup_min,
-                                      args.prompt_lookup_max),
+        speculative=SpeculativeConfig(args.speculative or ("draft" if args.draft_model else None),
+                                      args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max,
+                                      args.draft_model),
         device=args.device,
         weights=args.weights,
         num_threads=args.threads,

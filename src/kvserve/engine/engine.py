@@ -89,8 +89,7 @@ class LLMEngine:
             hash_key = cache_key(self.disk.secret, self.cache_identity)
         self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  hash_key, self.offload)
-        proposer = NgramProposer(config.speculative) if config.speculative.method == "ngram" else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len, proposer)
+        self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len, self._proposer(config, loaded))
         self.num_draft_tokens = 0  # speculative tokens proposed, verified and kept (all requests)
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0  # request-steps that verified drafts
@@ -104,6 +103,19 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._kv_event_sink: Callable[[list[KVEvent]], None] | None = None
+
+    @staticmethod
+    def _proposer(config: EngineConfig, loaded: LoadedModel):
+        """Speculative decoding's drafts: prompt lookup, a draft model (in the target's weight format),
+        or None."""
+        spec = config.speculative
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        if spec.method == "draft":
+            from kvserve.engine.draft_model import DraftModelProposer
+
+            return DraftModelProposer.load(spec, loaded, loaded.model.weight_format)
+        return None
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress=None, auto_pull: bool = False) -> LLMEngine:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.speculative import NgramProposer
+from kvserve.engine.speculative import Proposer
 from kvserve.errors import KVServeError, PromptTooLongError
 from kvserve.kv.manager import KVCacheManager
 
@@ -58,7 +58,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, proposer: NgramProposer | None = None
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, proposer: Proposer | None = None
     ) -> None:
         self.config = config
         self.proposer = proposer

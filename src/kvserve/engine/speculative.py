@@ -14,9 +14,21 @@ dict lookups, not a scan of the context.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kvserve.config import SpeculativeConfig
 
 MAX_BACKOFF = 16  # steps without drafts after a run of fully rejected ones, at most
+
+
+class Proposer(Protocol):
+    """What the scheduler asks for drafts (this module's prompt lookup, ``draft_model``'s draft model)."""
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]: ...
+
+    def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 class _Index:
