@@ -50,6 +50,21 @@ def add_parser(sub, name: str) -> None:
         help="publish the prefix cache's events (block stored / removed / all cleared) over ZeroMQ in vLLM's "
         "format, for llm-d's KV indexer or Dynamo's KV router: tcp://*:5557 binds, tcp://HOST:PORT connects",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N engine replicas as Ray Serve deployments, routed by the prompt's cached prefix, then by "
+        "queue length (pip install 'kvserve[ray]'); each takes -t threads (default 1)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --replicas: the Ray cluster to join (HOST:PORT of its head, or 'auto'); default: start a "
+        "Ray instance on this machine",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_engine_args(p, max_num_seqs=8)
@@ -97,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
         special_tokens_in_messages=args.special_tokens_in_messages,
         kv_events=check_endpoint(args.kv_events) if args.kv_events else None,
     )
+    if args.replicas is not None:
+        from kvserve.cli.serve_replicas import run_replicas
+
+        return run_replicas(args, config)
+    if args.ray_address is not None:
+        raise ValueError("--ray-address needs --replicas N")
     check_port_free(args.host, args.port)
     engine = load_engine(args)
     async_engine = AsyncLLMEngine(engine)

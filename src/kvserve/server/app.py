@@ -90,8 +90,14 @@ def _publish_kv_events(async_engine: AsyncLLMEngine, publisher) -> None:
         async_engine.engine.publish_kv_events(publisher)
 
 
-def build_app(async_engine: AsyncLLMEngine, config: ServerConfig, card: ModelCard | None = None) -> FastAPI:
-    """The app owns ``async_engine`` from now on: it shuts the engine down when the server stops."""
+def build_app(
+    async_engine: AsyncLLMEngine,
+    config: ServerConfig,
+    card: ModelCard | None = None,
+    view: EngineView | None = None,
+) -> FastAPI:
+    """The app owns ``async_engine`` from now on: it shuts the engine down when the server stops.
+    ``view`` replaces the engine's own for ``/metrics`` and ``/v1/kvserve/cache`` (replicas: their sum)."""
     card = card or ModelCard.from_engine(async_engine.engine, config.model_name)
 
     @asynccontextmanager
@@ -114,7 +120,7 @@ def build_app(async_engine: AsyncLLMEngine, config: ServerConfig, card: ModelCar
         description="OpenAI- and Ollama-compatible streaming over the kvserve engine.",
         lifespan=lifespan,
     )
-    view = EngineView(async_engine)
+    view = view or EngineView(async_engine)
     app.state.view = view
     app.state.metrics = ServerMetrics(view)
     app.state.serving = Serving(async_engine, card, app.state.metrics, config)
