@@ -80,17 +80,26 @@ def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
     return tensors
 
 
+TRIM_EVERY = 64 << 20  # bytes moved between two malloc_trim calls while filling an arena
+
+
 def rehome(owners: list, attribute: str) -> None:
     """Moves each owner's CPU tensor ``attribute`` into one arena, written once. One at a time: an
     original is let go (freed when nothing else holds it) before the next is copied, so the move costs
     one tensor beyond the arena, not a second copy of them all (SmolLM2's packed weights: 96 MiB more
-    at the load's peak when they were copied together)."""
+    at the load's peak when they were copied together); the C heap's freed pages go back to the OS every
+    TRIM_EVERY bytes, else the originals stay resident in glibc's heap until the load's end."""
     if not owners:
         return
     specs = [(tuple(getattr(o, attribute).shape), getattr(o, attribute).dtype) for o in owners]
+    moved = 0
     for owner, copy in zip(owners, _views(specs, getattr(owners[0], attribute).device)):
         copy.copy_(getattr(owner, attribute))
         setattr(owner, attribute, copy)
+        moved += copy.numel() * copy.element_size()
+        if moved >= TRIM_EVERY:  # the originals' heap pages back to the OS as the arena fills
+            release_freed_memory()
+            moved = 0
 
 
 def release_freed_memory() -> None:

@@ -150,3 +150,35 @@ def test_four_bit_grids_run_as_four_bit_groups(qtype, size, f32_scales):
     assert float((y.double() - exact).norm() / exact.norm()) < 1e-4
     for i in (0, 8):
         assert torch.equal(lin(x[i : i + 1])[0], y[i])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0"])
+def test_symmetric_grids_from_the_blocks_are_the_librarys_dequantization(qtype):
+    """Q8_0, Q5_0 and Q4_0 decoded from their blocks by chunks of rows (the tied head's path, which never
+    dequantizes the embedding): held as int8 groups, the gguf library's dequantization bit for bit."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from kvserve.models.gguf_file import symmetric_grid
+
+    rows, cols = 4100, 64  # past one chunk of 4,096 rows
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(12)).numpy()
+    raw = quantize(x, GGMLQuantizationType[qtype])
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
+    lin = Int8GroupLinear.from_grid32(rows, cols, symmetric_grid(raw.reshape(-1), rows, cols, qtype))
+    assert torch.equal(lin.weight, weight)
+    if qtype == "Q8_0":  # the grid the values give (Q5_0's and Q4_0's: equal weights, other scales)
+        assert torch.equal(lin.packed, Int8GroupLinear(weight, None).packed)
+
+
+def test_the_tied_heads_come_from_the_files_blocks(gemma_weights):
+    """SmolLM2's and Gemma 3's tied Q8_0 embeddings become the int8 head without an f32 copy: the head's
+    rows (the embedding lookups) are the file's dequantized rows."""
+    from kvserve.models.loader import load_model
+
+    gf, _ = gemma_weights
+    model = load_model("gemma3-270m", weight_format="q4").model
+    assert model.embed is None
+    ids = torch.tensor([0, 1, 2, 106, 262143])
+    assert torch.equal(model.lm_head.rows(ids), gf.load_tensor("token_embd.weight")[ids])

@@ -21,7 +21,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.models.activations import gated
-from kvserve.models.linear import Int8GroupLinear, Linear, int8_groups16, make_linear, pack_into_arena
+from kvserve.models.linear import (Int8GroupLinear, Linear, _int8_matmul_kernel, int8_groups16, make_linear,
+                                   pack_into_arena)
 from kvserve.models.moe import MoE
 from kvserve.models.norms import add_rms_norm, rms_norm, rms_norm_heads
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding, rotate_heads
@@ -102,14 +103,18 @@ class DecoderLM:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
-        self.embed = w("token_embd.weight")  # [vocab, hidden]
         self.final_norm = w("output_norm.weight")
         tied = "output.weight" not in weights
-        self.lm_head = linear(self.embed if tied else w("output.weight"))
-        if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
-            # the head's int8 groups are the embedding, exactly (a Q8_0 tensor): rows come from them, and
-            # the f32 copy goes (SmolLM2 113 MB, Gemma 3 270M 671 MB)
+        self.lm_head = self._tied_int8_head(weights) if tied else None
+        if self.lm_head is not None:
+            # the head's int8 groups are the file's Q8_0 embedding, taken from its blocks: rows come from
+            # them, and no f32 copy is ever made (SmolLM2 113 MB, Gemma 3 270M 671 MB)
             self.embed = None
+        else:
+            self.embed = w("token_embd.weight")  # [vocab, hidden]
+            self.lm_head = linear(self.embed if tied else w("output.weight"))
+            if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
+                self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
         self.layers = [self._layer(f"blk.{i}.", w, opt, projection) for i in range(config.num_layers)]
         pack_into_arena([self.lm_head] + [lin for layer in self.layers for lin in layer.linears])
         self.rope = rotary_embedding(config, weights, device, dtype)
@@ -120,6 +125,16 @@ class DecoderLM:
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
         del self._weights  # the loader's dict: not kept past the load
+
+    def _tied_int8_head(self, weights) -> Int8GroupLinear | None:
+        """The tied head as int8 groups straight from the file's grid where the format holds the head as
+        int8 groups and the embedding is a Q8_0 (Q5_0, Q4_0) tensor; else None."""
+        if self.weight_format not in ("int8", "q4", "q4-fast") or self.device.type != "cpu":
+            return None
+        if not hasattr(weights, "grid32") or self.dtype != torch.float32 or _int8_matmul_kernel() is None:
+            return None
+        grid = weights.grid32("token_embd.weight")
+        return None if grid is None else Int8GroupLinear.from_grid32(*grid)
 
     def _layer(self, p: str, w, opt, projection) -> LayerWeights:
         """Layer ``p``'s weights by their GGUF names: q, k, v stacked (or the file's fused attn_qkv), gate

@@ -6,7 +6,8 @@ maps its names onto the same spelling, so the model code knows one set of names.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import mmap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,18 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return self.header.architecture
+
+    def release(self, name: str) -> None:
+        """Drop the file's pages under a tensor the model has taken (they are read again from the page cache
+        if ever needed): a load's resident size then holds one tensor of the file, not all of it read so
+        far (Gemma 3 270M: 253 MB). Where the OS has no madvise, nothing."""
+        t = self.tensors[name]
+        start = self.header.data_offset + t.offset
+        page = mmap.PAGESIZE
+        first, last = -(-start // page) * page, (start + t.num_bytes) // page * page
+        advise = getattr(getattr(self._data, "_mmap", None), "madvise", None)
+        if advise is not None and last > first and hasattr(mmap, "MADV_DONTNEED"):
+            advise(mmap.MADV_DONTNEED, first, last - first)
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """A tensor's stored bytes, a view of the mapped file."""
@@ -109,6 +122,33 @@ def affine_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torch
     return torch.from_numpy(codes.reshape(rows, cols).astype(np.int8)), per16[0], per16[1]
 
 
+def symmetric_grid(raw: np.ndarray, rows: int, cols: int, type_name: str) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """GGUF Q8_0 / Q5_0 / Q4_0 blocks (an f16 d, then 32 codes of 8, 5 or 4 bits; w = d * code) as their grid,
+    decoded from the bytes 4,096 rows at a time: (first row, codes int8 [n, cols], d f32 [n, cols / 32]).
+    d * code is exact in f32, so the grid gives the gguf library's dequantization back bit for bit, and
+    neither the tensor in f32 nor all its codes at once are ever held (Gemma 3 270M's tied embedding:
+    671 MB in f32)."""
+    size = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18}[type_name]
+    per_row = cols // 32
+    all_blocks = raw.reshape(rows * per_row, size)
+    for r in range(0, rows, 4096):
+        n = min(4096, rows - r)
+        blocks = all_blocks[r * per_row : (r + n) * per_row]
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        if type_name == "Q8_0":
+            q = blocks[:, 2:].view(np.int8)
+        else:
+            qs = blocks[:, size - 16 :]
+            q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)  # elements 0-15, then 16-31
+            if type_name == "Q5_0":
+                qh = blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)
+                q = q | ((qh & np.uint32(1)).astype(np.uint8) << np.uint8(4))
+            q = q.astype(np.int8) - np.int8(16 if type_name == "Q5_0" else 8)
+        yield r, torch.from_numpy(np.ascontiguousarray(q).reshape(n, cols)), torch.from_numpy(d.reshape(n, per_row))
+
+
+SYMMETRIC_TYPES = ("Q8_0", "Q5_0", "Q4_0")
+
 # the block types whose grids cannot be recovered from their values (asymmetric: scale and offset)
 GRID_DECODERS = {
     "Q4_K": lambda raw, rows, cols: k_quant_grid(raw, rows, cols, 4),
@@ -147,6 +187,7 @@ class GGUFWeights:
 
     def pop(self, name: str) -> torch.Tensor:
         w = self._load(name)
+        self.gf.release(self.names[name])
         del self.names[name]
         self.taken += 1
         if self.on_tensor:
@@ -164,17 +205,40 @@ class GGUFWeights:
         rows, cols, decode = t.num_elements // t.dims[0], t.dims[0], GRID_DECODERS[t.type_name]
         return lambda: tuple(self._fix_rows(name, part) for part in decode(self.gf.tensor_bytes(stored), rows, cols))
 
+    def grid32(self, name: str) -> tuple[int, int, Iterator[tuple[int, torch.Tensor, torch.Tensor]]] | None:
+        """A Q8_0 / Q5_0 / Q4_0 tensor as (rows, cols, its grid by chunks of rows: ``symmetric_grid``), taken
+        from the file without ever dequantizing it (the tensor counts as taken, as ``pop``'s, and its pages
+        are dropped once the chunks are read); None for other types or for a tensor whose rows the
+        architecture reorders."""
+        stored = self.names[name]
+        t = self.gf.tensors[stored]
+        if t.type_name not in SYMMETRIC_TYPES or self._permuted(name):
+            return None
+        del self.names[name]
+        self.taken += 1
+        if self.on_tensor:
+            self.on_tensor(self.taken, self.total)
+        rows, cols = t.num_elements // t.dims[0], t.dims[0]
+
+        def chunks():
+            yield from symmetric_grid(self.gf.tensor_bytes(stored), rows, cols, t.type_name)
+            self.gf.release(stored)
+
+        return rows, cols, chunks()
+
     def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._load(name) if name in self.names else default
 
     def _load(self, name: str) -> torch.Tensor:
         return self._fix_rows(name, self.gf.load_tensor(self.names[name]))  # a KeyError for a missing tensor
 
+    def _permuted(self, name: str) -> bool:
+        """Whether the architecture reorders this tensor's rows (the q/k RoPE permutation of llama and granite)."""
+        return ARCHS[self.config.architecture].gguf_permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight"))
+
     def _fix_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """The architecture's fix-ups of a tensor's rows (the q/k RoPE permutation of llama and granite)."""
-        if ARCHS[self.config.architecture].gguf_permuted_qk:
-            if name.endswith("attn_q.weight"):
-                w = unpermute_rope_rows(w, self.config.num_heads)
-            elif name.endswith("attn_k.weight"):
-                w = unpermute_rope_rows(w, self.config.num_kv_heads)
+        if self._permuted(name):
+            heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads
+            w = unpermute_rope_rows(w, heads)
         return w

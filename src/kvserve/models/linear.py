@@ -156,6 +156,18 @@ class Int8GroupLinear(Int8Linear):
             self.packed = pack_int8_groups(*(groups or int8_groups(weight)))
         self.nbytes = self.packed.numel()
 
+    @classmethod
+    def from_grid32(cls, rows: int, cols: int, chunks, bias: torch.Tensor | None = None) -> Int8GroupLinear:
+        """Straight from a file's Q8_0 / Q5_0 / Q4_0 grid (``GGUFWeights.grid32``: its size and chunks of
+        int8 codes with their f32 scales per 32), never through f32 weights. Needs the kernel."""
+        lin = cls.__new__(cls)
+        lin.kernel, lin.layout = _int8_matmul_kernel(), "g32"
+        lin.out_features, lin.in_features = rows, cols
+        lin.bias = None if bias is None else bias.float()
+        lin.packed = pack_int8_groups_by_rows(rows, cols, chunks)
+        lin.nbytes = lin.packed.numel()
+        return lin
+
     @property
     def weight(self) -> torch.Tensor:
         return super().weight if self.kernel is None else self.rows(torch.arange(self.out_features))
@@ -278,11 +290,23 @@ def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     scales (f16), then 16 pairs of 32 bytes, byte 2 * lane + i = input 2 * pair + i of output lane.
     Outputs padded to a multiple of 16 with zeros."""
     n, k = q.shape
+    return pack_int8_groups_by_rows(n, k, ((r, q[r : r + ROW_BLOCK], d[r : r + ROW_BLOCK]) for r in range(0, n, ROW_BLOCK)))
+
+
+def pack_int8_groups_by_rows(n: int, k: int, chunks) -> torch.Tensor:
+    """pack_int8_groups from (first row, codes, scales) chunks whose first rows are multiples of 16, each
+    packed into the output as it comes: a head's temporaries are a chunk's, not copies of the tensor."""
     panels, groups = -(-n // 16), k // INT4_GROUP
-    q = F.pad(q, (0, 0, 0, panels * 16 - n)).view(panels, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
-    scales = F.pad(d, (0, 0, 0, panels * 16 - n)).half().view(panels, 16, groups).transpose(1, 2)
-    codes = q.reshape(panels, groups, 512).view(torch.uint8)
-    return torch.cat([scales.contiguous().view(torch.uint8), codes], -1).contiguous()
+    out = torch.empty(panels, groups, 32 + 512, dtype=torch.uint8)
+    for r, qr, dr in chunks:
+        rows = qr.shape[0]
+        p = -(-rows // 16)
+        qr = F.pad(qr, (0, 0, 0, p * 16 - rows)).view(p, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+        scales = F.pad(dr, (0, 0, 0, p * 16 - rows)).half().view(p, 16, groups).transpose(1, 2)
+        block = out[r // 16 : r // 16 + p]
+        block[..., :32] = scales.contiguous().view(torch.uint8)
+        block[..., 32:] = qr.reshape(p, groups, 512).view(torch.uint8)
+    return out
 
 
 def _int8_matmul_kernel(name: str = "int8_matmul"):
