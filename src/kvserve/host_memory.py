@@ -91,6 +91,7 @@ def rehome(owners: list, attribute: str) -> None:
     TRIM_EVERY bytes, else the originals stay resident in glibc's heap until the load's end."""
     if not owners:
         return
+    release_freed_memory()  # what the load freed so far, before the arena adds to it
     specs = [(tuple(getattr(o, attribute).shape), getattr(o, attribute).dtype) for o in owners]
     moved = 0
     for owner, copy in zip(owners, _views(specs, getattr(owners[0], attribute).device)):

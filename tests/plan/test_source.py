@@ -96,3 +96,23 @@ def test_unknown_and_missing_models(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
     with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
         resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_held_bytes_are_what_the_loaded_model_holds(name):
+    """The plan's weights in the engine's default format (q4) against the loaded model's own: every
+    projection's packed bytes, the head, the norms (and an f32 embedding where one is kept), within 1%."""
+    import torch
+
+    from kvserve.models.loader import load_model
+    from kvserve.plan.source import held_bytes
+
+    spec = resolve_model(name)
+    model = load_model(name, weight_format="q4").model
+    linears = [model.lm_head] + [lin for layer in model.layers for lin in layer.linears]
+    norms = [model.final_norm] + [t for layer in model.layers for t in (
+        layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_ffn_norm)
+        if isinstance(t, torch.Tensor)]
+    held = sum(lin.nbytes for lin in linears) + sum(4 * t.numel() for t in norms)
+    held += 0 if model.embed is None else model.embed.numel() * model.embed.element_size()
+    assert abs(held_bytes(spec.tensors, "q4") - held) <= 0.01 * held

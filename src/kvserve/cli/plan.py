@@ -46,6 +46,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument(
         "--dtype", default="float32", help="compute dtype the engine dequantizes weights to (float32)"
     )
+    p.add_argument("--weights", default="auto", choices=["auto", "q4", "q4-fast", "int8", "bf16", "f32"],
+                   help="the engine's weight format (auto: q4 for a GGUF, as the engine on a CPU)")
     p.add_argument(
         "--memory", default=None, help="memory to fit in, e.g. 16GiB or 16GB (default: available now)"
     )
@@ -128,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         dtype=args.dtype,
+        weights=args.weights,
         attention=args.attention,
         disk_cache_bytes=parse_size(args.kv_disk_cache_size, "--kv-disk-cache-size") if args.kv_disk_cache_size else None,
     )

@@ -106,6 +106,7 @@ class DecoderLM:
         self.final_norm = w("output_norm.weight")
         tied = "output.weight" not in weights
         self.lm_head = self._tied_int8_head(weights) if tied else None
+        self._head_from_grid = self.lm_head is not None
         if self.lm_head is not None:
             # the head's int8 groups are the file's Q8_0 embedding, taken from its blocks: rows come from
             # them, and no f32 copy is ever made (SmolLM2 113 MB, Gemma 3 270M 671 MB)
@@ -116,7 +117,9 @@ class DecoderLM:
             if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
                 self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
         self.layers = [self._layer(f"blk.{i}.", w, opt, projection) for i in range(config.num_layers)]
-        pack_into_arena([self.lm_head] + [lin for layer in self.layers for lin in layer.linears])
+        # a head built from the file's grid already sits in its own 2 MiB-page buffer
+        head = [] if self.embed is None and self._head_from_grid else [self.lm_head]
+        pack_into_arena(head + [lin for layer in self.layers for lin in layer.linears])
         self.rope = rotary_embedding(config, weights, device, dtype)
         self.rope_local = self.rope
         if config.rope_theta_local is not None:

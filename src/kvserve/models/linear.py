@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import native
-from kvserve.host_memory import rehome
+from kvserve.host_memory import empty_bytes, rehome
 
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4", "q4-fast")  # config.WEIGHT_CHOICES adds "auto", resolved by the loader
 # "auto" for a GGUF file on the CPU: q4, whose logits are f32's within KLD 1e-6. q4-fast (llama.cpp's
@@ -164,7 +164,7 @@ class Int8GroupLinear(Int8Linear):
         lin.kernel, lin.layout = _int8_matmul_kernel(), "g32"
         lin.out_features, lin.in_features = rows, cols
         lin.bias = None if bias is None else bias.float()
-        lin.packed = pack_int8_groups_by_rows(rows, cols, chunks)
+        lin.packed = pack_int8_groups_by_rows(rows, cols, chunks, huge_pages=True)
         lin.nbytes = lin.packed.numel()
         return lin
 
@@ -293,11 +293,15 @@ def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return pack_int8_groups_by_rows(n, k, ((r, q[r : r + ROW_BLOCK], d[r : r + ROW_BLOCK]) for r in range(0, n, ROW_BLOCK)))
 
 
-def pack_int8_groups_by_rows(n: int, k: int, chunks) -> torch.Tensor:
+def pack_int8_groups_by_rows(n: int, k: int, chunks, huge_pages: bool = False) -> torch.Tensor:
     """pack_int8_groups from (first row, codes, scales) chunks whose first rows are multiples of 16, each
-    packed into the output as it comes: a head's temporaries are a chunk's, not copies of the tensor."""
+    packed into the output as it comes: a head's temporaries are a chunk's, not copies of the tensor.
+    huge_pages: the output in its own 2 MiB-page buffer (``host_memory.empty_bytes``), where
+    ``pack_into_arena`` would put it, without a second copy of it at the load's peak."""
     panels, groups = -(-n // 16), k // INT4_GROUP
-    out = torch.empty(panels, groups, 32 + 512, dtype=torch.uint8)
+    shape = (panels, groups, 32 + 512)
+    out = (empty_bytes(panels * groups * 544, torch.device("cpu")).view(shape) if huge_pages
+           else torch.empty(shape, dtype=torch.uint8))
     for r, qr, dr in chunks:
         rows = qr.shape[0]
         p = -(-rows // 16)

@@ -4,8 +4,8 @@ and the largest context that fits a memory budget. Plain integers; no torch.
 Two totals, because the engine is moving:
 
     total (plan)    weights as stored + KV with sliding-window layers holding min(ctx, window) tokens
-    today's engine  weights dequantized to --dtype at load + the file's pages mapped while loading +
-                    the paged pool as the engine allocates it
+    today's engine  weights as the engine holds them (--weights: auto = q4 for a GGUF) + one tensor of the
+                    file mapped while loading + the paged pool as the engine allocates it
                     today: ceil(ctx / block_size) blocks per sequence, every layer keeping every token
 
 Both add the same activations and runtime overhead.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvserve.config import ModelConfig
 from kvserve.kv.disk_tier import capacity as disk_capacity
 from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type, pool_bytes
-from kvserve.plan.source import ModelSpec
+from kvserve.plan.source import ModelSpec, held_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,6 +49,7 @@ class PlanSettings:
     disk_cache_bytes: int | None = None  # --kv-disk-cache-size: the prefix cache's disk tier
     attention: str = "auto"  # the attention kernels planned for: auto = the ones the engine would run here
     threads: int = 0  # the native kernels' threads (each has a workspace); 0: this machine's CPUs
+    weights: str = "auto"  # the engine's --weights: auto = q4 for a GGUF (the CPU's default), else dtype
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -108,7 +109,7 @@ class ContextPlan:
     engine_kv_pool_bytes: int  # the pool today's engine allocates for this ctx
     activations: Activations
     total: int  # weights as stored + kv_bytes_windowed + activations + overhead
-    engine_total: int  # weights at --dtype + the mapped file + engine_kv_pool_bytes + activations + overhead
+    engine_total: int  # weights as held + a tensor in flight + engine_kv_pool_bytes + activations + overhead
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +141,7 @@ class KVTypePlan:
 class Plan:
     model: ModelSpec
     settings: PlanSettings
-    engine_weight_bytes: int  # weights as today's engine holds them: dequantized to settings.dtype
+    engine_weight_bytes: int  # weights as today's engine holds them (weight_format)
     runtime_overhead: int
     kv: tuple[KVTypePlan, ...]
     skipped: tuple[tuple[str, str], ...]  # (KV type, why it cannot store this model's head-vectors)
@@ -248,8 +249,15 @@ def context_plan(
         pool,
         act,
         spec.stored_bytes + kv_windowed + fixed,
-        engine_weights + spec.mapped_bytes + pool + fixed,  # a GGUF stays mapped while it loads
+        engine_weights + in_flight(spec) + pool + fixed,
     )
+
+
+def in_flight(spec: ModelSpec) -> int:
+    """A GGUF's largest tensor as stored: the loader drops a tensor's pages of the mapped file once it has
+    taken it, so the file's share of a load is about one tensor (the whole file where no tensor list is
+    known)."""
+    return max((t.num_bytes for t in spec.tensors), default=spec.mapped_bytes)
 
 
 def largest_fit(total: Callable[[int], int], limit: int, memory: int) -> int:
@@ -265,9 +273,24 @@ def largest_fit(total: Callable[[int], int], limit: int, memory: int) -> int:
     return lo
 
 
+def weight_format(spec: ModelSpec, s: PlanSettings) -> str:
+    """The format today's engine holds the weights in: --weights, with auto as the loader resolves it on a
+    CPU (q4 for a GGUF in float32, else the dtype)."""
+    if s.weights != "auto":
+        return s.weights
+    return "q4" if spec.tensors and s.dtype == "float32" else s.dtype
+
+
+def engine_weight_bytes(spec: ModelSpec, s: PlanSettings) -> int:
+    fmt = weight_format(spec, s)
+    if fmt in ("q4", "q4-fast", "int8") and spec.tensors:
+        return held_bytes(spec.tensors, fmt)
+    return spec.num_params * DTYPE_BYTES["bfloat16" if fmt == "bf16" else s.dtype]
+
+
 def make_plan(spec: ModelSpec, s: PlanSettings) -> Plan:
     c = spec.config
-    engine_weights = spec.num_params * DTYPE_BYTES[s.dtype]
+    engine_weights = engine_weight_bytes(spec, s)
     plans, skipped = [], []
     for k, v in s.kv_types:
         try:

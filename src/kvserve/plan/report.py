@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.models.gguf_config import SUPPORTED_ARCHITECTURES
-from kvserve.plan.planner import Plan
+from kvserve.plan.planner import Plan, weight_format
 
 UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -53,12 +53,13 @@ def notes(plan: Plan) -> list[str]:
             f"the engine does not run architecture '{c.architecture}' yet (it runs "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}); the figures assume its Llama-style layout"
         )
+    fmt = weight_format(m, s)
     if m.stored_bytes != plan.engine_weight_bytes:
         out.append(
-            f"weights: {fmt_bytes(m.stored_bytes)} as stored; the engine line counts every weight at "
-            f"{s.dtype}, {fmt_bytes(plan.engine_weight_bytes)} ({m.num_params:,} parameters; an upper bound: "
-            f"the load dequantizes one tensor at a time, and --weights q4 or int8 keep the projections in 4 or "
-            f"8 bits)"
+            f"weights: {fmt_bytes(m.stored_bytes)} as stored; the engine line counts them as --weights {fmt} "
+            f"holds them, {fmt_bytes(plan.engine_weight_bytes)} ({m.num_params:,} parameters"
+            + ("; 4-bit tensors as 4-bit groups, the rest and the head as int8 groups, norms in f32)"
+               if fmt in ("q4", "q4-fast", "int8") and m.tensors else ")")
         )
     n = _num_sliding(plan)
     if n:
@@ -129,6 +130,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "stored_by_type": dict(m.stored_by_type),
             "engine_bytes": plan.engine_weight_bytes,
             "engine_dtype": s.dtype,
+            "engine_format": weight_format(plan.model, s),
         },
         "runtime_overhead_bytes": plan.runtime_overhead,
         "kv_types": [
@@ -228,8 +230,8 @@ def render(plan: Plan, console) -> None:
     row(
         "today's engine",
         [p.engine_total for p in first.contexts],
-        f"weights {s.dtype} {fmt_bytes(plan.engine_weight_bytes)}"
-        + (" + the GGUF mapped while loading" if plan.model.mapped_bytes else "")
+        f"weights {weight_format(plan.model, s)} {fmt_bytes(plan.engine_weight_bytes)}"
+        + (" + a tensor of the GGUF in flight" if plan.model.mapped_bytes else "")
         + f", pool of {s.block_size}-token blocks",
     )
     console.print(table)

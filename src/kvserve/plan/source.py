@@ -39,6 +39,38 @@ class ModelSpec:
     stored_bytes: int  # weights as stored (file types), the size a quantization-aware runtime holds
     stored_by_type: dict[str, int] = field(default_factory=dict)
     mapped_bytes: int = 0  # file bytes the loader memory-maps (GGUF), resident while it loads
+    tensors: tuple = ()  # a GGUF's TensorInfo: what the engine's integer formats hold of each (held_bytes)
+
+
+# bytes a weight of each GGUF type takes in the engine's integer formats (models/linear.py's layouts: 4-bit
+# groups of 32 with f16 or f32 scales and offsets, int8 groups with an f16 scale per 32 or f32 scales and
+# offsets per 16); any other 2-D type is rounded to int8 groups of 32
+_Q4_GROUPS = {"Q4_1": 320 / 512, "Q4_K": 384 / 512}
+_INT8_GROUPS = {"Q8_0": 544 / 512, "Q5_0": 544 / 512, "Q4_0": 544 / 512, "Q6_K": 768 / 512, "Q5_K": 768 / 512,
+                "Q5_1": 768 / 512, "Q4_1": 768 / 512, "Q4_K": 768 / 512}
+HEAD_GRIDS = ("Q8_0", "Q5_0", "Q4_0")  # a tied embedding of these types is the int8 head, with no f32 copy
+
+
+def held_bytes(tensors, weights: str) -> int:
+    """Bytes the engine holds of a GGUF's tensors in ``weights`` ("q4", "q4-fast" or "int8"): norms and
+    other 1-D tensors in f32, projections in their formats, the head as int8 groups (a tied embedding
+    that is no such grid also kept in f32 for the lookups, an untied one in f32)."""
+    names = {t.name for t in tensors}
+    total = 0.0
+    for t in tensors:
+        if len(t.dims) < 2:
+            total += 4 * t.num_elements
+        elif t.name == "token_embd.weight":
+            tied = "output.weight" not in names
+            if tied:
+                total += _INT8_GROUPS.get(t.type_name, 544 / 512) * t.num_elements
+            if not tied or t.type_name not in HEAD_GRIDS:
+                total += 4 * t.num_elements
+        elif weights in ("q4", "q4-fast") and t.type_name in _Q4_GROUPS:
+            total += _Q4_GROUPS[t.type_name] * t.num_elements
+        else:
+            total += _INT8_GROUPS.get(t.type_name, 544 / 512) * t.num_elements
+    return int(total)
 
 
 def resolve_model(model: str) -> ModelSpec:
@@ -74,6 +106,7 @@ def _from_gguf(source, shown: str) -> ModelSpec:
         header.num_weight_bytes,
         header.bytes_by_type(),
         mapped_bytes=header.num_weight_bytes,
+        tensors=tuple(header.tensors.values()),
     )
 
 
