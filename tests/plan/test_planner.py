@@ -7,6 +7,7 @@ import pytest
 from kvserve.kv.kv_types import kv_bytes_per_token
 from kvserve.plan.planner import (
     RUNTIME_OVERHEAD_BYTES,
+    TOKENIZER_BYTES_PER_TOKEN,
     PlanSettings,
     activations,
     largest_fit,
@@ -88,16 +89,15 @@ def test_totals_add_up_and_show_both_engines():
     spec = resolve_model("Gemma-3-12B")
     s = PlanSettings(contexts=(8192, 131072), kv_types=(("q8_0", "q8_0"),), memory=64 << 30, max_num_seqs=2)
     plan = make_plan(spec, s)
-    assert plan.engine_weight_bytes == spec.num_params * 4  # dequantized to float32
+    assert plan.engine_weight_bytes == spec.num_params * 4  # a preset has no tensor list: dequantized to float32
+    overhead = RUNTIME_OVERHEAD_BYTES + TOKENIZER_BYTES_PER_TOKEN * spec.config.vocab_size
+    assert plan.runtime_overhead == overhead
     for p in plan.kv[0].contexts:
         assert p.kv_bytes == p.ctx * plan.kv[0].bytes_per_token * 2
         assert p.kv_bytes_windowed < p.kv_bytes
-        assert (
-            p.total == spec.stored_bytes + p.kv_bytes_windowed + p.activations.total + RUNTIME_OVERHEAD_BYTES
-        )
+        assert p.total == spec.stored_bytes + p.kv_bytes_windowed + p.activations.total + overhead
         assert p.engine_total == (
-            plan.engine_weight_bytes + spec.mapped_bytes + p.engine_kv_pool_bytes + p.activations.total
-            + RUNTIME_OVERHEAD_BYTES
+            plan.engine_weight_bytes + spec.mapped_bytes + p.engine_kv_pool_bytes + p.activations.total + overhead
         )
 
 

@@ -34,6 +34,14 @@ ATTENTION_KERNELS = ("auto", "native", "torch")
 # `python -c "import torch, kvserve"` measured 218.6 MiB (torch 2.13 CPU build, Python 3.11);
 # re-measure with measure_runtime_overhead(). A CUDA build adds its context on top.
 RUNTIME_OVERHEAD_BYTES = 220 * MiB
+# The tokenizer's tables in Python per vocabulary entry: Tokenizer.from_gguf measured 29 MiB for SmolLM2's
+# 49,152 tokens and 129 MiB for Gemma 3's 262,144 (619 and 516 bytes a token).
+TOKENIZER_BYTES_PER_TOKEN = 560
+
+
+def runtime_overhead(config: ModelConfig) -> int:
+    """The process before any weight or cache: torch and kvserve imported, and the model's tokenizer."""
+    return RUNTIME_OVERHEAD_BYTES + TOKENIZER_BYTES_PER_TOKEN * config.vocab_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +249,7 @@ def context_plan(
     kv_windowed = windowed_kv_bytes(c, ctx, k, v) * seqs
     pool = planned_kv_pool_bytes(c, ctx, seqs, s.block_size, k, v)
     act = activations(c, ctx, k, v, s)
-    fixed = act.total + RUNTIME_OVERHEAD_BYTES
+    fixed = act.total + runtime_overhead(c)
     return ContextPlan(
         ctx,
         kv_full,
@@ -317,7 +325,7 @@ def make_plan(spec: ModelSpec, s: PlanSettings) -> Plan:
         )
     if not plans:
         raise ValueError("no KV cache type can store this model: " + "; ".join(r for _, r in skipped))
-    return Plan(spec, s, engine_weights, RUNTIME_OVERHEAD_BYTES, tuple(plans), tuple(skipped))
+    return Plan(spec, s, engine_weights, runtime_overhead(c), tuple(plans), tuple(skipped))
 
 
 def available_memory() -> tuple[int, str]:

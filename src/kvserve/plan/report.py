@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.models.gguf_config import SUPPORTED_ARCHITECTURES
-from kvserve.plan.planner import Plan, weight_format
+from kvserve.plan.planner import TOKENIZER_BYTES_PER_TOKEN, Plan, weight_format
 
 UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -70,7 +70,8 @@ def notes(plan: Plan) -> list[str]:
         )
     out.append(
         f"runtime overhead: {fmt_bytes(plan.runtime_overhead)}, the resident size of "
-        '`python -c "import torch, kvserve"` (CPU build; CUDA adds its context)'
+        '`python -c "import torch, kvserve"` (CPU build; CUDA adds its context) and the tokenizer\'s tables '
+        f"(~{TOKENIZER_BYTES_PER_TOKEN} bytes for each of {c.vocab_size:,} tokens)"
     )
     kernels = plan.kv[0].contexts[0].activations.attention_kernels
     out.append(
@@ -225,7 +226,7 @@ def render(plan: Plan, console) -> None:
         [p.activations.total for p in first.contexts],
         f"chunk {s.max_num_batched_tokens} tokens, {first.contexts[0].activations.attention_kernels} attention",
     )
-    row("runtime overhead", [plan.runtime_overhead] * n, "torch + Python")
+    row("runtime overhead", [plan.runtime_overhead] * n, "torch + Python + the tokenizer")
     row("total (plan)", [p.total for p in first.contexts], "", style="bold")
     row(
         "today's engine",
