@@ -136,3 +136,22 @@ def test_longrope_past_the_original_context(longrope, source):
     assert greedy == hf_greedy(hf, prompt, 8)
     short_prompt = prompt[:40]
     assert rel_err(our_last_logits(ours, short_prompt), hf_last_logits(hf, short_prompt)) < LOGITS_RTOL
+
+
+def test_the_engine_serves_longrope_on_the_factors_of_its_context(longrope):
+    """An engine whose context is longer than the original serves on the long factors (a 200-token prompt
+    answers as transformers does), one within it on the short ones, alternating on one shared model; the
+    factor set is part of the cache identity, so their blocks never mix."""
+    hf, models = longrope
+    ours = models["gguf"]
+    prompt = torch.randint(0, ab.VOCAB, (200,), generator=torch.Generator().manual_seed(12)).tolist()
+    long_engine, short_engine = make_engine(ours, num_ctx=ab.CONTEXT), make_engine(ours, num_ctx=128)
+    assert long_engine.cache_identity["rope_factors"] == "long"
+    assert short_engine.cache_identity["rope_factors"] == "short"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    short_prompt = prompt[:40]
+    for _ in range(2):  # alternating: each engine puts the model back on its own factors
+        rid = long_engine.add_request(prompt, params).request_id
+        assert long_engine.run_to_completion()[rid].token_ids == hf_greedy(hf, prompt, 8)
+        rid = short_engine.add_request(short_prompt, params).request_id
+        assert short_engine.run_to_completion()[rid].token_ids == hf_greedy(hf, short_prompt, 8)

@@ -93,7 +93,7 @@ class LLMEngine:
         self.num_draft_tokens = 0  # speculative tokens proposed, verified and kept (all requests)
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0  # request-steps that verified drafts
-        self.runner = ModelRunner(loaded.model, self.storage, self.kv)
+        self.runner = ModelRunner(loaded.model, self.storage, self.kv, size.max_model_len)
         decode = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else str
         self.sampler = Sampler(decode)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -354,6 +354,9 @@ class LLMEngine:
                 "kernels": self.kernels,
                 "layout": self.storage.layout(),
             }
+            factors = model.rope.factors_for(self.max_model_len)
+            if factors is not None:  # LongRoPE: the factor set the keys are rotated with
+                self._identity["rope_factors"] = factors
         return self._identity
 
     @property

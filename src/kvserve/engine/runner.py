@@ -14,8 +14,9 @@ from kvserve.models.decoder import DecoderLM
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, storage: PagedKVStorage, kv: KVCacheManager) -> None:
+    def __init__(self, model: DecoderLM, storage: PagedKVStorage, kv: KVCacheManager, num_ctx: int) -> None:
         self.model = model
+        self.num_ctx = num_ctx  # LongRoPE's factors follow the context served (rope.fit_context)
         self.storage = storage
         self.kv = kv
         self.device = model.device
@@ -27,6 +28,8 @@ class ModelRunner:
         """Run one forward over every scheduled token. Returns the requests whose known tokens are now
         all computed, with their last-position logits ([len(ready), vocab] float32); a request with
         speculative drafts has one row more per draft, right after its own."""
+        # every step, as engines of other contexts may share the model: a no-op unless LongRoPE switches
+        self.model.rope.fit_context(self.num_ctx)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -120,6 +120,12 @@ class RotaryEmbedding:
         self.cos = torch.empty(0, device=device)
         self.sin = torch.empty(0, device=device)
 
+    def factors_for(self, num_ctx: int) -> str | None:
+        """LongRoPE's factor set for a context of ``num_ctx``: "long" or "short"; None for other embeddings."""
+        if self.long_context is None:
+            return None
+        return "long" if num_ctx > self.long_context[1] else "short"
+
     def fit_context(self, num_ctx: int) -> None:
         """LongRoPE: every position on the long factors when the context served is longer than the
         original, on the short ones otherwise. One set for all positions, chosen by context size as
@@ -128,8 +134,7 @@ class RotaryEmbedding:
         any key is cached; a no-op for other rotary embeddings."""
         if self.long_context is None:
             return
-        long_inv_freq, original = self.long_context
-        inv_freq = long_inv_freq if num_ctx > original else self.short_inv_freq
+        inv_freq = self.long_context[0] if self.factors_for(num_ctx) == "long" else self.short_inv_freq
         if inv_freq is not self.inv_freq:
             self.inv_freq = inv_freq
             self.cos = torch.empty(0, device=self.device)
