@@ -144,3 +144,13 @@ def test_every_error_sent_is_counted_by_its_status():
     metrics = client.get("/metrics", headers=key).text
     for status in (400, 401, 404, 413, 429, 503):
         assert f'kvserve_request_errors_total{{status="{status}"}} 1.0' in metrics, status
+
+
+def test_the_live_pool_behind_replicas_is_a_501_not_a_crash():
+    """Behind --replicas the ingress has no pool of its own (ray_ingress.RemoteEngine): the live pool stream
+    says so with a 501 in the API's error shape."""
+    client, engine = make_client(RuntimeError("unused"))
+    engine.serves_replicas = True
+    r = client.get("/v1/kvserve/cache/stream", params={"max_events": 1})
+    assert r.status_code == 501 and r.json()["error"]["code"] == "not_available"
+    assert "replicas" in r.json()["error"]["message"]

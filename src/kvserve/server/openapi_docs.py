@@ -34,6 +34,7 @@ ERROR_DESCRIPTIONS = {
     413: "Request body over the server's limit",
     429: "Too many requests waiting: retry after Retry-After seconds",
     500: "Internal error; the server log has the details",
+    501: "Not available on this server's setup (one engine's view, behind --replicas)",
     503: "The server is shutting down, or its engine stopped after an internal error",
 }
 OLLAMA_DESCRIPTIONS = ERROR_DESCRIPTIONS | {

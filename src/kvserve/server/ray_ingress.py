@@ -58,6 +58,8 @@ class RemoteEngine:
     """The part of ``AsyncLLMEngine`` the routes use (``Serving``), over the engine deployment's handle.
     ``served_by`` maps the latest requests' ids to the replica that served them."""
 
+    serves_replicas = True  # routes that show one engine's internals (the live pool) answer 501
+
     def __init__(self, handle, facts: ReplicaFacts) -> None:
         self.handle = handle
         self.engine = facts

@@ -89,7 +89,7 @@ def pool_stream(request: Request) -> PoolStream:
             "content": {SSE: {"itemSchema": STREAM_ITEM}},
         }
     }
-    | openai_errors(400, 503),
+    | openai_errors(400, 501, 503),
 )
 async def cache_stream(
     request: Request,
@@ -101,7 +101,11 @@ async def cache_stream(
     request's blocks and context, counters for rates). Frames are taken between engine steps; every
     subscriber gets the same frames, so more pages cost the engine nothing more. The stream ends when
     the engine stops."""
-    if request.app.state.serving.async_engine.dead_error is not None:
+    engine = request.app.state.serving.async_engine
+    if getattr(engine, "serves_replicas", False):
+        raise APIError(501, "the live pool shows one engine's pool: behind --replicas each replica has its own "
+                            "(GET /v1/kvserve/replicas says which served what)", code="not_available")
+    if engine.dead_error is not None:
         raise APIError(503, "the engine has stopped: the pool no longer changes", code="engine_dead")
     stream = pool_stream(request)
 
