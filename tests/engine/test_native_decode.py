@@ -46,13 +46,10 @@ def run(engine, prompts: list[list[int]], late: list[int]) -> list:
     return steps
 
 
-@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("q8_0", "q4_0"), ("tq4", "tq3")])
-@pytest.mark.parametrize("weights", ["q4", "q4-fast"])
-def test_same_logits_as_forward(request, weights, cache_types, check_no_leaks):
-    loaded = request.getfixturevalue("smollm2_q4") if weights == "q4" else request.getfixturevalue("smollm2_q4_fast")
+def assert_same_logits_as_forward(loaded, cache_types, prompts, late, check_no_leaks) -> None:
+    """The same steps through the one-call path and through ``forward``: the same requests each step,
+    the same logits bit for bit."""
     k, v = cache_types
-    prompts = [[1, 504, 3458, 282, 4649, 314] * (1 + i) for i in range(3)]
-    late = [1, 9690, 28, 1064, 281]
     native = make_engine(loaded, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
     plain = make_engine(loaded, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
     check_no_leaks.extend([native, plain])
@@ -65,6 +62,14 @@ def test_same_logits_as_forward(request, weights, cache_types, check_no_leaks):
     for (ids, logits), (ids_ref, logits_ref) in zip(got, expected):
         assert ids == ids_ref
         assert torch.equal(logits, logits_ref)
+
+
+@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("q8_0", "q4_0"), ("tq4", "tq3")])
+@pytest.mark.parametrize("weights", ["q4", "q4-fast"])
+def test_same_logits_as_forward(request, weights, cache_types, check_no_leaks):
+    loaded = request.getfixturevalue("smollm2_q4") if weights == "q4" else request.getfixturevalue("smollm2_q4_fast")
+    prompts = [[1, 504, 3458, 282, 4649, 314] * (1 + i) for i in range(3)]
+    assert_same_logits_as_forward(loaded, cache_types, prompts, [1, 9690, 28, 1064, 281], check_no_leaks)
 
 
 def test_not_used_where_its_kernels_do_not_apply(smollm2, smollm2_q4):
@@ -85,16 +90,5 @@ def gemma3_q4():
 def test_gemma3_same_logits_as_forward(gemma3_q4, cache_types, check_no_leaks):
     """Gemma 3: q/k norms, post-norms, GELU gating, an embedding scale, int8 and 4-bit projections, and
     sliding layers with their own RoPE table and window (a prompt longer than the window of 512)."""
-    k, v = cache_types
     prompts = [[2, 818, 5279, 529, 7001, 563] * n for n in (3, 7, 90)]
-    late = [2, 9259, 236764, 1217, 107]
-    native = make_engine(gemma3_q4, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
-    plain = make_engine(gemma3_q4, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
-    check_no_leaks.extend([native, plain])
-    assert native.runner.native_decode is not None
-    plain.runner.native_decode = None
-    got, expected = run(native, prompts, late), run(plain, prompts, late)
-    assert native.runner.native_decode.calls >= 10
-    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
-    for (_, logits), (_, logits_ref) in zip(got, expected):
-        assert torch.equal(logits, logits_ref)
+    assert_same_logits_as_forward(gemma3_q4, cache_types, prompts, [2, 9259, 236764, 1217, 107], check_no_leaks)

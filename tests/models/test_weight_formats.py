@@ -264,12 +264,19 @@ def test_int4_without_the_kernel_uses_torchs(monkeypatch):
 
 
 def test_a_models_packed_weights_live_in_one_arena(smollm2_q4):
-    """Every 4-bit projection and the int8 head of the loaded model: views of one buffer (2 MiB pages
-    on Linux, see kvserve.host_memory)."""
+    """Every 4-bit projection of the loaded model: views of one buffer (2 MiB pages on Linux, see
+    kvserve.host_memory); the int8 head, packed straight from the file's Q8_0 blocks, in a 2 MiB-page
+    buffer of its own (moving it into the arena would hold it twice at the load's peak)."""
+    import sys
+
+    from kvserve.host_memory import HUGE_PAGE
     from kvserve.models.linear import Int8GroupLinear
 
     model = smollm2_q4.model
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert all(isinstance(lin, Int4Linear) for lin in linears) and isinstance(model.lm_head, Int8GroupLinear)
-    packed = [lin.packed for lin in linears] + [model.lm_head.packed]
-    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
+    assert len({lin.packed.untyped_storage().data_ptr() for lin in linears}) == 1
+    head = model.lm_head.packed
+    assert head.untyped_storage().data_ptr() != linears[0].packed.untyped_storage().data_ptr()
+    if sys.platform.startswith("linux"):
+        assert head.data_ptr() % HUGE_PAGE == 0

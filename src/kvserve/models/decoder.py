@@ -21,8 +21,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.models.activations import gated
-from kvserve.models.linear import (Int8GroupLinear, Linear, _int8_matmul_kernel, int8_groups16, make_linear,
-                                   pack_into_arena)
+from kvserve.models.linear import Int8GroupLinear, Linear, int8_groups16, make_linear, pack_into_arena
 from kvserve.models.moe import MoE
 from kvserve.models.norms import add_rms_norm, rms_norm, rms_norm_heads
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding, rotate_heads
@@ -134,7 +133,7 @@ class DecoderLM:
         int8 groups and the embedding is a Q8_0 (Q5_0, Q4_0) tensor; else None."""
         if self.weight_format not in ("int8", "q4", "q4-fast") or self.device.type != "cpu":
             return None
-        if not hasattr(weights, "grid32") or self.dtype != torch.float32 or _int8_matmul_kernel() is None:
+        if not hasattr(weights, "grid32") or self.dtype != torch.float32 or not Int8GroupLinear.native():
             return None
         grid = weights.grid32("token_embd.weight")
         return None if grid is None else Int8GroupLinear.from_grid32(*grid)

@@ -156,6 +156,11 @@ class Int8GroupLinear(Int8Linear):
             self.packed = pack_int8_groups(*(groups or int8_groups(weight)))
         self.nbytes = self.packed.numel()
 
+    @staticmethod
+    def native() -> bool:
+        """Whether the C kernel runs here (``from_grid32`` needs it)."""
+        return _int8_matmul_kernel() is not None
+
     @classmethod
     def from_grid32(cls, rows: int, cols: int, chunks, bias: torch.Tensor | None = None) -> Int8GroupLinear:
         """Straight from a file's Q8_0 / Q5_0 / Q4_0 grid (``GGUFWeights.grid32``: its size and chunks of
