@@ -18,6 +18,7 @@ import ray
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.errors import PromptTooLongError
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot
 from kvserve.server.errors import APIError
@@ -49,9 +50,18 @@ class ReplicaFacts:
     tokenizer: Tokenizer | None
     max_model_len: int
     model_config: Any
+    shifts_context: bool = False
 
     def check_prompt(self, prompt: list[int]) -> None:
-        """Nothing here: the replica checks the prompt when it admits the request."""
+        """What the replicas' admission would refuse for any replica (an empty prompt, one too long for
+        the context where it is not shifted), refused here: a 400 before a stream starts. The replica
+        still checks the rest (its queue) when it admits the request."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.max_model_len and not self.shifts_context:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt)} tokens but the context limit is {self.max_model_len} "
+                "(room is needed for at least one new token)", len(prompt), self.max_model_len)
 
 
 class RemoteEngine:
@@ -79,6 +89,7 @@ class RemoteEngine:
         the replica admits the request. A replica that dies mid-request ends it with a 503."""
         if cache_salt is not None:
             raise ValueError("cache_salt is not supported across replicas")
+        self.engine.check_prompt(prompt)  # before the first await: admission errors reach start() as a 400
         stream = self.handle.options(stream=True).generate.remote(
             prompt, params or SamplingParams(), request_id
         )
@@ -165,7 +176,8 @@ class KVServeIngress:
         described = await self.engine_handle.describe.remote()
         state = described["tokenizer"]
         facts = ReplicaFacts(
-            Tokenizer(*state) if state else None, described["max_model_len"], described["model_config"]
+            Tokenizer(*state) if state else None, described["max_model_len"], described["model_config"],
+            described["shifts_context"],
         )
         remote = RemoteEngine(self.engine_handle, facts)
         app = build_app(remote, self.server_config, described["card"], ReplicasView(self.engine_handle))

@@ -79,6 +79,7 @@ class EngineReplica:
         return {
             "card": self.card,
             "max_model_len": engine.max_model_len,
+            "shifts_context": engine.scheduler.shifts_context,
             "model_config": engine.model_config,
             "tokenizer": tokenizer,  # Tokenizer's constructor arguments: it holds a lock, which does not pickle
         }
