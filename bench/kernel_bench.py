@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvserve import native
-from kvserve.models.linear import int8_groups, pack_int4, pack_int8_groups
+from kvserve.models.weight_grids import int8_groups, pack_int4, pack_int8_groups
 
 # SmolLM2-135M: hidden 576, 3 x 192 kv + 576 q, intermediate 1536, vocabulary 49152
 PROJECTIONS = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvserve.models.gguf_file import GGUFFile, GGUFWeights
-from kvserve.models.linear import Int4Linear, Int8GroupLinear, int8_groups16, make_linear, pack_int8_groups16
+from kvserve.models.linear import Int4Linear, Int8GroupLinear, make_linear
+from kvserve.models.weight_grids import int8_groups16, pack_int8_groups16
 from kvserve.models.registry import resolve
 
 CPU = torch.device("cpu")

@@ -7,15 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.models.linear import (
-    INT4_GROUP,
-    DenseLinear,
-    Int4Linear,
-    Int8GroupLinear,
-    Int8Linear,
-    int4_groups,
-    make_linear,
-)
+from kvserve.models.linear import DenseLinear, Int4Linear, Int8GroupLinear, Int8Linear, make_linear
+from kvserve.models.weight_grids import INT4_GROUP, int4_groups
 
 CPU = torch.device("cpu")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserve import native
-from kvserve.models.linear import int8_groups, pack_int8_groups
+from kvserve.models.weight_grids import int8_groups, pack_int8_groups
 from tests.native.test_isa_paths import SHAPES, grid16_inputs, int4_inputs, run_int4, run_int8
 
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve import native
-from kvserve.models.linear import int8_groups, pack_int4, pack_int8_groups, pack_int8_groups16
+from kvserve.models.weight_grids import int8_groups, pack_int4, pack_int8_groups, pack_int8_groups16
 from kvserve.native import abi
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")

@@ -21,11 +21,12 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.models.activations import gated
-from kvserve.models.linear import Int8GroupLinear, Linear, int8_groups16, make_linear, pack_into_arena
+from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_into_arena
 from kvserve.models.moe import MoE
 from kvserve.models.norms import add_rms_norm, rms_norm, rms_norm_heads
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding, rotate_heads
 from kvserve.models.softcap_attention import SoftcapAttention
+from kvserve.models.weight_grids import int8_groups16
 
 
 class AttentionBackend(Protocol):
@@ -117,7 +118,7 @@ class DecoderLM:
                 self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
         self.layers = [self._layer(f"blk.{i}.", w, opt, projection) for i in range(config.num_layers)]
         # a head built from the file's grid already sits in its own 2 MiB-page buffer
-        head = [] if self.embed is None and self._head_from_grid else [self.lm_head]
+        head = [] if self._head_from_grid else [self.lm_head]
         pack_into_arena(head + [lin for layer in self.layers for lin in layer.linears])
         self.rope = rotary_embedding(config, weights, device, dtype)
         self.rope_local = self.rope

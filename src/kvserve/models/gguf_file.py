@@ -187,12 +187,16 @@ class GGUFWeights:
 
     def pop(self, name: str) -> torch.Tensor:
         w = self._load(name)
-        self.gf.release(self.names[name])
-        del self.names[name]
+        self.gf.release(self._take(name))
+        return w
+
+    def _take(self, name: str) -> str:
+        """Counts ``name`` as taken (the progress callback hears of it); returns its name in the file."""
+        stored = self.names.pop(name)
         self.taken += 1
         if self.on_tensor:
             self.on_tensor(self.taken, self.total)
-        return w
+        return stored
 
     def grid16(self, name: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
         """The file's own grid of a tensor, for the int8 groups to hold exactly (``GRID_DECODERS``' types:
@@ -214,10 +218,7 @@ class GGUFWeights:
         t = self.gf.tensors[stored]
         if t.type_name not in SYMMETRIC_TYPES or self._permuted(name):
             return None
-        del self.names[name]
-        self.taken += 1
-        if self.on_tensor:
-            self.on_tensor(self.taken, self.total)
+        self._take(name)
         rows, cols = t.num_elements // t.dims[0], t.dims[0]
 
         def chunks():
