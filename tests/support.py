@@ -44,11 +44,11 @@ def write_tiny_llama(folder, seed: int = 0, vocab: int = 97, hidden: int = 64, l
 
 def make_engine(loaded, *, num_ctx=1024, max_num_seqs=8, budget=512, block_size=16, prefix_caching=True,
                 kv_cache_memory=None, cache_type_k="f32", cache_type_v=None, disk_cache_dir=None,
-                disk_cache_size=1 << 30) -> LLMEngine:
+                disk_cache_size=1 << 30, window_kv=True) -> LLMEngine:
     config = EngineConfig(
         model=str(loaded.path),
         cache=CacheConfig(block_size, num_ctx, kv_cache_memory, prefix_caching, cache_type_k, cache_type_v,
-                          None if disk_cache_dir is None else str(disk_cache_dir), disk_cache_size),
+                          None if disk_cache_dir is None else str(disk_cache_dir), disk_cache_size, window_kv),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
     )
     return LLMEngine(config, loaded)

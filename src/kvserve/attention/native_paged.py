@@ -36,7 +36,9 @@ class NativePagedAttention:
     ``for_storage`` entry."""
 
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
-        self.num_kv_heads, self.num_blocks, self.block_size = storage.num_kv_heads, storage.num_blocks, storage.block_size
+        self.num_kv_heads, self.block_size = storage.num_kv_heads, storage.block_size
+        # per layer, the blocks of its group (a head's rows start at head * num_blocks)
+        self.layer_num_blocks = [storage.group_blocks[g] for g in storage.group_of_layer]
         self.decode_kernel = abi.bind(library, "paged_decode_attention")
         self.prefill_kernel = abi.bind(library, "paged_prefill_attention")
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
@@ -79,7 +81,7 @@ class NativePagedAttention:
         n, heads, head_dim = q.shape
         return self._run(
             self.decode_kernel, "decode", q, (n, heads, self.num_kv_heads, head_dim),
-            (block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), self.num_blocks,
+            (block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), self.layer_num_blocks[layer],
              self.block_size, window or 0, scale, *self.layer_args[layer], *self.rotation_args),
         )
 
@@ -92,7 +94,8 @@ class NativePagedAttention:
         table = block_table.contiguous()
         return self._run(
             self.prefill_kernel, "prefill", q, (n, q_start, heads, self.num_kv_heads, head_dim),
-            (table.data_ptr(), self.num_blocks, self.block_size, window or 0, scale, *self.layer_args[layer]),
+            (table.data_ptr(), self.layer_num_blocks[layer], self.block_size, window or 0, scale,
+             *self.layer_args[layer]),
         )
 
 

@@ -11,6 +11,9 @@ to the longest context, with a length mask:
     block_tables [num_decodes, max_blocks]   ->  K [num_decodes, num_kv_heads, max_blocks * block_size, head_dim]
                                                  (one index_select of head-major blocks, no transpose)
     mask         key index < context_len (and > position - window in sliding-window layers)
+
+With a window group (``kv.window_blocks``), the sliding layers write and read through the window
+tables and slots beside the block tables and slots; ``group`` picks them for a layer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ class SequenceSlice:
     query_len: int
     context_len: int  # tokens in the cache for this sequence after this step's writes
     block_table: torch.Tensor  # [num_blocks_used] int64, enough blocks to hold context_len
+    window_table: torch.Tensor | None = None  # the same positions' blocks in the window group
+
+    def table(self, group: int) -> torch.Tensor:
+        return self.window_table if group else self.block_table
 
 
 @dataclass(slots=True)
@@ -42,6 +49,10 @@ class DecodeBatch:
     context_lens: torch.Tensor  # [num_decodes]
     only_decodes: bool = False  # the step's tokens are exactly these, in order (rows 0..n-1)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [num_decodes, 1, 1, keys]
+    window_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] in the window group
+
+    def tables(self, group: int) -> torch.Tensor:
+        return self.window_tables if group else self.block_tables
 
     def mask(self, window: int | None, num_keys: int) -> torch.Tensor:
         if window not in self.masks:
@@ -59,19 +70,27 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each token
     sequences: list[SequenceSlice]  # sequences attended one by one (prefill chunks)
     decodes: DecodeBatch | None = None  # single-token sequences attended together
+    window_slot_mapping: torch.Tensor | None = None  # [num_tokens] in the window group
+
+    def slots(self, group: int) -> torch.Tensor:
+        return self.window_slot_mapping if group else self.slot_mapping
+
+
+def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
 
 
 def build_decode_batch(
     token_rows: list[int], tables: list[list[int]], context_lens: list[int], device: torch.device,
-    num_tokens: int | None = None,
+    num_tokens: int | None = None, window_tables: list[list[int]] | None = None,
 ) -> DecodeBatch:
-    width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
     return DecodeBatch(
         torch.tensor(token_rows, dtype=torch.long, device=device),
-        torch.tensor(padded, dtype=torch.long, device=device),
+        _padded(tables, device),
         torch.tensor(context_lens, dtype=torch.long, device=device),
         only_decodes=num_tokens == len(token_rows) and token_rows == list(range(len(token_rows))),
+        window_tables=None if window_tables is None else _padded(window_tables, device),
     )
 
 
@@ -81,18 +100,20 @@ class PagedAttention:
     def __init__(self, storage: PagedKVStorage, metadata: PagedAttentionMetadata) -> None:
         self.storage = storage
         self.metadata = metadata
-        # index rows shared by every layer of this forward
-        self.slot_rows = storage.slot_rows(metadata.slot_mapping)
-        self.sequence_rows: list[torch.Tensor | None] = [None] * len(metadata.sequences)
+        groups = range(len(storage.group_blocks))
+        # index rows shared by every layer of a group in this forward
+        self.slot_rows = [storage.slot_rows(metadata.slots(g), g) for g in groups]
+        self.sequence_rows: dict[tuple[int, int], torch.Tensor] = {}
         self.write = native_paged.writer_for_storage(storage)
         self.native = native_paged.for_storage(storage)
         self.decode_rows = None
         if metadata.decodes is not None and self.native is None:
-            self.decode_rows = storage.block_rows(metadata.decodes.block_tables)
+            self.decode_rows = [storage.block_rows(metadata.decodes.tables(g), g) for g in groups]
 
     def attend(self, layer, q, k, v, window, scale):
         storage = self.storage
-        self.write(layer, self.slot_rows, k, v)
+        group = storage.group_of_layer[layer]
+        self.write(layer, self.slot_rows[group], k, v)
         d = self.metadata.decodes
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
             return self._decode_attention(layer, q, window, scale)
@@ -103,9 +124,9 @@ class PagedAttention:
                 qs = rotated[s.query_start : s.query_start + s.query_len]
                 q_start = s.context_len - s.query_len
                 if self.native is not None:  # reads the blocks in place, quantized or not
-                    o = self.native.prefill(layer, qs, q_start, s.block_table, window, scale)
+                    o = self.native.prefill(layer, qs, q_start, s.table(group), window, scale)
                 else:
-                    keys, values = storage.gather(layer, self._sequence_rows(i), s.context_len, q.dtype)
+                    keys, values = storage.gather(layer, self.sequence_block_rows(i, group), s.context_len, q.dtype)
                     o = sequence_attention(qs, keys, values, q_start, window, scale)
                 out[s.query_start : s.query_start + s.query_len] = o
             out = storage.v_codec.unrotate(out)  # values were summed in their rotated domain
@@ -113,21 +134,24 @@ class PagedAttention:
             out.index_copy_(0, d.token_rows, self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale))
         return out
 
-    def _sequence_rows(self, i: int) -> torch.Tensor:
-        """Storage rows of prefill sequence i's blocks, computed once per forward (shared by every layer)."""
-        if self.sequence_rows[i] is None:
-            self.sequence_rows[i] = self.storage.block_rows(self.metadata.sequences[i].block_table)
-        return self.sequence_rows[i]
+    def sequence_block_rows(self, i: int, group: int) -> torch.Tensor:
+        """Storage rows of prefill sequence i's blocks in ``group``, computed once per forward (shared by
+        every layer of the group)."""
+        if (i, group) not in self.sequence_rows:
+            table = self.metadata.sequences[i].table(group)
+            self.sequence_rows[i, group] = self.storage.block_rows(table, group)
+        return self.sequence_rows[i, group]
 
     def _decode_attention(self, layer, q, window, scale) -> torch.Tensor:
         """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]. Rotated
         codecs' rotations happen here (in the C kernel when there is one), so a sequence's decode is the
         same arithmetic in a pure decode step and in a step mixed with prefills."""
         d = self.metadata.decodes
+        group = self.storage.group_of_layer[layer]
         if self.native is not None:  # reads the blocks in place, quantized or not
-            return self.native.decode(layer, q, d.block_tables, d.context_lens, window, scale)
+            return self.native.decode(layer, q, d.tables(group), d.context_lens, window, scale)
         q = self.storage.k_codec.rotate(q)
-        keys, values = self.storage.read_blocks(layer, self.decode_rows, q.dtype)  # [n, kv_heads, keys, head_dim]
+        keys, values = self.storage.read_blocks(layer, self.decode_rows[group], q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]

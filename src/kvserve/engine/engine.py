@@ -27,10 +27,11 @@ from kvserve.kv.auto_type import context_advice
 from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.hashing import PROCESS_KEY, cache_key
-from kvserve.kv.kv_types import kv_bytes_per_token, pool_num_blocks
+from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, pool_num_blocks
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import DiskOffload
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.kv.window_blocks import WindowBlocks, window_pool_blocks
 from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import LoadedModel, load_model
 
@@ -43,16 +44,36 @@ MAX_STEP_FAILURES = 3  # a request in this many failed steps fails, even when ne
 class PoolSize:
     num_blocks: int
     max_model_len: int  # tokens one request may hold (prompt + output)
+    window_layers: frozenset[int] = frozenset()  # layers whose blocks are the window group's
+    num_window_blocks: int = 0
 
 
-def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> PoolSize:
+def window_group_layers(model: ModelConfig, cache: CacheConfig) -> frozenset[int]:
+    """The sliding-window layers, where they can keep only their window (``kv.window_blocks``): a
+    model with both kinds of layer (the window group's blocks are tied to the global layers')."""
+    if not cache.window_kv or not model.sliding_window:
+        return frozenset()
+    sliding = frozenset(i for i in range(model.num_layers) if model.is_sliding(i))
+    return sliding if len(sliding) < model.num_layers else frozenset()
+
+
+def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int, max_num_batched_tokens: int = 512) -> PoolSize:
     """Blocks in the pool: ``kv_cache_memory`` bytes when given, else room for ``max_num_seqs``
-    sequences of ``num_ctx`` tokens each."""
+    sequences of ``num_ctx`` tokens each. Sliding-window layers get a pool of their own sized for their
+    windows (``window_pool_blocks``) where that is smaller than keeping every token."""
     bs = cache.block_size
     if cache.num_ctx < 1:
         raise ValueError(f"num_ctx must be >= 1, got {cache.num_ctx}")
+    layer_block = bs * kv_bytes_per_token_per_layer(model, cache.cache_type_k, cache.cache_type_v)
+    window = window_group_layers(model, cache)
+    num_window = window_pool_blocks(model.sliding_window, bs, max_num_seqs, max_num_batched_tokens) if window else 0
     if cache.kv_cache_memory is not None:
-        per_block = bs * kv_bytes_per_token(model, cache.cache_type_k, cache.cache_type_v)
+        if window:
+            full = (cache.kv_cache_memory - num_window * len(window) * layer_block) // (
+                (model.num_layers - len(window)) * layer_block)
+            if full > num_window:
+                return PoolSize(full, min(cache.num_ctx, full * bs), window, num_window)
+        per_block = model.num_layers * layer_block
         num_blocks = cache.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -60,7 +81,10 @@ def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> Pool
                 f"({bs} tokens); give at least {per_block}"
             )
         return PoolSize(num_blocks, min(cache.num_ctx, num_blocks * bs))
-    return PoolSize(pool_num_blocks(cache.num_ctx, max_num_seqs, bs), cache.num_ctx)
+    num_blocks = pool_num_blocks(cache.num_ctx, max_num_seqs, bs)
+    if window and num_window < num_blocks:
+        return PoolSize(num_blocks, cache.num_ctx, window, num_window)
+    return PoolSize(num_blocks, cache.num_ctx)
 
 
 class LLMEngine:
@@ -70,11 +94,12 @@ class LLMEngine:
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        size = pool_size(loaded.config, config.cache, config.scheduler.max_num_seqs)
+        size = pool_size(loaded.config, config.cache, config.scheduler.max_num_seqs,
+                         config.scheduler.max_num_batched_tokens)
         self.max_model_len = size.max_model_len
         self.storage = PagedKVStorage(
             loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_type_k, loaded.model.device,
-            config.cache.cache_type_v,
+            config.cache.cache_type_v, size.window_layers, size.num_window_blocks,
         )
         self._identity: dict | None = None
         self.disk: DiskTier | None = None
@@ -87,8 +112,12 @@ class LLMEngine:
                 raise ValueError(f"cannot use {config.cache.disk_cache_dir} as the disk KV cache: {e}") from None
             self.offload = DiskOffload(self.storage, self.disk)
             hash_key = cache_key(self.disk.secret, self.cache_identity)
+        window = None
+        if size.window_layers:
+            window = WindowBlocks(size.num_window_blocks, config.cache.block_size, loaded.config.sliding_window,
+                                  config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                 hash_key, self.offload)
+                                 hash_key, self.offload, window)
         self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len, self._proposer(config, loaded))
         self.num_draft_tokens = 0  # speculative tokens proposed, verified and kept (all requests)
         self.num_accepted_tokens = 0

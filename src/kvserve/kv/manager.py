@@ -9,6 +9,11 @@ A request's block table is append-only while it runs:
 Full blocks are registered in the prefix cache when their tokens are scheduled; they are found again
 by chained hash (see ``hashing``). A prefix hit stops at least one token short of the request's
 known tokens, so the last token is always computed and yields logits.
+
+With ``window`` (a ``WindowBlocks``), the sliding-window layers' blocks are a second group: each
+request has a window table beside its block table, the same length, whose blocks out of the window
+go back to the window pool as the request goes on (see ``kv.window_blocks``). A prefix hit is then
+only as long as both groups can serve it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Protocol
 from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
 from kvserve.kv.disk_tier import BlockKey
 from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes, salt_digest
+from kvserve.kv.window_blocks import WindowBlocks
 
 
 class CacheableRequest(Protocol):
@@ -65,8 +71,10 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_key: bytes = PROCESS_KEY,
         tier: LowerTier | None = None,
+        window: WindowBlocks | None = None,
     ) -> None:
         self.block_size = block_size
+        self.window = window
         self.enable_caching = enable_caching
         self.hash_key = hash_key
         self.tier = tier if enable_caching else None
@@ -89,6 +97,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt, self.hash_key)
         hits = self._find(request, (len(tokens) - 1) // self.block_size)  # leave a token to compute
+        if self.window is not None:
+            hits = hits[: self.window.reusable_prefix(hits, request.block_hashes, tokens, request.cache_salt)]
         return hits, len(hits) * self.block_size
 
     def cached_prefix(self, token_ids: list[int], salt: str | None = None) -> list[KVBlock]:
@@ -193,7 +203,8 @@ class KVCacheManager:
         ``computed_blocks``, a prefix hit being taken now). Returns False, changing nothing, when the
         pool cannot supply the blocks."""
         computed_blocks = computed_blocks or []
-        blocks = self.req_blocks.get(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
@@ -201,6 +212,16 @@ class KVCacheManager:
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_count == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
             return False
+        window_hits: list[KVBlock] = []
+        if self.window is not None:
+            self.window.release(rid, request.num_computed_tokens)  # always right: computed counts only grow
+            if computed_blocks:
+                window_hits = self.window.hit_blocks(computed_blocks, request.block_hashes, request.all_token_ids,
+                                                     request.cache_salt)
+            needed = self.window.blocks_needed(rid, num_computed, self.blocks_needed(total), len(computed_blocks))
+            if needed > self.window.num_free_blocks - self.window.num_evictable(window_hits):
+                return False
+            self.window.allocate(rid, num_computed, self.blocks_needed(total), window_hits)
         self.pool.touch(computed_blocks)
         blocks = self.req_blocks.setdefault(request.request_id, blocks)
         if computed_blocks:  # prefix hits are taken only when the table is still empty
@@ -229,6 +250,9 @@ class KVCacheManager:
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             parent = chain[i - 1] if i else None
             chain.append(self.pool.cache_block(blocks[i], request.block_hashes[i], chunk, parent, request.cache_salt))
+            if self.window is not None:
+                self.window.cache_block(request.request_id, i, request.block_hashes[i], chunk, chain[i],
+                                        request.cache_salt)
         self.num_cached_blocks[request.request_id] = max(start, num_full)
 
     def unsaved_blocks(self, request: CacheableRequest) -> list[tuple[int, KVBlock]]:
@@ -247,6 +271,8 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request.request_id, [])
         first = request.num_computed_tokens // self.block_size
         self.pool.uncache(blocks[first:])
+        if self.window is not None:
+            self.window.forget_from(request.request_id, first)
         kept = min(self.num_cached_blocks.get(request.request_id, 0), first)
         self.num_cached_blocks[request.request_id] = kept
         del self.chains.setdefault(request.request_id, [])[kept:]
@@ -259,10 +285,16 @@ class KVCacheManager:
         self._tier_tokens.pop(request.request_id, None)
         self.chains.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
+        if self.window is not None:
+            self.window.free(request.request_id)
 
     # --- views ----------------------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def window_block_ids(self, request_id: str) -> list[int] | None:
+        """The request's window table (the null block where blocks fell out), or None without a window group."""
+        return None if self.window is None else self.window.block_ids(request_id)
 
     @property
     def num_blocks(self) -> int:
@@ -275,3 +307,5 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        if self.window is not None:
+            self.window.pool.reset_prefix_cache()

@@ -7,6 +7,11 @@ so attention reads ``[kv_heads, tokens, head_dim]`` without a transpose; the gat
 ``index_select`` of whole blocks (rows of a 2-D view), which on CPU is a memcpy per block (advanced
 indexing was 14x slower, measured). K and V may use different codecs (``--cache-type-k`` /
 ``--cache-type-v``); the element type is a property of the storage only, bookkeeping never sees it.
+
+With ``window_layers`` (sliding-window layers, see ``kv.window_blocks``) those layers' tensors have
+``num_window_blocks`` blocks of their own: a second group with its own block ids, tables and slots.
+Group 0 is every other layer (all layers without a window group). Each call that takes block ids or
+slots takes the group they belong to.
 """
 
 from __future__ import annotations
@@ -37,22 +42,40 @@ class PagedKVStorage:
         cache_type: str,
         device: torch.device,
         cache_type_v: str | None = None,
+        window_layers: frozenset[int] = frozenset(),
+        num_window_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = heads = config.num_kv_heads
         self.k_codec: KVCodec = make_codec(cache_type, config.head_dim)
         self.v_codec: KVCodec = make_codec(cache_type_v or cache_type, config.head_dim)
+        if window_layers and num_window_blocks < 1:
+            raise ValueError("a window group needs at least one block")
+        self.window_layers = frozenset(window_layers)
+        self.group_of_layer = [int(i in self.window_layers) for i in range(config.num_layers)]
+        self.group_blocks = [num_blocks, num_window_blocks] if window_layers else [num_blocks]
 
         # every part of every layer in one arena (2 MiB pages on a Linux CPU: kvserve.host_memory)
-        k_specs, v_specs = ([((heads, num_blocks, block_size, w), d) for w, d in c.part_specs()]
-                            for c in (self.k_codec, self.v_codec))
-        parts = iter(arena((k_specs + v_specs) * config.num_layers, device))
+        def specs(codec: KVCodec, blocks: int) -> list:
+            return [((heads, blocks, block_size, w), d) for w, d in codec.part_specs()]
+
+        layer_specs = [specs(self.k_codec, self.group_blocks[g]) + specs(self.v_codec, self.group_blocks[g])
+                       for g in self.group_of_layer]
+        parts = iter(arena([spec for layer in layer_specs for spec in layer], device))
+        num_k = len(self.k_codec.part_specs())
         self.k, self.v = [], []
-        for _ in range(config.num_layers):
-            self.k.append([next(parts) for _ in k_specs])
-            self.v.append([next(parts) for _ in v_specs])
-        self._head_offsets = torch.arange(heads, device=device)[:, None] * num_blocks  # [heads, 1]
+        for layer in layer_specs:
+            mine = [next(parts) for _ in layer]
+            self.k.append(mine[:num_k])
+            self.v.append(mine[num_k:])
+        # per group, [heads, 1]: the first row of each head's blocks
+        self._group_offsets = [torch.arange(heads, device=device)[:, None] * n for n in self.group_blocks]
+        self._head_offsets = self._group_offsets[0]
+
+    @property
+    def windowed(self) -> bool:
+        return len(self.group_blocks) > 1
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +83,15 @@ class PagedKVStorage:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.nbytes // self.num_blocks
+        """Bytes of one block of group 0 (every layer without a window group)."""
+        return self.group_bytes_per_block(0)
+
+    def group_bytes_per_block(self, group: int) -> int:
+        return sum(p.numel() * p.element_size() // self.group_blocks[group]
+                   for layer in self.group_layers(group) for p in self.k[layer] + self.v[layer])
+
+    def group_layers(self, group: int) -> list[int]:
+        return [i for i, g in enumerate(self.group_of_layer) if g == group]
 
     def layout(self) -> dict[str, object]:
         """What a block's bytes (``export_blocks``) mean: the stored parts' shapes and types, in order."""
@@ -72,42 +103,46 @@ class PagedKVStorage:
             "cache_type_v": self.v_codec.name,
             "parts": [[p.shape[-1], str(p.dtype).removeprefix("torch.")] for p in self.k[0] + self.v[0]],
             "bytes_per_block": self.bytes_per_block,
-        }
+        } | ({"window_layers": sorted(self.window_layers),
+              "window_bytes_per_block": self.group_bytes_per_block(1)} if self.windowed else {})
 
-    def _all_parts(self) -> list[torch.Tensor]:
-        return [p for k, v in zip(self.k, self.v) for p in k + v]
+    def _group_parts(self, group: int) -> list[torch.Tensor]:
+        return [p for layer in self.group_layers(group) for p in self.k[layer] + self.v[layer]]
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The stored bytes of whole blocks, as they are held (a q8_0 block stays q8_0): a CPU
-        ``[len(block_ids), bytes_per_block]`` uint8 copy, layer by layer, K's parts then V's, each
-        part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of blocks."""
+    def export_blocks(self, block_ids: list[int], group: int = 0) -> torch.Tensor:
+        """The stored bytes of whole blocks of ``group``, as they are held (a q8_0 block stays q8_0): a
+        CPU ``[len(block_ids), group_bytes_per_block(group)]`` uint8 copy, layer by layer, K's parts then
+        V's, each part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of blocks."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self._head_offsets.device)
         # gathering from the transposed view writes each block's heads in order: one pass, no reorder copy
-        rows = [p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1) for p in self._all_parts()]
+        rows = [p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1) for p in self._group_parts(group)]
         return torch.cat(rows, dim=1).cpu()
 
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Store ``export_blocks``' bytes ``data`` [len(block_ids), bytes_per_block] into the given blocks."""
-        if data.shape != (len(block_ids), self.bytes_per_block):
-            raise ValueError(f"expected {len(block_ids)} blocks of {self.bytes_per_block} bytes, got {tuple(data.shape)}")
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor, group: int = 0) -> None:
+        """Store ``export_blocks``' bytes ``data`` [len(block_ids), group_bytes_per_block(group)] into
+        the given blocks of ``group``."""
+        size = self.group_bytes_per_block(group)
+        if data.shape != (len(block_ids), size):
+            raise ValueError(f"expected {len(block_ids)} blocks of {size} bytes, got {tuple(data.shape)}")
         device = self._head_offsets.device
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
         data = data.to(device)
         offset = 0
-        for p in self._all_parts():
+        for p in self._group_parts(group):
             heads, _, bs, width = p.shape
             size = heads * bs * width * p.element_size()
             chunk = data[:, offset : offset + size].contiguous().view(p.dtype).view(len(block_ids), heads, bs, width)
             p.index_copy_(1, ids, chunk.transpose(0, 1))
             offset += size
 
-    def slot_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """The flat row of each (head, token) slot: computed once per forward, used by every layer."""
-        return (self._head_offsets * self.block_size + slot_mapping[None, :]).flatten()  # [heads * tokens]
+    def slot_rows(self, slot_mapping: torch.Tensor, group: int = 0) -> torch.Tensor:
+        """The flat row of each (head, token) slot of ``group``: computed once per forward, used by
+        every layer of the group."""
+        return (self._group_offsets[group] * self.block_size + slot_mapping[None, :]).flatten()  # [heads * tokens]
 
-    def block_rows(self, block_tables: torch.Tensor) -> BlockRows:
-        """The head-major block rows of block_tables [..., n]: computed once per forward."""
-        rows = (self._head_offsets + block_tables.unsqueeze(-2)).flatten()  # [..., heads, n] -> block rows
+    def block_rows(self, block_tables: torch.Tensor, group: int = 0) -> BlockRows:
+        """The head-major block rows of ``group``'s block_tables [..., n]: computed once per forward."""
+        rows = (self._group_offsets[group] + block_tables.unsqueeze(-2)).flatten()  # [..., heads, n] -> block rows
         shape = (*block_tables.shape[:-1], self.num_kv_heads, block_tables.shape[-1] * self.block_size, -1)
         return BlockRows(rows, shape)
 

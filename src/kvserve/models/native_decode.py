@@ -66,7 +66,7 @@ def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeDecodeStep | N
         return None
     if any(part is None for layer in writer.layer_args for part in layer):
         return None  # a codec the C writer does not take (fp8)
-    return NativeDecodeStep(model, attention, writer)
+    return NativeDecodeStep(model, attention, writer, storage.group_of_layer)
 
 
 class NativeDecodeStep:
@@ -75,8 +75,9 @@ class NativeDecodeStep:
     its owner keeps both alive together."""
 
     def __init__(self, model: DecoderLM, attention: native_paged.NativePagedAttention,
-                 writer: native_paged.NativeKVWrite) -> None:
+                 writer: native_paged.NativeKVWrite, groups: list[int] | None = None) -> None:
         self.model, self.attention, self.writer = model, attention, writer
+        self.groups = groups or [0] * len(model.layers)  # per layer, its KV group
         self.capacity = 0
         self.threads = -1
         self.calls = 0  # steps run (tests check the path was taken)
@@ -104,8 +105,8 @@ class NativeDecodeStep:
         fn, eps, qkv, qkv_dim = kernel_addresses(), cfg.rms_norm_eps, ptr["qkv"], b["qkv"].shape[1]
         ops: list[list[int]] = []
 
-        def op(kernel: str, **args) -> None:
-            ops.append(operation(kernel, fn[kernel], **args))
+        def op(kernel: str, group: int = 0, **args) -> None:
+            ops.append(operation(kernel, fn[kernel], group, **args))
 
         def matmul(lin, x: str, y: str) -> None:
             bias = None if lin.bias is None else lin.bias.data_ptr()
@@ -146,13 +147,14 @@ class NativeDecodeStep:
                 op("copy_rows", src=qkv + 4 * offset, src_stride=qkv_dim, dst=ptr[name], dst_stride=width,
                    width=width)
                 offset += width
+            group = self.groups[i]
             for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
                     ("k", "v"), self.writer.layer_args[i]):
-                op("kv_write", kind=kind, x=ptr[name], kv_heads=kv_heads, D=d, codes=codes,
+                op("kv_write", group, kind=kind, x=ptr[name], kv_heads=kv_heads, D=d, codes=codes,
                    code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
                    levels=levels)
             window = cfg.sliding_window if sliding else None
-            op("paged_decode_attention", num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=ptr["q"],
+            op("paged_decode_attention", group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=ptr["q"],
                out=ptr["attn"], window=window or 0, scale=model.scale, num_threads=threads,
                **self._attention_cache_args(i))
             matmul(layer.o, "attn", "o")
@@ -180,14 +182,15 @@ class NativeDecodeStep:
         q_rotation, out_rotation = attention.rotation_args
         kv = {f"{side}_{field}": value for side, part in (("k", parts[:6]), ("v", parts[6:]))
               for field, value in zip(native_paged.KV_PART, part)}
-        return dict(kv, num_blocks=attention.num_blocks, block_size=attention.block_size, q_rotation=q_rotation,
+        return dict(kv, num_blocks=attention.layer_num_blocks[layer], block_size=attention.block_size, q_rotation=q_rotation,
                     out_rotation=out_rotation)
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions, context_lens [n] int64; block_tables [n, max_blocks] int64; slot_rows
-        [kv_heads * n] (``PagedKVStorage.slot_rows``). Returns the final hidden states [n, hidden]."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: list[torch.Tensor],
+                 context_lens: torch.Tensor, slot_rows: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions, context_lens [n] int64; per KV group, block_tables [n, max_blocks] int64
+        (the same width in each group) and slot_rows [kv_heads * n] (``PagedKVStorage.slot_rows``).
+        Returns the final hidden states [n, hidden]."""
         n = input_ids.shape[0]
         threads = torch.get_num_threads()
         if n > self.capacity or threads != self.threads:
@@ -202,8 +205,9 @@ class NativeDecodeStep:
                 cos, sin = rope.tables(positions, max_position)
                 b["cos" + suffix][:n].copy_(cos.squeeze(1))
                 b["sin" + suffix][:n].copy_(sin.squeeze(1))
-        tables, lens, rows = (t.contiguous() for t in (block_tables, context_lens, slot_rows))
-        failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, tables.data_ptr(), tables.stride(0),
+        tables, rows = torch.stack(block_tables), torch.cat(slot_rows)  # one group after the other
+        lens = context_lens.contiguous()
+        failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, tables.data_ptr(), tables.stride(1),
                                   lens.data_ptr(), rows.data_ptr())
         if failed:
             raise MemoryError(f"native decode step: operation {failed - 1} could not allocate its workspace")

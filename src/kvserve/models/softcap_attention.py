@@ -71,17 +71,18 @@ class SoftcapAttention:
 
     def _paged(self, layer, q, k, v, window, scale):
         inner, storage, meta = self.inner, self.inner.storage, self.inner.metadata
-        inner.write(layer, inner.slot_rows, k, v)
+        group = storage.group_of_layer[layer]
+        inner.write(layer, inner.slot_rows[group], k, v)
         rotated = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
         out = torch.empty_like(q)
-        for s in meta.sequences:
-            keys, values = storage.gather(layer, storage.block_rows(s.block_table), s.context_len, q.dtype)
+        for i, s in enumerate(meta.sequences):
+            keys, values = storage.gather(layer, inner.sequence_block_rows(i, group), s.context_len, q.dtype)
             rows = slice(s.query_start, s.query_start + s.query_len)
             out[rows] = sequence_capped(rotated[rows], keys, values, s.context_len - s.query_len, window, scale,
                                         self.cap)
         d = meta.decodes
         if d is not None:
-            keys, values = storage.read_blocks(layer, storage.block_rows(d.block_tables), q.dtype)
+            keys, values = storage.read_blocks(layer, storage.block_rows(d.tables(group), group), q.dtype)
             allowed = d.mask(window, keys.shape[2])[:, 0]  # [n, 1, keys]
             out.index_copy_(0, d.token_rows, capped_attention(
                 rotated.index_select(0, d.token_rows), keys, values, allowed, scale, self.cap))

@@ -5,6 +5,10 @@
  * block tables, context lengths and KV slot rows (the RoPE rows it writes into buffers the operations
  * name, one pair per table: Gemma's sliding layers rotate with another base).
  *
+ * With a window group (kv/window_blocks.py: the sliding layers' blocks in a pool of their own), the
+ * step gets both groups' tables and slot rows one after the other, and the word of an operation where
+ * the step's block_tables or slot_rows go holds the group (0 or 1) whose part it takes.
+ *
  * The operations are the same calls, with the same arguments, that models/decoder.py makes one by
  * one through ctypes, so a step's outputs are the same bits either way (tested). What goes is the
  * Python between them: ~300 calls, tensor allocations and argument conversions a step, ~3 ms of an
@@ -41,8 +45,8 @@ void copy_rows(const float *src, int64_t src_stride, float *dst, int64_t dst_str
         memcpy(dst + (int64_t)r * dst_stride, src + (int64_t)r * src_stride, sizeof(float) * (size_t)width);
 }
 
-/* n sequences, one token each. block_tables [n, table_stride] int64, context_lens [n] int64,
- * slot_rows [kv heads * n] (kv_write.c's layout). */
+/* n sequences, one token each. block_tables [groups, n, table_stride] int64, context_lens [n] int64,
+ * slot_rows [groups, kv heads * n] (kv_write.c's layout). */
 int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tables, int64_t table_stride,
                 const int64_t *context_lens, const int64_t *slot_rows) {
     for (int op = 0; op < num_ops; op++) {
@@ -65,10 +69,12 @@ int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tab
             CALL(copy_rows)(P(0), L(1), P(2), L(3), L(4), n);
             break;
         case OP_KV_WRITE:
-            CALL(kv_write)(I(0), P(1), n, I(3), I(4), slot_rows, P(6), L(7), P(8), L(9), P(10), P(11));
+            CALL(kv_write)(I(0), P(1), n, I(3), I(4), slot_rows + L(5) * I(3) * (int64_t)n, P(6), L(7), P(8), L(9),
+                           P(10), P(11));
             break;
         case OP_PAGED_DECODE_ATTENTION:
-            rc = CALL(paged_decode_attention)(n, I(1), I(2), I(3), P(4), P(5), block_tables, table_stride,
+            rc = CALL(paged_decode_attention)(n, I(1), I(2), I(3), P(4), P(5),
+                                              block_tables + L(6) * n * table_stride, table_stride,
                                               context_lens, I(9), I(10), I(11), F(12), I(13), P(14), P(15), L(16),
                                               L(17), P(18), I(19), P(20), P(21), L(22), L(23), P(24), P(25), P(26),
                                               I(27));
