@@ -86,11 +86,22 @@ def test_table():
         "activations",
         "runtime overhead",
         "total (plan)",
-        "today's engine",
+        "total (engine)",
         "largest context that fits in 2.00 GiB",
         "23,040",
     ):
         assert text in r.stdout, text
+
+
+def test_window_group_in_the_pool_and_off_with_no_window_kv():
+    args = ("plan", "Gemma-3-4B", "--ctx", "32k", "--memory", "64GiB", "--json")
+    windowed, every_token = (json.loads(kvserve(*args, *flag).stdout) for flag in ((), ("--no-window-kv",)))
+    (w,), (e,) = (plan["kv_types"][0]["contexts"] for plan in (windowed, every_token))
+    assert w["engine_window_blocks"] == 1024 // 16 + 2 + 512 // 16 + 1 and e["engine_window_blocks"] == 0
+    assert w["kv_bytes_windowed"] < w["engine_kv_pool_bytes"] < e["engine_kv_pool_bytes"] == e["kv_bytes"]
+    assert w["total_bytes"] - w["engine_kv_pool_bytes"] == e["total_bytes"] - e["engine_kv_pool_bytes"]
+    assert every_token["settings"]["window_kv"] is False
+    assert any("--no-window-kv keeps every token in every layer" in n for n in every_token["notes"])
 
 
 def test_unknown_preset_is_one_error_line():

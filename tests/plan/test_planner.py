@@ -10,6 +10,7 @@ from kvserve.plan.planner import (
     TOKENIZER_BYTES_PER_TOKEN,
     PlanSettings,
     activations,
+    engine_pool,
     largest_fit,
     make_plan,
     planned_kv_pool_bytes,
@@ -50,7 +51,7 @@ def test_planned_pool_is_what_the_engine_allocates(smollm2_path, num_ctx, max_nu
     import torch
 
     from kvserve.config import CacheConfig
-    from kvserve.engine.engine import pool_size
+    from kvserve.kv.pool_sizing import pool_size
     from kvserve.kv.storage import PagedKVStorage
 
     config = _smollm2_config(smollm2_path)
@@ -75,6 +76,54 @@ def test_planned_pool_matches_quantized_engine_storage(smollm2_path):
         assert storage.nbytes == planned_kv_pool_bytes(config, 7 * 16, 1, 16, k, v), (k, v)
 
 
+def _gemma_style(**kw):
+    """Three sliding layers (window 64) to one global, as Gemma 3's 5 to 1: small enough to allocate."""
+    return llama(num_layers=4, num_kv_heads=2, head_dim=32, num_heads=4, sliding_window=64,
+                 sliding_window_layers=(True, True, True, False), **kw)
+
+
+@pytest.mark.parametrize(
+    "num_ctx, max_num_seqs, max_num_batched_tokens, cache_type",
+    [(1024, 2, 512, "f16"), (4096, 1, 64, "q8_0"), (300, 3, 32, "tq3"), (64, 1, 512, "f32"), (100, 4, 16, "f16")],
+)
+def test_planned_window_pool_is_what_the_engine_allocates(num_ctx, max_num_seqs, max_num_batched_tokens, cache_type):
+    import torch
+
+    from kvserve.config import CacheConfig
+    from kvserve.kv.pool_sizing import pool_size
+    from kvserve.kv.storage import PagedKVStorage
+
+    config = _gemma_style()
+    for window_kv in (True, False):
+        cache = CacheConfig(num_ctx=num_ctx, cache_type_k=cache_type, window_kv=window_kv)
+        size = pool_size(config, cache, max_num_seqs, max_num_batched_tokens)
+        storage = PagedKVStorage(config, size.num_blocks, 16, cache_type, torch.device("cpu"), None,
+                                 size.window_layers, size.num_window_blocks)
+        planned, planned_bytes = engine_pool(config, num_ctx, max_num_seqs, 16, cache_type, cache_type,
+                                             max_num_batched_tokens, window_kv)
+        assert planned == size and planned_bytes == storage.nbytes, window_kv
+        every_token = -(-num_ctx // 16) * max_num_seqs * 16 * kv_bytes_per_token(config, cache_type)
+        if not window_kv:
+            assert planned_bytes == every_token  # every layer, every block
+        elif num_ctx >= 1024:
+            assert size.window_layers == {0, 1, 2} and planned_bytes < every_token
+    assert not engine_pool(_gemma_style(), 64, 1, 16, "f16")[0].window_layers  # no smaller than every token
+
+
+def test_the_plan_counts_the_engines_window_pool():
+    gemma = PRESETS["Gemma-3-4B"].config  # 34 layers: 29 sliding (window 1024), 5 global; 4 KV heads x 256
+    per_block_layer = 16 * 4 * 2 * 256 * 2  # tokens x kv_heads x (K + V) x head_dim x f16
+    window_blocks = 2 * (1024 // 16 + 2) + 256 // 16 + 1  # 2 sequences' windows, one step of 256, the null block
+    size, nbytes = engine_pool(gemma, 131072, 2, 16, "f16", "f16", max_num_batched_tokens=256)
+    assert (size.num_blocks, size.num_window_blocks, len(size.window_layers)) == (2 * 8192, window_blocks, 29)
+    assert nbytes == (5 * 2 * 8192 + 29 * window_blocks) * per_block_layer
+    assert windowed_kv_bytes(gemma, 131072, "f16") * 2 < nbytes  # the pool's windows hold a little more
+    every_token = planned_kv_pool_bytes(gemma, 131072, 2, 16, "f16", window_kv=False)
+    assert every_token == 34 * 2 * 8192 * per_block_layer
+    all_sliding = PRESETS["Mistral-7B"].config  # no global layer to tie a window group to: every token
+    assert planned_kv_pool_bytes(all_sliding, 32768, 1, 16, "f16") == 32768 * kv_bytes_per_token(all_sliding, "f16")
+
+
 def test_sliding_layers_hold_their_window():
     gemma = PRESETS["Gemma-3-4B"].config  # 34 layers: 29 sliding (window 1024), 5 global
     per_layer_token = 4 * 2 * 256 * 2  # kv_heads x (K + V) x head_dim x f16
@@ -85,7 +134,7 @@ def test_sliding_layers_hold_their_window():
     assert windowed_kv_bytes(mistral, 32768, "f16") == 4096 * kv_bytes_per_token(mistral, "f16")
 
 
-def test_totals_add_up_and_show_both_engines():
+def test_totals_add_up_and_differ_only_in_the_weights():
     spec = resolve_model("Gemma-3-12B")
     s = PlanSettings(contexts=(8192, 131072), kv_types=(("q8_0", "q8_0"),), memory=64 << 30, max_num_seqs=2)
     plan = make_plan(spec, s)
@@ -94,8 +143,9 @@ def test_totals_add_up_and_show_both_engines():
     assert plan.runtime_overhead == overhead
     for p in plan.kv[0].contexts:
         assert p.kv_bytes == p.ctx * plan.kv[0].bytes_per_token * 2
-        assert p.kv_bytes_windowed < p.kv_bytes
-        assert p.total == spec.stored_bytes + p.kv_bytes_windowed + p.activations.total + overhead
+        assert p.kv_bytes_windowed < p.engine_kv_pool_bytes < p.kv_bytes  # the window pool, not every token
+        assert p.engine_kv_pool_bytes == planned_kv_pool_bytes(spec.config, p.ctx, 2, 16, "q8_0", "q8_0")
+        assert p.total == spec.stored_bytes + p.engine_kv_pool_bytes + p.activations.total + overhead
         assert p.engine_total == (
             plan.engine_weight_bytes + spec.mapped_bytes + p.engine_kv_pool_bytes + p.activations.total + overhead
         )

@@ -43,6 +43,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--max-num-seqs", type=int, default=1, help="sequences held at once (1)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step (512)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    p.add_argument("--no-window-kv", action="store_true",
+                   help="plan sliding-window layers keeping every token, as the engine's --no-window-kv")
     p.add_argument(
         "--dtype", default="float32", help="compute dtype the engine dequantizes weights to (float32)"
     )
@@ -131,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         dtype=args.dtype,
         weights=args.weights,
+        window_kv=not args.no_window_kv,
         attention=args.attention,
         disk_cache_bytes=parse_size(args.kv_disk_cache_size, "--kv-disk-cache-size") if args.kv_disk_cache_size else None,
     )

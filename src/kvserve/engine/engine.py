@@ -6,12 +6,11 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from kvserve import native
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig
+from kvserve.config import EngineConfig
 from kvserve.engine.constraints import GrammarTokenizer, TokenConstraint
 from kvserve.engine.malloc import keep_freed_pages
 from kvserve.engine.output_processor import OutputProcessor
@@ -27,64 +26,18 @@ from kvserve.kv.auto_type import context_advice
 from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.hashing import PROCESS_KEY, cache_key
-from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, pool_num_blocks
+from kvserve.kv.kv_types import kv_bytes_per_token
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import DiskOffload
+from kvserve.kv.pool_sizing import pool_size
 from kvserve.kv.storage import PagedKVStorage
-from kvserve.kv.window_blocks import WindowBlocks, window_pool_blocks
+from kvserve.kv.window_blocks import WindowBlocks
 from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
 MAX_STEP_FAILURES = 3  # a request in this many failed steps fails, even when never alone in one
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSize:
-    num_blocks: int
-    max_model_len: int  # tokens one request may hold (prompt + output)
-    window_layers: frozenset[int] = frozenset()  # layers whose blocks are the window group's
-    num_window_blocks: int = 0
-
-
-def window_group_layers(model: ModelConfig, cache: CacheConfig) -> frozenset[int]:
-    """The sliding-window layers, where they can keep only their window (``kv.window_blocks``): a
-    model with both kinds of layer (the window group's blocks are tied to the global layers')."""
-    if not cache.window_kv or not model.sliding_window:
-        return frozenset()
-    sliding = frozenset(i for i in range(model.num_layers) if model.is_sliding(i))
-    return sliding if len(sliding) < model.num_layers else frozenset()
-
-
-def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int, max_num_batched_tokens: int = 512) -> PoolSize:
-    """Blocks in the pool: ``kv_cache_memory`` bytes when given, else room for ``max_num_seqs``
-    sequences of ``num_ctx`` tokens each. Sliding-window layers get a pool of their own sized for their
-    windows (``window_pool_blocks``) where that is smaller than keeping every token."""
-    bs = cache.block_size
-    if cache.num_ctx < 1:
-        raise ValueError(f"num_ctx must be >= 1, got {cache.num_ctx}")
-    layer_block = bs * kv_bytes_per_token_per_layer(model, cache.cache_type_k, cache.cache_type_v)
-    window = window_group_layers(model, cache)
-    num_window = window_pool_blocks(model.sliding_window, bs, max_num_seqs, max_num_batched_tokens) if window else 0
-    if cache.kv_cache_memory is not None:
-        if window:
-            full = (cache.kv_cache_memory - num_window * len(window) * layer_block) // (
-                (model.num_layers - len(window)) * layer_block)
-            if full > num_window:
-                return PoolSize(full, min(cache.num_ctx, full * bs), window, num_window)
-        per_block = model.num_layers * layer_block
-        num_blocks = cache.kv_cache_memory // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory {cache.kv_cache_memory} bytes holds no block of {per_block} bytes "
-                f"({bs} tokens); give at least {per_block}"
-            )
-        return PoolSize(num_blocks, min(cache.num_ctx, num_blocks * bs))
-    num_blocks = pool_num_blocks(cache.num_ctx, max_num_seqs, bs)
-    if window and num_window < num_blocks:
-        return PoolSize(num_blocks, cache.num_ctx, window, num_window)
-    return PoolSize(num_blocks, cache.num_ctx)
 
 
 class LLMEngine:

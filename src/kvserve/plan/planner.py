@@ -1,12 +1,16 @@
 """Memory arithmetic: weights + KV cache + activations + runtime overhead, at each context length,
 and the largest context that fits a memory budget. Plain integers; no torch.
 
-Two totals, because the engine is moving:
+The KV cache is the paged pool as the engine sizes it (``kv.pool_sizing``, the engine's own
+arithmetic): ceil(ctx / block_size) blocks per sequence in every layer, except that a model with both
+sliding-window and global layers (Gemma 2/3) keeps its sliding layers in a pool of their own sized for
+their windows (``kv.window_blocks.window_pool_blocks``), unless --no-window-kv.
 
-    total (plan)    weights as stored + KV with sliding-window layers holding min(ctx, window) tokens
-    today's engine  weights as the engine holds them (--weights: auto = q4 for a GGUF) + one tensor of the
-                    file mapped while loading + the paged pool as the engine allocates it
-                    today: ceil(ctx / block_size) blocks per sequence, every layer keeping every token
+Two totals, which differ only in the weights:
+
+    total (plan)    weights as stored + the pool
+    total (engine)  weights as the engine holds them (--weights: auto = q4 for a GGUF) + one tensor of the
+                    file mapped while loading + the pool
 
 Both add the same activations and runtime overhead.
 """
@@ -19,9 +23,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.config import ModelConfig
+from kvserve.config import CacheConfig, ModelConfig
 from kvserve.kv.disk_tier import capacity as disk_capacity
-from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type, pool_bytes
+from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
+from kvserve.kv.pool_sizing import PoolSize, pool_nbytes, pool_size
 from kvserve.plan.source import ModelSpec, held_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -58,6 +63,7 @@ class PlanSettings:
     attention: str = "auto"  # the attention kernels planned for: auto = the ones the engine would run here
     threads: int = 0  # the native kernels' threads (each has a workspace); 0: this machine's CPUs
     weights: str = "auto"  # the engine's --weights: auto = q4 for a GGUF (the CPU's default), else dtype
+    window_kv: bool = True  # False: --no-window-kv, sliding-window layers keep every token too
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -113,10 +119,13 @@ class Activations:
 class ContextPlan:
     ctx: int
     kv_bytes: int  # every layer keeps every token, x max_num_seqs
-    kv_bytes_windowed: int  # sliding-window layers keep min(ctx, window) tokens, x max_num_seqs
-    engine_kv_pool_bytes: int  # the pool today's engine allocates for this ctx
+    # the least sliding-window layers need: min(ctx, window) tokens each, x max_num_seqs (the engine's window
+    # pool adds the blocks a window straddles and one step's tokens)
+    kv_bytes_windowed: int
+    engine_kv_pool_bytes: int  # the pool the engine allocates for this ctx (engine_pool's blocks)
+    engine_pool: PoolSize
     activations: Activations
-    total: int  # weights as stored + kv_bytes_windowed + activations + overhead
+    total: int  # weights as stored + engine_kv_pool_bytes + activations + overhead
     engine_total: int  # weights as held + a tensor in flight + engine_kv_pool_bytes + activations + overhead
 
 
@@ -129,7 +138,7 @@ class KVTypePlan:
     bytes_per_token: int
     contexts: tuple[ContextPlan, ...]
     max_ctx: int  # largest ctx (<= the model's trained context) whose total fits; 0: none
-    engine_max_ctx: int  # the same for today's engine total
+    engine_max_ctx: int  # the same for the engine total
 
     def disk_tier(self, max_bytes: int, block_size: int) -> tuple[int, int]:
         """(bytes per block file, tokens) the disk tier of ``max_bytes`` holds in this KV type."""
@@ -149,10 +158,28 @@ class KVTypePlan:
 class Plan:
     model: ModelSpec
     settings: PlanSettings
-    engine_weight_bytes: int  # weights as today's engine holds them (weight_format)
+    engine_weight_bytes: int  # weights as the engine holds them (weight_format)
     runtime_overhead: int
     kv: tuple[KVTypePlan, ...]
     skipped: tuple[tuple[str, str], ...]  # (KV type, why it cannot store this model's head-vectors)
+
+
+def engine_pool(
+    model_config: ModelConfig,
+    num_ctx: int,
+    max_num_seqs: int,
+    block_size: int,
+    cache_type_k: str,
+    cache_type_v: str | None = None,
+    max_num_batched_tokens: int = 512,
+    window_kv: bool = True,
+) -> tuple[PoolSize, int]:
+    """The paged pool the engine allocates for ``num_ctx`` tokens per sequence, and its bytes: the
+    engine's own ``pool_size``, so that the plan cannot drift from it."""
+    cache = CacheConfig(block_size=block_size, num_ctx=num_ctx, cache_type_k=cache_type_k,
+                        cache_type_v=cache_type_v, window_kv=window_kv)
+    size = pool_size(model_config, cache, max_num_seqs, max_num_batched_tokens)
+    return size, pool_nbytes(model_config, cache, size)
 
 
 def planned_kv_pool_bytes(
@@ -162,10 +189,12 @@ def planned_kv_pool_bytes(
     block_size: int,
     cache_type_k: str,
     cache_type_v: str | None = None,
+    max_num_batched_tokens: int = 512,
+    window_kv: bool = True,
 ) -> int:
-    """Bytes of the paged pool the engine allocates for ``num_ctx`` tokens per sequence:
-    ceil(num_ctx / block_size) x max_num_seqs blocks of block_size tokens, every layer."""
-    return pool_bytes(model_config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v)
+    """Bytes of the paged pool the engine allocates for ``num_ctx`` tokens per sequence (``engine_pool``)."""
+    return engine_pool(model_config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v,
+                       max_num_batched_tokens, window_kv)[1]
 
 
 def windowed_kv_bytes(
@@ -247,17 +276,18 @@ def context_plan(
     seqs = s.max_num_seqs
     kv_full = ctx * kv_bytes_per_token(c, k, v) * seqs
     kv_windowed = windowed_kv_bytes(c, ctx, k, v) * seqs
-    pool = planned_kv_pool_bytes(c, ctx, seqs, s.block_size, k, v)
+    size, pool = engine_pool(c, ctx, seqs, s.block_size, k, v, s.max_num_batched_tokens, s.window_kv)
     act = activations(c, ctx, k, v, s)
     fixed = act.total + runtime_overhead(c)
     return ContextPlan(
-        ctx,
-        kv_full,
-        kv_windowed,
-        pool,
-        act,
-        spec.stored_bytes + kv_windowed + fixed,
-        engine_weights + in_flight(spec) + pool + fixed,
+        ctx=ctx,
+        kv_bytes=kv_full,
+        kv_bytes_windowed=kv_windowed,
+        engine_kv_pool_bytes=pool,
+        engine_pool=size,
+        activations=act,
+        total=spec.stored_bytes + pool + fixed,
+        engine_total=engine_weights + in_flight(spec) + pool + fixed,
     )
 
 
@@ -282,7 +312,7 @@ def largest_fit(total: Callable[[int], int], limit: int, memory: int) -> int:
 
 
 def weight_format(spec: ModelSpec, s: PlanSettings) -> str:
-    """The format today's engine holds the weights in: --weights, with auto as the loader resolves it on a
+    """The format the engine holds the weights in: --weights, with auto as the loader resolves it on a
     CPU (q4 for a GGUF in float32, else the dtype)."""
     if s.weights != "auto":
         return s.weights

@@ -5,16 +5,20 @@ JSON keys::
     model      name, source, architecture, num_layers, num_heads, num_kv_heads, head_dim, hidden_size,
                intermediate_size, vocab_size, max_position_embeddings, sliding_window (null if none),
                num_sliding_layers
-    settings   contexts, max_num_seqs, max_num_batched_tokens, block_size, dtype, memory_bytes, memory_source
+    settings   contexts, max_num_seqs, max_num_batched_tokens, block_size, dtype, memory_bytes, memory_source,
+               disk_cache_bytes, window_kv (false: --no-window-kv)
     weights    num_params, stored_bytes, stored_by_type {type: bytes}, engine_bytes (dequantized to dtype),
                engine_dtype
     runtime_overhead_bytes
     kv_types   one per planned type: name, cache_type_k, cache_type_v, bits_per_element_k/_v, bytes_per_token,
-               max_ctx (plan), engine_max_ctx (today's engine), contexts: one per ctx with
-               ctx, kv_bytes (every token in every layer), kv_bytes_windowed (sliding layers hold their
-               window), engine_kv_pool_bytes, activations {hidden_states, attention, logits, total,
-               attention_path ("prefill" or "decode", the larger)},
-               total_bytes (plan), engine_total_bytes (today's engine), fits, engine_fits
+               max_ctx (plan), engine_max_ctx (engine), contexts: one per ctx with
+               ctx, kv_bytes (every token in every layer), kv_bytes_windowed (the least: sliding layers
+               hold min(ctx, window) tokens), engine_kv_pool_bytes (the pool the engine allocates, in both
+               totals), engine_pool_blocks (per layer outside the window group), engine_window_blocks (per
+               sliding layer in the window group; 0: no window group at this ctx), activations
+               {hidden_states, attention, logits, total, attention_path ("prefill" or "decode", the
+               larger)}, total_bytes (plan: weights as stored), engine_total_bytes (engine: weights as
+               held), fits, engine_fits
     skipped_kv_types  [{name, reason}] for types that cannot store this model's head-vectors
     notes      the sentences printed under the table
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.models.gguf_config import SUPPORTED_ARCHITECTURES
-from kvserve.plan.planner import TOKENIZER_BYTES_PER_TOKEN, Plan, weight_format
+from kvserve.plan.planner import TOKENIZER_BYTES_PER_TOKEN, ContextPlan, Plan, weight_format
 
 UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -45,6 +49,38 @@ def _num_sliding(plan: Plan) -> int:
     return sum(1 for i in range(c.num_layers) if c.is_sliding(i)) if c.sliding_window else 0
 
 
+def _windowed(plan: Plan) -> list[ContextPlan]:
+    """The planned contexts (of the leading KV type) where the engine pools a window group."""
+    return [p for p in _leading(plan).contexts if p.engine_pool.window_layers]
+
+
+def _leading(plan: Plan):
+    return next((t for t in plan.kv if t.name == "f16"), plan.kv[0])  # the engine's default type leads
+
+
+def sliding_note(plan: Plan) -> str:
+    """How the engine keeps the sliding-window layers' K/V, and what that saves."""
+    c, s = plan.model.config, plan.settings
+    head = f"{_num_sliding(plan)} of {c.num_layers} layers attend to a {c.sliding_window}-token sliding window: "
+    if _num_sliding(plan) == c.num_layers:
+        return head + "every layer keeps every token (a window group needs global layers to tie its blocks to)"
+    if not s.window_kv:
+        return head + "--no-window-kv keeps every token in every layer"
+    windowed = _windowed(plan)
+    if not windowed:
+        return head + "every layer keeps every token at these contexts (a window pool would be no smaller)"
+    last = windowed[-1]
+    seqs = f"{s.max_num_seqs} sequence" + ("s" if s.max_num_seqs > 1 else "")
+    return (
+        head + f"the engine keeps them in a pool of their own, {last.engine_pool.num_window_blocks} blocks of "
+        f"{s.block_size} tokens per layer (the windows of {seqs} and one step's {s.max_num_batched_tokens} tokens)"
+        + ("" if len(windowed) == len(s.contexts) else
+           f", from ctx {windowed[0].ctx:,} on (below, a window pool would be no smaller)")
+        + f"; at ctx {last.ctx:,} the KV cache is {fmt_bytes(last.engine_kv_pool_bytes)} instead of "
+        f"{fmt_bytes(last.kv_bytes)} (--no-window-kv: every token in every layer)"
+    )
+
+
 def notes(plan: Plan) -> list[str]:
     c, s, m = plan.model.config, plan.settings, plan.model
     out = []
@@ -61,13 +97,8 @@ def notes(plan: Plan) -> list[str]:
             + ("; 4-bit tensors as 4-bit groups, the rest and the head as int8 groups, norms in f32)"
                if fmt in ("q4", "q4-fast", "int8") and m.tensors else ")")
         )
-    n = _num_sliding(plan)
-    if n:
-        out.append(
-            f"{n} of {c.num_layers} layers attend to a {c.sliding_window}-token sliding window: the plan "
-            f"counts min(ctx, {c.sliding_window}) tokens for them (out-of-window blocks to be freed); "
-            "today's engine still keeps every token in every layer ('today's engine' rows)"
-        )
+    if _num_sliding(plan):
+        out.append(sliding_note(plan))
     out.append(
         f"runtime overhead: {fmt_bytes(plan.runtime_overhead)}, the resident size of "
         '`python -c "import torch, kvserve"` (CPU build; CUDA adds its context) and the tokenizer\'s tables '
@@ -124,6 +155,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "memory_bytes": s.memory,
             "memory_source": s.memory_source,
             "disk_cache_bytes": s.disk_cache_bytes,
+            "window_kv": s.window_kv,
         },
         "weights": {
             "num_params": m.num_params,
@@ -152,6 +184,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
                         "kv_bytes": p.kv_bytes,
                         "kv_bytes_windowed": p.kv_bytes_windowed,
                         "engine_kv_pool_bytes": p.engine_kv_pool_bytes,
+                        "engine_pool_blocks": p.engine_pool.num_blocks,
+                        "engine_window_blocks": p.engine_pool.num_window_blocks,
                         "activations": {
                             "hidden_states": p.activations.hidden_states,
                             "attention": p.activations.attention,
@@ -193,7 +227,7 @@ def render(plan: Plan, console) -> None:
         f"trained context {c.max_position_embeddings:,}"
     )
     console.print(f"[dim]from {m.source}[/dim]")
-    first = next((t for t in plan.kv if t.name == "f16"), plan.kv[0])  # the engine's default type leads
+    first = _leading(plan)
     ctx_headers = [f"ctx {p.ctx:,}" for p in first.contexts]
     table = Table(
         "",
@@ -212,24 +246,22 @@ def render(plan: Plan, console) -> None:
 
     n = len(first.contexts)
     row("weights (as stored)", [m.stored_bytes] * n, stored)
-    if _num_sliding(plan):
-        row(
-            "KV cache, windowed (plan)",
-            [p.kv_bytes_windowed for p in first.contexts],
-            f"sliding layers hold {c.sliding_window} tokens",
-        )
-        row("KV cache, every token", [p.kv_bytes for p in first.contexts], "what today's engine keeps")
-    else:
-        row("KV cache", [p.kv_bytes for p in first.contexts], f"{first.bytes_per_token:,} B/token")
+    windowed = _windowed(plan)
+    row(
+        "KV cache (pool)",
+        [p.engine_kv_pool_bytes for p in first.contexts],
+        f"{first.bytes_per_token:,} B/token"
+        + (f"; sliding layers {windowed[-1].engine_pool.num_window_blocks} blocks each" if windowed else ""),
+    )
     row(
         "activations",
         [p.activations.total for p in first.contexts],
         f"chunk {s.max_num_batched_tokens} tokens, {first.contexts[0].activations.attention_kernels} attention",
     )
     row("runtime overhead", [plan.runtime_overhead] * n, "torch + Python + the tokenizer")
-    row("total (plan)", [p.total for p in first.contexts], "", style="bold")
+    row("total (plan)", [p.total for p in first.contexts], "weights as stored", style="bold")
     row(
-        "today's engine",
+        "total (engine)",
         [p.engine_total for p in first.contexts],
         f"weights {weight_format(plan.model, s)} {fmt_bytes(plan.engine_weight_bytes)}"
         + (" + a tensor of the GGUF in flight" if plan.model.mapped_bytes else "")
@@ -237,14 +269,13 @@ def render(plan: Plan, console) -> None:
     )
     console.print(table)
 
-    windowed = " (plan)" if _num_sliding(plan) else ""
     fit = Table(
         "KV type",
         "bits/elem (K/V)",
         "bytes/token",
-        *(f"KV @ {p.ctx:,}{windowed}" for p in first.contexts),
+        *(f"KV @ {p.ctx:,}" for p in first.contexts),
         "largest ctx (plan)",
-        "largest ctx (today's engine)",
+        "largest ctx (engine)",
         *(["disk tier (tokens)"] if s.disk_cache_bytes else []),
         box=box.SIMPLE_HEAD,
         title_justify="left",
@@ -262,7 +293,7 @@ def render(plan: Plan, console) -> None:
             t.name,
             bits,
             f"{t.bytes_per_token:,}",
-            *(fmt_bytes(p.kv_bytes_windowed) for p in t.contexts),
+            *(fmt_bytes(p.engine_kv_pool_bytes) for p in t.contexts),
             _max_ctx(t.max_ctx, c.max_position_embeddings),
             _max_ctx(t.engine_max_ctx, c.max_position_embeddings),
             *([f"{t.disk_tier(s.disk_cache_bytes, s.block_size)[1]:,}"] if s.disk_cache_bytes else []),
