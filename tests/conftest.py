@@ -41,3 +41,6 @@ def check_no_leaks():
         held = [b.block_id for b in e.kv.pool.blocks if b.ref_count]
         assert not held, f"blocks still allocated after the test: {held}"
         assert e.kv.pool.num_free_blocks == e.kv.num_blocks
+        window = e.kv.window
+        if window is not None:  # all free but the null block, which is never handed out
+            assert window.num_held_blocks() == 0 and not window.tables, window.tables

@@ -82,6 +82,13 @@ def leak_report(kv: KVCacheManager) -> list[str]:
         problems.append(f"block tables still present: {live_tables}")
     if kv.num_cached_blocks:
         problems.append(f"num_cached_blocks still present: {kv.num_cached_blocks}")
+    window = kv.window
+    if window is not None:
+        held = {b.block_id: b.ref_count for b in window.pool.blocks[1:] if b.ref_count != 0}
+        if held:
+            problems.append(f"window blocks still referenced: {held}")
+        if window.pool.blocks[0].ref_count != 1 or window.tables:
+            problems.append(f"window: null block refs {window.pool.blocks[0].ref_count}, tables {window.tables}")
     return problems
 
 
@@ -121,6 +128,27 @@ def check_manager_invariants(kv: KVCacheManager) -> None:
     assert set(kv.num_cached_blocks) == set(kv.req_blocks)
     for rid, n in kv.num_cached_blocks.items():
         assert 0 <= n <= len(kv.req_blocks[rid]), f"{rid}: num_cached_blocks {n} > table {len(kv.req_blocks[rid])}"
+    if kv.window is not None:
+        check_window_invariants(kv)
+
+
+def check_window_invariants(kv: KVCacheManager) -> None:
+    """The window group: tables as long as the block tables, each block held once per table that
+    holds it, the null block never handed out, and a cached window block tied to the full group's
+    block at its position while that block is cached."""
+    window = kv.window
+    pool = window.pool
+    assert set(window.tables) == set(kv.req_blocks), (sorted(window.tables), sorted(kv.req_blocks))
+    refs: Counter[int] = Counter()
+    for rid, table in window.tables.items():
+        assert len(table) == len(kv.req_blocks[rid]), f"{rid}: window table {len(table)} vs {len(kv.req_blocks[rid])}"
+        ids = [b.block_id for b in table if b is not None]
+        assert 0 not in ids and len(ids) == len(set(ids)), f"{rid}: window table {window.block_ids(rid)}"
+        refs.update(ids)
+    assert pool.blocks[0].ref_count == 1 and 0 not in pool.free_queue
+    for b in pool.blocks[1:]:
+        assert b.ref_count == refs[b.block_id], f"window block {b.block_id}: {b.ref_count} refs, {refs[b.block_id]} tables"
+    assert set(pool.free_queue) == {b.block_id for b in pool.blocks[1:] if b.ref_count == 0}
 
 
 def check_scheduler_invariants(sched: Scheduler) -> None:
@@ -177,6 +205,7 @@ class ShadowKV:
 
     kv: KVCacheManager
     slots: dict[int, int] = field(default_factory=dict)
+    window_slots: dict[int, int] = field(default_factory=dict)  # the window group's, when there is one
 
     def apply(self, out: SchedulerOutput) -> None:
         bs = self.kv.block_size
@@ -187,8 +216,12 @@ class ShadowKV:
             expected[r.request_id] = ids = prefix_ids(r.all_token_ids, end)
             table = self.kv.block_ids(r.request_id)
             assert len(table) * bs >= end, f"{r.request_id}: table {table} too short for {end} tokens"
+            window_table = self.kv.window_block_ids(r.request_id)
             for p in range(start, end):
                 self.slots[table[p // bs] * bs + p % bs] = ids[p]
+                if window_table is not None:
+                    assert window_table[p // bs] != 0, f"{r.request_id}: position {p} written to the null block"
+                    self.window_slots[window_table[p // bs] * bs + p % bs] = ids[p]
         for s in out.scheduled:
             r = s.request
             table = self.kv.block_ids(r.request_id)
@@ -198,6 +231,14 @@ class ShadowKV:
                         f"{r.request_id} would attend to wrong K/V at position {p} (block table {table}, "
                         f"tokens {r.all_token_ids}): the slot was not written with this prefix"
                     )
+            window_table = self.kv.window_block_ids(r.request_id)
+            if window_table is not None:  # what the step's first query reads in a sliding layer
+                first = max(0, r.num_computed_tokens - self.kv.window.window + 1)
+                for p in range(first, len(expected[r.request_id])):
+                    if self.window_slots.get(window_table[p // bs] * bs + p % bs) != expected[r.request_id][p]:
+                        raise AssertionError(
+                            f"{r.request_id} would read wrong window K/V at position {p} (window table "
+                            f"{window_table}, tokens {r.all_token_ids})")
 
 
 # --- driving the scheduler ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from kvserve.engine.request import RequestStatus
 from kvserve.engine.scheduler import QueueFullError, Scheduler
 from kvserve.errors import PromptTooLongError
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.window_blocks import WindowBlocks, window_pool_blocks
 
 PREFIXES = [
     [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3],
@@ -104,13 +105,20 @@ def checked_step(sched: Scheduler, shadow: ShadowKV) -> None:
             assert r.request_id not in kv.req_blocks
 
 
+@pytest.mark.parametrize("window", [None, 1, 5], ids=["every-token", "window-1", "window-5"])
 @pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, ops=ops_lists, drain=st.sampled_from([True, True, False]))
-def test_random_interleavings_keep_bookkeeping_consistent(enable_caching, config, ops, drain):
+def test_random_interleavings_keep_bookkeeping_consistent(enable_caching, window, config, ops, drain):
+    """With ``window``, a window group beside the pool, sized as the engine sizes it: the shadow then
+    checks what the sliding layers read too."""
     num_blocks = config["num_blocks"]
     max_model_len = max(2, num_blocks * BLOCK_SIZE - config["model_len_cut"])
-    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
+    window_group = None
+    if window is not None:
+        size = window_pool_blocks(window, BLOCK_SIZE, config["max_num_seqs"], config["budget"])
+        window_group = WindowBlocks(size, BLOCK_SIZE, window, enable_caching)
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, window=window_group)
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=config["max_num_seqs"],

@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
     g.add_argument("-ctv", "--cache-type-v", default=None, choices=CACHE_TYPES, help="KV cache type of V")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    g.add_argument("--no-window-kv", action="store_true",
+                   help="sliding-window layers keep every token like the others (default: only their window, "
+                        "in a pool of their own)")
     g.add_argument("--kv-disk-cache", nargs="?", const="default", default=None, metavar="DIR",
                    help="keep every full KV block on disk too, so prefixes survive eviction and restarts "
                         "(default DIR: ~/.cache/kvserve/kv-blocks)")
@@ -102,6 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             cache_type_v=cache_type_v,
             disk_cache_dir=disk_dir,
             disk_cache_size=args.kv_disk_cache_size,
+            window_kv=not args.no_window_kv,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting, context_overflow=args.context_overflow or "error",

@@ -39,7 +39,7 @@ class EngineSnapshot:
     num_blocks: int
     num_free_blocks: int  # free plus cached-free: what an allocation can take now
     num_used_blocks: int
-    usage: float  # num_used_blocks / num_blocks
+    usage: float  # the fuller group's held fraction: num_used_blocks / num_blocks, or the window group's
     num_running: int
     num_waiting: int
     prefix_cache_queries: int  # prompt tokens looked up
@@ -52,6 +52,11 @@ class EngineSnapshot:
     spec_verify_steps: int = 0  # request-steps that verified drafts: tokens per step = (accepted + steps) / steps
     requests: dict[str, list[int]] = field(default_factory=dict)  # request id -> block table
     held_blocks: list[int] = field(default_factory=list)  # block ids with a reference, sorted
+    # the sliding-window layers' pool (kv.window_blocks); 0 blocks: no window group
+    window_blocks: int = 0  # the null block included
+    window_free_blocks: int = 0  # free plus cached-free
+    window_size: int = 0  # tokens a sliding layer reads back
+    window_tables: dict[str, list[int]] = field(default_factory=dict)  # request id -> window table (0: null)
     disk_cache: DiskCacheSnapshot | None = None  # None: no disk tier
 
     def to_json(self) -> dict:
@@ -84,10 +89,17 @@ class EngineView:
                 spec_accepted_tokens=engine.num_accepted_tokens,
                 spec_verify_steps=engine.num_verify_steps,
             )
+            window = kv.window
+            if window is not None:
+                snap.window_blocks, snap.window_size = window.pool.num_blocks, window.window
+                snap.window_free_blocks = window.num_free_blocks
+                snap.usage = max(snap.usage, window.num_held_blocks() / (window.pool.num_blocks - 1))
             if engine.disk is not None:
                 snap.disk_cache = DiskCacheSnapshot(str(engine.disk.root), engine.disk.max_bytes,
                                                     **engine.disk.stats.to_json())
             if with_blocks:
                 snap.requests = {rid: kv.block_ids(rid) for rid in list(kv.req_blocks)}
                 snap.held_blocks = [b.block_id for b in kv.pool.blocks if b.ref_count > 0]
+                if window is not None:
+                    snap.window_tables = {rid: window.block_ids(rid) for rid in list(window.tables)}
         return snap

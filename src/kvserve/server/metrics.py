@@ -68,6 +68,12 @@ class EngineCollector(Collector):
             ("kvserve_kv_cache_blocks", "KV blocks in the pool", s.num_blocks),
             ("kvserve_kv_cache_free_blocks", "KV blocks free (cached-free included)", s.num_free_blocks),
         ]
+        if s.window_blocks:
+            gauges += [
+                ("kvserve_kv_window_blocks", "KV blocks in the sliding-window layers' pool", s.window_blocks),
+                ("kvserve_kv_window_free_blocks", "Sliding-window KV blocks free (cached-free included)",
+                 s.window_free_blocks),
+            ]
         disk = s.disk_cache
         if disk is not None:
             gauges += [
