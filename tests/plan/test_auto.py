@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvserve.config import ModelConfig
-from kvserve.kv.auto_type import QUALITY_ORDER, choose_cache_types, context_advice
+from kvserve.kv.auto_type import QUALITY_ORDER, choose_cache_types, context_advice, context_pool_bytes
 from kvserve.kv.kv_types import pool_bytes
 from kvserve.plan.auto import resolve_auto
 
@@ -29,6 +29,27 @@ def test_auto_picks_the_best_type_that_fits(budget_mib, expected):
     assert (k, v) == expected
     assert pool_bytes(SMOLLM2, 2048, 1, 16, k, v) <= budget_mib * MiB
     assert "fits" in reason and f"K {k} / V {v}" in reason
+
+
+def test_auto_sizes_the_window_pool_as_the_engine_does():
+    """A model with sliding layers: the pool the engine allocates (global layers every token, sliding
+    layers their window) is what auto needs, and it fits where every layer every token would not."""
+    import torch
+
+    from kvserve.engine.engine import pool_size
+    from kvserve.kv.storage import PagedKVStorage
+    from kvserve.config import CacheConfig
+
+    gemma = ModelConfig("gemma3", 6, 64, 128, 2, 1, 32, 256, 8192, sliding_window=64,
+                        sliding_window_layers=(True, True, False, True, True, False))
+    every_token = pool_bytes(gemma, 4096, 2, 16, "f16", "f16")
+    k, v, _ = choose_cache_types(gemma, 4096, 2, 16, every_token // 2, 256)
+    assert (k, v) == ("f16", "f16")
+    size = pool_size(gemma, CacheConfig(16, 4096, cache_type_k="f16"), 2, 256)
+    storage = PagedKVStorage(gemma, size.num_blocks, 16, "f16", torch.device("cpu"), None, size.window_layers,
+                             size.num_window_blocks)
+    assert context_pool_bytes(gemma, 4096, 2, 16, "f16", "f16", 256) == storage.nbytes < every_token // 2
+    assert context_pool_bytes(gemma, 4096, 2, 16, "f16", "f16", 256, window_kv=False) == every_token
 
 
 def test_nothing_fits_names_the_fixes():

@@ -91,7 +91,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         from kvserve.plan.auto import resolve_auto
 
         auto = resolve_auto(args.model or DEFAULT_MODEL, args.num_ctx, args.max_num_seqs, args.block_size,
-                            args.max_num_batched_tokens, "float32", cache_type_k, cache_type_v, kv_cache_memory)
+                            args.max_num_batched_tokens, "float32", cache_type_k, cache_type_v, kv_cache_memory,
+                            not args.no_window_kv)
         cache_type_k, cache_type_v, kv_cache_memory = auto.cache_type_k, auto.cache_type_v, auto.kv_cache_memory
         print(auto.message, file=sys.stderr)
     return EngineConfig(

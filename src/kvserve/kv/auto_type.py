@@ -7,8 +7,9 @@ the first pair whose pool fits the budget. Torch-free.
 
 from __future__ import annotations
 
-from kvserve.config import ModelConfig
-from kvserve.kv.kv_types import kv_bytes_per_token, pool_bytes
+from kvserve.config import CacheConfig, ModelConfig
+from kvserve.kv.kv_types import kv_bytes_per_token
+from kvserve.kv.pool_sizing import pool_nbytes, pool_size
 
 # (K type, V type, measured KLD on SmolLM2 at 2,048 tokens)
 QUALITY_ORDER: tuple[tuple[str, str, float], ...] = (
@@ -27,15 +28,25 @@ QUALITY_ORDER: tuple[tuple[str, str, float], ...] = (
 )
 
 
+def context_pool_bytes(config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, k: str, v: str,
+                       max_num_batched_tokens: int = 512, window_kv: bool = True) -> int:
+    """Bytes of the pool the engine allocates for ``max_num_seqs`` x ``num_ctx`` tokens (its window
+    group included, ``kv.pool_sizing``)."""
+    cache = CacheConfig(block_size, num_ctx, cache_type_k=k, cache_type_v=v, window_kv=window_kv)
+    return pool_nbytes(config, cache, pool_size(config, cache, max_num_seqs, max_num_batched_tokens))
+
+
 def choose_cache_types(
-    config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, budget: int
+    config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, budget: int,
+    max_num_batched_tokens: int = 512, window_kv: bool = True,
 ) -> tuple[str, str, str]:
     """The best-measured (K, V) pair whose pool fits ``budget`` bytes, and a sentence saying why.
     Raises ValueError, with the numbers, when not even the smallest type fits."""
     tried = []
     for k, v, kld in QUALITY_ORDER:
         try:
-            need = pool_bytes(config, num_ctx, max_num_seqs, block_size, k, v)
+            need = context_pool_bytes(config, num_ctx, max_num_seqs, block_size, k, v, max_num_batched_tokens,
+                                      window_kv)
         except ValueError:  # this head_dim cannot use that type
             continue
         if need <= budget:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.kv.auto_type import choose_cache_types
-from kvserve.kv.kv_types import pool_bytes
+from kvserve.kv.auto_type import choose_cache_types, context_pool_bytes
 from kvserve.plan.planner import DTYPE_BYTES, RUNTIME_OVERHEAD_BYTES, PlanSettings, activations, available_memory
 from kvserve.plan.source import resolve_model
 
@@ -47,7 +46,7 @@ def memory_budget(model: str, num_ctx: int, max_num_seqs: int, max_num_batched_t
 
 def resolve_auto(
     model: str, num_ctx: int, max_num_seqs: int, block_size: int, max_num_batched_tokens: int, dtype: str,
-    cache_type_k: str, cache_type_v: str, kv_cache_memory: int | str | None,
+    cache_type_k: str, cache_type_v: str, kv_cache_memory: int | str | None, window_kv: bool = True,
 ) -> AutoCache:
     config = resolve_model(model).config
     notes = []
@@ -56,10 +55,12 @@ def resolve_auto(
         budget, how = memory_budget(model, num_ctx, max_num_seqs, max_num_batched_tokens, dtype)
         notes.append(f"KV budget {budget / 2**20:.0f} MiB ({how})")
     if "auto" in (cache_type_k, cache_type_v):
-        cache_type_k, cache_type_v, reason = choose_cache_types(config, num_ctx, max_num_seqs, block_size, budget)
+        cache_type_k, cache_type_v, reason = choose_cache_types(config, num_ctx, max_num_seqs, block_size, budget,
+                                                                max_num_batched_tokens, window_kv)
         notes.append(f"--cache-type auto picked {reason}")
     if kv_cache_memory == "auto":
-        need = pool_bytes(config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v)
+        need = context_pool_bytes(config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v,
+                                  max_num_batched_tokens, window_kv)
         kv_cache_memory = min(need, budget)
         if need > budget:
             notes.append(f"--kv-cache-memory auto: the pool for {max_num_seqs} x {num_ctx} tokens needs "
