@@ -3,8 +3,9 @@
     .venv/bin/python bench/speculative.py [--model smollm2] [--k 2,4,8] [--streams 1,4] [--json out.json]
 
 Workloads: ``repeat`` (a paragraph, twice, then its first words: the model goes on repeating it, as an
-edit or a quote of the input does), ``code`` (a file of similar functions to continue) and ``chat``
-(a question answered in free text: little to look up). For each: decode tok/s with speculation off
+edit or a quote of the input does), ``code`` (a file of similar functions to continue), ``code-edit``
+(a chat request to rewrite a ~1,100-token module of this package with one function renamed: the answer
+copies most of the file) and ``chat`` (a question answered in free text: little to look up). For each: decode tok/s with speculation off
 and with ``k`` drafts per step, alternating, the median of ``--runs``; the ratio; the share of drafts
 kept and the tokens each verifying step emitted. The output is checked to be the same tokens.
 """
@@ -16,9 +17,11 @@ import json
 import statistics
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from decode_rate import decode_rate
 
+import kvserve
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sampling_params import SamplingParams
@@ -29,16 +32,23 @@ PARAGRAPH = ("The KV cache is a preallocated pool of fixed-size blocks with bloc
 CODE = "".join(f"def scale_{n}(values):\n    return [v * {n} for v in values]\n\n" for n in range(2, 7)) + "def scale_7("
 
 
+def code_edit_request() -> str:
+    source = (Path(kvserve.__file__).parent / "kv" / "hashing.py").read_text()
+    return (f"Here is a Python module:\n\n```python\n{source}```\n\nRewrite the whole module with the function "
+            "`extend_block_hashes` renamed to `grow_block_hashes`. Reply with the complete module only.")
+
+
 def workloads(tokenizer) -> dict[str, list[int]]:
     return {
         "repeat": tokenizer.encode(PARAGRAPH * 2 + PARAGRAPH[:40]),
         "code": tokenizer.encode(CODE),
+        "code-edit": tokenizer.encode_chat([{"role": "user", "content": code_edit_request()}]),
         "chat": tokenizer.encode_chat([{"role": "user", "content": "Why is the sky blue? Answer in a paragraph."}]),
     }
 
 
 def decode(loaded, model: str, prompt: list[int], streams: int, k: int, max_tokens: int):
-    cache = CacheConfig(num_ctx=1024, cache_type_k="f16")
+    cache = CacheConfig(num_ctx=2048, cache_type_k="f16")
     config = EngineConfig(model, cache, SchedulerConfig(max_num_seqs=streams))
     if k:
         config = replace(config, speculative=SpeculativeConfig("ngram", k))
@@ -57,10 +67,15 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--workloads", default="repeat,code,code-edit,chat")
+    p.add_argument("--weights", default="auto", help="weight format (auto: q4 for a GGUF)")
     args = p.parse_args()
-    loaded = load_model(args.model, weight_format="auto")
+    loaded = load_model(args.model, weight_format=args.weights)
     rows = []
+    chosen = args.workloads.split(",")
     for name, prompt in workloads(loaded.tokenizer).items():
+        if name not in chosen:
+            continue
         for streams in map(int, args.streams.split(",")):
             for k in map(int, args.k.split(",")):
                 off, on = [], []
@@ -72,7 +87,7 @@ def main() -> int:
                     if got != expected:
                         raise SystemExit(f"{name}, k={k}: speculation changed the output")
                 steps = max(1, engine.num_verify_steps)
-                rows.append({"workload": name, "streams": streams, "k": k, "tok_s_off": statistics.median(off),
+                rows.append({"workload": name, "weights": args.weights, "streams": streams, "k": k, "tok_s_off": statistics.median(off),
                              "tok_s_on": statistics.median(on), "ratio": statistics.median(on) / statistics.median(off),
                              "accepted_share": engine.num_accepted_tokens / max(1, engine.num_draft_tokens),
                              "tokens_per_verify_step": (engine.num_accepted_tokens + steps) / steps})
