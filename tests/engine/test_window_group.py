@@ -116,3 +116,32 @@ def test_preemption_and_fp8_through_the_torch_path(gemma3, prompts, check_no_lea
         out.append({rid: o.token_ids for rid, o in engine.run_to_completion().items()})
     assert out[0] == out[1]
     assert windowed.num_preemptions > 0
+
+
+def test_the_pool_frame_shows_the_window_pool(gemma3, prompts, check_no_leaks):
+    """The web page's frame: the window pool's codes beside the pool's, each request's window table, and
+    bytes counted per group (a request past the window holds far less than every layer every token)."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvserve.server.pool_view import PoolView
+
+    engine = make_engine(gemma3, num_ctx=2048, max_num_seqs=2)
+    check_no_leaks.append(engine)
+    view = PoolView(SimpleNamespace(engine=engine, lock=threading.Lock(), num_pending_adds=0, dead_error=None),
+                    "gemma3")
+    engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="r0")
+    for _ in range(4):
+        engine.step()
+    frame = view.frame()
+    storage, window = engine.storage, engine.kv.window
+    assert len(frame.window_blocks) == window.pool.num_blocks - 1 and frame.window_size == WINDOW
+    (request,) = frame.requests
+    assert request.window_blocks == engine.kv.window_block_ids("r0") and request.window_blocks[0] == 0
+    held = sum(1 for b in request.window_blocks if b)
+    assert frame.window_blocks.count("1") == held
+    assert request.kv_bytes == (len(request.blocks) * storage.group_bytes_per_block(0)
+                                + held * storage.group_bytes_per_block(1))
+    assert request.kv_bytes < 0.6 * len(request.blocks) * 16 * frame.kv_bytes_per_token  # 1,114 tokens, window 512
+    assert frame.kv_pool_bytes == storage.nbytes
+    engine.run_to_completion()

@@ -43,7 +43,8 @@ class PoolRequest:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (0 until scheduled)
     num_computed_tokens: int  # with K/V in the pool
-    kv_bytes: int  # bytes its blocks hold (whole blocks)
+    kv_bytes: int  # bytes its blocks hold (whole blocks, in both pools)
+    window_blocks: list[int] = field(default_factory=list)  # its window table (0: fell out of the window)
 
 
 @dataclass(slots=True, config=EXACT)
@@ -72,6 +73,9 @@ class PoolFrame:
     num_prompt_tokens: int
     engine_alive: bool
     requests: list[PoolRequest] = field(default_factory=list)
+    # the sliding-window layers' own pool (kv.window_blocks), coded like ``blocks``; "" without one
+    window_blocks: str = ""
+    window_size: int = 0  # tokens a sliding layer reads back
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -103,6 +107,10 @@ class PoolView:
             scheduler = engine.scheduler
             live = [*scheduler.running, *scheduler.waiting]
             tables = [[b.block_id for b in kv.req_blocks.get(r.request_id, ())] for r in live]
+            window = kv.window
+            window_values = [] if window is None else [
+                b.ref_count or -(b.block_hash is not None) for b in window.pool.blocks[1:]]  # the null block left out
+            window_tables = [kv.window_block_ids(r.request_id) or [] for r in live]
             rows = [
                 (
                     r.request_id,
@@ -124,22 +132,26 @@ class PoolView:
                 len(scheduler.running),
                 len(scheduler.waiting) + self.async_engine.num_pending_adds,
             )
-        return self._build(engine, values, rows, tables, counters)
+        return self._build(engine, values, rows, tables, counters, window_values, window_tables)
 
     def _build(
-        self, engine, values: list[int], rows: list[tuple], tables: list[list[int]], counters: tuple
+        self, engine, values: list[int], rows: list[tuple], tables: list[list[int]], counters: tuple,
+        window_values: list[int], window_tables: list[list[int]],
     ) -> PoolFrame:
         cache = engine.config.cache
         bytes_per_token = engine.kv_bytes_per_token
-        block_bytes = cache.block_size * bytes_per_token
+        storage = engine.storage
+        block_bytes = storage.bytes_per_block
+        window_block_bytes = storage.group_bytes_per_block(1) if storage.windowed else 0
         num_blocks = len(values)
         num_free = values.count(0)
         num_cached_free = values.count(-1)
         num_used = num_blocks - num_free - num_cached_free
         queries, hits, preemptions, generated, prompted, running, waiting = counters
         requests = [
-            PoolRequest(rid, status, table, tokens, limit, prompt, cached, computed, len(table) * block_bytes)
-            for (rid, status, tokens, limit, prompt, cached, computed), table in zip(rows, tables)
+            PoolRequest(rid, status, table, tokens, limit, prompt, cached, computed,
+                        len(table) * block_bytes + sum(1 for b in wt if b) * window_block_bytes, wt)
+            for (rid, status, tokens, limit, prompt, cached, computed), table, wt in zip(rows, tables, window_tables)
         ]
         return PoolFrame(
             time=time.time(),
@@ -150,7 +162,7 @@ class PoolView:
             cache_type_k=cache.cache_type_k,
             cache_type_v=cache.cache_type_v_resolved,
             kv_bytes_per_token=bytes_per_token,
-            kv_pool_bytes=num_blocks * block_bytes,
+            kv_pool_bytes=storage.nbytes,
             blocks=block_codes(values),
             num_free_blocks=num_free + num_cached_free,
             num_cached_free_blocks=num_cached_free,
@@ -166,4 +178,6 @@ class PoolView:
             num_prompt_tokens=prompted,
             engine_alive=self.async_engine.dead_error is None,
             requests=requests,
+            window_blocks=block_codes(window_values),
+            window_size=engine.kv.window.window if engine.kv.window is not None else 0,
         )

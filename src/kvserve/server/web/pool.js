@@ -90,7 +90,11 @@ function drawTotals(frame) {
   setTotal("t-preempt", String(frame.num_preemptions), "since the start");
   setTotal("t-requests", `${frame.num_running} running`, `${frame.num_waiting} waiting`);
   const type = frame.cache_type_k === frame.cache_type_v ? frame.cache_type_k : `${frame.cache_type_k}/${frame.cache_type_v}`;
-  setTotal("t-kv", type, `${bytes(frame.kv_bytes_per_token)}/token · pool ${bytes(frame.kv_pool_bytes)}`);
+  // sliding-window layers in a pool of their own: how much of it the windows hold
+  const win = frame.window_blocks || "";
+  const windowNote = win ? ` · window pool ${win.length - (win.match(/[.c]/g) || []).length} / ${win.length} held`
+    + ` (${frame.window_size} tokens)` : "";
+  setTotal("t-kv", type, `${bytes(frame.kv_bytes_per_token)}/token · pool ${bytes(frame.kv_pool_bytes)}${windowNote}`);
   $("requests").tHead.rows[0].cells[4].textContent = `KV ${type}`; // every request's blocks hold this type
 }
 
