@@ -1,16 +1,20 @@
 """How a byte-level BPE vocabulary cuts text into words before merging, by `tokenizer.ggml.pre`.
 
 A GGUF names its pre-tokenizer instead of storing it; the name is llama.cpp's (`llama-vocab.cpp`,
-`convert_hf_to_gguf.py`). The regexes below are the ones in each model's own tokenizer.json: merges
-learned over one split give other tokens over another, so a wrong or unknown name is an error, never
-a silent fallback.
+`convert_hf_to_gguf.py`). The regexes below are the ones in each model's own tokenizer.json, and for
+"default" llama.cpp's own: merges learned over one split give other tokens over another, so a wrong or
+unknown name is an error, never a silent fallback. A file with no name at all is read as llama.cpp reads
+it, with "default" and a warning.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from kvserve.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 # GPT-2's split, which `ByteLevel(use_regex=True)` applies itself.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -37,6 +41,11 @@ _TEKKEN = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# llama.cpp's "default" (files that name it, and those that name no split), four splits in turn: runs
+# of punctuation and of the ASCII symbols $+<=>^~| first, so GPT-2's contractions never match ("I'm" is
+# I ' m); then GPT-2's split; then digit runs apart from the space before them; then ASCII digits cut
+# in threes from the left ("1234" is 123 4).
+_DEFAULT = (r"[\p{P}$+<=>^~|]+", _GPT2, r"\p{N}+", r"[0-9]{3}")
 
 
 @dataclass(frozen=True)
@@ -53,14 +62,15 @@ class PreTokenizer:
 
 
 _GPT2_SPLIT = PreTokenizer((_GPT2,))
+_DEFAULT_SPLIT = PreTokenizer(_DEFAULT)
 _DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2))
 _LLAMA3_SPLIT = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
 _QWEN2_SPLIT = PreTokenizer((_QWEN2,), nfc=True)
 _GPT4O_SPLIT = PreTokenizer((_GPT4O,))
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    # a file that names none gets "default"; we give it GPT-2's split, as transformers does
-    "default": _GPT2_SPLIT,
+    # llama.cpp's own split, not GPT-2's (transformers' GGUF loader knows neither name)
+    "default": _DEFAULT_SPLIT,
     "gpt-2": _GPT2_SPLIT,
     "phi-2": _GPT2_SPLIT,
     "mpt": _GPT2_SPLIT,
@@ -83,8 +93,14 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 }
 
 
-def pre_tokenizer_for(pre: str, source: object) -> PreTokenizer:
-    """The split `tokenizer.ggml.pre` names; ModelLoadError for a name we do not know."""
+def pre_tokenizer_for(pre: str | None, source: object) -> PreTokenizer:
+    """The split `tokenizer.ggml.pre` names; "default" when the key is missing or empty, as in llama.cpp;
+    ModelLoadError for a name we do not know."""
+    if not pre:
+        # llama.cpp loads such a file too, but warns: the model was most likely trained on another split
+        log.warning("%s: no pre-tokenizer type (tokenizer.ggml.pre), using 'default'; token ids may differ "
+                    "from the model's own tokenizer, consider converting the model again", source)
+        pre = "default"
     spec = PRE_TOKENIZERS.get(pre)
     if spec is None:
         raise ModelLoadError(

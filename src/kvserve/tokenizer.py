@@ -242,7 +242,7 @@ class Tokenizer:
         default_bos = model == "llama"
         if model == "gpt2":
             merges = gf.get("tokenizer.ggml.merges") or []
-            pre = pre_tokenizer_for(gf.get("tokenizer.ggml.pre") or "default", gf.path)
+            pre = pre_tokenizer_for(gf.get("tokenizer.ggml.pre"), gf.path)
             backend = _build_gpt2_bpe(tokens, merges, token_types, pre)
             default_bos = pre.add_bos
         elif model == "llama":

@@ -4,18 +4,22 @@ No real vocabulary is at hand, so each test trains a small one with `tokenizers`
 tokenizer.json is (its split regex from transformers, NFC for Qwen2, ignore_merges for Llama 3 and
 tekken), writes it into a GGUF as llama.cpp's converter does (tokens, merges, token types, pre name),
 and checks that kvserve's tokenizer read from the file gives the same token ids, and the same as
-transformers' own GGUF loader where that loader knows the split. SentencePiece vocabularies (model
-"llama": scores and byte-fallback tokens, no merges) are checked against transformers' GGUF loader.
+transformers' own GGUF loader where that loader knows the split. llama.cpp's "default" split, which no
+tokenizer.json has and transformers does not know, is also checked against the `regex` module applying
+llama.cpp's regex list, then the vocabulary's merges. SentencePiece vocabularies (model "llama": scores
+and byte-fallback tokens, no merges) are checked against transformers' GGUF loader.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import unicodedata
 from pathlib import Path
 
 import gguf
 import pytest
+import regex
 import transformers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -41,6 +45,21 @@ TEXT = (
 CORPUS = [TEXT, TEXT.lower(), TEXT.upper(), unicodedata.normalize("NFC", TEXT)]
 EOT = "<|endoftext|>"
 
+# llama.cpp's regex list for the "default" pre-type (llama-vocab.cpp, llm_tokenizer_bpe), applied in turn
+LLAMA_CPP_DEFAULT = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+# Texts where the default split and GPT-2's cut differently: symbol runs, contractions, digit runs.
+DEFAULT_VS_GPT2 = [
+    "a $+<=>^~| b; x+=1 && y<=2 || z^=3 ~ok `code`",
+    "I'm sure you're right, DON'T worry, they'll see it's o'clock",
+    "1234567 and 12,345,678 cost $99.95 (about 1000000)",
+    "price: 42€, ٣٤٥٦ or 12abc34!?",
+]
+
 
 def _split(*patterns: str) -> list:
     return [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
@@ -58,13 +77,14 @@ BYTE_LEVEL_MODELS = {
     "tekken": ([*_split(GGUF_PRE_TOKENIZER_SPLITS["tekken"]), _byte_level(False)], False, True),
     "gpt-2": ([_byte_level(True)], False, False),
     "smollm": ([pre_tokenizers.Digits(individual_digits=True), _byte_level(True)], False, False),
+    "default": ([*_split(*LLAMA_CPP_DEFAULT), _byte_level(False)], False, False),
 }
 # transformers' GGUF loader splits these as the model does (smollm: it does not split digits; qwen2: it
 # does not NFC-normalize, so it is compared on NFC text)
 TRANSFORMERS_KNOWS = ("llama-bpe", "qwen2", "gpt-4o", "tekken", "gpt-2")
 
 
-def train_byte_level(pre: str) -> HFTokenizer:
+def train_byte_level(pre: str, corpus: list[str] = CORPUS) -> HFTokenizer:
     steps, nfc, ignore_merges = BYTE_LEVEL_MODELS[pre]
     tk = HFTokenizer(models.BPE(ignore_merges=ignore_merges))
     if nfc:
@@ -75,18 +95,19 @@ def train_byte_level(pre: str) -> HFTokenizer:
         vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[EOT],
         show_progress=False,
     )
-    tk.train_from_iterator(CORPUS, trainer)
+    tk.train_from_iterator(corpus, trainer)
     return tk
 
 
-def write_bpe_gguf(path: Path, tk: HFTokenizer, pre: str) -> Path:
+def write_bpe_gguf(path: Path, tk: HFTokenizer, pre: str | None) -> Path:
     """The vocabulary as llama.cpp's converter writes a byte-level BPE one; no add_bos key, so the
-    pre-type's default applies."""
+    pre-type's default applies. ``pre`` None: no tokenizer.ggml.pre key, as in older files."""
     model = json.loads(tk.to_str())["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if t == EOT else 1 for t in tokens])
     w.add_token_merges([" ".join(m) for m in model["merges"]])
@@ -105,7 +126,8 @@ def byte_level(tmp_path_factory):
     root = tmp_path_factory.mktemp("bpe")
     out = {}
     for pre in BYTE_LEVEL_MODELS:
-        tk = train_byte_level(pre)
+        # the default vocabulary also learns the texts it is compared on, so that their pieces are merged
+        tk = train_byte_level(pre, CORPUS + DEFAULT_VS_GPT2 if pre == "default" else CORPUS)
         (root / pre).mkdir()
         out[pre] = tk, write_bpe_gguf(root / pre / "tok.gguf", tk, pre)
     return out
@@ -164,6 +186,82 @@ def test_bos_default_follows_the_pre_type(byte_level):
     """A file without tokenizer.ggml.add_bos_token: llama.cpp adds BOS for Llama 3 and tekken vocabularies."""
     assert ours(byte_level["llama-bpe"][1]).add_bos and ours(byte_level["tekken"][1]).add_bos
     assert not ours(byte_level["qwen2"][1]).add_bos and not ours(byte_level["gpt-4o"][1]).add_bos
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte alphabet: printable bytes stand for themselves, the others for U+0100 onwards."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    unprintable = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(unprintable)) for b in range(256)}
+
+
+BYTE_CHARS = _gpt2_byte_chars()
+
+
+def regex_split(text: str, patterns) -> list[str]:
+    """Each pattern cuts every piece the one before left; a match and the text between matches are
+    both pieces (llama.cpp's unicode_regex_split)."""
+    pieces = [text]
+    for pattern in patterns:
+        pieces = [part for piece in pieces for part in _cut(piece, pattern)]
+    return pieces
+
+
+def _cut(piece: str, pattern: str) -> list[str]:
+    parts, at = [], 0
+    for m in regex.finditer(pattern, piece):
+        parts += [piece[at : m.start()], m.group()]
+        at = m.end()
+    return [p for p in [*parts, piece[at:]] if p]
+
+
+def reference_ids(tk: HFTokenizer, text: str, patterns) -> list[int]:
+    """The vocabulary's merges applied to each piece of the regex split, in GPT-2's byte alphabet."""
+    ids = []
+    for piece in regex_split(text, patterns):
+        ids += [t.id for t in tk.model.tokenize("".join(BYTE_CHARS[b] for b in piece.encode()))]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def gpt2_merges():
+    """A vocabulary learned over GPT-2's split, texts included: it has merges across the default split's
+    cuts (" $", "'m", " 1"), so only the default split itself gives the reference's ids."""
+    return train_byte_level("gpt-2", CORPUS + DEFAULT_VS_GPT2)
+
+
+@pytest.mark.parametrize("vocab", ["learned over the default split", "learned over GPT-2's"])
+def test_default_is_llama_cpps_regex_list(byte_level, gpt2_merges, tmp_path, caplog, vocab):
+    ref = byte_level["default"][0] if vocab == "learned over the default split" else gpt2_merges
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        tok = ours(write_bpe_gguf(tmp_path / "tok.gguf", ref, "default"))
+    assert not caplog.records  # a file that names "default" is read without a warning
+    for text in [TEXT, *DEFAULT_VS_GPT2]:
+        assert tok.encode(text, add_special=False) == reference_ids(ref, text, LLAMA_CPP_DEFAULT), text[:20]
+
+
+def test_default_is_not_gpt2s_split(gpt2_merges, tmp_path):
+    """On each of these texts the two splits cut differently, and a vocabulary read as "default" gives
+    other ids than read as "gpt-2": GPT-2's split in place of the default one fails the test above."""
+    as_default = ours(write_bpe_gguf(tmp_path / "as-default.gguf", gpt2_merges, "default"))
+    as_gpt2 = ours(write_bpe_gguf(tmp_path / "as-gpt2.gguf", gpt2_merges, "gpt-2"))
+    gpt2_split = LLAMA_CPP_DEFAULT[1]
+    for text in DEFAULT_VS_GPT2:
+        assert regex_split(text, LLAMA_CPP_DEFAULT) != regex_split(text, [gpt2_split]), text[:20]
+        assert as_default.encode(text, add_special=False) != as_gpt2.encode(text, add_special=False), text[:20]
+    assert regex_split("I'm 1234 $+<=>^~|", LLAMA_CPP_DEFAULT) == ["I", "'", "m", " ", "123", "4", " ", "$+<=>^~|"]
+
+
+def test_missing_pre_is_default_with_a_warning(byte_level, tmp_path, caplog):
+    """llama.cpp reads a BPE file without tokenizer.ggml.pre as "default", warning that its split may
+    not be the model's."""
+    ref, _ = byte_level["default"]
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        tok = ours(write_bpe_gguf(tmp_path / "no-pre.gguf", ref, None))
+    assert "no pre-tokenizer type (tokenizer.ggml.pre), using 'default'" in caplog.text
+    for text in [TEXT, *DEFAULT_VS_GPT2]:
+        assert tok.encode(text, add_special=False) == reference_ids(ref, text, LLAMA_CPP_DEFAULT), text[:20]
+    assert not tok.add_bos  # the default pre-type adds no BOS unless the file asks
 
 
 def _tiny_merges_gguf(path: Path, pre: str) -> Path:
