@@ -5,6 +5,8 @@ several processes.
     DIR/secret                         32 random bytes (mode 0600): the hashing and checksum key
     DIR/<setup>/<h[:2]>/<h>.kvb        one block; <setup> is a digest of the engine's identity (model
                                        file, weight format, KV types, block size, kernels), <h> its hash
+    DIR/<setup>/<w[:2]>/<w>.kvb        with a window group (``kv.window_blocks``): the sliding layers'
+                                       part of block <h>, <w> = ``window_part_hash(h)``, parent <h>
 
 A block file is ``kv_file`` framing (magic KVSBLK01) around the block's bytes as the pool stores
 them (a q8_0 block stays q8_0). Its header names the identity, the hash, the parent hash, the
@@ -33,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvserve.kv.hashing import window_part_hash
 from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
 
 try:
@@ -87,6 +90,12 @@ class BlockKey:
         """The key of block ``index`` of a chain whose block hashes are ``hashes``."""
         return cls(hashes[index], hashes[index - 1] if index else None, token_ids, salt_digest, index, used_at)
 
+    def window_part(self) -> BlockKey:
+        """The key of this block's window-group part: named by a hash derived from the block's, whose
+        parent is the block itself (a file of one cannot pass for the other)."""
+        return BlockKey(window_part_hash(self.block_hash), self.block_hash, self.token_ids, self.salt_digest,
+                        self.index, self.used_at)
+
     def header(self) -> dict:
         return {
             "hash": f"{self.block_hash:032x}",
@@ -98,6 +107,8 @@ class BlockKey:
 
 @dataclass(slots=True)
 class DiskTierStats:
+    """Counts of files: with a window group a block's window part is a file, and a block, of its own."""
+
     blocks_written: int = 0
     bytes_written: int = 0
     write_seconds: float = 0.0
@@ -298,13 +309,14 @@ class DiskTier:
         with contextlib.suppress(OSError):
             os.utime(path, (t, t))
 
-    def touch(self, block_hashes: list[int]) -> None:
-        """Blocks a request found (in RAM or here), the first of a chain first: used now. Done by the
-        writer thread: a long prefix is a system call per block, kept off the scheduling step."""
-        self._queue.put(("touch", list(block_hashes), time.time()))
+    def touch(self, block_hashes: list[int], first_index: int = 0) -> None:
+        """Blocks a request found (in RAM or here), the first of a chain first (at position
+        ``first_index``): used now. Done by the writer thread: a long prefix is a system call per
+        block, kept off the scheduling step."""
+        self._queue.put(("touch", list(block_hashes), time.time(), first_index))
 
-    def _touch_chain(self, block_hashes: list[int], now: float) -> None:
-        for i, block_hash in enumerate(block_hashes):
+    def _touch_chain(self, block_hashes: list[int], now: float, first_index: int) -> None:
+        for i, block_hash in enumerate(block_hashes, first_index):
             self._touch(self.path(block_hash), BlockKey(block_hash, None, (), None, i, now))
 
     # --- the size bound -------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ every hash (the disk tier relies on it). Without a secret, each process draws it
 
 The pool does not rely on the hash alone: a hit must also match the block's tokens, salt and the
 very block computed before it (see ``block_pool``).
+
+A block of the sliding-window layers (``kv.window_blocks``) is cached under its full block's hash,
+but a file of its own needs a name of its own: ``window_part_hash`` derives one from the full hash
+under a personalization no chain hash uses, so the two never name the same file.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ def extend_block_hashes(
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
         hashes.append(hash_block(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), salt, key))
+
+
+def window_part_hash(block_hash: BlockHash) -> BlockHash:
+    """The name of the window group's part of the block ``block_hash`` names (its disk-tier file)."""
+    h = hashlib.blake2b(block_hash.to_bytes(16, "little"), digest_size=16, person=b"kvserve-window")
+    return int.from_bytes(h.digest(), "little")
 
 
 def salt_digest(salt: str | None) -> str | None:

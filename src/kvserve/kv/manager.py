@@ -13,7 +13,8 @@ known tokens, so the last token is always computed and yields logits.
 With ``window`` (a ``WindowBlocks``), the sliding-window layers' blocks are a second group: each
 request has a window table beside its block table, the same length, whose blocks out of the window
 go back to the window pool as the request goes on (see ``kv.window_blocks``). A prefix hit is then
-only as long as both groups can serve it.
+only as long as both groups can serve it. Loading a prefix (from the lower tier or a prompt-cache
+file) loads the window parts its next query reads too: without them the hit would be cut short.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from typing import Protocol
 
 from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
 from kvserve.kv.disk_tier import BlockKey
-from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes, salt_digest
+from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes, salt_digest, window_part_hash
 from kvserve.kv.window_blocks import WindowBlocks
+
+WINDOW_GROUP = 1  # the storage's group of the sliding-window layers
 
 
 class CacheableRequest(Protocol):
@@ -48,18 +51,22 @@ class _Lookup:
 class BlockSource(Protocol):
     """Where blocks can be loaded from into the pool (the disk tier, a prompt-cache file)."""
 
-    def load(self, block_ids: list[int], keys: list[BlockKey]) -> int:
-        """Fill the pool's blocks ``block_ids`` with the blocks ``keys``; how many, from the first, it did."""
+    def contains(self, block_hash: int) -> bool:
+        """Whether it holds the block (or window part, see ``hashing.window_part_hash``) of that hash."""
+        ...
+
+    def load(self, block_ids: list[int], keys: list[BlockKey], group: int = 0) -> int:
+        """Fill the pool's blocks ``block_ids`` with the blocks ``keys``; how many, from the first, it did.
+        ``group`` 1: the window group's blocks, ``keys`` their ``BlockKey.window_part``s."""
         ...
 
 
 class LowerTier(BlockSource, Protocol):
     """Where blocks evicted from the pool can still be found (the disk tier, through the storage)."""
 
-    def contains(self, block_hash: int) -> bool: ...
-
-    def touch(self, block_hashes: list[int]) -> None:
-        """A request was admitted with these blocks as its prefix (its least recently used order)."""
+    def touch(self, block_hashes: list[int], first_index: int = 0) -> None:
+        """A request was admitted with these blocks as its prefix (its least recently used order),
+        the first at position ``first_index`` of its chain."""
         ...
 
 
@@ -98,6 +105,8 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt, self.hash_key)
         hits = self._find(request, (len(tokens) - 1) // self.block_size)  # leave a token to compute
         if self.window is not None:
+            if self.tier is not None:
+                self._load_window_parts(request, hits, self.tier)
             hits = hits[: self.window.reusable_prefix(hits, request.block_hashes, tokens, request.cache_salt)]
         return hits, len(hits) * self.block_size
 
@@ -108,6 +117,19 @@ class KVCacheManager:
         hits = self._find(lookup, len(token_ids) // self.block_size)
         self._tier_tokens.pop(lookup.request_id, None)
         return hits
+
+    def cached_window_parts(self, token_ids: list[int], blocks: list[KVBlock],
+                            salt: str | None = None) -> list[tuple[int, KVBlock]]:
+        """(position, window block) of the window pool's cached parts of ``blocks`` (``cached_prefix``'s
+        answer), after loading from the lower tier those a query after all of them reads. Not
+        referenced: use them before the next allocation."""
+        if self.window is None:
+            return []
+        lookup = self._lookup(token_ids, salt)
+        if self.tier is not None:
+            self._load_window_parts(lookup, blocks, self.tier)
+        parts = ((i, self._window_hit(lookup, blocks, i)) for i in range(len(blocks)))
+        return [(i, b) for i, b in parts if b is not None]
 
     def block_hashes_of(self, token_ids: list[int], salt: str | None = None) -> list[int]:
         return self._lookup(token_ids, salt).block_hashes
@@ -154,11 +176,15 @@ class KVCacheManager:
         max_blocks = len(token_ids) // self.block_size
         hits = self._pool_hits(lookup, [], max_blocks)
         self._install(lookup, hits, max_blocks - len(hits), source)
-        return len(self._pool_hits(lookup, hits, max_blocks))
+        hits = self._pool_hits(lookup, hits, max_blocks)
+        if self.window is None:
+            return len(hits)
+        self._load_window_parts(lookup, hits, source)
+        return self.window.reusable_prefix(hits, lookup.block_hashes, lookup.all_token_ids, salt)
 
     def _install(self, request: CacheableRequest, hits: list[KVBlock], count: int, source: BlockSource) -> int:
         """Load the ``count`` blocks after ``hits`` from ``source`` into free blocks, cached-free."""
-        hashes, bs, start = request.block_hashes, self.block_size, len(hits)
+        start = len(hits)
         if not count:
             return 0
         self.pool.touch(hits)  # the allocation below must not evict them
@@ -167,9 +193,7 @@ class KVCacheManager:
             if not count:
                 return 0
             blocks = self.pool.allocate(count)
-            salt = salt_digest(request.cache_salt)
-            keys = [BlockKey.in_chain(hashes, i, tuple(request.all_token_ids[i * bs : (i + 1) * bs]), salt)
-                    for i in range(start, start + count)]
+            keys = [self._block_key(request, i) for i in range(start, start + count)]
             loaded = source.load([b.block_id for b in blocks], keys)
             parent = hits[-1].ref if hits else None
             cached = 0
@@ -184,13 +208,91 @@ class KVCacheManager:
             self.pool.free(list(reversed(hits)))
         return cached
 
+    def _block_key(self, request: CacheableRequest, index: int) -> BlockKey:
+        return BlockKey.in_chain(request.block_hashes, index, self._chunk(request, index),
+                                 salt_digest(request.cache_salt))
+
+    def _chunk(self, request: CacheableRequest, index: int) -> tuple[int, ...]:
+        """The tokens of the request's block ``index``."""
+        return tuple(request.all_token_ids[index * self.block_size : (index + 1) * self.block_size])
+
+    # --- the window group's parts ---------------------------------------------------------------------
+    def _window_hit(self, request: CacheableRequest, hits: list[KVBlock], index: int) -> KVBlock | None:
+        """The window pool's cached part of block ``index``, tied to the full group's ``hits[index]``."""
+        block_hash, chunk = request.block_hashes[index], self._chunk(request, index)
+        return self.window.pool.lookup(block_hash, chunk, hits[index].ref, request.cache_salt)
+
+    def _load_window_parts(self, request: CacheableRequest, hits: list[KVBlock], source: BlockSource) -> None:
+        """Load from ``source`` the window parts a query after ``hits`` reads (``first_live`` .. the
+        last hit) that the window pool lacks. A part ``source`` cannot give (absent, corrupt) cuts the
+        hit before it, so the window ending there is tried next; a window pool without room for the
+        parts gives up (``reusable_prefix`` then cuts the hit to what the pool holds)."""
+        end = len(hits)
+        while end > 0:
+            live = range(self.window.first_live(end * self.block_size), end)
+            found = [self._window_hit(request, hits, i) for i in live]
+            missing = [i for i, block in zip(live, found) if block is None]
+            held = [block for block in found if block is not None]
+            absent = next((i for i in missing if not self._source_has_part(source, request, i)), None)
+            if absent is not None:  # checked before allocating: an allocation evicts cached window blocks
+                end = absent
+                continue
+            if not missing or len(missing) > self.window.num_free_blocks - self.window.num_evictable(held):
+                return
+            loaded = self._install_window_parts(request, hits, missing, held, source)
+            if loaded == len(missing):
+                return
+            end = missing[loaded]
+
+    @staticmethod
+    def _source_has_part(source: BlockSource, request: CacheableRequest, index: int) -> bool:
+        return source.contains(window_part_hash(request.block_hashes[index]))
+
+    def _install_window_parts(self, request: CacheableRequest, hits: list[KVBlock], indices: list[int],
+                              held: list[KVBlock], source: BlockSource) -> int:
+        """Load the window parts of blocks ``indices`` from ``source`` into free blocks of the window pool,
+        cached-free and tied to the full group's blocks ``hits`` as ``WindowBlocks.cache_block`` ties
+        computed ones; ``held``: cached parts the same query reads, kept from eviction meanwhile.
+        Returns how many, from the first, are cached now."""
+        pool = self.window.pool
+        self._drop_stale_window_parts(request, indices)
+        pool.touch(held)
+        try:
+            blocks = pool.allocate(len(indices))
+            keys = [self._block_key(request, i).window_part() for i in indices]
+            loaded = source.load([b.block_id for b in blocks], keys, WINDOW_GROUP)
+            cached = 0
+            for block, key in zip(blocks[:loaded], keys):
+                full_ref = hits[key.index].ref
+                ref = pool.cache_block(block, key.parent_hash, key.token_ids, full_ref, request.cache_salt)
+                if ref != block.ref:  # the hash is held by a block in use under another full block
+                    break
+                cached += 1
+            pool.uncache(blocks[cached:])
+            pool.free(list(reversed(blocks)))
+        finally:
+            pool.free(list(reversed(held)))
+        return cached
+
+    def _drop_stale_window_parts(self, request: CacheableRequest, indices: list[int]) -> None:
+        """A free window block cached under one of these hashes but tied to a full block that is gone
+        (evicted, then loaded again as another block) can serve no hit: out of the cache, so the
+        loaded part can take its hash."""
+        pool = self.window.pool
+        stale = [pool.cached.get(request.block_hashes[i]) for i in indices]
+        pool.uncache([b for b in stale if b is not None and b.ref_count == 0])
+
     def record_prefix_lookup(self, request: CacheableRequest, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a blocked request's retries are not counted)."""
         self.prefix_queries += len(request.all_token_ids)
         self.prefix_hits += num_hit_tokens
         self.prefix_tier_hits += min(self._tier_tokens.pop(request.request_id, 0), num_hit_tokens)
         if self.tier is not None and num_hit_tokens:
-            self.tier.touch(request.block_hashes[: num_hit_tokens // self.block_size])
+            num_blocks = num_hit_tokens // self.block_size
+            self.tier.touch(request.block_hashes[:num_blocks])
+            if self.window is not None:
+                first = self.window.first_live(num_hit_tokens)
+                self.tier.touch([window_part_hash(h) for h in request.block_hashes[first:num_blocks]], first)
 
     # --- allocation -----------------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -291,6 +393,10 @@ class KVCacheManager:
     # --- views ----------------------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def window_block(self, request_id: str, index: int) -> KVBlock | None:
+        """The request's window block ``index`` (None: out of the window, or no window group)."""
+        return None if self.window is None else self.window.block(request_id, index)
 
     def window_block_ids(self, request_id: str) -> list[int] | None:
         """The request's window table (the null block where blocks fell out), or None without a window group."""

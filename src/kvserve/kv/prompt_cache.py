@@ -5,6 +5,10 @@ messages may ride along.
 The framing is ``kv_file``'s (magic KVSPC01, an unkeyed checksum, so a file can move to another
 machine). Header: the engine identity it was computed under, the tokens, the block count, and an
 optional ``extra`` object; payload: the blocks' bytes as the pool stores them, one after another.
+With a window group (``kv.window_blocks``) the header's ``window_blocks`` lists the blocks whose
+window parts (the sliding layers' bytes) follow, in that order, after all the blocks: at least the
+window a query after the last block reads, so a prefix loaded whole is a hit whole. A file without
+the key (any model without a window group) has no window parts.
 A file is used only by an engine with the same identity (same model file, weight format, KV
 types, block size and kernels); the error says which of these differ.
 
@@ -21,7 +25,9 @@ import torch
 
 from kvserve.errors import KVServeError
 from kvserve.kv.disk_tier import BlockKey
+from kvserve.kv.hashing import window_part_hash
 from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
+from kvserve.kv.manager import WINDOW_GROUP
 
 MAGIC = b"KVSPC01\n"
 
@@ -31,32 +37,69 @@ class PromptCacheError(KVServeError):
 
 
 def save_prompt_cache(engine, token_ids: list[int], path: str | os.PathLike, extra: dict | None = None) -> int:
-    """Write the cached blocks of ``token_ids`` (as far as the pool or the disk tier hold them) to
-    ``path``, atomically. Returns the number of tokens saved (whole blocks)."""
-    blocks = engine.kv.cached_prefix(token_ids)
+    """Write the cached blocks of ``token_ids`` (as far as the pool or the disk tier hold them, and
+    with a window group as far as their window parts make them a hit) to ``path``, atomically.
+    Returns the number of tokens saved (whole blocks)."""
+    blocks, parts = _cached_blocks(engine.kv, token_ids)
     if not blocks:
+        window = " with the window parts a query after them reads" if engine.kv.window is not None else ""
         raise PromptCacheError(
-            f"none of the {len(token_ids)} tokens' blocks are cached (a prompt needs at least "
+            f"none of the {len(token_ids)} tokens' blocks are cached{window} (a prompt needs at least "
             f"{engine.kv.block_size} tokens, and prefix caching must be on)")
     data = engine.storage.export_blocks([b.block_id for b in blocks])
     num_tokens = len(blocks) * engine.kv.block_size
     header = {"identity": engine.cache_identity, "tokens": list(token_ids[:num_tokens]), "blocks": len(blocks),
               "extra": extra or {}}
+    if parts:
+        header["window_blocks"] = [i for i, _ in parts]
+        window_data = engine.storage.export_blocks([b.block_id for _, b in parts], WINDOW_GROUP)
+        data = torch.cat([data.view(-1), window_data.view(-1)])
     write_atomically(Path(path), pack(MAGIC, header, memoryview(data.numpy()).cast("B")))
     return num_tokens
 
 
+def _cached_blocks(kv, token_ids: list[int]) -> tuple[list, list]:
+    """The cached blocks of ``token_ids`` and (position, window block) of their cached window parts;
+    with a window group, cut to the blocks a query after them could take whole (their last window's
+    parts cached)."""
+    blocks = kv.cached_prefix(token_ids)
+    if kv.window is None:
+        return blocks, []
+    parts = kv.cached_window_parts(token_ids, blocks)
+    usable = kv.window.reusable_prefix(blocks, kv.block_hashes_of(token_ids), token_ids, None)
+    return blocks[:usable], [(i, b) for i, b in parts if i < usable]
+
+
 class _FileBlocks:
     """A loaded file's blocks, as the source the manager installs from: the file holds a chain from its
-    first block, so a key's position in the chain is its row."""
+    first block, so a key's position in the chain is its row; a window part's row is its position's
+    place in ``window_blocks``. ``block_hashes``: the chain's hashes under the loading engine's key."""
 
-    def __init__(self, storage, payload: memoryview, num_blocks: int) -> None:
+    def __init__(self, storage, payload: memoryview, block_hashes: list[int],
+                 window_blocks: list[int]) -> None:
         self.storage = storage
-        self.rows = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(num_blocks, -1)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        full_bytes = len(block_hashes) * storage.bytes_per_block
+        self.rows = data[:full_bytes].view(len(block_hashes), -1)
+        self.window_rows = data[full_bytes:].view(len(window_blocks), -1) if window_blocks else None
+        self.window_row_of = {index: row for row, index in enumerate(window_blocks)}
+        self.hashes = set(block_hashes) | {window_part_hash(block_hashes[i]) for i in window_blocks}
 
-    def load(self, block_ids: list[int], keys: list[BlockKey]) -> int:
-        self.storage.import_blocks(block_ids, self.rows[[k.index for k in keys]])
-        return len(block_ids)
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self.hashes
+
+    def load(self, block_ids: list[int], keys: list[BlockKey], group: int = 0) -> int:
+        if group == 0:
+            self.storage.import_blocks(block_ids, self.rows[[k.index for k in keys]])
+            return len(block_ids)
+        rows = []
+        for key in keys:  # the parts the file has, up to the first it lacks
+            if key.index not in self.window_row_of:
+                break
+            rows.append(self.window_row_of[key.index])
+        if rows:
+            self.storage.import_blocks(block_ids[: len(rows)], self.window_rows[rows], group)
+        return len(rows)
 
 
 def read_prompt_cache(path: str | os.PathLike) -> tuple[dict, memoryview]:
@@ -83,11 +126,29 @@ def load_prompt_cache(engine, path: str | os.PathLike) -> tuple[int, dict]:
     if not engine.config.cache.enable_prefix_caching:
         raise PromptCacheError("a prompt cache needs prefix caching (drop --no-prefix-caching)")
     tokens, num_blocks = header.get("tokens"), header.get("blocks")
+    window_blocks = header.get("window_blocks", [])  # absent: a file without window parts
     bs = engine.kv.block_size
     if (not isinstance(tokens, list) or not isinstance(num_blocks, int) or len(tokens) != num_blocks * bs
-            or len(payload) != num_blocks * engine.storage.bytes_per_block):
+            or not _valid_window_blocks(window_blocks, num_blocks, engine.storage)
+            or len(payload) != _payload_bytes(engine.storage, num_blocks, window_blocks)):
         raise PromptCacheError(f"{path}: its header does not match its payload")
-    installed = engine.kv.install_prefix(tokens, _FileBlocks(engine.storage, payload, num_blocks))
+    blocks = _FileBlocks(engine.storage, payload, engine.kv.block_hashes_of(tokens), window_blocks)
+    installed = engine.kv.install_prefix(tokens, blocks)
     if engine.offload is not None:
         engine.offload.save_prefix(engine.kv, tokens[: installed * bs])
     return installed * bs, header.get("extra") or {}
+
+
+def _valid_window_blocks(window_blocks, num_blocks: int, storage) -> bool:
+    """Block positions, ascending, each once, within the file's blocks, and only where the storage
+    has a window group."""
+    if not isinstance(window_blocks, list) or not all(type(i) is int for i in window_blocks):
+        return False
+    if window_blocks and not storage.windowed:
+        return False
+    return window_blocks == sorted(set(window_blocks)) and all(0 <= i < num_blocks for i in window_blocks)
+
+
+def _payload_bytes(storage, num_blocks: int, window_blocks: list[int]) -> int:
+    window = len(window_blocks) * storage.group_bytes_per_block(WINDOW_GROUP) if window_blocks else 0
+    return num_blocks * storage.bytes_per_block + window
