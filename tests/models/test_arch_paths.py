@@ -15,7 +15,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models.linear import Int4Linear
 from kvserve.models.loader import load_model
 from tests.models import arch_builders as ab
-from tests.models.test_tiny_random import rel_err
+from tests.models.test_tiny_random import hf_greedy, rel_err
 from tests.support import assert_same_or_near_tie, make_engine, reference_greedy
 
 
@@ -107,10 +107,10 @@ class _Spy:
             monkeypatch.setattr(native_paged.NativePagedAttention, method, counted)
 
 
-@pytest.mark.parametrize("name,native_attention", [("gemma2", False), ("qwen3", True)])
-def test_softcapped_attention_falls_back_to_torch(q4_files, monkeypatch, name, native_attention):
-    """The native attention kernels cannot cap scores: gemma2 never calls them (and still gives the
-    reference's tokens over a window-crossing prompt); a model without a cap does call them."""
+@pytest.mark.parametrize("name", ["gemma2", "qwen3"])
+def test_softcapped_attention_runs_on_the_native_kernels(q4_files, monkeypatch, name):
+    """The native attention kernels cap scores themselves: gemma2 calls them, as a model without a cap
+    does, and gives the reference's (torch, contiguous) tokens over a window-crossing prompt."""
     lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
     spy = _Spy(monkeypatch)
     engine = make_engine(lm, budget=16)
@@ -118,15 +118,50 @@ def test_softcapped_attention_falls_back_to_torch(q4_files, monkeypatch, name, n
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).request_id
     out = engine.run_to_completion()[rid]
     if native_paged.for_storage(engine.storage) is not None:
-        assert (spy.calls > 0) == native_attention
+        assert spy.calls > 0
     assert_same_or_near_tie(lm, prompt, reference_greedy(lm, prompt, 10), out.token_ids)
 
 
-@pytest.mark.parametrize("name,one_call", [("mistral", True), ("qwen3", True), ("phi3", False),
+@pytest.fixture(scope="module")
+def gemma2_folder(tmp_path_factory):
+    """transformers' tiny Gemma 2 and ours from its folder (f32 weights: torch matmuls, native attention)."""
+    hf = ab.build_hf_model("gemma2")
+    folder = tmp_path_factory.mktemp("hf-gemma2")
+    hf.save_pretrained(str(folder))
+    return hf, load_model(str(folder), device="cpu")
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "q8_0"])
+def test_gemma2_through_the_native_kernels_batched_and_chunked(gemma2_folder, monkeypatch, cache_type):
+    """Three prompts past the window of 8, chunked (a budget of 16 tokens a step) and batched, through the
+    capped native kernels: each gets the tokens it gets alone with whole prefills (the same KV type),
+    and with f32 KV transformers' greedy tokens."""
+    hf, lm = gemma2_folder
+    ps = [_prompt(n, seed) for n, seed in ((40, 4), (23, 5), (9, 6))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spy = _Spy(monkeypatch)
+    alone = []
+    for p in ps:
+        engine = make_engine(lm, max_num_seqs=1, prefix_caching=False, block_size=8, cache_type_k=cache_type)
+        rid = engine.add_request(p, params).request_id
+        alone.append(engine.run_to_completion()[rid].token_ids)
+    engine = make_engine(lm, budget=16, max_num_seqs=3, block_size=8, cache_type_k=cache_type)
+    ids = [engine.add_request(p, params).request_id for p in ps]
+    final = engine.run_to_completion()
+    if native_paged.for_storage(engine.storage) is None:
+        pytest.skip("no native attention kernels on this machine")
+    assert spy.calls > 0
+    for p, own, batched in zip(ps, alone, (final[i].token_ids for i in ids)):
+        assert batched == own, p
+        if cache_type == "f32":
+            assert_same_or_near_tie(lm, p, hf_greedy(hf, p, 16), own)
+
+
+@pytest.mark.parametrize("name,one_call", [("mistral", True), ("qwen3", True), ("gemma2", True), ("phi3", False),
                                            ("granite", False), ("qwen3moe", False)])
 def test_one_call_decode_step_only_where_its_kernels_cover_the_arch(q4_files, name, one_call):
     """The one-call native decode step (models/native_decode.py) runs Mistral (a plain Llama with a
-    window) and Qwen3 (q/k norms per head); partial rotary, Granite's multipliers and experts go through
+    window), Qwen3 (q/k norms per head) and Gemma 2 (capped scores, post-norms, GELU); partial rotary, Granite's multipliers and experts go through
     ``forward``. Either way the engine's tokens are the reference path's."""
     lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
     engine = make_engine(lm, budget=16)

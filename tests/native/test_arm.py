@@ -1,6 +1,7 @@
 """The integer kernels built for aarch64 (Debian's gcc-aarch64-linux-gnu) and run under qemu-aarch64:
 NEON with and without sdot, and the portable C, each the same bits as this machine's portable build
-on the same inputs. Reported as skipped, with the reason, where the cross tools are missing
+on the same inputs; the attention kernels (soft-capped or not) on each path within float rounding of a
+float64 reference. Reported as skipped, with the reason, where the cross tools are missing
 (``make test`` installs them)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tests.native.test_isa_paths import SHAPES, grid16_inputs, int4_inputs, run_
 
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 DRIVER = Path(__file__).with_name("arm_driver.c")
+ATTENTION_DRIVER = Path(__file__).with_name("arm_attention_driver.c")
 ARM_PATHS = {"neon-dotprod": native.ISA_FLAGS["neon"], "neon": ["-march=armv8-a"], "portable": ["-DKVSERVE_PORTABLE"]}
 
 pytestmark = pytest.mark.skipif(
@@ -84,3 +86,56 @@ def test_arm_int8_head_same_bits_as_x86_portable(arm_programs, tmp_path, path):
         y, isa = run_arm(arm_programs[path], tmp_path, 8, x, packed, None, n)
         assert isa == path
         assert torch.equal(y, run_int8("portable", x, packed, n, 1)), (path, m, n, k)
+
+
+@pytest.fixture(scope="module")
+def arm_attention_programs(tmp_path_factory) -> dict[str, Path]:
+    """paged_attention.c with its own flags, for each aarch64 path."""
+    out = tmp_path_factory.mktemp("arm-attention")
+    base = [f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
+    programs = {}
+    for path, flags in ARM_PATHS.items():
+        programs[path] = out / f"attention-{path}"
+        sources = [native.SOURCE_DIR / "paged_attention.c", ATTENTION_DRIVER]
+        subprocess.run([CROSS_CC, *base, *flags, f"-I{native.SOURCE_DIR}", "-static", *map(str, sources), "-o",
+                        str(programs[path])], check=True, capture_output=True, text=True, timeout=300)
+    return programs
+
+
+def run_arm_attention(program: Path, tmp_path: Path, prefill: bool, q, k, v, table, window: int, ctx: int,
+                      scale: float, softcap: float) -> tuple[torch.Tensor, str]:
+    kv_heads, blocks, block_size, d = k.shape
+    n, heads, _ = q.shape
+    header = np.array([prefill, n, heads, kv_heads, d, blocks, block_size, window, ctx], dtype=np.int32)
+    parts = [header.tobytes(), np.array([scale, softcap], dtype=np.float32).tobytes(),
+             *(t.contiguous().numpy().tobytes() for t in (q, k, v)),
+             np.resize(table.numpy().astype(np.int64), blocks).tobytes()]  # the driver reads num_blocks entries
+    (tmp_path / "in").write_bytes(b"".join(parts))
+    subprocess.run([QEMU, str(program), str(tmp_path / "in"), str(tmp_path / "out")], check=True, timeout=300)
+    raw = (tmp_path / "out").read_bytes()
+    out = torch.from_numpy(np.frombuffer(raw[: 4 * q.numel()], dtype=np.float32).copy()).view(q.shape)
+    return out, raw[4 * q.numel() :].decode()
+
+
+@pytest.mark.parametrize("path", list(ARM_PATHS))
+def test_arm_attention_capped_and_not_matches_float64(arm_attention_programs, tmp_path, path):
+    """Decode (one query at the last position) and a prefill chunk of 90 queries over 300 positions in
+    shuffled blocks of 16, with and without a window and a cap."""
+    from tests.native.test_softcap_attention import capped_reference
+
+    g = torch.Generator().manual_seed(9)
+    heads, kv_heads, d, blocks, block_size, ctx = 6, 2, 64, 24, 16, 300
+    k, v = (torch.randn(kv_heads, blocks, block_size, d, generator=g) for _ in range(2))
+    table = torch.randperm(blocks, generator=g)[: -(-ctx // block_size)]
+    keys, values = (x[:, table].reshape(kv_heads, -1, d)[:, :ctx].double() for x in (k, v))
+    q = 4 * torch.randn(90, heads, d, generator=g)
+    for window, softcap in ((0, 0.0), (0, 5.0), (37, 5.0)):
+        cap = softcap or 1e9  # no cap: tanh(s / 1e9) * 1e9 is s to float64's rounding
+        for prefill, chunk in ((False, q[-1:]), (True, q)):
+            out, isa = run_arm_attention(arm_attention_programs[path], tmp_path, prefill, chunk, k, v, table, window,
+                                         ctx, 0.125, softcap)
+            assert isa == path
+            positions = torch.arange(ctx - chunk.shape[0], ctx)
+            reference = capped_reference(chunk, keys, values, positions, window or None, 0.125, cap)
+            # scores up to ~16 (|q| ~ 4), each rounded in f32: outputs a few 1e-6 off here and there
+            torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)

@@ -73,28 +73,31 @@ class NativePagedAttention:
 
     def decode(
         self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-        window: int | None, scale: float,
+        window: int | None, scale: float, softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [n, heads, head_dim] (one query per sequence); block_tables [n, max_blocks] int64;
-        context_lens [n] int64. Returns [n, heads, head_dim] in q's dtype. The kernel itself rotates q
-        for rotated keys and un-rotates the output of rotated values."""
+        context_lens [n] int64; softcap: scores s -> softcap * tanh(s / softcap) (Gemma 2), None for
+        none. Returns [n, heads, head_dim] in q's dtype. The kernel itself rotates q for rotated keys
+        and un-rotates the output of rotated values."""
         n, heads, head_dim = q.shape
         return self._run(
             self.decode_kernel, "decode", q, (n, heads, self.num_kv_heads, head_dim),
             (block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), self.layer_num_blocks[layer],
-             self.block_size, window or 0, scale, *self.layer_args[layer], *self.rotation_args),
+             self.block_size, window or 0, scale, softcap or 0.0, *self.layer_args[layer], *self.rotation_args),
         )
 
     def prefill(
-        self, layer: int, q: torch.Tensor, q_start: int, block_table: torch.Tensor, window: int | None, scale: float
+        self, layer: int, q: torch.Tensor, q_start: int, block_table: torch.Tensor, window: int | None, scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [n, heads, head_dim], one sequence's queries at positions q_start .. q_start + n - 1 (their
-        keys already stored); block_table [blocks] int64. Returns [n, heads, head_dim] in q's dtype."""
+        keys already stored); block_table [blocks] int64; softcap as in ``decode``. Returns
+        [n, heads, head_dim] in q's dtype."""
         n, heads, head_dim = q.shape
         table = block_table.contiguous()
         return self._run(
             self.prefill_kernel, "prefill", q, (n, q_start, heads, self.num_kv_heads, head_dim),
-            (table.data_ptr(), self.layer_num_blocks[layer], self.block_size, window or 0, scale,
+            (table.data_ptr(), self.layer_num_blocks[layer], self.block_size, window or 0, scale, softcap or 0.0,
              *self.layer_args[layer]),
         )
 

@@ -8,10 +8,11 @@ hidden states are the same bits as ``forward``'s (tested).
 
 It covers what those kernels cover: decoders on the CPU in f32 whose projections all run through the
 4-bit or int8 kernels (``--weights q4`` / ``q4-fast`` / ``int8``), SiLU or GELU gating, q/k norms per
-head, post-norms, an embedding scale, a second RoPE table for sliding layers (the Llama family, Qwen3,
-Gemma 3), and KV codecs the C writer and the decode kernel both take (all but fp8). ``for_model``
-returns None for anything else (partial rotary, soft-capped scores, residual multipliers, experts,
-other weight formats, fp8 KV, no compiler), and the engine keeps ``forward``.
+head, post-norms, an embedding scale, a second RoPE table for sliding layers, soft-capped attention
+scores (the Llama family, Qwen3, Gemma 2 and 3; Gemma 2's capped logits come after the step, in
+``compute_logits``), and KV codecs the C writer and the decode kernel both take (all but fp8).
+``for_model`` returns None for anything else (partial rotary, residual multipliers, experts, other
+weight formats, fp8 KV, no compiler), and the engine keeps ``forward``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 from kvserve import native
 from kvserve.attention import native_paged
 from kvserve.kv.storage import PagedKVStorage
-from kvserve.models.decoder import DecoderLM
 from kvserve.models import activations
+from kvserve.models.decoder import DecoderLM
 from kvserve.models.linear import Int4Linear, Int8GroupLinear
 from kvserve.native.decode_ops import kernel_addresses, operation
 
@@ -50,8 +51,8 @@ def supports(model: DecoderLM) -> bool:
         layer.moe is None and all(_kernel_name(lin) is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         for layer in model.layers)
     head_norms = all(layer.q_norm is None or cfg.qk_norm_per_head for layer in model.layers)
-    plain_config = (cfg.residual_scale == 1.0 and cfg.rotary_dim is None and not cfg.attn_logit_softcap
-                    and not cfg.num_experts and activations.gate_kernel(cfg.hidden_act) is not None)
+    plain_config = (cfg.residual_scale == 1.0 and cfg.rotary_dim is None and not cfg.num_experts
+                    and activations.gate_kernel(cfg.hidden_act) is not None)
     return (model.device.type == "cpu" and model.dtype == torch.float32 and native_matmuls and head_norms
             and plain_config)
 
@@ -155,7 +156,8 @@ class NativeDecodeStep:
                    levels=levels)
             window = cfg.sliding_window if sliding else None
             op("paged_decode_attention", group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=ptr["q"],
-               out=ptr["attn"], window=window or 0, scale=model.scale, num_threads=threads,
+               out=ptr["attn"], window=window or 0, scale=model.scale, softcap=cfg.attn_logit_softcap or 0.0,
+               num_threads=threads,
                **self._attention_cache_args(i))
             matmul(layer.o, "attn", "o")
             attn_out = "o"

@@ -19,6 +19,7 @@
 #ifndef KVSERVE_DECODE_ATTENTION_H
 #define KVSERVE_DECODE_ATTENTION_H
 #include "kv_rows.h"
+#include "softcap.h"
 
 #define PARTITION 256
 
@@ -274,8 +275,9 @@ static float max_of(const float *s, int n) {
     return m;
 }
 
-/* One partition of one kv head of one sequence -> out[G][D + 2]: acc..., max, sum. */
-static void attend_partition(const problem *P, int seq, int kvh, int part, float *out, float *scores,
+/* One partition of one kv head of one sequence -> out[G][D + 2]: acc..., max, sum. softcap > 0: the
+ * scores are capped (softcap.h) before the softmax. */
+static void attend_partition(const problem *P, float softcap, int seq, int kvh, int part, float *out, float *scores,
                              float *block) {
     int D = P->head_dim, G = P->num_heads / P->num_kv_heads, bs = P->block_size;
     int64_t ctx = P->context_lens[seq];
@@ -334,7 +336,9 @@ static void attend_partition(const problem *P, int seq, int kvh, int part, float
         }
         if (pass == 0) {
             for (int g = 0; g < G; g++) {
-                float *s = scores + g * PARTITION, m = max_of(s, len), l = 0.0f;
+                float *s = scores + g * PARTITION;
+                if (softcap > 0.0f) softcap_scores(s, len, softcap);
+                float m = max_of(s, len), l = 0.0f;
                 for (int i = 0; i < len; i++) {
                     s[i] = exp_nonpositive(s[i] - m);
                     l += s[i];

@@ -75,9 +75,9 @@ int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tab
         case OP_PAGED_DECODE_ATTENTION:
             rc = CALL(paged_decode_attention)(n, I(1), I(2), I(3), P(4), P(5),
                                               block_tables + L(6) * n * table_stride, table_stride,
-                                              context_lens, I(9), I(10), I(11), F(12), I(13), P(14), P(15), L(16),
-                                              L(17), P(18), I(19), P(20), P(21), L(22), L(23), P(24), P(25), P(26),
-                                              I(27));
+                                              context_lens, I(9), I(10), I(11), F(12), F(13), I(14), P(15), P(16),
+                                              L(17), L(18), P(19), I(20), P(21), P(22), L(23), L(24), P(25), P(26),
+                                              P(27), I(28));
             break;
         case OP_SILU_MUL:
             CALL(silu_mul)(P(0), n, I(2), P(3));

@@ -57,10 +57,11 @@ void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const i
               int64_t code_stride, uint8_t *scales, int64_t scale_stride, const float *rotation,
               const float *levels);
 
-/* paged_attention.c: 0, or -1 when the workspace could not be allocated. */
+/* paged_attention.c: 0, or -1 when the workspace could not be allocated. softcap > 0 caps each scaled score
+ * s -> softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: no cap. */
 int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim, const float *q, float *out,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
-                           int num_blocks, int block_size, int window, float scale,
+                           int num_blocks, int block_size, int window, float scale, float softcap,
                            int k_kind, const void *k_codes, const void *k_scales, int64_t k_code_stride,
                            int64_t k_scale_stride, const float *k_table,
                            int v_kind, const void *v_codes, const void *v_scales, int64_t v_code_stride,
@@ -68,7 +69,7 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
                            const float *out_rotation, int num_threads);
 int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_heads, int head_dim, const float *q,
                             float *out, const int64_t *block_table, int num_blocks, int block_size, int window,
-                            float scale, int k_kind, const void *k_codes, const void *k_scales,
+                            float scale, float softcap, int k_kind, const void *k_codes, const void *k_scales,
                             int64_t k_code_stride, int64_t k_scale_stride, const float *k_table, int v_kind,
                             const void *v_codes, const void *v_scales, int64_t v_code_stride,
                             int64_t v_scale_stride, const float *v_table, int num_threads);

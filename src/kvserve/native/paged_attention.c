@@ -12,7 +12,7 @@ SIMD_EXPORT_ISA
 /* Returns 0, or -1 when the workspace could not be allocated. */
 int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim, const float *q, float *out,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
-                           int num_blocks, int block_size, int window, float scale,
+                           int num_blocks, int block_size, int window, float scale, float softcap,
                            int k_kind, const void *k_codes, const void *k_scales, int64_t k_code_stride,
                            int64_t k_scale_stride, const float *k_table,
                            int v_kind, const void *v_codes, const void *v_scales, int64_t v_code_stride,
@@ -64,7 +64,7 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
             while (first[seq] > task) seq--;
             int64_t local = task - first[seq];
             int parts = num_partitions(context_lens[seq]);
-            attend_partition(&P, seq, (int)(local / parts), (int)(local % parts),
+            attend_partition(&P, softcap, seq, (int)(local / parts), (int)(local % parts),
                              partials + task * G * (D + 2), scores, block);
         }
         free(scores);
@@ -109,7 +109,7 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
  * workspace could not be allocated. */
 int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_heads, int head_dim, const float *q,
                             float *out, const int64_t *block_table, int num_blocks, int block_size, int window,
-                            float scale, int k_kind, const void *k_codes, const void *k_scales,
+                            float scale, float softcap, int k_kind, const void *k_codes, const void *k_scales,
                             int64_t k_code_stride, int64_t k_scale_stride, const float *k_table, int v_kind,
                             const void *v_codes, const void *v_scales, int64_t v_code_stride,
                             int64_t v_scale_stride, const float *v_table, int num_threads) {
@@ -123,6 +123,7 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
 #pragma omp parallel num_threads(num_threads) if (tiles * num_kv_heads > 1)
     {
         prefill_work w = {0};
+        w.softcap = softcap;
         float *mem = malloc(sizeof(float) * ((size_t)rows * (2 * D + 2) + (size_t)KEY_TILE * D * 3));
         if (!mem) {
 #pragma omp atomic write

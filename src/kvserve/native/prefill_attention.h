@@ -11,6 +11,7 @@
 #ifndef KVSERVE_PREFILL_ATTENTION_H
 #define KVSERVE_PREFILL_ATTENTION_H
 #include "kv_rows.h"
+#include "softcap.h"
 
 #define QUERY_TILE 32
 #define KEY_TILE 64
@@ -80,6 +81,7 @@ typedef struct {
     float *q16_scale;
     int16_t *kq;   /* the tile's key codes as int16 pairs: [D / 2][KEY_TILE][2] */
     float *ks;     /* their scales: [D / GROUP][KEY_TILE] */
+    float softcap; /* > 0: scores capped (softcap.h) before the softmax */
 } prefill_work;
 
 /* Bit j set when key kb + j is visible from position pos (causal, window). */
@@ -276,6 +278,8 @@ static inline __attribute__((always_inline)) void key_tile_rows(prefill_work *w,
 #if defined(INT_KEYS)
     }
 #endif
+    if (w->softcap > 0.0f) /* on the scaled scores, every path's (integer keys' too) */
+        for (int r = 0; r < nr; r++) softcap_scores(s[r], KEY_TILE, w->softcap);
     for (int r = 0; r < nr; r++) {
         uint64_t visible = visible_keys(first_pos + (r0 + r) / G, kb, window);
         if (visible) {
