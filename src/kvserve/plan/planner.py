@@ -210,13 +210,13 @@ def windowed_kv_bytes(
 
 def attention_kernels(config: ModelConfig, s: PlanSettings) -> str:
     """The attention kernels the engine would run: the native ones on the CPU where they build (a C
-    compiler, KVSERVE_NATIVE not 0) and the model has no score cap (gemma2's runs in torch)."""
+    compiler, KVSERVE_NATIVE not 0; gemma2's score cap included), else torch's path."""
     if s.attention != "auto":
         return s.attention
     from kvserve import native
 
     usable = native.compiler() is not None and os.environ.get("KVSERVE_NATIVE", "1") != "0"
-    return "native" if usable and not config.attn_logit_softcap and s.dtype == "float32" else "torch"
+    return "native" if usable and s.dtype == "float32" else "torch"
 
 
 def native_attention(config: ModelConfig, ctx: int, s: PlanSettings) -> tuple[int, str]:
