@@ -39,10 +39,10 @@ def sequence_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
                     scale: float, cap: float) -> torch.Tensor:
     """One sequence's chunk of queries at positions q_start.. against k, v [kv_heads, keys, D]."""
     out = torch.empty_like(q)
-    keys = torch.arange(k.shape[1])
+    keys = torch.arange(k.shape[1], device=k.device)
     for start in range(0, q.shape[0], QUERY_TILE):
         end = min(start + QUERY_TILE, q.shape[0])
-        pos = torch.arange(q_start + start, q_start + end)[:, None]
+        pos = torch.arange(q_start + start, q_start + end, device=k.device)[:, None]
         allowed = keys[None, :] <= pos
         if window is not None:
             allowed &= keys[None, :] > pos - window
