@@ -1,7 +1,7 @@
 """What `kvserve plan` predicts against what a process measures: for each model and context, a fresh
 process loads the model (the engine's default weights), makes an engine of that context (one sequence,
 f16 KV), runs a prompt that fills it, and reports its peak resident size (VmHWM: the load's peak or the
-request's, whichever is higher); the plan's "today's engine" total for the same settings beside it.
+request's, whichever is higher); the plan's engine total (`total (engine)`) for the same settings beside it.
 
     .venv/bin/python bench/plan_vs_rss.py [--models smollm2,gemma3-270m] [--ctx 2048,8192]
 

@@ -38,3 +38,25 @@ def test_refuses_what_the_kernel_does_not_take():
         before = x.clone()
         assert rotate_heads(x, 4, cos, sin) is not x  # torch's copy instead
         assert torch.equal(x, before)
+
+
+def test_tables_grow_to_the_served_context_with_the_same_values():
+    """Doubling stops at the served context (fit_context), and building the tables a chunk of positions
+    at a time gives each position the values of the whole-table float64 math."""
+    import torch
+
+    from kvserve.models.rope import ROPE_CHUNK, RotaryEmbedding
+
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 256, 2, dtype=torch.float64) / 256))
+    rope = RotaryEmbedding(inv_freq, torch.device("cpu"), torch.float32)
+    rope.fit_context(ROPE_CHUNK + 1000)
+    rope.tables(torch.tensor([5]), 300)
+    rope.tables(torch.tensor([5]), ROPE_CHUNK + 999)
+    assert rope.cos.shape == (ROPE_CHUNK + 1000, 256)  # not doubled to 2 x 512 ... past the context
+    freqs = torch.outer(torch.arange(ROPE_CHUNK + 1000, dtype=torch.float64), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    sin = emb.sin()
+    sin[:, :128].neg_()
+    assert torch.equal(rope.cos, emb.cos().float()) and torch.equal(rope.sin, sin.float())
+    rope.tables(torch.tensor([5]), ROPE_CHUNK + 5000)  # a position past it still gets its row
+    assert rope.cos.shape[0] == ROPE_CHUNK + 5001

@@ -98,6 +98,9 @@ def _llama3_scale(inv_freq: torch.Tensor, s) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+ROPE_CHUNK = 4096  # positions whose tables are computed in float64 at a time
+
+
 class RotaryEmbedding:
     """cos/sin tables grown on demand (sin with the rotation's sign folded into its first half), as wide
     as the rotated dims; ``apply_rotary`` rotates q and k at explicit positions."""
@@ -119,6 +122,7 @@ class RotaryEmbedding:
         self.dtype = dtype
         self.cos = torch.empty(0, device=device)
         self.sin = torch.empty(0, device=device)
+        self.max_length: int | None = None  # the served context (fit_context): tables never grow past it
 
     def factors_for(self, num_ctx: int) -> str | None:
         """LongRoPE's factor set for a context of ``num_ctx``: "long" or "short"; None for other embeddings."""
@@ -131,7 +135,8 @@ class RotaryEmbedding:
         original, on the short ones otherwise. One set for all positions, chosen by context size as
         llama.cpp chooses (transformers by the length of the sequence it is given, the same for a
         sequence in one forward): cached keys then stay comparable with every later query. Call before
-        any key is cached; a no-op for other rotary embeddings."""
+        any key is cached. For every embedding, the tables grow no longer than ``num_ctx`` positions."""
+        self.max_length = max(self.max_length or 0, num_ctx)  # engines of several contexts may share a model
         if self.long_context is None:
             return
         inv_freq = self.long_context[0] if self.factors_for(num_ctx) == "long" else self.short_inv_freq
@@ -141,16 +146,27 @@ class RotaryEmbedding:
             self.sin = torch.empty(0, device=self.device)
 
     def _grow(self, length: int) -> None:
-        length = max(length, 2 * self.cos.shape[0], 256)
-        t = torch.arange(length, dtype=torch.float64)
-        freqs = torch.outer(t, self.inv_freq)  # [length, head_dim // 2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if self.scale != 1.0:
-            cos, sin = cos * self.scale, sin * self.scale
-        self.cos = cos.to(self.device, self.dtype)
-        sin[:, : sin.shape[1] // 2].neg_()  # sign folded in: apply_rotary needs no negation
-        self.sin = sin.to(self.device, self.dtype)
+        """Tables of at least ``length`` positions: doubling (a step at a time would rebuild them every
+        step), but not past the served context, and built a chunk of positions at a time, so the float64
+        math never holds a whole table (at 32K positions of 256 dims that was ~200 MiB at once)."""
+        needed = length
+        length = max(needed, 2 * self.cos.shape[0], 256)
+        if self.max_length is not None:
+            length = max(needed, min(length, self.max_length))
+        width = 2 * self.inv_freq.shape[0]
+        cos = torch.empty(length, width, device=self.device, dtype=self.dtype)
+        sin = torch.empty(length, width, device=self.device, dtype=self.dtype)
+        for start in range(0, length, ROPE_CHUNK):
+            t = torch.arange(start, min(start + ROPE_CHUNK, length), dtype=torch.float64)
+            freqs = torch.outer(t, self.inv_freq)  # [chunk, head_dim // 2]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            c, s = emb.cos(), emb.sin()
+            if self.scale != 1.0:
+                c, s = c * self.scale, s * self.scale
+            s[:, : width // 2].neg_()  # sign folded in: apply_rotary needs no negation
+            cos[start : start + len(t)] = c.to(self.device, self.dtype)
+            sin[start : start + len(t)] = s.to(self.device, self.dtype)
+        self.cos, self.sin = cos, sin
 
     def tables(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each position: [num_tokens, 1, head_dim] (broadcast over heads)."""

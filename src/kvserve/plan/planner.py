@@ -96,6 +96,8 @@ class Activations:
       decode       every running sequence's single query at once: the same copies and gathered K/V for
                    max_num_seqs x ctx keys, with 2 x heads x ctx f of scores per sequence
     logits         one float32 row of vocab per sampled sequence (+ the --dtype row it comes from)
+    rope_tables    cos and sin of every position of the context, per RoPE base (Gemma's sliding layers
+                   have their own): 2 x ctx x rotated dims f each (models/rope.py grows them to ctx)
 
     The attention terms follow torch's CPU math kernel (what runs for a masked tile): measured peak
     for a [32 heads, 512, 16384] tile with 8 KV heads, float32: +2.80 GiB, this formula 2.75 GiB.
@@ -109,10 +111,11 @@ class Activations:
     logits: int
     attention_path: str  # "prefill" or "decode": which path is larger
     attention_kernels: str = "torch"  # "native" (tiles read in place, see native_attention) or "torch"
+    rope_tables: int = 0
 
     @property
     def total(self) -> int:
-        return self.hidden_states + self.attention + self.logits
+        return self.hidden_states + self.attention + self.logits + self.rope_tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,9 +251,10 @@ def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) 
     hidden = chunk * (c.hidden_size + q_dim + 2 * kv_dim + 2 * c.intermediate_size) * fb
     rows = min(s.max_num_seqs, chunk)
     logits = rows * c.vocab_size * (4 if fb == 4 else 4 + fb)
+    rope = rope_table_bytes(c, ctx, fb)
     if attention_kernels(c, s) == "native":
         attention, path = native_attention(c, ctx, s)
-        return Activations(hidden, attention, logits, path, "native")
+        return Activations(hidden, attention, logits, path, "native", rope)
     tile = min(chunk, QUERY_TILE)
     all_sliding = bool(c.sliding_window) and all(c.is_sliding(i) for i in range(c.num_layers))
     keys = min(ctx, c.sliding_window + tile) if all_sliding else ctx
@@ -265,8 +269,14 @@ def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) 
     prefill = 2 * c.num_heads * tile * keys * fb + keys * copies + ctx * gathered
     decode = s.max_num_seqs * ctx * (copies + gathered + 2 * c.num_heads * fb)
     if decode > prefill:
-        return Activations(hidden, decode, logits, "decode")
-    return Activations(hidden, prefill, logits, "prefill")
+        return Activations(hidden, decode, logits, "decode", rope_tables=rope)
+    return Activations(hidden, prefill, logits, "prefill", rope_tables=rope)
+
+
+def rope_table_bytes(c: ModelConfig, ctx: int, float_bytes: int) -> int:
+    """The RoPE tables at ``ctx`` positions: cos and sin, per base (a second one for Gemma's sliding layers)."""
+    num_tables = 1 + (c.rope_theta_local is not None)
+    return num_tables * 2 * ctx * (c.rotary_dim or c.head_dim) * float_bytes
 
 
 def context_plan(
