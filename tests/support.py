@@ -54,6 +54,20 @@ def make_engine(loaded, *, num_ctx=1024, max_num_seqs=8, budget=512, block_size=
     return LLMEngine(config, loaded)
 
 
+def recorded_steps(engine) -> list[tuple[list[str], torch.Tensor]]:
+    """Wraps the engine's runner so each step's (ready request ids, logits) is kept."""
+    steps = []
+    execute = engine.runner.execute
+
+    def recording(out):
+        ready, logits = execute(out)
+        steps.append(([r.request_id for r in ready], logits.clone()))
+        return ready, logits
+
+    engine.runner.execute = recording
+    return steps
+
+
 def reference_greedy(loaded, prompt: list[int], num_tokens: int) -> list[int]:
     """Greedy tokens from the contiguous (non-paged) path: whole prompt, then one token at a time."""
     model = loaded.model

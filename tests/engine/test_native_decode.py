@@ -11,26 +11,12 @@ import torch
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models import native_decode
 from kvserve.models.loader import load_model
-from tests.support import make_engine
+from tests.support import make_engine, recorded_steps
 
 
 @pytest.fixture(scope="module")
 def smollm2_q4_fast():
     return load_model("smollm2", weight_format="q4-fast")
-
-
-def recorded_steps(engine) -> list[tuple[list[str], torch.Tensor]]:
-    """Wraps the engine's runner so each step's (request ids, logits) is kept."""
-    steps = []
-    execute = engine.runner.execute
-
-    def recording(out):
-        ready, logits = execute(out)
-        steps.append(([r.request_id for r in ready], logits.clone()))
-        return ready, logits
-
-    engine.runner.execute = recording
-    return steps
 
 
 def run(engine, prompts: list[list[int]], late: list[int]) -> list:

@@ -12,7 +12,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kv.kv_types import kv_bytes_per_token_per_layer
 from kvserve.kv.window_blocks import window_pool_blocks
 from kvserve.models.loader import load_model
-from tests.support import make_engine
+from tests.support import make_engine, recorded_steps
 
 WINDOW = 512
 
@@ -35,15 +35,7 @@ def prompts(gemma3):
 def recorded_run(engine, prompts: list[list[int]], max_tokens: int = 12) -> list[tuple[list[str], torch.Tensor]]:
     """Every step's (ready request ids, logits): the first prompt alone for a few steps (so the second
     can hit its prefix), then the rest."""
-    steps = []
-    execute = engine.runner.execute
-
-    def recording(out):
-        ready, logits = execute(out)
-        steps.append(([r.request_id for r in ready], logits.clone()))
-        return ready, logits
-
-    engine.runner.execute = recording
+    steps = recorded_steps(engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request(prompts[0], params, request_id="r0")
     r0 = engine.scheduler.requests["r0"]
@@ -98,7 +90,7 @@ def test_window_pool_holds_a_window_per_request(gemma3, prompts, check_no_leaks)
 def test_preemption_and_fp8_through_the_torch_path(gemma3, prompts, check_no_leaks):
     """fp8 KV has no C writer: writes and attention go through torch, reading the window tables; a
     pool for about one long request forces preemption."""
-    kw = dict(num_ctx=2048, max_num_seqs=3, budget=256, cache_type_k="fp8")
+    kw = {"num_ctx": 2048, "max_num_seqs": 3, "budget": 256, "cache_type_k": "fp8"}
     layer_block = 16 * kv_bytes_per_token_per_layer(gemma3.config, "fp8")
     window_bytes = window_pool_blocks(WINDOW, 16, 3, 256) * 15 * layer_block  # 15 sliding layers, 3 global
     full_blocks = 125  # one long request at a time (and more context than every layer every token)

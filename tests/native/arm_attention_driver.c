@@ -12,16 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "driver_io.h"
 #include "kernels.h"
 
-static void *read_exactly(FILE *f, size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p || fread(p, 1, bytes, f) != bytes) {
-        fprintf(stderr, "short input\n");
-        exit(2);
-    }
-    return p;
-}
 
 int main(int argc, char **argv) {
     if (argc != 3) {

@@ -36,9 +36,9 @@ def test_auto_sizes_the_window_pool_as_the_engine_does():
     layers their window) is what auto needs, and it fits where every layer every token would not."""
     import torch
 
+    from kvserve.config import CacheConfig
     from kvserve.engine.engine import pool_size
     from kvserve.kv.storage import PagedKVStorage
-    from kvserve.config import CacheConfig
 
     gemma = ModelConfig("gemma3", 6, 64, 128, 2, 1, 32, 256, 8192, sliding_window=64,
                         sliding_window_layers=(True, True, False, True, True, False))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
 from kv_helpers import BLOCK_SIZE, ShadowKV, check_scheduler_invariants, leak_report, make_request
+
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.scheduler import QueueFullError, Scheduler

@@ -7,9 +7,9 @@ the first pair whose pool fits the budget. Torch-free.
 
 from __future__ import annotations
 
-from kvserve.config import CacheConfig, ModelConfig
+from kvserve.config import ModelConfig
 from kvserve.kv.kv_types import kv_bytes_per_token
-from kvserve.kv.pool_sizing import pool_nbytes, pool_size
+from kvserve.kv.pool_sizing import context_pool
 
 # (K type, V type, measured KLD on SmolLM2 at 2,048 tokens)
 QUALITY_ORDER: tuple[tuple[str, str, float], ...] = (
@@ -30,10 +30,8 @@ QUALITY_ORDER: tuple[tuple[str, str, float], ...] = (
 
 def context_pool_bytes(config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, k: str, v: str,
                        max_num_batched_tokens: int = 512, window_kv: bool = True) -> int:
-    """Bytes of the pool the engine allocates for ``max_num_seqs`` x ``num_ctx`` tokens (its window
-    group included, ``kv.pool_sizing``)."""
-    cache = CacheConfig(block_size, num_ctx, cache_type_k=k, cache_type_v=v, window_kv=window_kv)
-    return pool_nbytes(config, cache, pool_size(config, cache, max_num_seqs, max_num_batched_tokens))
+    """Bytes of the pool the engine allocates for ``max_num_seqs`` x ``num_ctx`` tokens."""
+    return context_pool(config, num_ctx, max_num_seqs, block_size, k, v, max_num_batched_tokens, window_kv)[1]
 
 
 def choose_cache_types(

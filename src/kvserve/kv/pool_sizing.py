@@ -69,3 +69,14 @@ def pool_nbytes(model: ModelConfig, cache: CacheConfig, size: PoolSize) -> int:
     num_window_layers = len(size.window_layers)
     blocks = (model.num_layers - num_window_layers) * size.num_blocks + num_window_layers * size.num_window_blocks
     return blocks * layer_block
+
+
+def context_pool(
+    model: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, cache_type_k: str,
+    cache_type_v: str | None = None, max_num_batched_tokens: int = 512, window_kv: bool = True,
+) -> tuple[PoolSize, int]:
+    """The pool the engine allocates for ``max_num_seqs`` x ``num_ctx`` tokens, and its bytes."""
+    cache = CacheConfig(block_size=block_size, num_ctx=num_ctx, cache_type_k=cache_type_k,
+                        cache_type_v=cache_type_v, window_kv=window_kv)
+    size = pool_size(model, cache, max_num_seqs, max_num_batched_tokens)
+    return size, pool_nbytes(model, cache, size)

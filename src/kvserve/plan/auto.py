@@ -14,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.kv.auto_type import choose_cache_types, context_pool_bytes
-from kvserve.plan.planner import DTYPE_BYTES, RUNTIME_OVERHEAD_BYTES, PlanSettings, activations, available_memory
+from kvserve.plan.planner import (
+    DTYPE_BYTES,
+    RUNTIME_OVERHEAD_BYTES,
+    PlanSettings,
+    activations,
+    available_memory,
+)
 from kvserve.plan.source import resolve_model
 
 SAFETY = 0.9

@@ -23,10 +23,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.config import CacheConfig, ModelConfig
+from kvserve.config import ModelConfig
 from kvserve.kv.disk_tier import capacity as disk_capacity
 from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
-from kvserve.kv.pool_sizing import PoolSize, pool_nbytes, pool_size
+from kvserve.kv.pool_sizing import PoolSize
+from kvserve.kv.pool_sizing import context_pool as engine_pool  # the engine's own arithmetic: no drift
 from kvserve.plan.source import ModelSpec, held_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -167,37 +168,11 @@ class Plan:
     skipped: tuple[tuple[str, str], ...]  # (KV type, why it cannot store this model's head-vectors)
 
 
-def engine_pool(
-    model_config: ModelConfig,
-    num_ctx: int,
-    max_num_seqs: int,
-    block_size: int,
-    cache_type_k: str,
-    cache_type_v: str | None = None,
-    max_num_batched_tokens: int = 512,
-    window_kv: bool = True,
-) -> tuple[PoolSize, int]:
-    """The paged pool the engine allocates for ``num_ctx`` tokens per sequence, and its bytes: the
-    engine's own ``pool_size``, so that the plan cannot drift from it."""
-    cache = CacheConfig(block_size=block_size, num_ctx=num_ctx, cache_type_k=cache_type_k,
-                        cache_type_v=cache_type_v, window_kv=window_kv)
-    size = pool_size(model_config, cache, max_num_seqs, max_num_batched_tokens)
-    return size, pool_nbytes(model_config, cache, size)
-
-
-def planned_kv_pool_bytes(
-    model_config: ModelConfig,
-    num_ctx: int,
-    max_num_seqs: int,
-    block_size: int,
-    cache_type_k: str,
-    cache_type_v: str | None = None,
-    max_num_batched_tokens: int = 512,
-    window_kv: bool = True,
-) -> int:
-    """Bytes of the paged pool the engine allocates for ``num_ctx`` tokens per sequence (``engine_pool``)."""
-    return engine_pool(model_config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v,
-                       max_num_batched_tokens, window_kv)[1]
+def planned_kv_pool_bytes(model_config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int,
+                          cache_type_k: str, cache_type_v: str | None = None, **engine: int | bool) -> int:
+    """Bytes of the paged pool the engine allocates for ``num_ctx`` tokens per sequence (``engine_pool``;
+    ``engine``: its max_num_batched_tokens and window_kv)."""
+    return engine_pool(model_config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v, **engine)[1]
 
 
 def windowed_kv_bytes(
