@@ -15,14 +15,8 @@
 #include "driver_io.h"
 #include "kernels.h"
 
-
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s IN OUT\n", argv[0]);
-        return 2;
-    }
-    FILE *in = fopen(argv[1], "rb");
-    if (!in) return 2;
+    FILE *in = open_input(argc, argv);
     int32_t *h = read_exactly(in, 9 * sizeof(int32_t));
     const int prefill = h[0], n = h[1], heads = h[2], kv_heads = h[3], D = h[4], blocks = h[5], bs = h[6];
     const int window = h[7];

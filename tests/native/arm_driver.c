@@ -16,14 +16,8 @@
 #include "driver_io.h"
 #include "kernels.h"
 
-
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s IN OUT\n", argv[0]);
-        return 2;
-    }
-    FILE *in = fopen(argv[1], "rb");
-    if (!in) return 2;
+    FILE *in = open_input(argc, argv);
     int32_t *h = read_exactly(in, 7 * sizeof(int32_t));
     const int kind = h[0], M = h[1], N = h[2], K = h[3], digits = h[4], has_bias = h[6];
     float *x = read_exactly(in, sizeof(float) * (size_t)M * K);

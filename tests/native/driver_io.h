@@ -1,4 +1,5 @@
-/* Reading a test driver's input (arm_driver.c, arm_attention_driver.c): exactly so many bytes, or exit 2. */
+/* A test driver's input (arm_driver.c, arm_attention_driver.c): `driver IN OUT`, and IN read exactly
+ * (a short file exits 2). */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -9,4 +10,15 @@ static void *read_exactly(FILE *f, size_t bytes) {
         exit(2);
     }
     return p;
+}
+
+/* IN opened for reading, after checking the command line; exits 2 when it is wrong or IN cannot be opened. */
+static FILE *open_input(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s IN OUT\n", argv[0]);
+        exit(2);
+    }
+    FILE *in = fopen(argv[1], "rb");
+    if (!in) exit(2);
+    return in;
 }

@@ -25,9 +25,7 @@ from typing import Protocol
 from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
 from kvserve.kv.disk_tier import BlockKey
 from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes, salt_digest, window_part_hash
-from kvserve.kv.window_blocks import WindowBlocks
-
-WINDOW_GROUP = 1  # the storage's group of the sliding-window layers
+from kvserve.kv.window_blocks import WINDOW_GROUP, WindowBlocks
 
 
 class CacheableRequest(Protocol):

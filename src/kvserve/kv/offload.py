@@ -19,8 +19,8 @@ import torch
 
 from kvserve.kv.disk_tier import BlockKey, DiskTier
 from kvserve.kv.hashing import salt_digest
-from kvserve.kv.manager import WINDOW_GROUP
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.kv.window_blocks import WINDOW_GROUP
 
 
 class DiskOffload:

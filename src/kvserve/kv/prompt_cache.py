@@ -27,7 +27,7 @@ from kvserve.errors import KVServeError
 from kvserve.kv.disk_tier import BlockKey
 from kvserve.kv.hashing import window_part_hash
 from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
-from kvserve.kv.manager import WINDOW_GROUP
+from kvserve.kv.window_blocks import WINDOW_GROUP
 
 MAGIC = b"KVSPC01\n"
 

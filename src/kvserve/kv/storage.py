@@ -23,6 +23,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.host_memory import arena
 from kvserve.kv.codecs import KVCodec, make_codec
+from kvserve.kv.window_blocks import WINDOW_GROUP
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,7 @@ class PagedKVStorage:
             "parts": [[p.shape[-1], str(p.dtype).removeprefix("torch.")] for p in self.k[0] + self.v[0]],
             "bytes_per_block": self.bytes_per_block,
         } | ({"window_layers": sorted(self.window_layers),
-              "window_bytes_per_block": self.group_bytes_per_block(1)} if self.windowed else {})
+              "window_bytes_per_block": self.group_bytes_per_block(WINDOW_GROUP)} if self.windowed else {})
 
     def _group_parts(self, group: int) -> list[torch.Tensor]:
         return [p for layer in self.group_layers(group) for p in self.k[layer] + self.v[layer]]
