@@ -122,8 +122,55 @@ static inline __attribute__((always_inline)) void block_scores_16(const float *q
 }
 #endif
 
+/* Elements d .. d+VL-1 of row r as f32, on the paths without AVX-512: f32 rows (stored, or decoded into
+ * the task's buffer) and f16 rows read where they are stored (the same values decode_rows writes). */
+static inline __attribute__((always_inline)) vf row_vector(const rows_view *R, int64_t r, int d, int D, const int kind) {
+    if (kind == KV_F16) return vf_from_half((const uint16_t *)R->codes + r * D + d);
+    return vf_load((const float *)R->codes + r * D + d);
+}
+
+/* sums[h * 4 + r] = q_h . row_(r0 + r) for 4 rows and H (at most 3) query heads: 4 x H accumulators
+ * (12 of AVX2's 16 registers), each key vector loaded once for the H heads. A score is an FMA chain
+ * over the row in element order from zero, then vf_sum4's lane sum: the same whatever H, the rows
+ * beside it, or whether the row was read in place. */
+static inline __attribute__((always_inline)) void score_rows_4(const float *q, const rows_view *R, int r0, int D,
+                                                               float *sums, const int H, const int kind) {
+    vf a[3][4];
+    for (int h = 0; h < H; h++)
+        for (int r = 0; r < 4; r++) a[h][r] = vf_zero();
+    for (int d = 0; d < D; d += VL)
+        for (int r = 0; r < 4; r++) {
+            const vf k = row_vector(R, r0 + r, d, D, kind);
+            for (int h = 0; h < H; h++) a[h][r] = vf_fma(vf_load(q + h * D + d), k, a[h][r]);
+        }
+    for (int h = 0; h < H; h++) vf_sum4(a[h][0], a[h][1], a[h][2], a[h][3], sums + 4 * h);
+}
+
+/* block_scores without AVX-512, 4 rows a pass (rows past nr, up to the next multiple of 4, are read,
+ * from the buffer or from the block that holds them, and not stored); query heads 3 at a time (4 as
+ * 2 + 2). */
+static inline __attribute__((always_inline)) void block_scores_4(const float *q, const rows_view *R, int nr, int D,
+                                                                 float scale, float *scores, int G, const int kind) {
+    float sums[3 * 4];
+    for (int r0 = 0; r0 < nr; r0 += 4) {
+        const int keep = nr - r0 < 4 ? nr - r0 : 4;
+        for (int g0 = 0; g0 < G;) {
+            const int H = G - g0 == 4 ? 2 : G - g0 < 3 ? G - g0 : 3;
+            const float *qg = q + g0 * D;
+            switch (H) {
+            case 3: score_rows_4(qg, R, r0, D, sums, 3, kind); break;
+            case 2: score_rows_4(qg, R, r0, D, sums, 2, kind); break;
+            default: score_rows_4(qg, R, r0, D, sums, 1, kind); break;
+            }
+            for (int h = 0; h < H; h++)
+                for (int r = 0; r < keep; r++) scores[(g0 + h) * PARTITION + r0 + r] = sums[4 * h + r] * scale;
+            g0 += H;
+        }
+    }
+}
+
 /* scores[g * PARTITION + r] = scale * (q_g . row_r) for the nr rows of a block, every query head g of
- * the group. With AVX-512 the rows go 16 at a time, so a row's arithmetic is the same whatever nr is. */
+ * the group. A row's arithmetic is the same whatever nr is (16 rows a pass with AVX-512, else 4). */
 static void block_scores(const float *q, const rows_view *R, int nr, int D, float scale, float *scores, int G) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
@@ -137,33 +184,14 @@ static void block_scores(const float *q, const rows_view *R, int nr, int D, floa
         return;
     }
 #endif
-    const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
-    if (D % VL == 0) { /* four rows a pass: four independent FMA chains, then each row's lane sum */
-        for (int g = 0; g < G; g++) {
-            const float *qg = q + g * D;
-            int r = 0;
-            for (; r + 4 <= nr; r += 4) {
-                vf a0 = vf_zero(), a1 = a0, a2 = a0, a3 = a0;
-                for (int d = 0; d < D; d += VL) {
-                    const vf qd = vf_load(qg + d);
-                    a0 = vf_fma(qd, vf_load(rows + (r + 0) * D + d), a0);
-                    a1 = vf_fma(qd, vf_load(rows + (r + 1) * D + d), a1);
-                    a2 = vf_fma(qd, vf_load(rows + (r + 2) * D + d), a2);
-                    a3 = vf_fma(qd, vf_load(rows + (r + 3) * D + d), a3);
-                }
-                scores[g * PARTITION + r] = vf_reduce_add(a0) * scale;
-                scores[g * PARTITION + r + 1] = vf_reduce_add(a1) * scale;
-                scores[g * PARTITION + r + 2] = vf_reduce_add(a2) * scale;
-                scores[g * PARTITION + r + 3] = vf_reduce_add(a3) * scale;
-            }
-            for (; r < nr; r++) { /* the same operations, one row */
-                vf a = vf_zero();
-                for (int d = 0; d < D; d += VL) a = vf_fma(vf_load(qg + d), vf_load(rows + r * D + d), a);
-                scores[g * PARTITION + r] = vf_reduce_add(a) * scale;
-            }
-        }
+    if (D % VL == 0) {
+        if (R->kind == KV_F16)
+            block_scores_4(q, R, nr, D, scale, scores, G, KV_F16);
+        else
+            block_scores_4(q, R, nr, D, scale, scores, G, KV_F32);
         return;
     }
+    const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
     for (int g = 0; g < G; g++)
         for (int r = 0; r < nr; r++) {
             float dot = 0.0f;
@@ -197,15 +225,13 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
         return;
     }
 #endif
-    (void)kind;
-    const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
     if (D % (2 * VL) == 0) { /* H x 2 accumulators in registers across the rows, each row vector loaded once */
         for (int d = 0; d < D; d += 2 * VL) {
             vf a[4][2];
             for (int g = 0; g < H; g++)
                 for (int s = 0; s < 2; s++) a[g][s] = vf_load(out + g * (D + 2) + d + VL * s);
             for (int r = 0; r < nr; r++) {
-                const vf v0 = vf_load(rows + r * D + d), v1 = vf_load(rows + r * D + d + VL);
+                const vf v0 = row_vector(R, r, d, D, kind), v1 = row_vector(R, r, d + VL, D, kind);
                 for (int g = 0; g < H; g++) {
                     const vf wv = vf_set1(w[g * PARTITION + r]);
                     a[g][0] = vf_fma(wv, v0, a[g][0]);
@@ -217,6 +243,7 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
         }
         return;
     }
+    const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
     for (int g = 0; g < H; g++)
         for (int r = 0; r < nr; r++)
             for (int d = 0; d < D; d++) out[g * (D + 2) + d] += w[g * PARTITION + r] * rows[r * D + d];
@@ -246,31 +273,33 @@ static void block_accumulate(const float *w, const rows_view *R, int nr, int D, 
     }
 }
 
-/* Whether a block's stored rows can be read where they are (decoded in registers, row_elems) rather
- * than decoded into the task's buffer first: f32 always; f16, bf16, q8_0 and q4_0 on the AVX-512 paths
- * (D a multiple of 64). tq4 measured faster through the buffer (a byte's two codes decoded together).
- * Keys only in whole groups of 16 rows (block_scores reads 16 at a time and must not read past the
- * block). Same bits either way. */
+/* Whether a block's stored rows can be read where they are (decoded in registers: row_elems,
+ * row_vector) rather than decoded into the task's buffer first: f32 always; f16, bf16, q8_0 and q4_0
+ * on the AVX-512 paths (D a multiple of 64), f16 on the others (D a multiple of 2 VL). tq4 measured
+ * faster through the buffer (a byte's two codes decoded together). Keys only in whole passes of rows
+ * (block_scores reads 16, or 4, at a time and must not read past the block). Same bits either way. */
 static int in_place(int kind, int nr, int D, int keys) {
+#if defined(__AVX512F__)
     if (keys && nr % 16 != 0) return 0;
     if (kind == KV_F32) return 1;
-#if defined(__AVX512F__)
     if (D % 64 == 0)
         return kind == KV_F16 || kind == KV_BF16 || kind == KV_Q8_0 || kind == KV_Q4_0;
-#endif
-    (void)D;
     return 0;
+#else
+    if (keys && nr % 4 != 0) return 0;
+    return kind == KV_F32 || (kind == KV_F16 && D % (2 * VL) == 0);
+#endif
 }
 
 /* The largest of s[0 .. n-1] (exact in any order). */
 static float max_of(const float *s, int n) {
     float m = -FLT_MAX;
     int i = 0;
-#if defined(__AVX512F__)
-    __m512 mv = _mm512_set1_ps(-FLT_MAX);
-    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
-    m = _mm512_reduce_max_ps(mv);
-#endif
+    if (n >= VL) {
+        vf mv = vf_load(s);
+        for (i = VL; i + VL <= n; i += VL) mv = vf_max(mv, vf_load(s + i));
+        m = vf_reduce_max(mv);
+    }
     for (; i < n; i++) m = s[i] > m ? s[i] : m;
     return m;
 }
@@ -338,8 +367,16 @@ static void attend_partition(const problem *P, float softcap, int seq, int kvh, 
             for (int g = 0; g < G; g++) {
                 float *s = scores + g * PARTITION;
                 if (softcap > 0.0f) softcap_scores(s, len, softcap);
-                float m = max_of(s, len), l = 0.0f;
-                for (int i = 0; i < len; i++) {
+                const float m = max_of(s, len);
+                vf sum = vf_zero();
+                int i = 0;
+                for (; i + VL <= len; i += VL) {
+                    const vf e = vf_exp_nonpositive(vf_sub(vf_load(s + i), vf_set1(m)));
+                    vf_store(s + i, e);
+                    sum = vf_add(sum, e);
+                }
+                float l = vf_reduce_add(sum);
+                for (; i < len; i++) {
                     s[i] = exp_nonpositive(s[i] - m);
                     l += s[i];
                 }
