@@ -116,6 +116,29 @@ def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(cache_type):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("cache_type", ["f16", "f32", "q4_0", "tq4"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2), (4, 4)])
+def test_speculative_rows_attended_together_give_the_bits_of_each_alone(cache_type, heads, kv_heads):
+    """A request's verify rows (its context one longer each, over the same blocks) and requests sharing a
+    prefix are attended together, each block read once for all of them; each row must get its own bits."""
+    cfg = config(heads=heads, kv_heads=kv_heads)
+    storage, (table, other) = filled_storage(cfg, cache_type, [700, 300], seed=7)
+    kernel = native_paged.for_storage(storage)
+    # a short row; two of the same length over other blocks; four rows of a request that shares the
+    # first's blocks (a cached prefix); nine rows of one request across the 512-position partition edge
+    lens = [12, 300, 300, 290, 291, 292, 293] + [505 + i for i in range(9)]
+    rows = [table, table, other] + [table] * 13
+    width = max(len(t) for t in rows)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in rows])
+    q = torch.randn(len(lens), heads, cfg.head_dim, generator=torch.Generator().manual_seed(8))
+    for layer, window, softcap in ((0, None, None), (1, 100, None), (0, 260, 20.0)):
+        together = kernel.decode(layer, q, tables, torch.tensor(lens), window, 0.125, softcap)
+        for i in range(len(lens)):
+            alone = kernel.decode(layer, q[i : i + 1], tables[i : i + 1], torch.tensor(lens[i : i + 1]), window,
+                                  0.125, softcap)
+            assert torch.equal(alone[0], together[i]), (layer, window, i)
+
+
 @pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])
 def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f32(cache_type):
     """These rows are decoded as they are loaded and scored several query heads a sweep; f32 rows (and a

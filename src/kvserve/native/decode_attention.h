@@ -9,8 +9,12 @@
  *     task       (seq, kvh, 0)    (seq, kvh, 1)     (seq, kvh, 2)     -> (max, sum, acc) each
  *     combine    out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M)
  *
+ * Neighbouring sequences that read the same blocks (a request's speculative rows, each a decode row
+ * one token longer than the one before) share their tasks: a task attends a partition for all of
+ * them, each block read once, their query heads scored side by side as if of one group (attend_rows).
+ *
  * Inside a task each block is read where it is stored and decoded in registers as it is loaded (f32,
- * f16, bf16, q8_0, q4_0), or decoded into a small f32 buffer first (one block, in L1: the other types,
+ * f16; with AVX-512 bf16, q8_0 and q4_0 too), or decoded into a small f32 buffer first (one block, in L1: the other types,
  * and keys of partial blocks), and consumed at once by every query head of the kv head's group (GQA):
  * the cache is read once, never expanded into a full-precision temporary. Storage is head-major [kv_heads, num_blocks, block_size, width]
  * per part (codes, scales), as in kv/storage.py. For rotated codecs (tq*) the caller passes the
@@ -304,30 +308,39 @@ static float max_of(const float *s, int n) {
     return m;
 }
 
-/* One partition of one kv head of one sequence -> out[G][D + 2]: acc..., max, sum. softcap > 0: the
- * scores are capped (softcap.h) before the softmax. */
-static void attend_partition(const problem *P, float softcap, int seq, int kvh, int part, float *out, float *scores,
-                             float *block) {
-    int D = P->head_dim, G = P->num_heads / P->num_kv_heads, bs = P->block_size;
+/* The positions [*begin, *end) of partition `part` that sequence seq attends (its window's and its
+ * context's part of the partition; empty when *end <= *begin). */
+static void partition_range(const problem *P, int seq, int part, int64_t *begin, int64_t *end) {
     int64_t ctx = P->context_lens[seq];
     int64_t lo = P->window > 0 && ctx > P->window ? ctx - P->window : 0;
-    int64_t begin = (int64_t)part * PARTITION, end = begin + PARTITION;
-    if (begin < lo) begin = lo;
-    if (end > ctx) end = ctx;
-    int len = (int)(end - begin);
-    for (int g = 0; g < G; g++) {
+    *begin = (int64_t)part * PARTITION > lo ? (int64_t)part * PARTITION : lo;
+    *end = (int64_t)part * PARTITION + PARTITION < ctx ? (int64_t)part * PARTITION + PARTITION : ctx;
+}
+
+/* Positions [begin, end) of one kv head for `rows` sequences seq .. seq + rows - 1 that read the same
+ * blocks there (a request's speculative rows: see paged_decode_attention) -> out[rows * G][D + 2]:
+ * acc..., max, sum. Each block is read once for all of them, as if their rows x G query heads were
+ * the heads of one group; a head's arithmetic does not depend on the heads beside it, so each row's
+ * result is the same bits as attending alone. softcap > 0: the scores are capped (softcap.h) before
+ * the softmax. q: rows * G * D floats of workspace; scores: rows * G * PARTITION. */
+static void attend_rows(const problem *P, float softcap, int seq, int rows, int kvh, int64_t begin, int64_t end,
+                        float *out, float *q, float *scores, float *block) {
+    const int D = P->head_dim, G = P->num_heads / P->num_kv_heads, bs = P->block_size, heads = rows * G;
+    const int len = (int)(end - begin);
+    for (int g = 0; g < heads; g++) {
         float *o = out + g * (D + 2);
         memset(o, 0, sizeof(float) * D);
         o[D] = -FLT_MAX;
         o[D + 1] = 0.0f;
     }
     if (len <= 0) return;
-    const float *q_elems = P->q + ((int64_t)seq * P->num_heads + (int64_t)kvh * G) * D;
-    float q[G * D];
     int order[D];
     lane_order(P->k.kind, D, order);
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < D; i++) q[g * D + i] = q_elems[g * D + order[i]];
+    for (int r = 0; r < rows; r++) {
+        const float *q_elems = P->q + ((int64_t)(seq + r) * P->num_heads + (int64_t)kvh * G) * D;
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < D; i++) q[(r * G + g) * D + i] = q_elems[g * D + order[i]];
+    }
     const int64_t *table = P->block_tables + seq * P->table_stride;
     float scales[bs * D / GROUP + 1]; /* a block's q8_0/q4_0 group scales */
     for (int pass = 0; pass < 2; pass++) {
@@ -349,22 +362,22 @@ static void attend_partition(const problem *P, float softcap, int seq, int kvh, 
             }
             int i0 = (int)(t - begin);
             if (pass == 0)
-                block_scores(q, &R, nr, D, P->scale, scores + i0, G);
+                block_scores(q, &R, nr, D, P->scale, scores + i0, heads);
             else
-                block_accumulate(scores + i0, &R, nr, D, out, G);
+                block_accumulate(scores + i0, &R, nr, D, out, heads);
             t += nr;
         }
         if (pass == 1) { /* the value sums back from the values' lane order */
             lane_order(P->v.kind, D, order);
             float lanes[D];
-            for (int g = 0; g < G; g++) {
+            for (int g = 0; g < heads; g++) {
                 float *acc = out + g * (D + 2);
                 memcpy(lanes, acc, sizeof(float) * D);
                 for (int i = 0; i < D; i++) acc[order[i]] = lanes[i];
             }
         }
         if (pass == 0) {
-            for (int g = 0; g < G; g++) {
+            for (int g = 0; g < heads; g++) {
                 float *s = scores + g * PARTITION;
                 if (softcap > 0.0f) softcap_scores(s, len, softcap);
                 const float m = max_of(s, len);

@@ -9,6 +9,18 @@
 
 SIMD_EXPORT_ISA
 
+#define MAX_RUN 16 /* sequences attended together, at most */
+
+/* Whether sequence j reads the blocks sequence i reads, over all of i's context (j's context at least as
+ * long): the rows of one request's speculative step (each draft a decode row, its context one longer),
+ * or requests that share a cached prefix. Such neighbours are attended together (attend_rows): a
+ * block read once for all of them, each row's result the same bits as alone. */
+static int reads_blocks_of(const int64_t *tables, int64_t stride, const int64_t *lens, int block_size, int i, int j) {
+    if (lens[j] < lens[i]) return 0;
+    size_t blocks = (size_t)((lens[i] + block_size - 1) / block_size);
+    return memcmp(tables + (int64_t)i * stride, tables + (int64_t)j * stride, sizeof(int64_t) * blocks) == 0;
+}
+
 /* Returns 0, or -1 when the workspace could not be allocated. */
 int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim, const float *q, float *out,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
@@ -32,42 +44,84 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
                  {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
                  {v_kind, v_codes, v_scales, v_code_stride, v_scale_stride, v_table}};
     int G = num_heads / num_kv_heads, D = head_dim;
-    int64_t *first = malloc(sizeof(int64_t) * (n + 1)); /* first task of each sequence */
-    if (!first) {
+    int64_t *first = malloc(sizeof(int64_t) * (n + 1)); /* each sequence's first partial */
+    int *run_start = malloc(sizeof(int) * (n + 1));     /* the runs of sequences attended together */
+    int64_t *run_task = malloc(sizeof(int64_t) * (n + 1));
+    if (!first || !run_start || !run_task) {
+        free(first);
+        free(run_start);
+        free(run_task);
         free(rotated);
         return -1;
     }
     first[0] = 0;
     for (int i = 0; i < n; i++) first[i + 1] = first[i] + (int64_t)num_kv_heads * num_partitions(context_lens[i]);
-    int64_t num_tasks = first[n];
-    float *partials = malloc(sizeof(float) * (size_t)num_tasks * G * (D + 2));
+    int runs = 0, longest = 1;
+    for (int i = 0; i < n; i++) {
+        if (i == 0 || i - run_start[runs - 1] == MAX_RUN ||
+            !reads_blocks_of(block_tables, table_stride, context_lens, block_size, i - 1, i))
+            run_start[runs++] = i;
+        longest = i + 1 - run_start[runs - 1] > longest ? i + 1 - run_start[runs - 1] : longest;
+    }
+    run_start[runs] = n;
+    run_task[0] = 0; /* a run's tasks: kv heads x the partitions of its longest context */
+    for (int k = 0; k < runs; k++) {
+        int64_t ctx = 0;
+        for (int i = run_start[k]; i < run_start[k + 1]; i++) ctx = context_lens[i] > ctx ? context_lens[i] : ctx;
+        run_task[k + 1] = run_task[k] + (int64_t)num_kv_heads * num_partitions(ctx);
+    }
+    int64_t num_tasks = run_task[runs];
+    float *partials = malloc(sizeof(float) * (size_t)first[n] * G * (D + 2));
     if (!partials) {
         free(first);
+        free(run_start);
+        free(run_task);
         free(rotated);
         return -1;
     }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_tasks > 1)
     {
-        float *scores = malloc(sizeof(float) * (size_t)G * PARTITION);
+        const size_t heads = (size_t)longest * G;
+        float *scores = malloc(sizeof(float) * heads * PARTITION);
+        float *work = malloc(sizeof(float) * heads * (2 * D + 2)); /* the rows' queries, then their partials */
         /* whole 16-row groups (see block_scores), zeroed so rows past a block's end are finite */
         float *block = calloc((size_t)(block_size + 15) / 16 * 16 * D, sizeof(float));
-        if (!scores || !block) {
+        if (!scores || !work || !block) {
 #pragma omp atomic write
             failed = 1;
         }
-        int seq = 0;
+        int k = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; task++) {
             if (failed) continue;
-            while (first[seq + 1] <= task) seq++;
-            while (first[seq] > task) seq--;
-            int64_t local = task - first[seq];
-            int parts = num_partitions(context_lens[seq]);
-            attend_partition(&P, softcap, seq, (int)(local / parts), (int)(local % parts),
-                             partials + task * G * (D + 2), scores, block);
+            while (run_task[k + 1] <= task) k++;
+            while (run_task[k] > task) k--;
+            int64_t local = task - run_task[k];
+            int parts = (int)((run_task[k + 1] - run_task[k]) / num_kv_heads);
+            int kvh = (int)(local / parts), part = (int)(local % parts);
+            /* the run's sequences a partition at a time: those that attend the same positions together */
+            for (int i = run_start[k]; i < run_start[k + 1];) {
+                int64_t begin, end, b, e;
+                partition_range(&P, i, part, &begin, &end);
+                int j = i + 1;
+                for (; j < run_start[k + 1]; j++) {
+                    partition_range(&P, j, part, &b, &e);
+                    if (b != begin || e != end) break;
+                }
+                float *o = work + heads * D;
+                attend_rows(&P, softcap, i, j - i, kvh, begin, end, o, work, scores, block);
+                for (int r = i; r < j; r++) {
+                    int own = num_partitions(context_lens[r]);
+                    if (part < own)
+                        memcpy(partials + (first[r] + (int64_t)kvh * own + part) * G * (D + 2),
+                               o + (size_t)(r - i) * G * (D + 2), sizeof(float) * G * (D + 2));
+                }
+                i = j;
+            }
         }
         free(scores);
+        free(work);
         free(block);
     }
     if (!failed) {
@@ -100,6 +154,8 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
     }
     free(partials);
     free(first);
+    free(run_start);
+    free(run_task);
     free(rotated);
     return failed ? -1 : 0;
 }
