@@ -139,7 +139,7 @@ def test_speculative_rows_attended_together_give_the_bits_of_each_alone(cache_ty
             assert torch.equal(alone[0], together[i]), (layer, window, i)
 
 
-@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])  # q4_0's rows are scored in lane order
 def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f32(cache_type):
     """These rows are decoded as they are loaded and scored several query heads a sweep; f32 rows (and a
     block's partial rows, decoded into the buffer) one head a sweep. Each score is the same FMA chain."""

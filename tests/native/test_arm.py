@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from kvserve import native
+from kvserve.attention import native_paged
+from kvserve.kv.codecs import make_codec
 from kvserve.models.weight_grids import int8_groups, pack_int8_groups
 from tests.native.test_isa_paths import SHAPES, grid16_inputs, int4_inputs, run_int4, run_int8
 
@@ -103,13 +105,22 @@ def arm_attention_programs(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_arm_attention(program: Path, tmp_path: Path, prefill: bool, q, k, v, table, window: int, ctx: int,
-                      scale: float, softcap: float) -> tuple[torch.Tensor, str]:
+                      scale: float, softcap: float, codec=None) -> tuple[torch.Tensor, str]:
+    """k, v: f32 [kv_heads, blocks, block_size, d], stored as ``codec`` encodes them (None: f32)."""
     kv_heads, blocks, block_size, d = k.shape
     n, heads, _ = q.shape
-    header = np.array([prefill, n, heads, kv_heads, d, blocks, block_size, window, ctx], dtype=np.int32)
-    parts = [header.tobytes(), np.array([scale, softcap], dtype=np.float32).tobytes(),
-             *(t.contiguous().numpy().tobytes() for t in (q, k, v)),
-             np.resize(table.numpy().astype(np.int64), blocks).tobytes()]  # the driver reads num_blocks entries
+    stored = [codec.encode(x) if codec else [x] for x in (k, v)]
+    codes, *scales = stored[0]
+    code_bytes = codes.shape[-1] * codes.element_size()
+    scale_bytes = scales[0].shape[-1] * scales[0].element_size() if scales else 0
+    kind = native_paged.KINDS[codec.name if codec else "f32"]
+    header = np.array([prefill, n, heads, kv_heads, d, blocks, block_size, window, ctx, kind, code_bytes, scale_bytes],
+                      dtype=np.int32)
+    parts = [header.tobytes(), np.array([scale, softcap], dtype=np.float32).tobytes(), q.contiguous().numpy().tobytes()]
+    for codes, *scales in stored:
+        parts += [codes.contiguous().view(torch.uint8).numpy().tobytes(),
+                  b"".join(s.contiguous().view(torch.uint8).numpy().tobytes() for s in scales)]
+    parts.append(np.resize(table.numpy().astype(np.int64), blocks).tobytes())  # the driver reads num_blocks entries
     (tmp_path / "in").write_bytes(b"".join(parts))
     subprocess.run([QEMU, str(program), str(tmp_path / "in"), str(tmp_path / "out")], check=True, timeout=300)
     raw = (tmp_path / "out").read_bytes()
@@ -138,4 +149,29 @@ def test_arm_attention_capped_and_not_matches_float64(arm_attention_programs, tm
             positions = torch.arange(ctx - chunk.shape[0], ctx)
             reference = capped_reference(chunk, keys, values, positions, window or None, 0.125, cap)
             # scores up to ~16 (|q| ~ 4), each rounded in f32: outputs a few 1e-6 off here and there
+            torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", list(ARM_PATHS))
+@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0", "q4_0"])
+def test_arm_attention_reads_each_kv_type_in_place(arm_attention_programs, tmp_path, path, cache_type):
+    """Decode and a prefill chunk over blocks of each type (decode reads them in registers, a block's
+    partial rows through the buffer), against float64 over the values the codec decodes."""
+    from tests.native.test_softcap_attention import capped_reference
+
+    g = torch.Generator().manual_seed(10)
+    heads, kv_heads, d, blocks, block_size, ctx = 6, 2, 64, 24, 16, 300
+    codec = make_codec(cache_type, d)
+    k, v = (torch.randn(kv_heads, blocks, block_size, d, generator=g) for _ in range(2))
+    table = torch.randperm(blocks, generator=g)[: -(-ctx // block_size)]
+    keys, values = (codec.decode(codec.encode(x), torch.float32)[:, table].reshape(kv_heads, -1, d)[:, :ctx].double()
+                    for x in (k, v))
+    q = 4 * torch.randn(20, heads, d, generator=g)
+    for window in (0, 37):
+        for prefill, chunk in ((False, q[-1:]), (True, q)):
+            out, isa = run_arm_attention(arm_attention_programs[path], tmp_path, prefill, chunk, k, v, table, window,
+                                         ctx, 0.125, 0.0, codec)
+            assert isa == path
+            positions = torch.arange(ctx - chunk.shape[0], ctx)
+            reference = capped_reference(chunk, keys, values, positions, window or None, 0.125, 1e9)
             torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)

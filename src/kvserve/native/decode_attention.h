@@ -14,7 +14,7 @@
  * them, each block read once, their query heads scored side by side as if of one group (attend_rows).
  *
  * Inside a task each block is read where it is stored and decoded in registers as it is loaded (f32,
- * f16; with AVX-512 bf16, q8_0 and q4_0 too), or decoded into a small f32 buffer first (one block, in L1: the other types,
+ * f16, bf16, q8_0, q4_0), or decoded into a small f32 buffer first (one block, in L1: the other types,
  * and keys of partial blocks), and consumed at once by every query head of the kv head's group (GQA):
  * the cache is read once, never expanded into a full-precision temporary. Storage is head-major [kv_heads, num_blocks, block_size, width]
  * per part (codes, scales), as in kv/storage.py. For rotated codecs (tq*) the caller passes the
@@ -126,11 +126,20 @@ static inline __attribute__((always_inline)) void block_scores_16(const float *q
 }
 #endif
 
-/* Elements d .. d+VL-1 of row r as f32, on the paths without AVX-512: f32 rows (stored, or decoded into
- * the task's buffer) and f16 rows read where they are stored (the same values decode_rows writes). */
+/* Elements d .. d+VL-1 (in lane order) of row r as f32, on the paths without AVX-512: f32 rows (stored,
+ * or decoded into the task's buffer), and f16, bf16, q8_0 and q4_0 rows decoded as they are loaded with
+ * the operations decode_rows does (the same values). kind is a constant in every caller. */
 static inline __attribute__((always_inline)) vf row_vector(const rows_view *R, int64_t r, int d, int D, const int kind) {
-    if (kind == KV_F16) return vf_from_half((const uint16_t *)R->codes + r * D + d);
-    return vf_load((const float *)R->codes + r * D + d);
+    const int64_t i = r * D + d;
+    switch (kind) {
+    case KV_F16: return vf_from_half((const uint16_t *)R->codes + i);
+    case KV_BF16: return vf_from_bf16((const uint16_t *)R->codes + i);
+    case KV_Q8_0: return vf_mul(vf_from_i8((const int8_t *)R->codes + i), vf_set1(R->d[i / GROUP]));
+    case KV_Q4_0: /* a group's 16 bytes: low nibbles are its lanes 0-15, high nibbles 16-31 */
+        return vf_mul(vf_from_nibbles(R->codes + i / GROUP * (GROUP / 2) + i % 16, i % GROUP >= 16),
+                      vf_set1(R->d[i / GROUP]));
+    default: return vf_load((const float *)R->codes + i);
+    }
 }
 
 /* sums[h * 4 + r] = q_h . row_(r0 + r) for 4 rows and H (at most 3) query heads: 4 x H accumulators
@@ -189,10 +198,13 @@ static void block_scores(const float *q, const rows_view *R, int nr, int D, floa
     }
 #endif
     if (D % VL == 0) {
-        if (R->kind == KV_F16)
-            block_scores_4(q, R, nr, D, scale, scores, G, KV_F16);
-        else
-            block_scores_4(q, R, nr, D, scale, scores, G, KV_F32);
+        switch (R->kind) {
+        case KV_F16: block_scores_4(q, R, nr, D, scale, scores, G, KV_F16); break;
+        case KV_BF16: block_scores_4(q, R, nr, D, scale, scores, G, KV_BF16); break;
+        case KV_Q8_0: block_scores_4(q, R, nr, D, scale, scores, G, KV_Q8_0); break;
+        case KV_Q4_0: block_scores_4(q, R, nr, D, scale, scores, G, KV_Q4_0); break;
+        default: block_scores_4(q, R, nr, D, scale, scores, G, KV_F32); break;
+        }
         return;
     }
     const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
@@ -279,9 +291,9 @@ static void block_accumulate(const float *w, const rows_view *R, int nr, int D, 
 
 /* Whether a block's stored rows can be read where they are (decoded in registers: row_elems,
  * row_vector) rather than decoded into the task's buffer first: f32 always; f16, bf16, q8_0 and q4_0
- * on the AVX-512 paths (D a multiple of 64), f16 on the others (D a multiple of 2 VL). tq4 measured
- * faster through the buffer (a byte's two codes decoded together). Keys only in whole passes of rows
- * (block_scores reads 16, or 4, at a time and must not read past the block). Same bits either way. */
+ * with D a multiple of 64 on the AVX-512 paths, of 2 VL on the others. tq4 measured faster through the
+ * buffer (a byte's two codes decoded together). Keys only in whole passes of rows (block_scores reads
+ * 16, or 4, at a time and must not read past the block). Same bits either way. */
 static int in_place(int kind, int nr, int D, int keys) {
 #if defined(__AVX512F__)
     if (keys && nr % 16 != 0) return 0;
@@ -291,7 +303,8 @@ static int in_place(int kind, int nr, int D, int keys) {
     return 0;
 #else
     if (keys && nr % 4 != 0) return 0;
-    return kind == KV_F32 || (kind == KV_F16 && D % (2 * VL) == 0);
+    if (kind == KV_F32) return 1;
+    return D % (2 * VL) == 0 && (kind == KV_F16 || kind == KV_BF16 || kind == KV_Q8_0 || kind == KV_Q4_0);
 #endif
 }
 

@@ -15,7 +15,9 @@
  * Types: vf = VL floats, vi = VL int32, vb = VL lanes of 4 bytes, vw = VL lanes of 2 int16.
  * vf_fnma(a, b, c) = c - a b (fused); vf_pow2i(k) = 2^k for integral k in [-126, 127];
  * vf_select_sign(s, x, y) = x where s's sign bit is set, else y; vf_sum4(a, b, c, d, out): out[0..3] = the
- * lane sums of a, b, c, d (each in a fixed order of its own).
+ * lane sums of a, b, c, d (each in a fixed order of its own); vf_from_half / vf_from_bf16 / vf_from_i8: VL
+ * stored f16, bf16 or int8 values as f32; vf_from_nibbles(p, high): the low (high = 0) or high nibbles of VL
+ * bytes, less 8.
  */
 #ifndef KVSERVE_SIMD_H
 #define KVSERVE_SIMD_H
@@ -66,6 +68,15 @@ static inline void vf_sum4(vf a, vf b, vf c, vf d, float *out) {
 static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline void vf_store_i8(int8_t *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
 static inline vf vf_from_half(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vf_from_bf16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vf_from_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf vf_from_nibbles(const uint8_t *p, int high) {
+    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    x = high ? _mm512_srli_epi32(x, 4) : _mm512_and_si512(x, _mm512_set1_epi32(15));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(x, _mm512_set1_epi32(8)));
+}
 static inline vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
 static inline vf vf_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 static inline vf vf_pow2i(vf k) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23)); }
@@ -146,6 +157,15 @@ static inline void vf_store_i8(int8_t *p, vf v) {
     _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(s16, s16));
 }
 static inline vf vf_from_half(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vf_from_bf16(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vf_from_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline vf vf_from_nibbles(const uint8_t *p, int high) {
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    x = high ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(x, _mm256_set1_epi32(8)));
+}
 static inline vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
 static inline vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vf vf_pow2i(vf k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23)); }
@@ -216,6 +236,21 @@ static inline void vf_store_i8(int8_t *p, vf v) {
     vst1_lane_s32((int32_t *)(void *)p, vreinterpret_s32_s8(s8), 0);
 }
 static inline vf vf_from_half(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+static inline vf vf_from_bf16(const void *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)p), 16)); }
+static inline uint8x8_t simd_load4_u8(const void *p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return vreinterpret_u8_u32(vdup_n_u32(w));
+}
+static inline vf vf_from_i8(const int8_t *p) {
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(simd_load4_u8(p))))));
+}
+static inline vf vf_from_nibbles(const uint8_t *p, int high) {
+    uint8x8_t b = simd_load4_u8(p);
+    b = high ? vshr_n_u8(b, 4) : vand_u8(b, vdup_n_u8(15));
+    const int32x4_t x = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(b))));
+    return vcvtq_f32_s32(vsubq_s32(x, vdupq_n_s32(8)));
+}
 static inline vf vf_from_vi(vi a) { return vcvtq_f32_s32(a); }
 static inline vf vf_fnma(vf a, vf b, vf c) { return vfmsq_f32(c, a, b); }
 static inline vf vf_pow2i(vf k) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(k), vdupq_n_s32(127)), 23)); }
@@ -290,6 +325,18 @@ static inline vf vf_from_half(const void *p) {
     }
     return r;
 }
+static inline vf vf_from_bf16(const void *p) {
+    vf r;
+    for (int l = 0; l < VL; l++) {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)p + 2 * l, 2);
+        const uint32_t bits = (uint32_t)h << 16;
+        memcpy(&r.v[l], &bits, 4);
+    }
+    return r;
+}
+static inline vf vf_from_i8(const int8_t *p) SIMD_MAP(vf, (float)p[l])
+static inline vf vf_from_nibbles(const uint8_t *p, int high) SIMD_MAP(vf, (float)((high ? p[l] >> 4 : p[l] & 15) - 8))
 static inline vf vf_from_vi(vi a) SIMD_MAP(vf, (float)a.v[l])
 static inline vf vf_fnma(vf a, vf b, vf c) SIMD_MAP(vf, fmaf(-a.v[l], b.v[l], c.v[l]))
 static inline vf vf_pow2i(vf k) {
