@@ -7,7 +7,10 @@ edit or a quote of the input does), ``code`` (a file of similar functions to con
 (a chat request to rewrite a ~1,100-token module of this package with one function renamed: the answer
 copies most of the file) and ``chat`` (a question answered in free text: little to look up). For each: decode tok/s with speculation off
 and with ``k`` drafts per step, alternating, the median of ``--runs``; the ratio; the share of drafts
-kept and the tokens each verifying step emitted. The output is checked to be the same tokens.
+kept and the tokens each verifying step emitted; what a step's one more row costs over a step of one
+(``row_cost``, fitted over the timed steps) and the ratio it allows with every draft kept
+(``all_kept_bound``). The output is checked to be the same tokens. ``--max-tokens 1024`` measures
+``code-edit``'s whole answer, not its first 128 tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,15 +52,44 @@ def workloads(tokenizer) -> dict[str, list[int]]:
 
 
 def decode(loaded, model: str, prompt: list[int], streams: int, k: int, max_tokens: int):
-    cache = CacheConfig(num_ctx=2048, cache_type_k="f16")
+    cache = CacheConfig(num_ctx=max(2048, len(prompt) + max_tokens), cache_type_k="f16")
     config = EngineConfig(model, cache, SchedulerConfig(max_num_seqs=streams))
     if k:
         config = replace(config, speculative=SpeculativeConfig("ngram", k))
     engine = LLMEngine(config, loaded)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(prompt, params).request_id for _ in range(streams)]
+    steps = timed_decode_steps(engine)
     rate, done = decode_rate(engine)
-    return rate, [done[i].token_ids for i in ids], engine
+    return rate, [done[i].token_ids for i in ids], engine, steps
+
+
+def timed_decode_steps(engine) -> list[tuple[int, float]]:
+    """(rows, seconds) of each forward the engine runs from now on where every request decodes (a
+    verify step has a row per draft)."""
+    steps = []
+    execute = engine.runner.execute
+
+    def timed(out):
+        decoding = all(s.request.num_computed_tokens >= s.request.num_prompt_tokens for s in out.scheduled)
+        start = time.perf_counter()
+        result = execute(out)
+        if decoding:
+            steps.append((sum(s.num_new_tokens for s in out.scheduled), time.perf_counter() - start))
+        return result
+
+    engine.runner.execute = timed
+    return steps
+
+
+def row_cost(steps: list[tuple[int, float]]) -> float | None:
+    """What one more row costs over a step of one, fitted as seconds = b + c (rows - 1): c / b. With
+    every draft kept, k drafts a step give at most (k + 1) / (1 + k c / b) times the plain rate."""
+    extra = [rows - 1 for rows, _ in steps]
+    if len(set(extra)) < 2:
+        return None
+    slope, intercept = statistics.linear_regression(extra, [seconds for _, seconds in steps])
+    return slope / intercept
 
 
 def main() -> int:
@@ -78,19 +111,22 @@ def main() -> int:
             continue
         for streams in map(int, args.streams.split(",")):
             for k in map(int, args.k.split(",")):
-                off, on = [], []
+                off, on, timed = [], [], []
                 for _ in range(args.runs):
-                    rate, expected, _ = decode(loaded, args.model, prompt, streams, 0, args.max_tokens)
+                    rate, expected, _, _ = decode(loaded, args.model, prompt, streams, 0, args.max_tokens)
                     off.append(rate)
-                    rate, got, engine = decode(loaded, args.model, prompt, streams, k, args.max_tokens)
+                    rate, got, engine, step_times = decode(loaded, args.model, prompt, streams, k, args.max_tokens)
                     on.append(rate)
+                    timed += step_times
                     if got != expected:
                         raise SystemExit(f"{name}, k={k}: speculation changed the output")
                 steps = max(1, engine.num_verify_steps)
+                cost = row_cost(timed)
                 rows.append({"workload": name, "weights": args.weights, "streams": streams, "k": k, "tok_s_off": statistics.median(off),
                              "tok_s_on": statistics.median(on), "ratio": statistics.median(on) / statistics.median(off),
                              "accepted_share": engine.num_accepted_tokens / max(1, engine.num_draft_tokens),
-                             "tokens_per_verify_step": (engine.num_accepted_tokens + steps) / steps})
+                             "tokens_per_verify_step": (engine.num_accepted_tokens + steps) / steps,
+                             "row_cost": cost, "all_kept_bound": None if cost is None else (k + 1) / (1 + k * cost)})
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
