@@ -27,6 +27,17 @@
 
 #define PARTITION 256
 
+/* CALL(k) with k the constant for `kind` among the kinds decoded in registers (f32 for the rest: rows
+ * decoded into the task's buffer), so each kind gets its own inlined copy of the loop. */
+#define FOR_KIND(kind, CALL)                                                                                   \
+    switch (kind) {                                                                                            \
+    case KV_F16: CALL(KV_F16); break;                                                                          \
+    case KV_BF16: CALL(KV_BF16); break;                                                                        \
+    case KV_Q8_0: CALL(KV_Q8_0); break;                                                                        \
+    case KV_Q4_0: CALL(KV_Q4_0); break;                                                                        \
+    default: CALL(KV_F32); break;                                                                              \
+    }
+
 #if defined(__AVX512F__)
 /* out lane i = the sum of the 16 lanes of v[i], for 16 vectors: a transposing tree of 45 shuffles and
  * adds instead of 16 horizontal reductions of 8 dependent steps each. Lane sums pair up the same way
@@ -186,27 +197,19 @@ static inline __attribute__((always_inline)) void block_scores_4(const float *q,
  * the group. A row's arithmetic is the same whatever nr is (16 rows a pass with AVX-512, else 4). */
 static void block_scores(const float *q, const rows_view *R, int nr, int D, float scale, float *scores, int G) {
 #if defined(__AVX512F__)
+#define SCORES_16(kind) block_scores_16(q, R, nr, D, scale, scores, G, kind)
     if (D % 16 == 0) {
-        switch (R->kind) {
-        case KV_F16: block_scores_16(q, R, nr, D, scale, scores, G, KV_F16); break;
-        case KV_BF16: block_scores_16(q, R, nr, D, scale, scores, G, KV_BF16); break;
-        case KV_Q8_0: block_scores_16(q, R, nr, D, scale, scores, G, KV_Q8_0); break;
-        case KV_Q4_0: block_scores_16(q, R, nr, D, scale, scores, G, KV_Q4_0); break;
-        default: block_scores_16(q, R, nr, D, scale, scores, G, KV_F32); break;
-        }
+        FOR_KIND(R->kind, SCORES_16)
         return;
     }
+#undef SCORES_16
 #endif
+#define SCORES_4(kind) block_scores_4(q, R, nr, D, scale, scores, G, kind)
     if (D % VL == 0) {
-        switch (R->kind) {
-        case KV_F16: block_scores_4(q, R, nr, D, scale, scores, G, KV_F16); break;
-        case KV_BF16: block_scores_4(q, R, nr, D, scale, scores, G, KV_BF16); break;
-        case KV_Q8_0: block_scores_4(q, R, nr, D, scale, scores, G, KV_Q8_0); break;
-        case KV_Q4_0: block_scores_4(q, R, nr, D, scale, scores, G, KV_Q4_0); break;
-        default: block_scores_4(q, R, nr, D, scale, scores, G, KV_F32); break;
-        }
+        FOR_KIND(R->kind, SCORES_4)
         return;
     }
+#undef SCORES_4
     const float *rows = (const float *)R->codes; /* f32 here (see in_place) */
     for (int g = 0; g < G; g++)
         for (int r = 0; r < nr; r++) {
@@ -279,13 +282,7 @@ static void block_accumulate(const float *w, const rows_view *R, int nr, int D, 
         const float *wg = w + g0 * PARTITION;
         float *og = out + g0 * (D + 2);
         int H = G - g0 < 4 ? G - g0 : 4;
-        switch (R->kind) {
-        case KV_F16: ACCUMULATE_KIND(KV_F16) break;
-        case KV_BF16: ACCUMULATE_KIND(KV_BF16) break;
-        case KV_Q8_0: ACCUMULATE_KIND(KV_Q8_0) break;
-        case KV_Q4_0: ACCUMULATE_KIND(KV_Q4_0) break;
-        default: ACCUMULATE_KIND(KV_F32) break;
-        }
+        FOR_KIND(R->kind, ACCUMULATE_KIND)
     }
 }
 
