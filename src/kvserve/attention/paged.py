@@ -110,13 +110,17 @@ class PagedAttention:
         if metadata.decodes is not None and self.native is None:
             self.decode_rows = [storage.block_rows(metadata.decodes.tables(g), g) for g in groups]
 
-    def attend(self, layer, q, k, v, window, scale):
+    def attend(self, layer, q, k, v, window, scale, softcap: float | None = None):
+        """``softcap``: scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2), only
+        through the native kernels (``models.softcap_attention`` attends in torch where there are none)."""
         storage = self.storage
+        if softcap is not None and self.native is None:
+            raise ValueError("a score cap needs the native attention kernels")
         group = storage.group_of_layer[layer]
         self.write(layer, self.slot_rows[group], k, v)
         d = self.metadata.decodes
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
-            return self._decode_attention(layer, q, window, scale)
+            return self._decode_attention(layer, q, window, scale, softcap)
         out = torch.empty_like(q)
         if self.metadata.sequences:
             rotated = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
@@ -124,14 +128,15 @@ class PagedAttention:
                 qs = rotated[s.query_start : s.query_start + s.query_len]
                 q_start = s.context_len - s.query_len
                 if self.native is not None:  # reads the blocks in place, quantized or not
-                    o = self.native.prefill(layer, qs, q_start, s.table(group), window, scale)
+                    o = self.native.prefill(layer, qs, q_start, s.table(group), window, scale, softcap)
                 else:
                     keys, values = storage.gather(layer, self.sequence_block_rows(i, group), s.context_len, q.dtype)
                     o = sequence_attention(qs, keys, values, q_start, window, scale)
                 out[s.query_start : s.query_start + s.query_len] = o
             out = storage.v_codec.unrotate(out)  # values were summed in their rotated domain
         if d is not None:
-            out.index_copy_(0, d.token_rows, self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale))
+            decoded = self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale, softcap)
+            out.index_copy_(0, d.token_rows, decoded)
         return out
 
     def sequence_block_rows(self, i: int, group: int) -> torch.Tensor:
@@ -142,14 +147,14 @@ class PagedAttention:
             self.sequence_rows[i, group] = self.storage.block_rows(table, group)
         return self.sequence_rows[i, group]
 
-    def _decode_attention(self, layer, q, window, scale) -> torch.Tensor:
+    def _decode_attention(self, layer, q, window, scale, softcap=None) -> torch.Tensor:
         """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]. Rotated
         codecs' rotations happen here (in the C kernel when there is one), so a sequence's decode is the
         same arithmetic in a pure decode step and in a step mixed with prefills."""
         d = self.metadata.decodes
         group = self.storage.group_of_layer[layer]
         if self.native is not None:  # reads the blocks in place, quantized or not
-            return self.native.decode(layer, q, d.tables(group), d.context_lens, window, scale)
+            return self.native.decode(layer, q, d.tables(group), d.context_lens, window, scale, softcap)
         q = self.storage.k_codec.rotate(q)
         keys, values = self.storage.read_blocks(layer, self.decode_rows[group], q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvserve.config import ModelConfig
 from kvserve.kv.kv_types import kv_bytes_per_token
-from kvserve.kv.pool_sizing import context_pool
+from kvserve.kv.pool_sizing import context_pool_bytes
 
 # (K type, V type, measured KLD on SmolLM2 at 2,048 tokens)
 QUALITY_ORDER: tuple[tuple[str, str, float], ...] = (
@@ -26,12 +26,6 @@ QUALITY_ORDER: tuple[tuple[str, str, float], ...] = (
     ("tq3", "tq3", 0.29617),
     ("tq2", "tq2", 1.14651),
 )
-
-
-def context_pool_bytes(config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, k: str, v: str,
-                       max_num_batched_tokens: int = 512, window_kv: bool = True) -> int:
-    """Bytes of the pool the engine allocates for ``max_num_seqs`` x ``num_ctx`` tokens."""
-    return context_pool(config, num_ctx, max_num_seqs, block_size, k, v, max_num_batched_tokens, window_kv)[1]
 
 
 def choose_cache_types(

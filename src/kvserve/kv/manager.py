@@ -217,8 +217,7 @@ class KVCacheManager:
     # --- the window group's parts ---------------------------------------------------------------------
     def _window_hit(self, request: CacheableRequest, hits: list[KVBlock], index: int) -> KVBlock | None:
         """The window pool's cached part of block ``index``, tied to the full group's ``hits[index]``."""
-        block_hash, chunk = request.block_hashes[index], self._chunk(request, index)
-        return self.window.pool.lookup(block_hash, chunk, hits[index].ref, request.cache_salt)
+        return self.window.lookup(index, hits, request.block_hashes, request.all_token_ids, request.cache_salt)
 
     def _load_window_parts(self, request: CacheableRequest, hits: list[KVBlock], source: BlockSource) -> None:
         """Load from ``source`` the window parts a query after ``hits`` reads (``first_live`` .. the

@@ -80,3 +80,12 @@ def context_pool(
                         cache_type_v=cache_type_v, window_kv=window_kv)
     size = pool_size(model, cache, max_num_seqs, max_num_batched_tokens)
     return size, pool_nbytes(model, cache, size)
+
+
+def context_pool_bytes(
+    model: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, cache_type_k: str,
+    cache_type_v: str | None = None, max_num_batched_tokens: int = 512, window_kv: bool = True,
+) -> int:
+    """Bytes of the pool the engine allocates for ``max_num_seqs`` x ``num_ctx`` tokens (``context_pool``'s)."""
+    return context_pool(model, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v, max_num_batched_tokens,
+                        window_kv)[1]

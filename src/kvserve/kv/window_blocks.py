@@ -56,14 +56,15 @@ class WindowBlocks:
                         salt: str | None) -> int:
         """How many of the full group's prefix hits ``hits`` can be taken: the longest n whose window
         blocks (``first_live(n * block_size)`` .. n - 1) the window pool caches."""
-        present = [self._lookup(i, hits, block_hashes, token_ids, salt) is not None for i in range(len(hits))]
+        present = [self.lookup(i, hits, block_hashes, token_ids, salt) is not None for i in range(len(hits))]
         for n in range(len(hits), 0, -1):
             if all(present[self.first_live(n * self.block_size) : n]):
                 return n
         return 0
 
-    def _lookup(self, i: int, hits: list[KVBlock], block_hashes: list[int], token_ids: list[int],
-                salt: str | None) -> KVBlock | None:
+    def lookup(self, i: int, hits: list[KVBlock], block_hashes: list[int], token_ids: list[int],
+               salt: str | None) -> KVBlock | None:
+        """The cached window block of position ``i``, tied to the full group's block ``hits[i]``."""
         bs = self.block_size
         return self.pool.lookup(block_hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]), hits[i].ref, salt)
 
@@ -71,7 +72,7 @@ class WindowBlocks:
                    salt: str | None) -> list[KVBlock]:
         """The window blocks a hit of ``hits`` reads (see ``reusable_prefix``), first to last."""
         first = self.first_live(len(hits) * self.block_size)
-        return [self._lookup(i, hits, block_hashes, token_ids, salt) for i in range(first, len(hits))]
+        return [self.lookup(i, hits, block_hashes, token_ids, salt) for i in range(first, len(hits))]
 
     # --- allocation -----------------------------------------------------------------------------------
     def blocks_needed(self, request_id: str, num_computed: int, num_blocks: int, num_hits: int = 0) -> int:

@@ -1,11 +1,11 @@
 """Attention with soft-capped scores (Gemma 2: s -> cap * tanh(s / cap) before the softmax).
 
 ``AttentionBackend.attend`` takes no score cap, so a model that has one wraps the step's backend in
-``SoftcapAttention``, which stores k/v through it and attends with the cap. Over a paged cache it
-calls the native kernels where the storage has them, as ``PagedAttention`` does, passing the cap
-(they cap each score themselves, reading the blocks in place). Otherwise, and over a contiguous
-cache, it attends in torch: the history read back through the KV storage (every KV type: decoded
-rows, rotated codecs' rotations as the paged path does them), explicit capped scores.
+``SoftcapAttention``, which attends with the cap. Over a paged cache whose storage has the native
+kernels it hands the cap to ``PagedAttention.attend`` (the kernels cap each score themselves, reading
+the blocks in place). Otherwise, and over a contiguous cache, it stores k/v through the backend and
+attends in torch: the history read back through the KV storage (every KV type: decoded rows, rotated
+codecs' rotations as the paged path does them), explicit capped scores.
 """
 
 from __future__ import annotations
@@ -71,33 +71,12 @@ class SoftcapAttention:
         return self._paged(layer, q, k, v, window, scale)
 
     def _paged(self, layer, q, k, v, window, scale):
-        inner, storage = self.inner, self.inner.storage
-        group = storage.group_of_layer[layer]
+        inner = self.inner
+        if inner.native is not None:  # the kernels cap each score themselves
+            return inner.attend(layer, q, k, v, window, scale, self.cap)
+        group = inner.storage.group_of_layer[layer]
         inner.write(layer, inner.slot_rows[group], k, v)
-        if inner.native is not None:
-            return self._paged_native(layer, group, q, window, scale)
         return self._paged_torch(layer, group, q, window, scale)
-
-    def _paged_native(self, layer, group, q, window, scale):
-        """``PagedAttention.attend``'s kernel calls, with the cap: prefill chunks one sequence at a time,
-        the decodes in one batch (the kernel rotates their query and un-rotates their output itself)."""
-        inner, meta = self.inner, self.inner.metadata
-        d = meta.decodes
-        if d is not None and d.only_decodes:
-            return inner.native.decode(layer, q, d.tables(group), d.context_lens, window, scale, self.cap)
-        out = torch.empty_like(q)
-        if meta.sequences:
-            rotated = inner.storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
-            for s in meta.sequences:
-                rows = slice(s.query_start, s.query_start + s.query_len)
-                out[rows] = inner.native.prefill(layer, rotated[rows], s.context_len - s.query_len, s.table(group),
-                                                 window, scale, self.cap)
-            out = inner.storage.v_codec.unrotate(out)  # values were summed in their rotated domain
-        if d is not None:
-            decoded = inner.native.decode(layer, q.index_select(0, d.token_rows), d.tables(group), d.context_lens,
-                                          window, scale, self.cap)
-            out.index_copy_(0, d.token_rows, decoded)
-        return out
 
     def _paged_torch(self, layer, group, q, window, scale):
         inner, storage, meta = self.inner, self.inner.storage, self.inner.metadata

@@ -28,6 +28,7 @@ from kvserve.kv.disk_tier import capacity as disk_capacity
 from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
 from kvserve.kv.pool_sizing import PoolSize
 from kvserve.kv.pool_sizing import context_pool as engine_pool  # the engine's own arithmetic: no drift
+from kvserve.kv.pool_sizing import context_pool_bytes as planned_kv_pool_bytes  # noqa: F401 (kvserve.plan's name)
 from kvserve.plan.source import ModelSpec, held_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -166,13 +167,6 @@ class Plan:
     runtime_overhead: int
     kv: tuple[KVTypePlan, ...]
     skipped: tuple[tuple[str, str], ...]  # (KV type, why it cannot store this model's head-vectors)
-
-
-def planned_kv_pool_bytes(model_config: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int,
-                          cache_type_k: str, cache_type_v: str | None = None, **engine: int | bool) -> int:
-    """Bytes of the paged pool the engine allocates for ``num_ctx`` tokens per sequence (``engine_pool``;
-    ``engine``: its max_num_batched_tokens and window_kv)."""
-    return engine_pool(model_config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v, **engine)[1]
 
 
 def windowed_kv_bytes(
