@@ -57,6 +57,7 @@ browser:
 test: test-setup cross-tools browser
 	$(KVSERVE) pull smollm2
 	$(KVSERVE) pull gemma3-270m
+	$(KVSERVE) pull qwen2.5-coder-0.5b
 	$(PY) -m pytest -q
 
 # Side-by-side speed against llama.cpp (compiles llama-cpp-python once: ~15 minutes on 2 cores).

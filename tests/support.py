@@ -101,3 +101,26 @@ def assert_same_or_near_tie(loaded, prompt: list[int], expected: list[int], got:
     assert i < min(len(expected), len(got)), f"lengths differ: {len(expected)} vs {len(got)}"
     gap = top2_gap(loaded, prompt + expected[:i])
     assert gap < NEAR_TIE, f"token {i} differs ({expected[i]} vs {got[i]}) and it is no near-tie: top-2 gap {gap}"
+
+
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # models/block_layouts.py's
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int):
+    """rows x cols weights of GGUF ``type_name`` as file bytes: random codes and (6-bit or int8) scales,
+    every f16 d (dmin, m) finite and small; uint8 [rows * bytes per row]."""
+    import numpy as np
+
+    from kvserve.models.block_layouts import GGUF_LAYOUTS
+
+    _, per_block, size = GGUF_LAYOUTS[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // per_block, size), dtype=np.uint8)
+    halves = (rng.random((blocks.shape[0], 2)) * 0.02 + 1e-4).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":  # d last
+        blocks[:, 208:210] = halves[:, :2]
+    elif type_name in ("Q4_0", "Q5_0"):  # d first
+        blocks[:, 0:2] = halves[:, :2]
+    else:  # d and dmin (or m) first
+        blocks[:, 0:4] = halves
+    return blocks.reshape(-1)

@@ -35,7 +35,7 @@ def test_run_names_a_bad_kvserve_isa_in_one_line(monkeypatch):
     monkeypatch.setenv("KVSERVE_ISA", "avx3")
     r = kvserve("run", "smollm2", "Hi", "--max-tokens", "2", "--json")
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "KVSERVE_ISA='avx3': use one of native, avx512vnni, avx2, neon, portable" in r.stderr
+    assert "KVSERVE_ISA='avx3': use one of native, avx512vnni, avxvnni, avx2, neon, portable" in r.stderr
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.models.block_layouts import QL_F32
 from kvserve.models.gguf_file import GGUFFile, GGUFWeights
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, make_linear
 from kvserve.models.weight_grids import int8_groups16, pack_int8_groups16
@@ -32,7 +33,7 @@ def test_gemma3_k_quant_tensors_are_held_exactly(gemma_weights, name, qtype):
     weight = gf.load_tensor(name)  # the gguf library's dequantization
     lin = make_linear(weight, None, "q4", CPU, torch.float32, weights.grid16(name))  # decoded when needed
     if qtype == "Q4_K":  # 4-bit groups of 32 with the file's scales and offsets (products f16 cannot hold)
-        assert isinstance(lin, Int4Linear) and lin.f32_scales
+        assert isinstance(lin, Int4Linear) and lin.layout == QL_F32
     else:
         assert isinstance(lin, Int8GroupLinear) and lin.layout == "g16"
     assert torch.equal(lin.weight, weight)
@@ -143,7 +144,7 @@ def test_four_bit_grids_run_as_four_bit_groups(qtype, size, f32_scales):
     blocks[:, 0:4] = scales.view(np.uint8).reshape(-1, 4)
     weight = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType[qtype]))
     lin = make_linear(weight, None, "q4", CPU, torch.float32, lambda: GRID_DECODERS[qtype](blocks.reshape(-1), rows, cols))
-    assert isinstance(lin, Int4Linear) and lin.f32_scales == f32_scales
+    assert isinstance(lin, Int4Linear) and (lin.layout == QL_F32) == f32_scales
     assert torch.equal(lin.weight, weight)
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(11)) * torch.linspace(0.01, 30, cols)
     y = lin(x)

@@ -2,8 +2,8 @@
  * tests/native/test_arm.py builds it with aarch64-linux-gnu-gcc and runs it under qemu-aarch64.
  *
  *   arm_driver IN OUT
- *   IN:  int32 kernel (4: int4_matmul, 32: int4_matmul with f32 scales, 8: int8_matmul, 16: int8_matmul_g16),
- *        M, N, K, digits, weight bytes,
+ *   IN:  int32 kernel (4: int4_matmul, 8: int8_matmul, 16: int8_matmul_g16),
+ *        M, N, K, digits, layout (int4_matmul's QL_*), weight bytes,
  *        has bias;
  *        then x f32 [M][K], the packed weights, bias f32 [N] if any
  *   OUT: y f32 [M][N], then the path's name (simd_isa)
@@ -18,14 +18,14 @@
 
 int main(int argc, char **argv) {
     FILE *in = open_input(argc, argv);
-    int32_t *h = read_exactly(in, 7 * sizeof(int32_t));
-    const int kind = h[0], M = h[1], N = h[2], K = h[3], digits = h[4], has_bias = h[6];
+    int32_t *h = read_exactly(in, 8 * sizeof(int32_t));
+    const int kind = h[0], M = h[1], N = h[2], K = h[3], digits = h[4], layout = h[5], has_bias = h[7];
     float *x = read_exactly(in, sizeof(float) * (size_t)M * K);
-    uint8_t *w = read_exactly(in, (size_t)h[5]);
+    uint8_t *w = read_exactly(in, (size_t)h[6]);
     float *bias = has_bias ? read_exactly(in, sizeof(float) * (size_t)N) : NULL;
     fclose(in);
     float *y = calloc((size_t)M * N, sizeof(float));
-    int rc = kind == 4 || kind == 32 ? int4_matmul(x, w, bias, M, N, K, y, 2, digits, kind == 32)
+    int rc = kind == 4 ? int4_matmul(x, w, bias, M, N, K, y, 2, digits, layout)
              : kind == 16 ? int8_matmul_g16(x, w, bias, M, N, K, y, 2)
                           : int8_matmul(x, w, bias, M, N, K, y, 2);
     if (rc != 0) return 3;

@@ -18,7 +18,15 @@ from kvserve import native
 from kvserve.attention import native_paged
 from kvserve.kv.codecs import make_codec
 from kvserve.models.weight_grids import int8_groups, pack_int8_groups
-from tests.native.test_isa_paths import SHAPES, grid16_inputs, int4_inputs, run_int4, run_int8
+from tests.native.test_isa_paths import (
+    LAYOUTS,
+    grid16_inputs,
+    layout_code,
+    layout_inputs,
+    layout_shapes,
+    run_int4,
+    run_int8,
+)
 
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 DRIVER = Path(__file__).with_name("arm_driver.c")
@@ -46,9 +54,9 @@ def arm_programs(tmp_path_factory) -> dict[str, Path]:
     return programs
 
 
-def run_arm(program: Path, tmp_path: Path, kind: int, x, packed, bias, n: int, digits: int = 0) -> tuple:
+def run_arm(program: Path, tmp_path: Path, kind: int, x, packed, bias, n: int, digits: int = 0, layout: int = 0) -> tuple:
     m, k = x.shape
-    header = np.array([kind, m, n, k, digits, packed.numel(), bias is not None], dtype=np.int32)
+    header = np.array([kind, m, n, k, digits, layout, packed.numel(), bias is not None], dtype=np.int32)
     parts = [header.tobytes(), x.numpy().tobytes(), packed.numpy().tobytes()]
     if bias is not None:
         parts.append(bias.numpy().tobytes())
@@ -60,14 +68,15 @@ def run_arm(program: Path, tmp_path: Path, kind: int, x, packed, bias, n: int, d
 
 
 @pytest.mark.parametrize("path", list(ARM_PATHS))
-def test_arm_int4_matmul_same_bits_as_x86_portable(arm_programs, tmp_path, path):
-    for digits, f32_scales in ((2, False), (1, False), (2, True)):
-        for seed, (m, n, k) in enumerate(SHAPES):
-            x, packed, bias = int4_inputs(m, n, k, seed, f32_scales)
-            y, isa = run_arm(arm_programs[path], tmp_path, 32 if f32_scales else 4, x, packed, bias, n, digits)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_arm_int4_matmul_same_bits_as_x86_portable(arm_programs, tmp_path, path, layout):
+    for digits in (2, 1):
+        for seed, (m, n, k) in enumerate(layout_shapes(layout)[:2]):
+            x, packed, bias = layout_inputs(m, n, k, seed, layout)
+            y, isa = run_arm(arm_programs[path], tmp_path, 4, x, packed, bias, n, digits, layout_code(layout))
             assert isa == path
-            reference = run_int4("portable", x, packed, bias, n, digits, 1, f32_scales)
-            assert torch.equal(y, reference), (path, digits, f32_scales, m, n, k)
+            reference = run_int4("portable", x, packed, bias, n, digits, 1, layout)
+            assert torch.equal(y, reference), (path, digits, layout, m, n, k)
 
 
 @pytest.mark.parametrize("path", list(ARM_PATHS))

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from kvserve import native
+from kvserve.models import block_layouts
 from kvserve.models.weight_grids import int8_groups, pack_int4, pack_int8_groups, pack_int8_groups16
 from kvserve.native import abi
+from tests.support import BLOCK_TYPES, random_blocks
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
@@ -35,7 +37,8 @@ def kernel(source: str, name: str, isa: str):
 
 
 def int4_inputs(m: int, n: int, k: int, seed: int, f32_scales: bool = False):
-    """f32_scales: scales and offsets f16 cannot hold (Q4_K's), in the 384-byte layout."""
+    """4-bit groups with f16 scales and offsets (QL_F16) or, f32_scales, f32 ones (QL_F32: scales and
+    offsets f16 cannot hold), as pack_int4 packs them."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3
@@ -47,12 +50,31 @@ def int4_inputs(m: int, n: int, k: int, seed: int, f32_scales: bool = False):
     return x, pack_int4(codes, scale, lo, f32_scales), torch.randn(n, generator=g)
 
 
-def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int, f32_scales: bool = False) -> torch.Tensor:
+def layout_inputs(m: int, n: int, k: int, seed: int, layout: str):
+    """Activations, packed weights and a bias for int4_matmul's layout ``layout``: "F16" or "F32"
+    (int4_inputs), or a GGUF block type (random file blocks through block_layouts.pack_blocks)."""
+    if layout in ("F16", "F32"):
+        return int4_inputs(m, n, k, seed, layout == "F32")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)
+    x[0, :32] = 0.0
+    packed = block_layouts.pack_blocks(random_blocks(layout, n, k, seed), layout, n, k, huge_pages=False)
+    return x, packed, torch.randn(n, generator=g)
+
+
+def layout_code(layout: str) -> int:
+    return block_layouts.LAYOUT_NAMES.index(layout if layout in ("F16", "F32") else
+                                            block_layouts.LAYOUT_NAMES[block_layouts.GGUF_LAYOUTS[layout][0]])
+
+
+def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int, layout: str | bool = "F16") -> torch.Tensor:
+    """layout: a name of layout_inputs (True / False: "F32" / "F16")."""
     fn = kernel("int4_matmul", "int4_matmul", isa)
     m, k = x.shape
+    layout = ("F32" if layout else "F16") if isinstance(layout, bool) else layout
     y = torch.full((m, n), float("nan"))
     assert fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), m, n, k, y.data_ptr(), threads, digits,
-              int(f32_scales)) == 0
+              layout_code(layout)) == 0
     return y
 
 
@@ -66,16 +88,22 @@ def run_int8(isa: str, x, packed, n: int, threads: int, name: str = "int8_matmul
 
 # rows: 1 (decode), tiles of every path (4, 6, 8) and their remainders; outputs not a multiple of 16
 SHAPES = [(1, 48, 64), (7, 40, 96), (13, 72, 128)]
+LAYOUTS = ("F16", "F32", *BLOCK_TYPES)
+
+
+def layout_shapes(layout: str) -> list[tuple[int, int, int]]:
+    """SHAPES, with rows of whole super-blocks (256) for the K-quants."""
+    return [(m, n, 256 * (1 + i % 2)) for i, (m, n, _) in enumerate(SHAPES)] if "K" in layout else SHAPES
 
 
 @pytest.mark.parametrize("isa", FAST_PATHS)
 @pytest.mark.parametrize("digits", [2, 1])
-@pytest.mark.parametrize("f32_scales", [False, True])
-def test_int4_matmul_same_bits_as_portable(isa, digits, f32_scales):
-    for seed, (m, n, k) in enumerate(SHAPES):
-        x, packed, bias = int4_inputs(m, n, k, seed, f32_scales)
-        reference = run_int4("portable", x, packed, bias, n, digits, 1, f32_scales)
-        assert torch.equal(run_int4(isa, x, packed, bias, n, digits, 2, f32_scales), reference), (m, n, k)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_int4_matmul_same_bits_as_portable(isa, digits, layout):
+    for seed, (m, n, k) in enumerate(layout_shapes(layout)):
+        x, packed, bias = layout_inputs(m, n, k, seed, layout)
+        reference = run_int4("portable", x, packed, bias, n, digits, 1, layout)
+        assert torch.equal(run_int4(isa, x, packed, bias, n, digits, 2, layout), reference), (m, n, k)
 
 
 @pytest.mark.parametrize("isa", FAST_PATHS)
@@ -124,7 +152,7 @@ def test_kvserve_isa_picks_the_build(monkeypatch):
     assert native.requested_isa() == "portable" and native.isa() == "portable"
     assert "-DKVSERVE_PORTABLE" in native.build_flags("int4_matmul", native.requested_isa())
     monkeypatch.setenv("KVSERVE_ISA", "avx3")
-    with pytest.raises(ValueError, match="KVSERVE_ISA='avx3': use one of native, avx512vnni, avx2, neon, portable"):
+    with pytest.raises(ValueError, match="KVSERVE_ISA='avx3': use one of native, avx512vnni, avxvnni, avx2, neon, portable"):
         native.requested_isa()
     monkeypatch.delenv("KVSERVE_ISA")
     assert native.isa() == native.runnable_isas()[0]

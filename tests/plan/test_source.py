@@ -98,10 +98,11 @@ def test_unknown_and_missing_models(tmp_path):
         resolve_model(str(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"])
 def test_held_bytes_are_what_the_loaded_model_holds(name):
     """The plan's weights in the engine's default format (q4) against the loaded model's own: every
-    projection's packed bytes, the head, the norms (and an f32 embedding where one is kept), within 1%."""
+    projection's packed bytes, the head, the norms (and an f32 embedding, or the file's bytes of one,
+    where one is kept), within 1%."""
     import torch
 
     from kvserve.models.loader import load_model
@@ -115,4 +116,5 @@ def test_held_bytes_are_what_the_loaded_model_holds(name):
         if isinstance(t, torch.Tensor)]
     held = sum(lin.nbytes for lin in linears) + sum(4 * t.numel() for t in norms)
     held += 0 if model.embed is None else model.embed.numel() * model.embed.element_size()
+    held += 0 if model.embed_rows is None else model.embed_rows.nbytes
     assert abs(held_bytes(spec.tensors, "q4") - held) <= 0.01 * held

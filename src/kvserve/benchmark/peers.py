@@ -1,13 +1,19 @@
-"""Peers run on the same workload: llama.cpp through llama-cpp-python (``pip install .[peers]``).
+"""Peers run on the same workload: llama.cpp's own tools where ``bench/build_llama_cpp.sh`` built them
+(``LlamaToolsRunner``), else llama.cpp through llama-cpp-python (``pip install .[peers]``, one stream).
 
-llama.cpp runs one stream (rows with concurrency > 1 are ours only); greedy decoding; flash attention on;
-KV types f16 / q8_0 / q4_0 map onto its ggml types.
+Flash attention on; KV types f16 / q8_0 / q4_0 map onto its ggml types.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import resource
+import subprocess
 import time
 from itertools import pairwise
+from pathlib import Path
 
 from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile, reset_peak_rss
 
@@ -73,3 +79,72 @@ class LlamaCppRunner:
         return BenchRow(self.name, cache_type, len(prompt), 1, ttft * 1e3, len(prompt) / ttft, decode,
                         percentile(itls, 0.5) * 1e3, percentile(itls, 0.99) * 1e3, gen / (times[-1] - start),
                         peak_rss_bytes(), 0, 0, gen)
+
+
+LLAMA_TOOLS = ("llama-bench", "llama-batched-bench")
+
+
+def llama_tools_dir() -> Path | None:
+    """Where llama.cpp's llama-bench and llama-batched-bench are: $KVSERVE_LLAMA_CPP_BIN, else the
+    build/llama.cpp/bin that bench/build_llama_cpp.sh writes (from the working directory or the checkout)."""
+    candidates = [os.environ.get("KVSERVE_LLAMA_CPP_BIN", "")]
+    candidates += [Path.cwd() / "build/llama.cpp/bin", Path(__file__).resolve().parents[3] / "build/llama.cpp/bin"]
+    for folder in candidates:
+        if folder and all((Path(folder) / tool).is_file() for tool in LLAMA_TOOLS):
+            return Path(folder)
+    return None
+
+
+class LlamaToolsRunner:
+    """llama.cpp measured by its own tools, as its users quote it: prefill is ``llama-bench -p N`` (pp),
+    decode ``llama-bench -n G -d N`` (tg with N tokens of context already in the cache), C streams
+    ``llama-batched-bench -npp N -ntg G -npl C`` (C sequences decoded together: its aggregate rate, not
+    one stream's). TTFT is N / pp; peak RSS the tool's."""
+
+    name = "llama.cpp"
+
+    def __init__(self, model_path: str, threads: int, folder: Path) -> None:
+        self.model_path, self.threads, self.folder = model_path, threads, folder
+        self._features = ""
+
+    def build(self) -> tuple[str, str]:
+        out = subprocess.run([str(self.folder / "llama-bench"), "--version"], capture_output=True, text=True, check=False)
+        version = (out.stdout + out.stderr).strip().splitlines()
+        return self._features or "GGML_NATIVE", f"llama-bench {version[0] if version else ''} (GGML_NATIVE=ON)"
+
+    def supports(self, cache_type: str, concurrency: int) -> bool:
+        return cache_type in GGML_TYPES
+
+    def _tool(self, tool: str, *args: str) -> str:
+        out = subprocess.run([str(self.folder / tool), "-m", self.model_path, "-t", str(self.threads), *args],
+                             capture_output=True, text=True, timeout=3600, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"{tool} failed: {out.stderr.strip().splitlines()[-1:]}")
+        found = re.search(r"system_info: (.*)", out.stderr)
+        if found and not self._features:
+            self._features = ",".join(sorted(p.split("=")[0].strip() for p in found[1].split("|") if p.strip().endswith("= 1")))
+        return out.stdout
+
+    def _bench(self, cache_type: str, *args: str) -> float:
+        """avg tokens/s of one llama-bench test."""
+        out = self._tool("llama-bench", "-fa", "1", "-ctk", cache_type, "-ctv", cache_type, "-r", "1", "-o", "json", *args)
+        return float(json.loads(out)[0]["avg_ts"])
+
+    def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix=None) -> BenchRow:
+        n, streams = len(prompts[0]), len(prompts)
+        if streams == 1:
+            prefill = self._bench(cache_type, "-p", str(n), "-n", "0")
+            decode = self._bench(cache_type, "-p", "0", "-n", str(gen), "-d", str(n))
+            ttft = n / prefill
+            aggregate, itl = gen / (ttft + gen / decode), 1 / decode
+        else:
+            out = self._tool("llama-batched-bench", "-fa", "on", "-ctk", cache_type, "-ctv", cache_type,
+                             "-c", str(streams * (n + gen) + 64), "-b", "2048", "-ub", "512", "-npp", str(n),
+                             "-ntg", str(gen), "-npl", str(streams), "--output-format", "jsonl")
+            result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+            prefill, ttft = result["speed_pp"], result["t_pp"]
+            decode = result["speed_tg"] / streams  # one stream's share of the batch
+            aggregate, itl = streams * gen / result["t"], 1 / decode
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest tool run so far
+        return BenchRow(self.name, cache_type, n, streams, ttft * 1e3, prefill, decode, itl * 1e3, itl * 1e3,
+                        aggregate, rss, 0, 0, gen)

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _peers(args) -> list:
-    from kvserve.benchmark.peers import LlamaCppRunner
+    from kvserve.benchmark.peers import LlamaCppRunner, LlamaToolsRunner, llama_tools_dir
     from kvserve.models.registry import resolve
 
     peers = []
@@ -104,5 +104,6 @@ def _peers(args) -> list:
         path = resolve(args.model, auto_pull=True)
         if path.is_dir():
             raise ValueError("llama.cpp needs a GGUF file, not an HF folder")
-        peers.append(LlamaCppRunner(str(path), args.threads))
+        tools = llama_tools_dir()  # llama.cpp's own llama-bench (bench/build_llama_cpp.sh), else llama-cpp-python
+        peers.append(LlamaToolsRunner(str(path), args.threads, tools) if tools else LlamaCppRunner(str(path), args.threads))
     return peers

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.models import file_linears
 from kvserve.models.activations import gated
 from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_into_arena
 from kvserve.models.moe import MoE
@@ -81,9 +82,15 @@ class DecoderLM:
 
         self._linear, self._weights = linear, weights
 
+        from_file = file_linears.applies(weights, weight_format, device, dtype)
+
         def projection(names: list[str], bias: torch.Tensor | None = None) -> Linear:
-            """The tensors ``names`` stacked as one projection; where the file states the grid of one of them
+            """The tensors ``names`` stacked as one projection: from the file's blocks where they allow
+            (``file_linears``), else through f32; where the file states the grid of one of them
             (``GGUFWeights.grid16``), the stacked grid, so the int8 groups can hold every part exactly."""
+            held = file_linears.projection(weights, names, bias, weight_format) if from_file else None
+            if held is not None:
+                return held
             stated = [weights.grid16(n) if hasattr(weights, "grid16") else None for n in names]
             parts = [w(n) for n in names]
             weight = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -105,14 +112,21 @@ class DecoderLM:
 
         self.final_norm = w("output_norm.weight")
         tied = "output.weight" not in weights
-        self.lm_head = self._tied_int8_head(weights) if tied else None
-        self._head_from_grid = self.lm_head is not None
-        if self.lm_head is not None:
-            # the head's int8 groups are the file's Q8_0 embedding, taken from its blocks: rows come from
-            # them, and no f32 copy is ever made (SmolLM2 113 MB, Gemma 3 270M 671 MB)
-            self.embed = None
-        else:
-            self.embed = w("token_embd.weight")  # [vocab, hidden]
+        # the head and the embedding table from the file's blocks where the format allows: a tied Q8_0
+        # table as the int8 head (rows from it), another tied type as its own layout with the table kept
+        # as the file's bytes (QuantRows), an untied table as the file's bytes beside the head's blocks
+        self.embed, self.embed_rows, self.lm_head = None, None, None
+        if tied:
+            self.lm_head = self._tied_int8_head(weights)
+            if self.lm_head is None and from_file:
+                self.lm_head, self.embed_rows = file_linears.tied_head(weights, weight_format) or (None, None)
+        elif from_file:
+            self.embed_rows = weights.quant_rows("token_embd.weight")
+            self.lm_head = file_linears.projection(weights, ["output.weight"], None, weight_format)
+        self._head_from_grid = self.lm_head is not None  # in its own 2 MiB-page buffer already
+        if self.lm_head is None:
+            if self.embed_rows is None:
+                self.embed = w("token_embd.weight")  # [vocab, hidden]
             self.lm_head = linear(self.embed if tied else w("output.weight"))
             if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
                 self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
@@ -184,6 +198,8 @@ class DecoderLM:
         the tied int8 head that holds it exactly."""
         if self.embed is not None:
             return torch.index_select(self.embed, 0, input_ids, out=out) if out is not None else self.embed[input_ids]
+        if self.embed_rows is not None:
+            return self.embed_rows.rows(input_ids, out).to(self.dtype)
         if out is not None and out.dtype == torch.float32 and out.is_contiguous():
             return self.lm_head.rows(input_ids, out)
         rows = self.lm_head.rows(input_ids).to(self.dtype)

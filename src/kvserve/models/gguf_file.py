@@ -16,6 +16,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
+from kvserve.models import block_layouts
 from kvserve.models.arch import ARCHS
 from kvserve.models.gguf_config import read_model_config  # noqa: F401  (re-exported)
 from kvserve.models.gguf_header import read_gguf_header
@@ -170,6 +171,25 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(out_dim, *rest).contiguous()
 
 
+class QuantRows:
+    """An embedding table held in its file's bytes (any block type the gguf library reads): a lookup
+    dequantizes just the rows asked for, to the values ``load_tensor`` would give, so the f32 table
+    (Qwen2.5-0.5B's: 545 MB for a 93 MB Q5_0 tensor) is never made. The bytes are the file's memory map:
+    only the pages of rows looked up become resident."""
+
+    def __init__(self, raw: np.ndarray, type_name: str, rows: int, cols: int) -> None:
+        self.raw, self.type_name, self.rows_count, self.cols = raw.reshape(rows, -1), type_name, rows, cols
+        self.nbytes = int(raw.size)
+
+    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        picked = self.raw[ids.to(torch.int64).cpu().numpy()]
+        values = torch.from_numpy(dequantize(picked, GGMLQuantizationType[self.type_name]).reshape(-1, self.cols))
+        return values if out is None else out.copy_(values)
+
+
 class GGUFWeights:
     """The file's tensors by name (``rope_freqs.weight`` as ``rope_freqs``), each dequantized to f32,
     with the architecture's fix-ups, only when the model takes it: ``pop`` (the model packs it and drops
@@ -226,6 +246,51 @@ class GGUFWeights:
             self.gf.release(stored)
 
         return rows, cols, chunks()
+
+    def matrix(self, name: str) -> tuple[str, int, int] | None:
+        """(type, rows, cols) of a 2-D tensor not yet taken; None for anything else."""
+        stored = self.names.get(name)
+        t = None if stored is None else self.gf.tensors[stored]
+        return None if t is None or len(t.dims) != 2 else (t.type_name, t.dims[1], t.dims[0])
+
+    def block_type(self, name: str) -> tuple[str, int, int] | None:
+        """``matrix`` of a tensor whose file blocks ``block_layouts`` packs; None for other tensors."""
+        found = self.matrix(name)
+        return found if found is not None and block_layouts.supports(found[0], found[2]) else None
+
+    def reordered(self, name: str) -> bool:
+        """Whether the architecture reorders this tensor's rows (see ``_fix_rows``)."""
+        return self._permuted(name)
+
+    def packed(self, names: list[str], pack: Callable[[np.ndarray], Any]) -> Any:
+        """``pack`` of the named tensors' file bytes, stacked by rows in order ([rows, bytes per row], rows as
+        ``pop`` gives them: the architecture's reordering applied), each tensor counted as taken and its
+        pages dropped once packed: never dequantized."""
+        stored = [self._take(name) for name in names]
+        parts = []
+        for name, file_name in zip(names, stored):
+            t = self.gf.tensors[file_name]
+            rows = self.gf.tensor_bytes(file_name).reshape(t.dims[1], -1)
+            if self._permuted(name):
+                heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads
+                rows = unpermute_rope_rows(torch.from_numpy(np.array(rows)), heads).numpy()
+            parts.append(rows)
+        result = pack(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        for file_name in stored:
+            self.gf.release(file_name)
+        return result
+
+    def quant_rows(self, name: str) -> QuantRows | None:
+        """A quantized embedding table kept as its file's bytes (``QuantRows``), taken; None for f32/f16
+        tensors, types the gguf library does not read, or rows the architecture reorders."""
+        stored = self.names.get(name)
+        t = None if stored is None else self.gf.tensors[stored]
+        if t is None or len(t.dims) != 2 or t.type_name in ("F32", "F16") or t.type_name not in SUPPORTED_TENSOR_TYPES:
+            return None
+        if self._permuted(name):
+            return None
+        self._take(name)
+        return QuantRows(self.gf.tensor_bytes(stored), t.type_name, t.dims[1], t.dims[0])
 
     def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._load(name) if name in self.names else default

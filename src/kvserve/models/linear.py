@@ -50,11 +50,12 @@ import torch.nn.functional as F
 
 from kvserve import native
 from kvserve.host_memory import rehome
+from kvserve.models import block_layouts
 from kvserve.models.weight_grids import (
     INT4_GROUP,
     ROW_BLOCK,
-    int4_groups,
     int4_grid_from16,
+    int4_groups,
     int8_groups,
     int8_groups16,
     pack_int4,
@@ -220,27 +221,29 @@ def _int8_matmul_kernel(name: str = "int8_matmul"):
 
 
 class Int4Linear:
-    """4-bit groups (codes 0..15, a scale and an offset per 32 inputs: Q4_1's grid with f16 ones, Q4_K's
-    with f32 ones) through ``native/int4_matmul.c``: f32 activations split per token into two int8
-    digits, exact integer group sums (AVX-512 VNNI), f32 group scaling. Against torch's int4 CPU kernel
-    (bf16 activations) it is ~50x more accurate (relative output error ~5e-5 vs ~3e-3) and, measured on
-    SmolLM2's shapes, ~2x faster at one row and ~1.5x at 512. ``fast``: one int8 code per activation with a
-    scale per group of 32 (llama.cpp's q8 activations): ~1.7x faster again at 16 to 512 rows, relative
-    output error ~5e-3. Where the kernel cannot be built, torch's kernel (its convention
-    w = (q - 8) * scale + zero, so zero = lo + 8 * scale; returns bf16)."""
+    """Codes of 4, 5 or 6 bits with the file's scales (``native/int4_matmul.c``'s layouts, kernels.h's
+    ``QL_*``): 4-bit groups with a scale and an offset per 32 inputs (Q4_1's grid with f16 ones, any
+    4-bit grid with f32 ones), or a GGUF tensor's own blocks (``from_blocks``: Q4_0, Q4_1, Q5_0, Q5_1,
+    Q4_K, Q5_K, Q6_K at their file's bytes per weight). f32 activations split per token into two int8
+    digits, exact integer group sums, f32 group scaling: relative output error ~5e-5, where torch's int4
+    CPU kernel (bf16 activations) gives ~3e-3. ``fast``: one int8 code per activation with a scale per
+    group of 32 (llama.cpp's q8 activations), half the integer products, relative output error ~5e-3.
+    Where the kernel cannot be built, torch's kernel for 4-bit groups (its convention
+    w = (q - 8) * scale + zero, so zero = lo + 8 * scale; returns bf16); ``from_blocks`` needs the kernel."""
 
     def __init__(
         self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None,
         fast: bool = False,
     ) -> None:
-        self.out_features = codes.shape[0]
+        self.out_features, self.in_features = codes.shape
         self.digits = 1 if fast else 2
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernel = _int4_matmul_kernel()
-        # f32 where f16 cannot hold a scale or offset exactly (Q4_K's d * sc): 20% more bytes
-        self.f32_scales = not all(torch.equal(t, t.half().float()) for t in (scale, lo))
+        # f32 where f16 cannot hold a scale or offset exactly: 20% more bytes
+        f32_scales = not all(torch.equal(t, t.half().float()) for t in (scale, lo))
+        self.layout = block_layouts.QL_F32 if f32_scales else block_layouts.QL_F16
         if self.kernel is not None:
-            self.packed = pack_int4(codes, scale, lo, self.f32_scales)
+            self.packed = pack_int4(codes, scale, lo, f32_scales)
             self.nbytes = self.packed.numel()
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -248,10 +251,32 @@ class Int4Linear:
         self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.nbytes = self.packed.numel() + self.scales_zeros.numel() * 2
 
+    @classmethod
+    def from_blocks(cls, raw, type_name: str, rows: int, cols: int, bias: torch.Tensor | None = None,
+                    fast: bool = False) -> Int4Linear:
+        """A GGUF tensor straight from its file bytes (``block_layouts.pack_blocks``), never through f32
+        weights. Needs the kernel (``native()``)."""
+        lin = cls.__new__(cls)
+        lin.kernel = _int4_matmul_kernel()
+        lin.out_features, lin.in_features, lin.digits = rows, cols, 1 if fast else 2
+        lin.bias = None if bias is None else bias.float().contiguous()
+        lin.layout = block_layouts.GGUF_LAYOUTS[type_name][0]
+        lin.packed = block_layouts.pack_blocks(raw, type_name, rows, cols)
+        lin.nbytes = lin.packed.numel()
+        return lin
+
+    @staticmethod
+    def native() -> bool:
+        """Whether the C kernel runs here (``from_blocks`` needs it)."""
+        return _int4_matmul_kernel() is not None
+
     @property
     def weight(self) -> torch.Tensor:
         """[out, in] f32: scale * code + offset per group, as the file's dequantization rounds it."""
-        codes, scale, lo = unpack_int4(self.packed, self.out_features, self.f32_scales)
+        if self.layout not in (block_layouts.QL_F16, block_layouts.QL_F32):
+            return block_layouts.unpack_weight(self.packed, self.layout, self.out_features, self.in_features)
+        packed = self.packed.view(self.packed.shape[0], self.in_features // INT4_GROUP, -1)
+        codes, scale, lo = unpack_int4(packed, self.out_features, self.layout == block_layouts.QL_F32)
         groups = codes.view(self.out_features, -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]
         return groups.view(self.out_features, -1)
 
@@ -260,8 +285,7 @@ class Int4Linear:
             x = x.to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
             return y if self.bias is None else y + self.bias
-        return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features,
-                           (self.digits, int(self.f32_scales)))
+        return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features, (self.digits, self.layout))
 
 
 def _int4_matmul_kernel():

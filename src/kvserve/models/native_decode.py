@@ -112,7 +112,7 @@ class NativeDecodeStep:
         def matmul(lin, x: str, y: str) -> None:
             bias = None if lin.bias is None else lin.bias.data_ptr()
             kernel = _kernel_name(lin)
-            options = {"digits": lin.digits, "f32_scales": int(lin.f32_scales)} if kernel == "int4_matmul" else {}
+            options = {"digits": lin.digits, "layout": lin.layout} if kernel == "int4_matmul" else {}
             op(kernel, x=ptr[x], w=lin.packed.data_ptr(), bias=bias, N=lin.out_features, K=b[x].shape[1],
                y=ptr[y], num_threads=threads, **options)
 

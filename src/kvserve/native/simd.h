@@ -3,6 +3,7 @@
  *
  *   path         chosen when the build targets           VL   integer group dot
  *   avx512vnni   AVX-512 F/BW/VL + VNNI                  16   vpdpbusd / vpdpwssd
+ *   avxvnni      AVX2 + AVX-VNNI (x86-64-v3 + avxvnni)    8   vpdpbusd / vpdpwssd (256-bit, VEX)
  *   avx2         AVX2 + FMA + F16C (x86-64-v3)            8   vpmaddubsw + vpmaddwd
  *   neon         aarch64 (sdot with +dotprod)             4   sdot, else smull + pairwise adds
  *   portable     anything else, or -DKVSERVE_PORTABLE     8   C loops
@@ -33,6 +34,9 @@
 #define SIMD_AVX512VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SIMD_AVX2 1
+#if defined(__AVXVNNI__)
+#define SIMD_AVXVNNI 1 /* AVX2's path with the 256-bit VEX vpdpbusd / vpdpwssd (Alder Lake, Zen 4 and later) */
+#endif
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #define SIMD_NEON 1
 #else
@@ -111,12 +115,25 @@ static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
     }
     return vi_add(s0, s1);
 }
+static inline vb vb_or(vb a, vb b) { return _mm512_or_si512(a, b); }
+static inline vb vb_bits(vb v, int mask, int shift) {
+    const vb m = _mm512_and_si512(v, _mm512_set1_epi8((char)mask));
+    return shift >= 0 ? _mm512_slli_epi16(m, (unsigned)shift) : _mm512_srli_epi16(m, (unsigned)-shift);
+}
+static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
+    return vi_add(vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[0], a), c[2], a + 8),
+                  vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[1], a + 4), c[3], a + 12));
+}
 #define simd_prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
 /* ------------------------------------------------------------------------------------------------ */
 #elif defined(SIMD_AVX2)
 #include <immintrin.h>
+#if defined(SIMD_AVXVNNI)
+#define SIMD_ISA "avxvnni"
+#else
 #define SIMD_ISA "avx2"
+#endif
 #define VL 8
 typedef __m256 vf;
 typedef __m256i vi;
@@ -181,6 +198,23 @@ static inline __m256i simd_broadcast4(const void *p) {
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
+#if defined(SIMD_AVXVNNI)
+/* One instruction a product quad, accumulated in int32: nothing to saturate, whatever the codes. */
+static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) { return _mm256_dpbusd_avx_epi32(acc, w, simd_broadcast4(p)); }
+static inline vi vi_dot_s16(vi acc, vw w, const int16_t *p) { return _mm256_dpwssd_avx_epi32(acc, w, simd_broadcast4(p)); }
+static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
+    vi s0 = vi_zero(), s1 = vi_zero();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = vi_dot_u8s8(s0, c[j], a + 4 * j);
+        s1 = vi_dot_u8s8(s1, c[j + 1], a + 4 * j + 4);
+    }
+    return vi_add(s0, s1);
+}
+static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
+    return vi_add(vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[0], a), c[2], a + 8),
+                  vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[1], a + 4), c[3], a + 12));
+}
+#else
 /* vpmaddubsw's int16 pair sums saturate: exact while w <= 127 and |p| <= 127 (at most 32258). */
 static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) {
     const __m256i pairs = _mm256_maddubs_epi16(w, simd_broadcast4(p));
@@ -198,6 +232,21 @@ static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
         s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(c[j + 1], simd_broadcast4(a + 4 * j + 4)));
     }
     return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+}
+/* Codes up to 63: two vpmaddubsw results summed as int16 (at most 4 x 63 x 127 = 32004) per widening. */
+static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
+    const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], simd_broadcast4(a)),
+                                        _mm256_maddubs_epi16(c[1], simd_broadcast4(a + 4)));
+    const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], simd_broadcast4(a + 8)),
+                                        _mm256_maddubs_epi16(c[3], simd_broadcast4(a + 12)));
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+}
+#endif
+static inline vb vb_or(vb a, vb b) { return _mm256_or_si256(a, b); }
+static inline vb vb_bits(vb v, int mask, int shift) {
+    const vb m = _mm256_and_si256(v, _mm256_set1_epi8((char)mask));
+    return shift >= 0 ? _mm256_slli_epi16(m, shift) : _mm256_srli_epi16(m, -shift);
 }
 #define simd_prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
@@ -291,6 +340,14 @@ static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
         s1 = vi_dot_u8s8(s1, c[j + 1], a + 4 * j + 4);
     }
     return vi_add(s0, s1);
+}
+static inline vb vb_or(vb a, vb b) { return vorrq_u8(a, b); }
+static inline vb vb_bits(vb v, int mask, int shift) {
+    return vshlq_u8(vandq_u8(v, vdupq_n_u8((uint8_t)mask)), vdupq_n_s8((int8_t)shift));
+}
+static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
+    return vi_add(vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[0], a), c[2], a + 8),
+                  vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[1], a + 4), c[3], a + 12));
 }
 #define simd_prefetch(p) __builtin_prefetch((p), 0, 2)
 
@@ -398,9 +455,29 @@ static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
     for (int j = 0; j < 8; j++) s = vi_dot_u8s8(s, c[j], a + 4 * j);
     return s;
 }
+static inline vb vb_or(vb a, vb b) {
+    for (int i = 0; i < 4 * VL; i++) a.v[i] |= b.v[i];
+    return a;
+}
+static inline vb vb_bits(vb v, int mask, int shift) {
+    for (int i = 0; i < 4 * VL; i++) {
+        const unsigned m = v.v[i] & (unsigned)mask;
+        v.v[i] = (uint8_t)(shift >= 0 ? m << shift : m >> -shift);
+    }
+    return v;
+}
+static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
+    vi s = vi_zero();
+    for (int j = 0; j < 4; j++) s = vi_dot_u8s8(s, c[j], a + 4 * j);
+    return s;
+}
 #undef SIMD_MAP
 #define simd_prefetch(p) __builtin_prefetch((p), 0, 2)
 #endif
+
+static inline vi vi_group_dot_u6s8(const vb c[8], const int8_t *a) {
+    return vi_add(vi_dot4_u6s8(c, a), vi_dot4_u6s8(c + 4, a + 16));
+}
 
 /* Which path this file was built for (tests check it against the path they asked for). Weak: the
  * kernels linked into one program (tests/native/arm_driver.c) share it. */

@@ -42,34 +42,68 @@ class ModelSpec:
     tensors: tuple = ()  # a GGUF's TensorInfo: what the engine's integer formats hold of each (held_bytes)
 
 
-# bytes a weight of each GGUF type takes in the engine's integer formats (models/linear.py's layouts: 4-bit
-# groups of 32 with f16 or f32 scales and offsets, int8 groups with an f16 scale per 32 or f32 scales and
-# offsets per 16); any other 2-D type is rounded to int8 groups of 32
+# bytes a weight of each GGUF type takes in the engine's int8 format (models/linear.py's layouts: int8 groups
+# with an f16 scale per 32 or f32 scales and offsets per 16; 4-bit groups of 32 for Q4_1 / Q4_K grids in the
+# q4 formats when made through f32); any other 2-D type is rounded to int8 groups of 32
 _Q4_GROUPS = {"Q4_1": 320 / 512, "Q4_K": 384 / 512}
 _INT8_GROUPS = {"Q8_0": 544 / 512, "Q5_0": 544 / 512, "Q4_0": 544 / 512, "Q6_K": 768 / 512, "Q5_K": 768 / 512,
                 "Q5_1": 768 / 512, "Q4_1": 768 / 512, "Q4_K": 768 / 512}
 HEAD_GRIDS = ("Q8_0", "Q5_0", "Q4_0")  # a tied embedding of these types is the int8 head, with no f32 copy
+# the projections the decoder stacks into one (models/decoder.py: q, k, v and gate, up)
+_STACKS = (("attn_q.weight", "attn_k.weight", "attn_v.weight"), ("ffn_gate.weight", "ffn_up.weight"))
+
+
+def _through_f32(t, weights: str) -> float:
+    if weights in ("q4", "q4-fast") and t.type_name in _Q4_GROUPS:
+        return _Q4_GROUPS[t.type_name] * t.num_elements
+    return _INT8_GROUPS.get(t.type_name, 544 / 512) * t.num_elements
+
+
+def _from_file_blocks(parts) -> float | None:
+    """Bytes of a (stacked) projection that models/file_linears.py takes from the file's blocks: one block type
+    in its packed layout, symmetric grids as int8 groups of 32; None where it goes through f32."""
+    from kvserve.models import block_layouts
+
+    types = {(t.type_name, t.dims[0]) for t in parts}
+    rows = sum(t.num_elements // t.dims[0] for t in parts)
+    if len(types) == 1 and block_layouts.supports(*next(iter(types))):
+        return block_layouts.packed_bytes(parts[0].type_name, rows, parts[0].dims[0])
+    if all(t.type_name in HEAD_GRIDS for t in parts) and len({t.dims[0] for t in parts}) == 1:
+        return -(-rows // 16) * 16 * parts[0].dims[0] * 544 / 512
+    return None
 
 
 def held_bytes(tensors, weights: str) -> int:
-    """Bytes the engine holds of a GGUF's tensors in ``weights`` ("q4", "q4-fast" or "int8"): norms and
-    other 1-D tensors in f32, projections in their formats, the head as int8 groups (a tied embedding
-    that is no such grid also kept in f32 for the lookups, an untied one in f32)."""
-    names = {t.name for t in tensors}
-    total = 0.0
+    """Bytes the engine holds of a GGUF's tensors in ``weights`` ("q4", "q4-fast" or "int8"): norms and other
+    1-D tensors in f32; in the q4 formats projections and the head from the file's blocks (models/file_linears.py)
+    and a quantized embedding table as the file's bytes, else (and in int8) as the f32 path makes them."""
+    by_name = {t.name: t for t in tensors}
+    file_blocks = weights in ("q4", "q4-fast")
+    tied = "output.weight" not in by_name
+    total, done = 0.0, set()
     for t in tensors:
+        if t.name in done:
+            continue
         if len(t.dims) < 2:
             total += 4 * t.num_elements
-        elif t.name == "token_embd.weight":
-            tied = "output.weight" not in names
-            if tied:
-                total += _INT8_GROUPS.get(t.type_name, 544 / 512) * t.num_elements
-            if not tied or t.type_name not in HEAD_GRIDS:
-                total += 4 * t.num_elements
-        elif weights in ("q4", "q4-fast") and t.type_name in _Q4_GROUPS:
-            total += _Q4_GROUPS[t.type_name] * t.num_elements
-        else:
-            total += _INT8_GROUPS.get(t.type_name, 544 / 512) * t.num_elements
+            continue
+        if t.name == "token_embd.weight":
+            quantized = t.type_name not in ("F32", "F16")
+            if tied and t.type_name in HEAD_GRIDS:  # the int8 head, rows from it
+                total += 544 / 512 * t.num_elements
+            elif tied and file_blocks and _from_file_blocks([t]) is not None:  # head packed, table as file bytes
+                total += _from_file_blocks([t]) + t.num_bytes
+            elif not tied and file_blocks and quantized:  # the table as file bytes (the head on its own)
+                total += t.num_bytes
+            else:
+                total += 4 * t.num_elements + (_through_f32(t, weights) if tied else 0)
+            continue
+        prefix, _, suffix = t.name.rpartition("blk.")[2].partition(".")
+        stack = next((s for s in _STACKS if suffix in s), (suffix,))
+        parts = [by_name[n] for n in (f"blk.{prefix}.{s}" for s in stack) if n in by_name] if t.name.startswith("blk.") else [t]
+        done.update(p.name for p in parts)
+        held = _from_file_blocks(parts) if file_blocks else None
+        total += held if held is not None else sum(_through_f32(p, weights) for p in parts)
     return int(total)
 
 
@@ -111,7 +145,7 @@ def _from_gguf(source, shown: str) -> ModelSpec:
 
 
 def _from_registry(name: str) -> ModelSpec:
-    from kvserve.models.registry import REGISTRY, installed_path
+    from kvserve.models.registry import REGISTRY, installed_path, part_paths
 
     entry = REGISTRY[name]
     path = installed_path(entry, assemble=False)  # a chunked model not yet assembled: its package folder
@@ -119,7 +153,7 @@ def _from_registry(name: str) -> ModelSpec:
         raise ModelNotFoundError(f"model '{name}' is not installed; run: kvserve pull {name}")
     if path.is_file():
         return _from_gguf(path, str(path))
-    chunks = [Path(p) for p in importlib.import_module(entry.module).chunk_paths()]
+    chunks = part_paths(entry) if entry.parts else [Path(p) for p in importlib.import_module(entry.module).chunk_paths()]
     return _from_gguf(chunks, f"{chunks[0]} (+{len(chunks) - 1} chunks, not assembled)")
 
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's own llama-bench, llama-batched-bench and llama-server for this CPU from the
+# llama-cpp-python source package (its vendor/llama.cpp), the speed peer of `kvserve bench --compare
+# llama.cpp`. Not part of `make test`; nothing it writes is committed (build/ is ignored).
+#
+#   bench/build_llama_cpp.sh [DEST]      # DEST defaults to build/llama.cpp; ~25 minutes on 2 cores
+#
+# The binaries land in DEST/bin; `kvserve bench --compare llama.cpp` looks there (and in
+# $KVSERVE_LLAMA_CPP_BIN) before falling back to llama-cpp-python.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+dest="${1:-$here/build/llama.cpp}"
+python="${PYTHON:-$here/.venv/bin/python}"
+[ -x "$python" ] || python=python3
+mkdir -p "$dest/src"
+if [ ! -d "$dest/src/vendor/llama.cpp" ]; then
+    tmp="$(mktemp -d)"
+    "$python" -m pip download --quiet --no-binary :all: --no-deps -d "$tmp" llama-cpp-python
+    tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$dest/src" --strip-components=1
+    rm -rf "$tmp"
+fi
+command -v cmake >/dev/null || "$python" -m pip install --quiet cmake
+cmake -S "$dest/src/vendor/llama.cpp" -B "$dest/cmake" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >"$dest/cmake.log"
+cmake --build "$dest/cmake" -j "$(nproc)" --target llama-bench llama-batched-bench llama-server >>"$dest/cmake.log"
+mkdir -p "$dest/bin"
+for tool in llama-bench llama-batched-bench llama-server; do
+    cp "$(find "$dest/cmake" -name "$tool" -type f -perm -u+x | head -1)" "$dest/bin/"
+done
+"$dest/bin/llama-bench" --help >/dev/null
+echo "built: $dest/bin (llama-bench, llama-batched-bench, llama-server)"

@@ -1,0 +1,217 @@
+"""GGUF block-quantized tensors packed, straight from the file's bytes, into the layouts
+``native/int4_matmul.c`` reads (kernels.h's ``QL_*``): the file's codes and scales in the same number of
+bytes or within 3% of it, rearranged for the kernel's vector loads, never through f32 weights.
+
+    type   file bytes / 32 weights   layout    packed bytes / 32 weights
+    Q4_0   18                        Q4_0      18
+    Q4_1   20                        F16       20
+    Q5_0   22                        Q5_0      22
+    Q5_1   24                        Q5_1      24
+    Q4_K   18   (144 / 256)          Q4_K      18.5  (6-bit scales and minimums widened to a byte)
+    Q5_K   22   (176 / 256)          Q5_K      22.5
+    Q6_K   26.25 (210 / 256)         Q6_K      26.25
+
+Q8_0 stays with ``native/int8_matmul.c`` (its grid at its own 34 bytes per 32). ``unpack_weight`` turns a
+packed tensor back into f32 weights computed as the gguf library's dequantization computes them, which
+the tests hold bit for bit against ``gguf.quants.dequantize``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.host_memory import empty_bytes
+
+# kernels.h's QL_* enum
+QL_F16, QL_F32, QL_Q4_0, QL_Q5_0, QL_Q5_1, QL_Q4_K, QL_Q5_K, QL_Q6_K = range(8)
+LAYOUT_NAMES = ("F16", "F32", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GROUP_BYTES = (320, 384, 288, 352, 384, 288, 352, 416)  # a panel's group of 32 inputs x 16 outputs
+SUPER_BYTES = (0, 0, 0, 0, 0, 64, 64, 32)  # the K-quants' d (and dmin) for 16 outputs, before each 8 groups
+CODE_BITS = (4, 4, 4, 5, 5, 4, 5, 6)
+
+# GGUF type -> (layout, weights per file block, bytes per file block)
+GGUF_LAYOUTS = {
+    "Q4_0": (QL_Q4_0, 32, 18),
+    "Q4_1": (QL_F16, 32, 20),
+    "Q5_0": (QL_Q5_0, 32, 22),
+    "Q5_1": (QL_Q5_1, 32, 24),
+    "Q4_K": (QL_Q4_K, 256, 144),
+    "Q5_K": (QL_Q5_K, 256, 176),
+    "Q6_K": (QL_Q6_K, 256, 210),
+}
+ROW_CHUNK = 1024  # rows decoded at a time (a multiple of 16): temporaries of a few MiB
+
+
+def panel_bytes(layout: int, cols: int) -> int:
+    groups = cols // 32
+    return groups * GROUP_BYTES[layout] + groups // 8 * SUPER_BYTES[layout]
+
+
+def packed_bytes(type_name: str, rows: int, cols: int) -> int:
+    """Bytes ``pack_blocks`` makes of a rows x cols tensor of ``type_name``."""
+    return -(-rows // 16) * panel_bytes(GGUF_LAYOUTS[type_name][0], cols)
+
+
+def supports(type_name: str, cols: int) -> bool:
+    """Whether a tensor of this type and row length has a layout here."""
+    entry = GGUF_LAYOUTS.get(type_name)
+    return entry is not None and cols % entry[1] == 0
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The f16 at byte ``at`` of each block, as its two bytes [..., 2]."""
+    return np.ascontiguousarray(blocks[..., at : at + 2])
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """16 bytes of a 32-weight block -> its 32 codes: low nibbles are weights 0-15, high 16-31."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def _high_bits32(qh: np.ndarray) -> np.ndarray:
+    """A 32-weight block's 4 bytes of fifth bits -> [..., 32] values 0 or 16 (bit j: weight j)."""
+    bits = np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)
+    return ((bits & np.uint32(1)).astype(np.uint8) << np.uint8(4))
+
+
+def _decode(type_name: str, blocks: np.ndarray):
+    """File blocks [n, blocks per row, bytes] -> (codes uint8 [n, cols] in 0..63, per-group fields
+    [(array [n, cols / 32, bytes])...], super-block fields [(array [n, cols / 256, bytes])...])."""
+    n = blocks.shape[0]
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        affine = type_name.endswith("_1")
+        qs = blocks[..., -16:]
+        codes = _nibbles32(qs)
+        if type_name.startswith("Q5"):
+            codes |= _high_bits32(blocks[..., 4 if affine else 2 : 8 if affine else 6])
+        fields = [_f16(blocks, 0)] + ([_f16(blocks, 2)] if affine else [])
+        return codes.reshape(n, -1), fields, []
+    if type_name in ("Q4_K", "Q5_K"):
+        from gguf.quants import Q4_K
+
+        nb = blocks.shape[1]
+        flat = blocks.reshape(n * nb, -1)
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(flat[:, 4:16]))
+        qs = flat[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & np.uint8(0x0F)).reshape(-1, 8, 32)
+        if type_name == "Q5_K":  # bit j of high byte i: sub-block j's weight i
+            high = flat[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            codes = codes | ((high & np.uint8(1)) << np.uint8(4))
+        fields = [sc.reshape(n, nb * 8, 1), m.reshape(n, nb * 8, 1)]
+        return codes.reshape(n, -1), fields, [_f16(blocks, 0), _f16(blocks, 2)]
+    if type_name == "Q6_K":
+        nb = blocks.shape[1]
+        flat = blocks.reshape(n * nb, -1)
+        ql = flat[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qh = flat[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        codes = (ql & np.uint8(0x0F)).reshape(-1, 256) | ((qh & np.uint8(3)).reshape(-1, 256) << np.uint8(4))
+        scales = flat[:, 192:208].reshape(n, nb * 8, 2)  # int8 per 16: each group's two halves
+        return codes.reshape(n, -1), [scales[..., :1], scales[..., 1:]], [_f16(blocks, 208)]
+    raise ValueError(f"no packed layout for {type_name}")
+
+
+def _lanes(field: np.ndarray, panels: int) -> np.ndarray:
+    """[rows, groups, bytes] -> [panels, groups, 16 x bytes]: each group's 16 outputs side by side."""
+    rows, groups, width = field.shape
+    padded = np.zeros((panels * 16, groups, width), dtype=np.uint8)
+    padded[:rows] = field.view(np.uint8)
+    return padded.reshape(panels, 16, groups, width).transpose(0, 2, 1, 3).reshape(panels, groups, 16 * width)
+
+
+def _code_planes(codes: np.ndarray, panels: int, bits: int) -> np.ndarray:
+    """codes [rows, cols] (0..63) -> [panels, groups, 256 (+64 or 128)]: the nibble chunks and the planes of
+    the fifth (and sixth) bits, int4_matmul.c's order."""
+    rows, cols = codes.shape
+    groups = cols // 32
+    padded = np.zeros((panels * 16, cols), dtype=np.uint8)
+    padded[:rows] = codes
+    q = padded.reshape(panels, 16, groups, 4, 2, 4).transpose(0, 2, 3, 4, 1, 5)  # P G chunk half lane i
+    parts = [(q[:, :, :, 0] & 0x0F | (q[:, :, :, 1] & 0x0F) << 4).reshape(panels, groups, 256)]
+    quads = padded.reshape(panels, 16, groups, 8, 4).transpose(0, 2, 1, 4, 3)  # P G lane i quad
+    if bits == 5:
+        bit = (quads >> 4) & 1
+        parts.append((bit << np.arange(8, dtype=np.uint8)).sum(-1, dtype=np.uint8).reshape(panels, groups, 64))
+    elif bits == 6:
+        crumbs = ((quads >> 4) & 3).reshape(panels, groups, 16, 4, 2, 4)  # ... plane, quad in plane
+        shifted = crumbs << (2 * np.arange(4, dtype=np.uint8))
+        parts.append(shifted.sum(-1, dtype=np.uint8).transpose(0, 1, 4, 2, 3).reshape(panels, groups, 128))
+    return np.concatenate(parts, axis=-1)
+
+
+def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int, huge_pages: bool = True) -> torch.Tensor:
+    """A tensor's file bytes (rows x cols weights of ``type_name``, rows in order) -> u8 [panels,
+    panel_bytes] in int4_matmul.c's layout for the type. Decoded ROW_CHUNK rows at a time into the output
+    (with ``huge_pages``, its own 2 MiB-page buffer), so the load's peak is the packed tensor plus a chunk."""
+    layout, per_block, block_bytes = GGUF_LAYOUTS[type_name]
+    if cols % per_block:
+        raise ValueError(f"{type_name}: rows of {cols} weights are not whole blocks of {per_block}")
+    blocks = raw.reshape(rows, cols // per_block, block_bytes)
+    panels, width = -(-rows // 16), panel_bytes(layout, cols)
+    out = (empty_bytes(panels * width, torch.device("cpu")) if huge_pages else torch.empty(panels * width, dtype=torch.uint8))
+    out = out.view(panels, width)
+    target = out.numpy()
+    groups, super_bytes = cols // 32, SUPER_BYTES[layout]
+    for r in range(0, rows, ROW_CHUNK):
+        chunk = blocks[r : r + ROW_CHUNK]
+        p = -(-chunk.shape[0] // 16)
+        codes, fields, supers = _decode(type_name, chunk)
+        group = np.concatenate([_code_planes(codes, p, CODE_BITS[layout])] + [_lanes(f, p) for f in fields], axis=-1)
+        if super_bytes:
+            heads = np.concatenate([_lanes(f, p) for f in supers], axis=-1)  # [p, groups / 8, super_bytes]
+            group = np.concatenate([heads, group.reshape(p, groups // 8, -1)], axis=-1)
+        target[r // 16 : r // 16 + p] = group.reshape(p, width)
+    return out
+
+
+def _unlanes(part: np.ndarray, rows: int, dtype) -> np.ndarray:
+    """[panels, groups, 16 x bytes] -> [rows, groups] values of ``dtype`` (``_lanes``' inverse)."""
+    panels, groups, width = part.shape
+    per = np.ascontiguousarray(part.reshape(panels, groups, 16, width // 16).transpose(0, 2, 1, 3))
+    return per.reshape(panels * 16, groups, width // 16).view(dtype)[:rows, :, 0]
+
+
+def unpack_weight(packed: torch.Tensor, layout: int, rows: int, cols: int) -> torch.Tensor:
+    """A packed tensor's weights [rows, cols] f32, each scale * code + offset computed in f32 as the gguf
+    library's dequantization computes the file's weight."""
+    data = packed.reshape(-1).numpy()
+    panels, groups = -(-rows // 16), cols // 32
+    block, super_bytes, bits = GROUP_BYTES[layout], SUPER_BYTES[layout], CODE_BITS[layout]
+    if super_bytes:
+        runs = data.reshape(panels, groups // 8, super_bytes + 8 * block)
+        heads, blocks = runs[..., :super_bytes], runs[..., super_bytes:].reshape(panels, groups, block)
+        d = np.repeat(_unlanes(heads[..., :32], rows, np.float16).astype(np.float32), 8, axis=1)
+        dmin = np.repeat(_unlanes(heads[..., 32:], rows, np.float16).astype(np.float32), 8, axis=1) if super_bytes == 64 else None
+    else:
+        blocks = data.reshape(panels, groups, block)
+    nib = blocks[..., :256].reshape(panels, groups, 4, 16, 4)  # P G chunk lane i
+    q = np.stack([nib & 0x0F, nib >> 4], axis=3)  # P G chunk half lane i
+    codes = q.transpose(0, 4, 1, 2, 3, 5).reshape(panels * 16, cols).astype(np.uint8)
+    plane_lanes = lambda planes: planes.reshape(panels, groups, -1, 16, 4).transpose(0, 3, 1, 4, 2)  # P lane G i plane
+    if bits == 5:
+        high = plane_lanes(blocks[..., 256:320])[..., 0]  # P lane G i
+        fifth = (high[..., None] >> np.arange(8, dtype=np.uint8)) & 1  # P lane G i quad
+        codes |= (fifth.transpose(0, 1, 2, 4, 3).reshape(panels * 16, cols) << 4).astype(np.uint8)
+    elif bits == 6:
+        planes = plane_lanes(blocks[..., 256:384])  # P lane G i plane
+        crumbs = (planes[..., None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # P lane G i plane q
+        codes |= (crumbs.transpose(0, 1, 2, 4, 5, 3).reshape(panels * 16, cols) << 4).astype(np.uint8)
+    codes = codes[:rows].astype(np.float32).reshape(rows, groups, 32)
+    sp = blocks[..., 256 + 64 * (bits - 4) :]
+    if layout == QL_F32:
+        scale, lo = _unlanes(sp[..., :64], rows, np.float32), _unlanes(sp[..., 64:128], rows, np.float32)
+    elif layout in (QL_F16, QL_Q5_1):
+        scale, lo = (_unlanes(sp[..., a : a + 32], rows, np.float16).astype(np.float32) for a in (0, 32))
+    elif layout in (QL_Q4_0, QL_Q5_0):
+        scale = _unlanes(sp[..., :32], rows, np.float16).astype(np.float32)
+        lo = scale * np.float32(-8.0 if layout == QL_Q4_0 else -16.0)
+    elif layout in (QL_Q4_K, QL_Q5_K):
+        scale = d * _unlanes(sp[..., :16], rows, np.uint8).astype(np.float32)
+        lo = -dmin * _unlanes(sp[..., 16:32], rows, np.uint8).astype(np.float32)
+    else:  # Q6_K: two halves of 16 with a scale each
+        halves = [d * _unlanes(sp[..., 16 * h : 16 * h + 16], rows, np.int8).astype(np.float32) for h in (0, 1)]
+        scale = np.stack(halves, -1)[..., None]  # [rows, groups, 2, 1]
+        w = codes.reshape(rows, groups, 2, 16) * scale + scale * np.float32(-32.0)
+        return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols)))
+    w = codes * scale[..., None] + lo[..., None]
+    return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32))
