@@ -1,0 +1,95 @@
+"""GGUF block types held in their file's bits (models/block_layouts.py, native/int4_matmul.c's layouts):
+each type's packed weights give the gguf library's dequantization back exactly, the kernel's product is
+float64's within the activations' rounding, each row the same bits alone or batched; the real files'
+tensors (Gemma 3's Q4_K/Q5_0/Q6_K, Qwen2.5-Coder's) are held exactly by the loaded models, and an
+embedding kept as file bytes looks rows up as the f32 table did."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kvserve.models import block_layouts
+from kvserve.models.gguf_file import GGUFFile
+from kvserve.models.linear import Int4Linear
+from kvserve.models.registry import resolve
+from tests.support import BLOCK_TYPES, random_blocks
+
+pytestmark = pytest.mark.skipif(not Int4Linear.native(), reason="no C compiler: the packed layouts need the kernel")
+
+
+def dequantized(raw: np.ndarray, type_name: str, rows: int) -> torch.Tensor:
+    return torch.from_numpy(dequantize(raw.reshape(rows, -1), GGMLQuantizationType[type_name]).astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_each_type_packs_to_its_file_bytes_and_back(type_name):
+    rows, cols = 40, 512
+    raw = random_blocks(type_name, rows, cols, seed=1)
+    lin = Int4Linear.from_blocks(raw, type_name, rows, cols)
+    assert torch.equal(lin.weight, dequantized(raw, type_name, rows))
+    per_weight = lin.nbytes / (-(-rows // 16) * 16 * cols)  # outputs padded to panels of 16
+    file_per_weight = raw.size / (rows * cols)
+    assert file_per_weight <= per_weight <= 1.03 * file_per_weight  # Q4_K, Q5_K: scales widened to a byte
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+@pytest.mark.parametrize("fast", [False, True])
+def test_each_type_multiplies_within_the_activations_rounding(type_name, fast):
+    rows, cols = 56, 768 if "K" in type_name else 96
+    raw = random_blocks(type_name, rows, cols, seed=2)
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(3))
+    lin = Int4Linear.from_blocks(raw, type_name, rows, cols, bias, fast)
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.01, 30, cols)
+    y = lin(x)
+    exact = x.double() @ dequantized(raw, type_name, rows).double().T + bias.double()
+    error = float((y.double() - exact).norm() / exact.norm())
+    assert error < (2e-2 if fast else 2e-4), error  # measured ~5e-3 and ~4e-5
+    for r in (0, 5, 12):  # each row alone: the same bits as in the batch
+        assert torch.equal(lin(x[r : r + 1]), y[r : r + 1])
+
+
+def test_a_wrong_layout_is_refused_by_the_kernel():
+    from kvserve.models.linear import _int4_matmul_kernel
+
+    x, y = torch.zeros(1, 32), torch.zeros(1, 16)
+    w = torch.zeros(512, dtype=torch.uint8)
+    assert _int4_matmul_kernel()(x.data_ptr(), w.data_ptr(), None, 1, 16, 32, y.data_ptr(), 1, 2, 99) == -1
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return GGUFFile(resolve("qwen2.5-coder-0.5b"))
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight", "blk.0.attn_q.weight"])
+def test_qwen_file_tensors_are_held_exactly(qwen, name):
+    """Q6_K, Q4_K and Q5_0 tensors of the real file, packed from its bytes."""
+    t = qwen.tensors[name]
+    rows, cols = t.dims[1], t.dims[0]
+    lin = Int4Linear.from_blocks(qwen.tensor_bytes(name), t.type_name, rows, cols)
+    assert torch.equal(lin.weight, qwen.load_tensor(name))
+
+
+def test_the_loaded_qwen_holds_its_file(qwen):
+    """Every projection from the file's blocks (none re-rounded), the head as the file's Q8_0 grid, the
+    untied Q5_0 embedding as the file's bytes: its lookups are load_tensor's rows."""
+    from kvserve.models.linear import Int8GroupLinear
+    from kvserve.models.loader import load_model
+
+    model = load_model("qwen2.5-coder-0.5b", weight_format="q4").model
+    assert model.embed is None and model.embed_rows is not None
+    ids = torch.tensor([0, 17, 151_935, 17])
+    table = qwen.load_tensor("token_embd.weight")
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+    assert isinstance(model.lm_head, Int8GroupLinear) and torch.equal(model.lm_head.weight, qwen.load_tensor("output.weight"))
+    for i in (0, 1):  # Q5_0 q/k with a Q8_0 v (layer 0: int8 groups), with a Q5_0 v (layer 1); Q6_K / Q4_K down
+        layer, p = model.layers[i], f"blk.{i}."
+        qkv = torch.cat([qwen.load_tensor(p + f"attn_{s}.weight") for s in "qkv"])
+        assert torch.equal(layer.qkv.weight, qkv), i
+        assert torch.equal(layer.down.weight, qwen.load_tensor(p + "ffn_down.weight")), i
+        assert isinstance(layer.down, Int4Linear) and layer.down.layout == block_layouts.GGUF_LAYOUTS[
+            qwen.tensors[p + "ffn_down.weight"].type_name][0]
