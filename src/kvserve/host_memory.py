@@ -80,7 +80,7 @@ def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
     return tensors
 
 
-TRIM_EVERY = 64 << 20  # bytes moved between two malloc_trim calls while filling an arena
+TRIM_EVERY = 16 << 20  # bytes moved between two malloc_trim calls while filling an arena
 
 
 def rehome(owners: list, attribute: str) -> None:

@@ -93,3 +93,47 @@ def test_the_loaded_qwen_holds_its_file(qwen):
         assert torch.equal(layer.down.weight, qwen.load_tensor(p + "ffn_down.weight")), i
         assert isinstance(layer.down, Int4Linear) and layer.down.layout == block_layouts.GGUF_LAYOUTS[
             qwen.tensors[p + "ffn_down.weight"].type_name][0]
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_the_native_repack_writes_the_reference_bytes(type_name):
+    """native/block_repack.c against block_layouts.pack_blocks_reference (numpy), rows that end mid-panel
+    and mid-chunk included."""
+    for seed, (rows, cols) in enumerate([(40, 512), (1, 256), (1100, 256)]):
+        raw = random_blocks(type_name, rows, cols, seed)
+        assert torch.equal(block_layouts.pack_blocks(raw, type_name, rows, cols),
+                           block_layouts.pack_blocks_reference(raw, type_name, rows, cols)), (rows, cols)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_0"])
+def test_int8_groups_from_blocks_are_the_files_grid(type_name, tmp_path):
+    """Q8_0 / Q5_0 / Q4_0 rows repacked as int8 groups (file_linears.int8_groups, stacked with another
+    type as a Q8_0 v joins Q5_0 q and k) hold the gguf library's dequantization, the same bytes as the
+    grid decoded in numpy (gguf_file.symmetric_grid) and packed in torch."""
+    from types import SimpleNamespace
+
+    import gguf
+
+    from kvserve.models import file_linears
+    from kvserve.models.gguf_file import GGUFWeights, symmetric_grid
+    from kvserve.models.linear import Int8GroupLinear
+
+    rng = np.random.default_rng(5)
+    parts = {"a.weight": (type_name, 48), "b.weight": ("Q8_0", 21)}
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    for name, (qtype, rows) in parts.items():
+        w = (rng.standard_normal((rows, 96)) * 0.1).astype(np.float32)
+        writer.add_tensor(name, gguf.quants.quantize(w, GGMLQuantizationType[qtype]), raw_dtype=GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gf = GGUFFile(tmp_path / "t.gguf")
+    weights = GGUFWeights(gf, SimpleNamespace(architecture="qwen2"))
+    lin = file_linears.int8_groups(weights, list(parts), None)
+    expected = torch.cat([gf.load_tensor(n) for n in parts])
+    assert torch.equal(lin.weight, expected)
+    name, (qtype, rows) = next(iter(parts.items()))
+    alone = file_linears.int8_groups(GGUFWeights(gf, SimpleNamespace(architecture="qwen2")), [name], None)
+    reference = Int8GroupLinear.from_grid32(rows, 96, symmetric_grid(gf.tensor_bytes(name), rows, 96, qtype))
+    assert torch.equal(alone.packed, reference.packed)

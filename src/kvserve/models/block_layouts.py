@@ -18,9 +18,12 @@ the tests hold bit for bit against ``gguf.quants.dequantize``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
+from kvserve import native
 from kvserve.host_memory import empty_bytes
 
 # kernels.h's QL_* enum
@@ -139,10 +142,37 @@ def _code_planes(codes: np.ndarray, panels: int, bits: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
-def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int, huge_pages: bool = True) -> torch.Tensor:
+def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int, huge_pages: bool = False,
+                on_rows: Callable[[int], None] | None = None) -> torch.Tensor:
     """A tensor's file bytes (rows x cols weights of ``type_name``, rows in order) -> u8 [panels,
-    panel_bytes] in int4_matmul.c's layout for the type. Decoded ROW_CHUNK rows at a time into the output
-    (with ``huge_pages``, its own 2 MiB-page buffer), so the load's peak is the packed tensor plus a chunk."""
+    panel_bytes] in int4_matmul.c's layout for the type (``native/block_repack.c``; where it cannot be
+    built, ``pack_blocks_reference``). ROW_CHUNK rows at a time into the output (with ``huge_pages``, its
+    own 2 MiB-page buffer); ``on_rows(n)`` hears after each chunk that the first n rows are packed (the
+    loader drops their pages of the mapped file)."""
+    repack = native.function("block_repack", "pack_gguf_blocks")
+    if repack is None:
+        return pack_blocks_reference(raw, type_name, rows, cols, huge_pages, on_rows)
+    layout, per_block, _ = GGUF_LAYOUTS[type_name]
+    if cols % per_block:
+        raise ValueError(f"{type_name}: rows of {cols} weights are not whole blocks of {per_block}")
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1)  # the mapped file itself where it is contiguous
+    panels, width = -(-rows // 16), panel_bytes(layout, cols)
+    out = (empty_bytes(panels * width, torch.device("cpu")) if huge_pages else torch.empty(panels * width, dtype=torch.uint8))
+    out = out.view(panels, width)
+    threads = torch.get_num_threads()
+    for r in range(0, rows, ROW_CHUNK):
+        n = min(ROW_CHUNK, rows - r)
+        if repack(blocks[r:].ctypes.data, layout, n, cols, out[r // 16].data_ptr(), threads) != 0:
+            raise ValueError(f"native repack refused {type_name} rows of {cols}")
+        if on_rows is not None:
+            on_rows(r + n)
+    return out
+
+
+def pack_blocks_reference(raw: np.ndarray, type_name: str, rows: int, cols: int, huge_pages: bool = False,
+                          on_rows: Callable[[int], None] | None = None) -> torch.Tensor:
+    """``pack_blocks`` in numpy: the reference the native repack is held to (tests), and the packer where
+    no compiler is found."""
     layout, per_block, block_bytes = GGUF_LAYOUTS[type_name]
     if cols % per_block:
         raise ValueError(f"{type_name}: rows of {cols} weights are not whole blocks of {per_block}")
@@ -161,6 +191,8 @@ def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int, huge_page
             heads = np.concatenate([_lanes(f, p) for f in supers], axis=-1)  # [p, groups / 8, super_bytes]
             group = np.concatenate([heads, group.reshape(p, groups // 8, -1)], axis=-1)
         target[r // 16 : r // 16 + p] = group.reshape(p, width)
+        if on_rows is not None:
+            on_rows(r + chunk.shape[0])
     return out
 
 

@@ -22,6 +22,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.models import file_linears
 from kvserve.models.activations import gated
+from kvserve.models.gguf_file import GGUFWeights
 from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_into_arena
 from kvserve.models.moe import MoE
 from kvserve.models.norms import add_rms_norm, rms_norm, rms_norm_heads
@@ -144,14 +145,13 @@ class DecoderLM:
         del self._weights  # the loader's dict: not kept past the load
 
     def _tied_int8_head(self, weights) -> Int8GroupLinear | None:
-        """The tied head as int8 groups straight from the file's grid where the format holds the head as
+        """The tied head as int8 groups repacked from the file's blocks where the format holds the head as
         int8 groups and the embedding is a Q8_0 (Q5_0, Q4_0) tensor; else None."""
         if self.weight_format not in ("int8", "q4", "q4-fast") or self.device.type != "cpu":
             return None
-        if not hasattr(weights, "grid32") or self.dtype != torch.float32 or not Int8GroupLinear.native():
+        if not isinstance(weights, GGUFWeights) or self.dtype != torch.float32:
             return None
-        grid = weights.grid32("token_embd.weight")
-        return None if grid is None else Int8GroupLinear.from_grid32(*grid)
+        return file_linears.int8_groups(weights, ["token_embd.weight"], None)
 
     def _layer(self, p: str, w, opt, projection) -> LayerWeights:
         """Layer ``p``'s weights by their GGUF names: q, k, v stacked (or the file's fused attn_qkv), gate

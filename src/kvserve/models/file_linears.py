@@ -3,7 +3,7 @@ through f32 weights: a load then holds the file's bytes (within 3%) and spends i
 them, not dequantizing and re-fitting grids.
 
     one block type with a layout (Q4_0 ... Q6_K)        Int4Linear.from_blocks: the file's codes and scales
-    symmetric grids, one type or several (Q5_0 + Q8_0)  Int8GroupLinear.from_grid32: int8 codes, f16 scale per 32
+    symmetric grids, one type or several (Q5_0 + Q8_0)  int8_groups: int8 codes, f16 scale per 32
     anything else (types mixed otherwise, F16, ...)     None: the f32 path of models/linear.make_linear
 
 Only for the integer formats on the CPU in f32 (``--weights q4`` / ``q4-fast``); every part is held as the
@@ -12,11 +12,11 @@ file states it, so the model's outputs are those of the f32 path's exact grids.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
-from kvserve.models.gguf_file import SYMMETRIC_TYPES, GGUFWeights, QuantRows
+from kvserve import native
+from kvserve.host_memory import TRIM_EVERY, empty_bytes, release_freed_memory
+from kvserve.models.gguf_file import GGUFWeights, QuantRows
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, Linear
 
 FILE_FORMATS = ("q4", "q4-fast")
@@ -30,29 +30,67 @@ def applies(weights, weight_format: str, device: torch.device, dtype: torch.dtyp
 
 def projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None, weight_format: str) -> Linear | None:
     """The tensors ``names`` stacked by rows as one projection held in the file's bits, or None."""
+    held = _projection(weights, names, bias, weight_format)
+    if held is not None:
+        _count_packed(held.nbytes)
+    return held
+
+
+_packed_since_trim = [0]
+
+
+def _count_packed(nbytes: int) -> None:
+    """Hands the C heap's freed pages back every TRIM_EVERY bytes packed: each chunk's numpy temporaries
+    are freed, but below glibc's mmap threshold (which rises with every big free) they stay resident
+    (Qwen2.5-0.5B: ~90 MiB by the end of the load)."""
+    _packed_since_trim[0] += nbytes
+    if _packed_since_trim[0] >= TRIM_EVERY:
+        release_freed_memory()
+        _packed_since_trim[0] = 0
+
+
+def _projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None, weight_format: str) -> Linear | None:
     types = [weights.block_type(n) for n in names]
     if Int4Linear.native() and all(types) and len({(t[0], t[2]) for t in types}) == 1:
         type_name, cols = types[0][0], types[0][2]
         rows, fast = sum(t[1] for t in types), weight_format == "q4-fast"
-        return weights.packed(names, lambda raw: Int4Linear.from_blocks(raw, type_name, rows, cols, bias, fast))
+        return weights.packed(names, lambda raw, on_rows: Int4Linear.from_blocks(raw, type_name, rows, cols, bias, fast, on_rows))
+    return int8_groups(weights, names, bias)
+
+
+INT8_SOURCES = {"Q8_0": 0, "Q5_0": 1, "Q4_0": 2}  # kernels.h's INT8_FROM_*
+REPACK_ROWS = 4096  # rows repacked between two page drops of the mapped file
+
+
+def int8_groups(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None) -> Int8GroupLinear | None:
+    """The tensors (Q8_0, Q5_0 or Q4_0, any mix: each an int8 code and an f16 scale per 32 as its file
+    states it) stacked as int8 groups, repacked from the file's blocks (``native/block_repack.c``); None
+    for other types or where the kernels cannot be built."""
     shapes = [weights.matrix(n) for n in names]
-    symmetric = all(s is not None and s[0] in SYMMETRIC_TYPES and not weights.reordered(n) for s, n in zip(shapes, names))
-    if not (symmetric and Int8GroupLinear.native() and len({s[2] for s in shapes}) == 1):
+    if not all(s is not None and s[0] in INT8_SOURCES and not weights.reordered(n) for s, n in zip(shapes, names)):
+        return None
+    repack = native.function("block_repack", "pack_gguf_int8")
+    if repack is None or not Int8GroupLinear.native() or len({s[2] for s in shapes}) != 1:
         return None
     if any(s[1] % 16 for s in shapes[:-1]):  # each part's rows start a panel of 16
         return None
-    grids = [weights.grid32(n) for n in names]
-    rows, cols = sum(g[0] for g in grids), grids[0][1]
-    return Int8GroupLinear.from_grid32(rows, cols, _stacked(grids), bias)
+    rows, cols = sum(s[1] for s in shapes), shapes[0][2]
+    panels, groups = -(-rows // 16), cols // 32
+    out = empty_bytes(panels * groups * 544, torch.device("cpu")).view(panels, groups * 544)
+    first = 0
+    for name, (type_name, part_rows, _) in zip(names, shapes):
 
+        def pack(raw, on_rows, code=INT8_SOURCES[type_name], n=part_rows, at=first // 16, name=name) -> None:
+            for r in range(0, n, REPACK_ROWS):
+                count = min(REPACK_ROWS, n - r)
+                if repack(raw[r:].ctypes.data, code, count, cols, out[at + r // 16].data_ptr(), torch.get_num_threads()):
+                    raise ValueError(f"native repack refused {name}")
+                if on_rows is not None:
+                    on_rows(r + count)
 
-def _stacked(grids) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """The parts' (first row, codes, scales) chunks with each part's rows after the previous part's."""
-    offset = 0
-    for rows, _, chunks in grids:
-        for r, codes, scales in chunks:
-            yield offset + r, codes, scales
-        offset += rows
+        weights.packed([name], pack)
+        first += part_rows
+    return Int8GroupLinear.from_packed(rows, cols, out.view(panels, groups, 544), bias)
 
 
 def tied_head(weights: GGUFWeights, weight_format: str) -> tuple[Linear, QuantRows] | None:

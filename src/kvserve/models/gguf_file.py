@@ -44,14 +44,16 @@ class GGUFFile:
     def architecture(self) -> str:
         return self.header.architecture
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, upto: int | None = None) -> None:
         """Drop the file's pages under a tensor the model has taken (they are read again from the page cache
         if ever needed): a load's resident size then holds one tensor of the file, not all of it read so
-        far (Gemma 3 270M: 253 MB). Where the OS has no madvise, nothing."""
+        far (Gemma 3 270M: 253 MB). ``upto``: only its first ``upto`` bytes (a tensor packed by parts).
+        Where the OS has no madvise, nothing."""
         t = self.tensors[name]
         start = self.header.data_offset + t.offset
         page = mmap.PAGESIZE
-        first, last = -(-start // page) * page, (start + t.num_bytes) // page * page
+        end = start + (t.num_bytes if upto is None else min(upto, t.num_bytes))
+        first, last = -(-start // page) * page, end // page * page
         advise = getattr(getattr(self._data, "_mmap", None), "madvise", None)
         if advise is not None and last > first and hasattr(mmap, "MADV_DONTNEED"):
             advise(mmap.MADV_DONTNEED, first, last - first)
@@ -229,24 +231,6 @@ class GGUFWeights:
         rows, cols, decode = t.num_elements // t.dims[0], t.dims[0], GRID_DECODERS[t.type_name]
         return lambda: tuple(self._fix_rows(name, part) for part in decode(self.gf.tensor_bytes(stored), rows, cols))
 
-    def grid32(self, name: str) -> tuple[int, int, Iterator[tuple[int, torch.Tensor, torch.Tensor]]] | None:
-        """A Q8_0 / Q5_0 / Q4_0 tensor as (rows, cols, its grid by chunks of rows: ``symmetric_grid``), taken
-        from the file without ever dequantizing it (the tensor counts as taken, as ``pop``'s, and its pages
-        are dropped once the chunks are read); None for other types or for a tensor whose rows the
-        architecture reorders."""
-        stored = self.names[name]
-        t = self.gf.tensors[stored]
-        if t.type_name not in SYMMETRIC_TYPES or self._permuted(name):
-            return None
-        self._take(name)
-        rows, cols = t.num_elements // t.dims[0], t.dims[0]
-
-        def chunks():
-            yield from symmetric_grid(self.gf.tensor_bytes(stored), rows, cols, t.type_name)
-            self.gf.release(stored)
-
-        return rows, cols, chunks()
-
     def matrix(self, name: str) -> tuple[str, int, int] | None:
         """(type, rows, cols) of a 2-D tensor not yet taken; None for anything else."""
         stored = self.names.get(name)
@@ -262,10 +246,11 @@ class GGUFWeights:
         """Whether the architecture reorders this tensor's rows (see ``_fix_rows``)."""
         return self._permuted(name)
 
-    def packed(self, names: list[str], pack: Callable[[np.ndarray], Any]) -> Any:
-        """``pack`` of the named tensors' file bytes, stacked by rows in order ([rows, bytes per row], rows as
-        ``pop`` gives them: the architecture's reordering applied), each tensor counted as taken and its
-        pages dropped once packed: never dequantized."""
+    def packed(self, names: list[str], pack: Callable[[np.ndarray, Callable[[int], None] | None], Any]) -> Any:
+        """``pack(raw, on_rows)`` of the named tensors' file bytes, stacked by rows in order ([rows, bytes per
+        row], rows as ``pop`` gives them: the architecture's reordering applied), each tensor counted as taken
+        and its pages dropped once packed (``on_rows(n)``, where given: the first n rows are packed): never
+        dequantized."""
         stored = [self._take(name) for name in names]
         parts = []
         for name, file_name in zip(names, stored):
@@ -275,7 +260,11 @@ class GGUFWeights:
                 heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads
                 rows = unpermute_rope_rows(torch.from_numpy(np.array(rows)), heads).numpy()
             parts.append(rows)
-        result = pack(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        if len(parts) == 1 and not self._permuted(names[0]):  # the mapped file itself: pages dropped as rows are packed
+            row_bytes = parts[0].shape[1]
+            result = pack(parts[0], lambda done: self.gf.release(stored[0], done * row_bytes))
+        else:
+            result = pack(np.concatenate(parts) if len(parts) > 1 else parts[0], None)
         for file_name in stored:
             self.gf.release(file_name)
         return result

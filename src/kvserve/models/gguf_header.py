@@ -184,6 +184,23 @@ class _Cursor:
                 f"{self.offset} would run past the end of the file)"
             )
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings decoded: the hot loop of ``string`` for vocabularies and merges (300k of them
+        in Qwen2.5's header: ~0.9 s a call at a time)."""
+        fmt, out = self.order + "Q", []
+        unpack_from, append = struct.unpack_from, out.append
+        for _ in range(count):
+            if self.pos + 8 > len(self.buf):
+                self.need(8)
+            n = unpack_from(fmt, self.buf, self.pos)[0]
+            self.pos += 8
+            if self.pos + n > len(self.buf):
+                self.check_count(n, 1, "string")
+                self.need(n)
+            append(self.buf[self.pos : self.pos + n].decode("utf-8", errors="replace"))
+            self.pos += n
+        return out
+
     def skip_strings(self, count: int) -> None:
         """Step over ``count`` strings: the hot loop for vocabularies and merges."""
         fmt = self.order + "Q"
@@ -223,7 +240,7 @@ def _read_array(cur: _Cursor, etype: int, count: int) -> Any:
     if etype == _STRING:
         cur.check_count(count, 8, "string array")
         if count <= MAX_DECODED_STRINGS or cur.decode_arrays:
-            return [cur.string() for _ in range(count)]
+            return cur.strings(count)
         cur.skip_strings(count)
         return SkippedArray(name, count)
     if etype == _ARRAY:

@@ -174,6 +174,17 @@ class Int8GroupLinear(Int8Linear):
         return _int8_matmul_kernel() is not None
 
     @classmethod
+    def from_packed(cls, rows: int, cols: int, packed: torch.Tensor, bias: torch.Tensor | None = None) -> Int8GroupLinear:
+        """Around weights already in the g32 layout (``file_linears.int8_groups`` repacks a file's blocks
+        into it). Needs the kernel."""
+        lin = cls.__new__(cls)
+        lin.kernel, lin.layout = _int8_matmul_kernel(), "g32"
+        lin.out_features, lin.in_features = rows, cols
+        lin.bias = None if bias is None else bias.float()
+        lin.packed, lin.nbytes = packed, packed.numel()
+        return lin
+
+    @classmethod
     def from_grid32(cls, rows: int, cols: int, chunks, bias: torch.Tensor | None = None) -> Int8GroupLinear:
         """Straight from a file's Q8_0 / Q5_0 / Q4_0 grid (``GGUFWeights.grid32``: its size and chunks of
         int8 codes with their f32 scales per 32), never through f32 weights. Needs the kernel."""
@@ -253,15 +264,15 @@ class Int4Linear:
 
     @classmethod
     def from_blocks(cls, raw, type_name: str, rows: int, cols: int, bias: torch.Tensor | None = None,
-                    fast: bool = False) -> Int4Linear:
-        """A GGUF tensor straight from its file bytes (``block_layouts.pack_blocks``), never through f32
-        weights. Needs the kernel (``native()``)."""
+                    fast: bool = False, on_rows: Callable[[int], None] | None = None) -> Int4Linear:
+        """A GGUF tensor straight from its file bytes (``block_layouts.pack_blocks``, which tells ``on_rows``
+        of its progress), never through f32 weights. Needs the kernel (``native()``)."""
         lin = cls.__new__(cls)
         lin.kernel = _int4_matmul_kernel()
         lin.out_features, lin.in_features, lin.digits = rows, cols, 1 if fast else 2
         lin.bias = None if bias is None else bias.float().contiguous()
         lin.layout = block_layouts.GGUF_LAYOUTS[type_name][0]
-        lin.packed = block_layouts.pack_blocks(raw, type_name, rows, cols)
+        lin.packed = block_layouts.pack_blocks(raw, type_name, rows, cols, on_rows=on_rows)
         lin.nbytes = lin.packed.numel()
         return lin
 

@@ -65,10 +65,14 @@ ISA_NEEDS = {
 }
 
 
+def cache_root() -> Path:
+    """kvserve's cache directory: $KVSERVE_CACHE_DIR, else $XDG_CACHE_HOME/kvserve (~/.cache/kvserve)."""
+    return Path(os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def compiler() -> str | None:

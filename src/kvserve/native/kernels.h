@@ -54,6 +54,13 @@ enum {
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
                 int num_threads, int digits, int layout);
 
+/* block_repack.c: rows x cols weights of a GGUF block type (its file bytes, rows in order) into the layout
+ * `layout` of int4_matmul.c (QL_F16 for Q4_1); 0, or -1 for a layout it does not pack. */
+int pack_gguf_blocks(const uint8_t *raw, int layout, int64_t rows, int cols, uint8_t *out, int num_threads);
+/* Q8_0, Q5_0 or Q4_0 rows as int8_matmul.c's groups of 32 (f16 scale, int8 codes); 0, or -1 for another type. */
+enum { INT8_FROM_Q8_0 = 0, INT8_FROM_Q5_0 = 1, INT8_FROM_Q4_0 = 2 };
+int pack_gguf_int8(const uint8_t *raw, int type, int64_t rows, int cols, uint8_t *out, int num_threads);
+
 /* int8_matmul.c: the int8 grids (f16 scale per 32 inputs; _g16: f32 scale and offset per 16). */
 int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
                 int num_threads);

@@ -1,0 +1,174 @@
+/* GGUF block-quantized rows rearranged into int4_matmul.c's layouts (kernels.h's QL_*), straight from the
+ * file's bytes: the codes and scales as the file states them, moved, never dequantized. The loader's
+ * share of a model's start-up; models/block_layouts.py's pack_blocks_reference is the same in numpy, and
+ * the tests hold the two to the same bytes.
+ *
+ * For each panel of 16 rows and group of 32 weights, each row (lane) is decoded into its 32 codes (0..63)
+ * and its scale fields, then written to the group's block: the nibble chunks (chunk c, byte 4 * lane + i:
+ * the codes of k-quads 2c and 2c + 1), the fifth (sixth) bits' planes, then each scale field for the 16
+ * lanes side by side; the K-quants' d (and dmin) for 16 lanes open each run of 8 groups. Rows past the
+ * tensor's end are zeros. Panels are independent: the threads split them.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define PANEL 16
+#define GROUP 32
+
+/* One row's group g: its 32 codes and its scale fields (up to 2, of `width` bytes each). */
+typedef struct {
+    uint8_t codes[GROUP];
+    uint8_t field[2][2];
+} RowGroup;
+
+static int group_bytes(int layout) {
+    static const int bytes[] = {[QL_F16] = 320, [QL_F32] = 384, [QL_Q4_0] = 288, [QL_Q5_0] = 352,
+                                [QL_Q5_1] = 384, [QL_Q4_K] = 288, [QL_Q5_K] = 352, [QL_Q6_K] = 416};
+    return bytes[layout];
+}
+static int super_bytes(int layout) { return layout == QL_Q4_K || layout == QL_Q5_K ? 64 : layout == QL_Q6_K ? 32 : 0; }
+static int code_bits(int layout) {
+    return layout == QL_Q6_K ? 6 : layout == QL_Q5_0 || layout == QL_Q5_1 || layout == QL_Q5_K ? 5 : 4;
+}
+/* The file's bytes per block and weights per block. */
+static int file_block_bytes(int layout) {
+    static const int bytes[] = {[QL_F16] = 20, [QL_Q4_0] = 18, [QL_Q5_0] = 22, [QL_Q5_1] = 24,
+                                [QL_Q4_K] = 144, [QL_Q5_K] = 176, [QL_Q6_K] = 210};
+    return bytes[layout];
+}
+static int file_block_weights(int layout) { return layout >= QL_Q4_K ? 256 : 32; }
+/* Bytes of each scale field. */
+static int field_width(int layout) { return layout >= QL_Q4_K ? 1 : 2; }
+static int field_count(int layout) { return layout == QL_Q4_0 || layout == QL_Q5_0 ? 1 : 2; }
+
+/* 6-bit scale and minimum j of a Q4_K / Q5_K block's 12 scale bytes. */
+static void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+static void decode_group(const uint8_t *row, int layout, int g, RowGroup *out) {
+    if (layout < QL_Q4_K) { /* 32-weight blocks: d (m) (qh) qs */
+        const uint8_t *b = row + (int64_t)g * file_block_bytes(layout);
+        const int affine = layout == QL_F16 || layout == QL_Q5_1, five = layout == QL_Q5_0 || layout == QL_Q5_1;
+        const uint8_t *qs = b + file_block_bytes(layout) - 16;
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, b + (affine ? 4 : 2), 4);
+        for (int j = 0; j < 16; j++) {
+            out->codes[j] = (uint8_t)((qs[j] & 0x0F) | (five ? ((qh >> j) & 1) << 4 : 0));
+            out->codes[j + 16] = (uint8_t)((qs[j] >> 4) | (five ? ((qh >> (j + 16)) & 1) << 4 : 0));
+        }
+        memcpy(out->field[0], b, 2);
+        if (affine) memcpy(out->field[1], b + 2, 2);
+        return;
+    }
+    const uint8_t *b = row + (int64_t)(g / 8) * file_block_bytes(layout);
+    const int sub = g % 8;
+    if (layout == QL_Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int i = 0; i < GROUP; i++) {
+            const int e = sub * GROUP + i, h = e / 128, r = e % 128;
+            const int low = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0F, high = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+            out->codes[i] = (uint8_t)(low | high << 4);
+        }
+        out->field[0][0] = b[192 + 2 * sub];
+        out->field[1][0] = b[192 + 2 * sub + 1];
+        return;
+    }
+    const uint8_t *qs = b + file_block_bytes(layout) - 128 + 32 * (sub / 2);
+    for (int i = 0; i < GROUP; i++) {
+        int code = sub % 2 ? qs[i] >> 4 : qs[i] & 0x0F;
+        if (layout == QL_Q5_K) code |= ((b[16 + i] >> sub) & 1) << 4;
+        out->codes[i] = (uint8_t)code;
+    }
+    k_scale_min(b + 4, sub, &out->field[0][0], &out->field[1][0]);
+}
+
+/* Panel p's bytes (rows [16 p, 16 p + 16) of the tensor, those past `rows` zeros). */
+static void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_t rows, int cols, int64_t p,
+                       uint8_t *panel) {
+    const int G = cols / GROUP, block = group_bytes(layout), super = super_bytes(layout), bits = code_bits(layout);
+    const int width = field_width(layout), fields = field_count(layout), scales_at = 256 + 64 * (bits - 4);
+    for (int g = 0; g < G; g++) {
+        uint8_t *head = panel + (int64_t)(g / 8) * (super + 8 * block) * (super > 0);
+        uint8_t *blk = super ? head + super + (g % 8) * block : panel + (int64_t)g * block;
+        memset(blk, 0, (size_t)block);
+        if (super && g % 8 == 0) memset(head, 0, (size_t)super);
+        for (int lane = 0; lane < PANEL; lane++) {
+            const int64_t r = p * PANEL + lane;
+            if (r >= rows) break;
+            const uint8_t *row = raw + r * row_bytes;
+            RowGroup rg;
+            decode_group(row, layout, g, &rg);
+            for (int k = 0; k < GROUP; k++) {
+                const int quad = k / 4, i = k % 4, c = rg.codes[k];
+                blk[(quad / 2) * 64 + 4 * lane + i] |= (uint8_t)((c & 0x0F) << (4 * (quad % 2)));
+                if (bits == 5) blk[256 + 4 * lane + i] |= (uint8_t)(((c >> 4) & 1) << quad);
+                if (bits == 6) blk[256 + 64 * (quad / 4) + 4 * lane + i] |= (uint8_t)(((c >> 4) & 3) << (2 * (quad % 4)));
+            }
+            for (int f = 0; f < fields; f++) memcpy(blk + scales_at + f * PANEL * width + lane * width, rg.field[f], (size_t)width);
+            if (super && g % 8 == 0) { /* d (f16, the Q6_K block's last two bytes), then dmin */
+                const uint8_t *b = row + (int64_t)(g / 8) * file_block_bytes(layout);
+                memcpy(head + 2 * lane, layout == QL_Q6_K ? b + 208 : b, 2);
+                if (super == 64) memcpy(head + 32 + 2 * lane, b + 2, 2);
+            }
+        }
+    }
+}
+
+int pack_gguf_blocks(const uint8_t *raw, int layout, int64_t rows, int cols, uint8_t *out, int num_threads) {
+    if (layout < QL_F16 || layout > QL_Q6_K || layout == QL_F32 || cols % file_block_weights(layout)) return -1;
+    const int64_t row_bytes = (int64_t)cols / file_block_weights(layout) * file_block_bytes(layout);
+    const int G = cols / GROUP;
+    const int64_t panel_bytes = (int64_t)G * group_bytes(layout) + (int64_t)(G / 8) * super_bytes(layout);
+    const int64_t panels = (rows + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) pack_panel(raw, layout, row_bytes, rows, cols, p, out + p * panel_bytes);
+    return 0;
+}
+
+/* Q8_0, Q5_0 or Q4_0 rows (`type`: kernels.h's INT8_FROM_*) as int8_matmul.c's groups: per panel of 16
+ * rows and group of 32, the 16 rows' f16 d, then byte 32 * (k / 2) + 2 * lane + k % 2 = the code of
+ * weight k of row lane (q - 16 for Q5_0, q - 8 for Q4_0: w = d * code as the file states it). */
+static void pack_int8_panel(const uint8_t *raw, int type, int64_t row_bytes, int64_t rows, int cols, int64_t p,
+                            uint8_t *panel) {
+    const int G = cols / GROUP, block_bytes = type == INT8_FROM_Q8_0 ? 34 : type == INT8_FROM_Q5_0 ? 22 : 18;
+    for (int g = 0; g < G; g++) {
+        uint8_t *blk = panel + (int64_t)g * 544;
+        memset(blk, 0, 544);
+        for (int lane = 0; lane < PANEL && p * PANEL + lane < rows; lane++) {
+            const uint8_t *b = raw + (p * PANEL + lane) * row_bytes + (int64_t)g * block_bytes;
+            memcpy(blk + 2 * lane, b, 2);
+            int8_t codes[GROUP];
+            if (type == INT8_FROM_Q8_0) {
+                memcpy(codes, b + 2, GROUP);
+            } else {
+                const uint8_t *qs = b + block_bytes - 16;
+                uint32_t qh = 0;
+                if (type == INT8_FROM_Q5_0) memcpy(&qh, b + 2, 4);
+                const int five = type == INT8_FROM_Q5_0, offset = five ? 16 : 8;
+                for (int j = 0; j < 16; j++) {
+                    codes[j] = (int8_t)(((qs[j] & 0x0F) | (five ? ((qh >> j) & 1) << 4 : 0)) - offset);
+                    codes[j + 16] = (int8_t)(((qs[j] >> 4) | (five ? ((qh >> (j + 16)) & 1) << 4 : 0)) - offset);
+                }
+            }
+            for (int k = 0; k < GROUP; k++) blk[32 + 32 * (k / 2) + 2 * lane + k % 2] = (uint8_t)codes[k];
+        }
+    }
+}
+
+int pack_gguf_int8(const uint8_t *raw, int type, int64_t rows, int cols, uint8_t *out, int num_threads) {
+    if (type < INT8_FROM_Q8_0 || type > INT8_FROM_Q4_0 || cols % GROUP) return -1;
+    const int64_t row_bytes = (int64_t)cols / GROUP * (type == INT8_FROM_Q8_0 ? 34 : type == INT8_FROM_Q5_0 ? 22 : 18);
+    const int64_t panels = (rows + PANEL - 1) / PANEL, panel_bytes = (int64_t)(cols / GROUP) * 544;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) pack_int8_panel(raw, type, row_bytes, rows, cols, p, out + p * panel_bytes);
+    return 0;
+}
