@@ -19,9 +19,12 @@ class KVServeRunner:
         self.name = "kvserve" if weights == CPU_GGUF_FORMAT else f"kvserve {weights}"
 
     def build(self) -> tuple[str, str]:
-        """The C kernels' instruction-set path and compiler flags ("torch" where they are off)."""
+        """The C kernels' instruction-set path, and the compiler flags with the weight format (and why
+        ``auto`` chose it); "torch" where the kernels are off."""
         path = native.kernel_path()
-        return path, "" if path == "torch" else " ".join(native.build_flags("int4_matmul", native.requested_isa()))
+        flags = "" if path == "torch" else " ".join(native.build_flags("int4_matmul", native.requested_isa()))
+        why = f" ({self.loaded.weights_why})" if self.loaded.weights_why else ""
+        return path, f"{flags}; weights {self.loaded.model.weight_format}{why}"
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16

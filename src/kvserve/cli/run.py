@@ -121,6 +121,7 @@ def result_record(engine, out: RequestOutput) -> dict:
         "draft_tokens": m.num_draft_tokens,
         "accepted_draft_tokens": m.num_accepted_tokens,
         "weights": engine.loaded.model.weight_format,
+        "weights_why": engine.loaded.weights_why,
         "kernels": engine.kernels,
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,9 +14,10 @@ from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
 from kvserve.host_memory import release_freed_memory
 from kvserve.models.decoder import DecoderLM
-from kvserve.models.linear import CPU_GGUF_FORMAT
 from kvserve.models.registry import resolve
 from kvserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]  # (done, total)
 
@@ -28,6 +30,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     load_seconds: float
     weight_types: dict[str, int]  # storage type -> bytes on disk
+    weights_why: str = ""  # why --weights auto chose the model's format ("" when it was named)
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -44,8 +47,8 @@ def load_model(
     auto_pull: bool = False,
     weight_format: str = "f32",
 ) -> LoadedModel:
-    """weight_format: one of ``models.linear.WEIGHT_FORMATS``, or "auto": ``CPU_GGUF_FORMAT`` (q4)
-    for a GGUF file on the CPU (its 4-bit tensors stay 4-bit), f32 otherwise."""
+    """weight_format: one of ``models.linear.WEIGHT_FORMATS``, or "auto": ``models.weight_choice.choose``'s
+    (q4 or q4-fast for a GGUF file on the CPU, f32 otherwise), its reason kept as ``weights_why``."""
     start = time.perf_counter()
     path = resolve(model, auto_pull=auto_pull)
     dev = pick_device(device)
@@ -64,12 +67,18 @@ def load_model(
         tokenizer = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") else None
         weights = GGUFWeights(gf, config, progress)
         weight_types = gf.header.bytes_by_type()
+    why = ""
     if weight_format == "auto":
-        weight_format = CPU_GGUF_FORMAT if dev.type == "cpu" and not path.is_dir() else "f32"
+        from kvserve import native
+        from kvserve.models.weight_choice import choose
+
+        choice = choose(path, dev.type, native.kernel_path())
+        weight_format, why = choice.format, choice.why
+        log.info("--weights auto: %s (%s)", weight_format, why)
     try:
         lm = DecoderLM(config, weights, dev, dtype, weight_format)
     except KeyError as e:
         raise ModelLoadError(f"{path}: tensor {e} is missing from the model file") from None
     del weights
     release_freed_memory()  # the weights' dequantized copies
-    return LoadedModel(path, config, lm, tokenizer, time.perf_counter() - start, weight_types)
+    return LoadedModel(path, config, lm, tokenizer, time.perf_counter() - start, weight_types, why)

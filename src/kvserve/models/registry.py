@@ -31,6 +31,7 @@ class RegistryEntry:
     assembled: bool = False  # the package joins chunk packages with assemble()
     parts: tuple[str, ...] = ()  # or: modules each holding data/partNN.bin, the GGUF's bytes in order
     size: int = 0  # the joined parts' size in bytes (checked before the file is used)
+    fast_kld_ok: bool = False  # q4-fast's KLD measured at most llama.cpp's on this file (models/weight_choice.py)
 
 
 REGISTRY: dict[str, RegistryEntry] = {
