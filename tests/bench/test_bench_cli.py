@@ -48,6 +48,8 @@ def test_many_streams_are_compared_with_the_peers_stream_measured_alike():
 
     ours, peer = row("kvserve", 16, 20.0, 300.0, 3e10), row("llama.cpp", 1, 100.0, 60.0)
     assert aggregate_ratio(ours, peer) == "aggregate 5.00x llama.cpp's 1 stream (its decode alone: 3.00x)"
+    batched = row("llama.cpp", 16, 10.0, 150.0)  # llama-batched-bench: its own 16 streams
+    assert aggregate_ratio(ours, batched) == "aggregate 2.00x llama.cpp's 16 streams"
     assert bandwidth_range([ours, peer, row("kvserve", 1, 1.0, 1.0, 4.5e10)]) == "30.0-45.0 GB/s"
 
 
@@ -94,3 +96,40 @@ def test_bench_rejects_unknown_peers_and_bad_lists():
     assert r.returncode == 1 and "unknown peer 'vllm'" in r.stderr
     r = kvserve("bench", "smollm2", "--prompt-lens", "0,12")
     assert r.returncode == 2 and "positive integers" in r.stderr
+
+
+FAKE_BENCH = """#!/usr/bin/env python3
+import json, sys
+a = sys.argv
+open(sys.argv[0] + ".calls", "a").write(" ".join(a[1:]) + "\\n")
+p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
+print(json.dumps([{"n_prompt": p, "n_gen": n, "avg_ts": 400.0 if p else 50.0}]))
+"""
+FAKE_BATCHED = """#!/usr/bin/env python3
+import json, sys
+open(sys.argv[0] + ".calls", "a").write(" ".join(sys.argv[1:]) + "\\n")
+print("some log line")
+print(json.dumps({"pp": 128, "tg": 64, "pl": 16, "t_pp": 2.0, "speed_pp": 1024.0, "t_tg": 4.0, "speed_tg": 256.0, "t": 6.0}))
+"""
+
+
+def test_llama_cpps_own_tools_are_read_as_its_users_quote_them(tmp_path, monkeypatch):
+    """Prefill from llama-bench's pp, decode from its tg at the prompt's depth, many streams from
+    llama-batched-bench (aggregate: all streams' new tokens over its whole run): fake tools that print
+    the tools' JSON and note their arguments."""
+    from kvserve.benchmark.peers import LlamaToolsRunner, llama_tools_dir
+
+    for name, text in (("llama-bench", FAKE_BENCH), ("llama-batched-bench", FAKE_BATCHED)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("KVSERVE_LLAMA_CPP_BIN", str(tmp_path))
+    assert llama_tools_dir() == tmp_path
+    runner = LlamaToolsRunner("model.gguf", 2, tmp_path)
+    one = runner.run([[1] * 512], 64, "q8_0")
+    assert (one.prefill_tok_s, one.decode_tok_s, one.ttft_ms) == (400.0, 50.0, 1280.0)
+    calls = (tmp_path / "llama-bench.calls").read_text().splitlines()
+    assert "-p 512 -n 0" in calls[0] and "-p 0 -n 64 -d 512" in calls[1]
+    assert all("-m model.gguf -t 2" in c and "-ctk q8_0 -ctv q8_0" in c and "-fa 1" in c for c in calls)
+    many = runner.run([[1] * 128] * 16, 64, "f16")
+    assert many.concurrency == 16 and many.aggregate_tok_s == 16 * 64 / 6.0 and many.decode_tok_s == 16.0
+    assert "-npp 128 -ntg 64 -npl 16" in (tmp_path / "llama-batched-bench.calls").read_text()

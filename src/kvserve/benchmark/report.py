@@ -39,11 +39,14 @@ def step_weight_bytes(model) -> int:
     return layers + model.lm_head.nbytes
 
 
-def aggregate_ratio(ours: BenchRow, single: BenchRow) -> str:
-    """Our N streams against the peer's one, both measured alike (all new tokens / wall time from the
-    first request to the last token, prefill included), and against the peer's decode alone."""
-    return (f"aggregate {ours.aggregate_tok_s / single.aggregate_tok_s:.2f}x llama.cpp's 1 stream "
-            f"(its decode alone: {ours.aggregate_tok_s / single.decode_tok_s:.2f}x)")
+def aggregate_ratio(ours: BenchRow, peer: BenchRow) -> str:
+    """Our N streams against the peer's as many (llama-batched-bench) or, where it ran one, its one stream,
+    both measured alike (all new tokens / wall time from the first request to the last token, prefill
+    included), and against the peer's decode alone."""
+    if peer.concurrency == ours.concurrency:
+        return f"aggregate {ours.aggregate_tok_s / peer.aggregate_tok_s:.2f}x llama.cpp's {peer.concurrency} streams"
+    return (f"aggregate {ours.aggregate_tok_s / peer.aggregate_tok_s:.2f}x llama.cpp's 1 stream "
+            f"(its decode alone: {ours.aggregate_tok_s / peer.decode_tok_s:.2f}x)")
 
 
 def bandwidth_range(rows: list[BenchRow]) -> str:
@@ -67,14 +70,14 @@ def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]]) -> Non
                   "aggr tok/s", "spread", "roofline", "vs llama.cpp (prefill, decode)",
                   title=f"kvserve bench on {where_it_ran(rows)} (memory bandwidth beside our rows: "
                         f"{bandwidth_range(rows)})")
-    peers = {(r.cache_type, r.prompt_len): r for r in rows if r.engine == "llama.cpp"}
+    peers = {(r.cache_type, r.prompt_len, r.concurrency): r for r in rows if r.engine == "llama.cpp"}
     for i, r in enumerate(rows):
-        peer = peers.get((r.cache_type, r.prompt_len)) if is_ours(r) and r.concurrency == 1 else None
+        peer = peers.get((r.cache_type, r.prompt_len, 1)) if is_ours(r) and r.concurrency == 1 else None
         ratio = (f"{r.prefill_tok_s / peer.prefill_tok_s:.2f}x, {r.decode_tok_s / peer.decode_tok_s:.2f}x"
                  if peer else "")
         if is_ours(r) and r.concurrency > 1:
-            single = peers.get((r.cache_type, r.prompt_len))
-            ratio = aggregate_ratio(r, single) if single else ""
+            alike = peers.get((r.cache_type, r.prompt_len, r.concurrency)) or peers.get((r.cache_type, r.prompt_len, 1))
+            ratio = aggregate_ratio(r, alike) if alike else ""
         roof_text = f"{roof[i][1] * 100:.0f}% ({roof[i][0] / 2**20:.0f} MiB/tok)" if i in roof else ""
         table.add_row(r.engine, r.cache_type, str(r.prompt_len), str(r.concurrency), f"{r.ttft_ms:.0f}",
                       f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.2f}", f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}",
