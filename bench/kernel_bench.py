@@ -31,8 +31,8 @@ def build(isa: str) -> tuple:
     native.load.cache_clear()
     native.function.cache_clear()
     p, i = ctypes.c_void_p, ctypes.c_int
-    int4 = native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i, i), i)
-    int8 = native.function("int8_matmul", "int8_matmul", (p, p, p, i, i, i, p, i), i)
+    int4 = native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i, i, i), i)
+    int8 = native.function("int8_matmul", "int8_matmul", (p, p, p, i, i, i, p, i, i), i)
     if int4 is None or int8 is None:
         raise SystemExit(f"no {isa} build on this machine")
     return int4, int8
@@ -57,10 +57,10 @@ def measure_rows(m: int, layer: list, head: torch.Tensor, kernels: dict, threads
 
     def projections(int4, digits: int) -> None:
         for (w, n, k), x, y in zip(layer, x4, y4):
-            int4(x.data_ptr(), w.data_ptr(), None, m, n, k, y.data_ptr(), threads, digits, 0)
+            int4(x.data_ptr(), w.data_ptr(), None, m, n, k, y.data_ptr(), threads, digits, 0, 0)
 
     def output_head(int8) -> None:
-        int8(xh.data_ptr(), head.data_ptr(), None, m, HEAD[0], HEAD[1], yh.data_ptr(), threads)
+        int8(xh.data_ptr(), head.data_ptr(), None, m, HEAD[0], HEAD[1], yh.data_ptr(), threads, 0)
 
     for _ in range(3):
         for isa, (int4, int8) in kernels.items():

@@ -57,7 +57,7 @@ def test_a_wrong_layout_is_refused_by_the_kernel():
 
     x, y = torch.zeros(1, 32), torch.zeros(1, 16)
     w = torch.zeros(512, dtype=torch.uint8)
-    assert _int4_matmul_kernel()(x.data_ptr(), w.data_ptr(), None, 1, 16, 32, y.data_ptr(), 1, 2, 99) == -1
+    assert _int4_matmul_kernel()(x.data_ptr(), w.data_ptr(), None, 1, 16, 32, y.data_ptr(), 1, 2, 99, 0) == -1
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +137,83 @@ def test_int8_groups_from_blocks_are_the_files_grid(type_name, tmp_path):
     alone = file_linears.int8_groups(GGUFWeights(gf, SimpleNamespace(architecture="qwen2")), [name], None)
     reference = Int8GroupLinear.from_grid32(rows, 96, symmetric_grid(gf.tensor_bytes(name), rows, 96, qtype))
     assert torch.equal(alone.packed, reference.packed)
+
+
+def write_gguf(path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """A GGUF holding each named tensor's raw blocks ([rows, bytes per row]) as the named type."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    for name, (type_name, raw) in tensors.items():
+        writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0"), ("Q6_K", "Q8_0", "Q4_K")])
+def test_a_stack_of_types_is_held_part_by_part(tmp_path, types):
+    """q, k, v of different types (Q4_K_M's Q6_K v, Gemma's Q8_0 v): each run of parts in its own layout
+    writing its columns of one output (the kernels' row stride), the columns the same bits as each part
+    alone, the weights the file's, the planner's bytes the model's."""
+    from types import SimpleNamespace
+
+    from kvserve.models import file_linears
+    from kvserve.models.gguf_file import GGUFWeights
+    from kvserve.models.linear import Int8GroupLinear, StackedLinear
+    from kvserve.plan.source import _from_file_blocks
+
+    cols, rows = 512, (64, 32, 40)
+    names = [f"blk.0.attn_{s}.weight" for s in "qkv"]
+    tensors = {}
+    for i, (name, type_name, n) in enumerate(zip(names, types, rows)):
+        if type_name == "Q8_0":
+            w = np.random.default_rng(i).standard_normal((n, cols)).astype(np.float32)
+            raw = gguf_quantize(w, type_name)
+        else:
+            raw = random_blocks(type_name, n, cols, seed=i).reshape(n, -1)
+        tensors[name] = (type_name, raw)
+    write_gguf(tmp_path / "m.gguf", tensors)
+    gf = GGUFFile(tmp_path / "m.gguf")
+    bias = torch.randn(sum(rows))
+    lin = file_linears.projection(GGUFWeights(gf, SimpleNamespace(architecture="qwen2")), names, bias, "q4")
+    assert isinstance(lin, StackedLinear) and len(lin.parts) == (3 if types[1] != types[0] else 2)
+    assert torch.equal(lin.weight, torch.cat([gf.load_tensor(n) for n in names]))
+    assert lin.nbytes == _from_file_blocks([gf.tensors[n] for n in names])
+    x = torch.randn(5, cols) * torch.linspace(0.1, 10, cols)
+    y, first = lin(x), 0
+    for part in lin.parts:  # each part alone: the same bits as its columns
+        assert torch.equal(part(x).float(), y[:, first : first + part.out_features])
+        assert isinstance(part, (Int4Linear, Int8GroupLinear))
+        first += part.out_features
+    exact = x.double() @ lin.weight.double().T + bias.double()
+    assert float((y.double() - exact).norm() / exact.norm()) < 2e-4
+
+
+def gguf_quantize(w: np.ndarray, type_name: str) -> np.ndarray:
+    from gguf.quants import quantize
+
+    return quantize(w, GGMLQuantizationType[type_name])
+
+
+@pytest.mark.parametrize("layout", ["F16", "Q5_0", "Q6_K"])
+def test_a_row_stride_writes_only_its_columns(layout):
+    """ldy: a part's output lands in its columns of a wider buffer, the same bits as alone, the other
+    columns untouched (int4_matmul in three layouts, int8_matmul's two)."""
+    from kvserve.models.linear import _int4_matmul_kernel, _int8_matmul_kernel, _run_matmul
+    from kvserve.models.weight_grids import int8_groups, pack_int8_groups
+    from tests.native.test_isa_paths import grid16_inputs, layout_code, layout_inputs
+
+    x, packed, bias = layout_inputs(7, 40, 256, 0, layout)
+    alone = _run_matmul(_int4_matmul_kernel(), x, (packed,), bias, 40, (2, layout_code(layout)))
+    wide = torch.full((7, 100), 7.0)
+    _run_matmul(_int4_matmul_kernel(), x, (packed,), bias, 40, (2, layout_code(layout)), wide[:, 30:70])
+    assert torch.equal(wide[:, 30:70], alone)
+    assert bool((wide[:, :30] == 7).all() and (wide[:, 70:] == 7).all())
+    g32 = pack_int8_groups(*int8_groups(torch.randn(40, 256)))
+    _, g16 = grid16_inputs(7, 40, 256, 1)
+    for name, w in (("int8_matmul", g32), ("int8_matmul_g16", g16)):
+        alone = _run_matmul(_int8_matmul_kernel(name), x, (w,), None, 40)
+        _run_matmul(_int8_matmul_kernel(name), x, (w,), None, 40, (), wide[:, 60:])
+        assert torch.equal(wide[:, 60:], alone), name

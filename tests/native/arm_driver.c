@@ -25,9 +25,9 @@ int main(int argc, char **argv) {
     float *bias = has_bias ? read_exactly(in, sizeof(float) * (size_t)N) : NULL;
     fclose(in);
     float *y = calloc((size_t)M * N, sizeof(float));
-    int rc = kind == 4 ? int4_matmul(x, w, bias, M, N, K, y, 2, digits, layout)
-             : kind == 16 ? int8_matmul_g16(x, w, bias, M, N, K, y, 2)
-                          : int8_matmul(x, w, bias, M, N, K, y, 2);
+    int rc = kind == 4 ? int4_matmul(x, w, bias, M, N, K, y, 2, digits, layout, N)
+             : kind == 16 ? int8_matmul_g16(x, w, bias, M, N, K, y, 2, N)
+                          : int8_matmul(x, w, bias, M, N, K, y, 2, N);
     if (rc != 0) return 3;
     FILE *out = fopen(argv[2], "wb");
     if (!out) return 2;

@@ -74,7 +74,7 @@ def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int, layou
     layout = ("F32" if layout else "F16") if isinstance(layout, bool) else layout
     y = torch.full((m, n), float("nan"))
     assert fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr(), m, n, k, y.data_ptr(), threads, digits,
-              layout_code(layout)) == 0
+              layout_code(layout), 0) == 0
     return y
 
 
@@ -82,7 +82,7 @@ def run_int8(isa: str, x, packed, n: int, threads: int, name: str = "int8_matmul
     fn = kernel("int8_matmul", name, isa)
     m, k = x.shape
     y = torch.full((m, n), float("nan"))
-    assert fn(x.data_ptr(), packed.data_ptr(), None, m, n, k, y.data_ptr(), threads) == 0
+    assert fn(x.data_ptr(), packed.data_ptr(), None, m, n, k, y.data_ptr(), threads, 0) == 0
     return y
 
 

@@ -139,7 +139,7 @@ def test_a_hand_written_signature_that_disagrees_raises():
     with pytest.raises(TypeError, match=r"rms_norm: ctypes signature .* disagrees with kernels.h's"):
         native.function("rms_norm", "rms_norm", (p, p, i, i, i, p))
     with pytest.raises(TypeError, match="int4_matmul"):
-        native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i, i))  # its int result left out
+        native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i, i, i))  # its int result left out
     with pytest.raises(LookupError, match="no_such_kernel: no prototype in native/kernels.h"):
         native.function("rms_norm", "no_such_kernel")
 

@@ -25,41 +25,25 @@ import torch
 
 from kvserve import native
 from kvserve.host_memory import empty_bytes
-
-# kernels.h's QL_* enum
-QL_F16, QL_F32, QL_Q4_0, QL_Q5_0, QL_Q5_1, QL_Q4_K, QL_Q5_K, QL_Q6_K = range(8)
-LAYOUT_NAMES = ("F16", "F32", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-GROUP_BYTES = (320, 384, 288, 352, 384, 288, 352, 416)  # a panel's group of 32 inputs x 16 outputs
-SUPER_BYTES = (0, 0, 0, 0, 0, 64, 64, 32)  # the K-quants' d (and dmin) for 16 outputs, before each 8 groups
-CODE_BITS = (4, 4, 4, 5, 5, 4, 5, 6)
-
-# GGUF type -> (layout, weights per file block, bytes per file block)
-GGUF_LAYOUTS = {
-    "Q4_0": (QL_Q4_0, 32, 18),
-    "Q4_1": (QL_F16, 32, 20),
-    "Q5_0": (QL_Q5_0, 32, 22),
-    "Q5_1": (QL_Q5_1, 32, 24),
-    "Q4_K": (QL_Q4_K, 256, 144),
-    "Q5_K": (QL_Q5_K, 256, 176),
-    "Q6_K": (QL_Q6_K, 256, 210),
-}
-ROW_CHUNK = 1024  # rows decoded at a time (a multiple of 16): temporaries of a few MiB
-
-
-def panel_bytes(layout: int, cols: int) -> int:
-    groups = cols // 32
-    return groups * GROUP_BYTES[layout] + groups // 8 * SUPER_BYTES[layout]
-
-
-def packed_bytes(type_name: str, rows: int, cols: int) -> int:
-    """Bytes ``pack_blocks`` makes of a rows x cols tensor of ``type_name``."""
-    return -(-rows // 16) * panel_bytes(GGUF_LAYOUTS[type_name][0], cols)
-
-
-def supports(type_name: str, cols: int) -> bool:
-    """Whether a tensor of this type and row length has a layout here."""
-    entry = GGUF_LAYOUTS.get(type_name)
-    return entry is not None and cols % entry[1] == 0
+from kvserve.models.layouts import (  # noqa: F401  (re-exported: the layouts' table)
+    CODE_BITS,
+    GGUF_LAYOUTS,
+    GROUP_BYTES,
+    LAYOUT_NAMES,
+    QL_F16,
+    QL_F32,
+    QL_Q4_0,
+    QL_Q4_K,
+    QL_Q5_0,
+    QL_Q5_1,
+    QL_Q5_K,
+    QL_Q6_K,
+    ROW_CHUNK,
+    SUPER_BYTES,
+    packed_bytes,
+    panel_bytes,
+    supports,
+)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:

@@ -113,14 +113,15 @@ class DecoderLM:
 
         self.final_norm = w("output_norm.weight")
         tied = "output.weight" not in weights
-        # the head and the embedding table from the file's blocks where the format allows: a tied Q8_0
-        # table as the int8 head (rows from it), another tied type as its own layout with the table kept
-        # as the file's bytes (QuantRows), an untied table as the file's bytes beside the head's blocks
+        # the head and the embedding table from the file's blocks where the format allows: a tied block type
+        # (Q4_0 ... Q6_K) as its own layout with the table kept as the file's bytes (QuantRows), a tied
+        # Q8_0 table as the int8 head (rows from it), an untied table as the file's bytes beside the head
         self.embed, self.embed_rows, self.lm_head = None, None, None
         if tied:
-            self.lm_head = self._tied_int8_head(weights)
-            if self.lm_head is None and from_file:
+            if from_file:  # a block type: its own layout, rows from the file's bytes
                 self.lm_head, self.embed_rows = file_linears.tied_head(weights, weight_format) or (None, None)
+            if self.lm_head is None:
+                self.lm_head = self._tied_int8_head(weights)
         elif from_file:
             self.embed_rows = weights.quant_rows("token_embd.weight")
             self.lm_head = file_linears.projection(weights, ["output.weight"], None, weight_format)

@@ -2,9 +2,11 @@
 through f32 weights: a load then holds the file's bytes (within 3%) and spends its time rearranging
 them, not dequantizing and re-fitting grids.
 
-    one block type with a layout (Q4_0 ... Q6_K)        Int4Linear.from_blocks: the file's codes and scales
-    symmetric grids, one type or several (Q5_0 + Q8_0)  int8_groups: int8 codes, f16 scale per 32
-    anything else (types mixed otherwise, F16, ...)     None: the f32 path of models/linear.make_linear
+    a block type with a layout (Q4_0 ... Q6_K)          Int4Linear.from_blocks: the file's codes and scales
+    Q8_0 (or Q5_0 / Q4_0 as a tied head)                int8_groups: int8 codes, f16 scale per 32
+    a stack of parts held differently (Q4_K q, k + a    StackedLinear: each run of parts in its own layout,
+      Q6_K v; Q5_0 q, k + a Q8_0 v)                     writing its columns of one output
+    anything else (F16, BF16, Q2_K, ...)                None: the f32 path of models/linear.make_linear
 
 Only for the integer formats on the CPU in f32 (``--weights q4`` / ``q4-fast``); every part is held as the
 file states it, so the model's outputs are those of the f32 path's exact grids.
@@ -17,7 +19,8 @@ import torch
 from kvserve import native
 from kvserve.host_memory import TRIM_EVERY, empty_bytes, release_freed_memory
 from kvserve.models.gguf_file import GGUFWeights, QuantRows
-from kvserve.models.linear import Int4Linear, Int8GroupLinear, Linear
+from kvserve.models.layouts import INT8_SOURCES, holder, runs
+from kvserve.models.linear import Int4Linear, Int8GroupLinear, Linear, StackedLinear
 
 FILE_FORMATS = ("q4", "q4-fast")
 
@@ -50,15 +53,33 @@ def _count_packed(nbytes: int) -> None:
 
 
 def _projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None, weight_format: str) -> Linear | None:
-    types = [weights.block_type(n) for n in names]
-    if Int4Linear.native() and all(types) and len({(t[0], t[2]) for t in types}) == 1:
-        type_name, cols = types[0][0], types[0][2]
-        rows, fast = sum(t[1] for t in types), weight_format == "q4-fast"
-        return weights.packed(names, lambda raw, on_rows: Int4Linear.from_blocks(raw, type_name, rows, cols, bias, fast, on_rows))
-    return int8_groups(weights, names, bias)
+    shapes = [weights.matrix(n) for n in names]
+    if any(s is None or weights.reordered(n) and holder(s[0], s[2]) == "int8" for s, n in zip(shapes, names)):
+        return None
+    found = runs(shapes)
+    if found is None or not Int4Linear.native() or not Int8GroupLinear.native():
+        return None
+    if any(kind == "int8" and any(s[1] % 16 for s in shapes[first : end - 1]) for kind, first, end in found):
+        return None  # int8_groups stacks its own parts by panels of 16 rows: checked before any part is taken
+    parts, first_row = [], 0
+    for kind, first, end in found:
+        rows = sum(s[1] for s in shapes[first:end])
+        part_bias = None if bias is None else bias[first_row : first_row + rows]
+        if kind == "int8":
+            part = int8_groups(weights, names[first:end], part_bias)
+        else:
+            part = _blocks(weights, names[first:end], kind, rows, shapes[0][2], part_bias, weight_format == "q4-fast")
+        if part is None:
+            return None
+        parts.append(part)
+        first_row += rows
+    return parts[0] if len(parts) == 1 else StackedLinear(parts)
 
 
-INT8_SOURCES = {"Q8_0": 0, "Q5_0": 1, "Q4_0": 2}  # kernels.h's INT8_FROM_*
+def _blocks(weights: GGUFWeights, names: list[str], type_name: str, rows: int, cols: int, bias, fast: bool) -> Int4Linear:
+    return weights.packed(names, lambda raw, on_rows: Int4Linear.from_blocks(raw, type_name, rows, cols, bias, fast, on_rows))
+
+
 REPACK_ROWS = 4096  # rows repacked between two page drops of the mapped file
 
 
@@ -68,7 +89,7 @@ def int8_groups(weights: GGUFWeights, names: list[str], bias: torch.Tensor | Non
     for other types or where the kernels cannot be built."""
     shapes = [weights.matrix(n) for n in names]
     if not all(s is not None and s[0] in INT8_SOURCES and not weights.reordered(n) for s, n in zip(shapes, names)):
-        return None
+        return None  # (the int8 repack reads rows in file order: a reordered tensor goes through f32)
     repack = native.function("block_repack", "pack_gguf_int8")
     if repack is None or not Int8GroupLinear.native() or len({s[2] for s in shapes}) != 1:
         return None

@@ -205,6 +205,13 @@ class Int8GroupLinear(Int8Linear):
             return super().__call__(x)
         return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features).to(x.dtype)
 
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``self(x)`` written into ``out`` (f32 [tokens, out_features], rows of unit stride)."""
+        if self.kernel is None:
+            out.copy_(self(x))
+        else:
+            _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features, out=out)
+
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weight rows ``ids`` as f32 [len(ids), in] (into out when given, f32 and contiguous): each code
         times its group's scale, a tied model's embedding lookup (only where the kernel holds them)."""
@@ -298,21 +305,59 @@ class Int4Linear:
             return y if self.bias is None else y + self.bias
         return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features, (self.digits, self.layout))
 
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``self(x)`` written into ``out`` (f32 [tokens, out_features], rows of unit stride)."""
+        if self.kernel is None:
+            out.copy_(self(x))
+        else:
+            _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features, (self.digits, self.layout), out)
+
+
+class StackedLinear:
+    """Projections stacked by output rows (q, k, v; gate, up) whose parts a file holds in different
+    layouts (a Q6_K or Q8_0 v beside Q4_K or Q5_0 q and k): each part's kernel writes its own columns of
+    one output (the kernels' row stride), so every part keeps its file's bits and the stack costs no copy.
+    Each column is the same bits as its part alone."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.nbytes = sum(p.nbytes for p in parts)
+        self.bias = None  # each part adds its own
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([p.weight for p in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        self.into(x, y)
+        return y.to(x.dtype)
+
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        first = 0
+        for part in self.parts:
+            part.into(x, out[:, first : first + part.out_features])
+            first += part.out_features
+
 
 def _int4_matmul_kernel():
     return native.function("int4_matmul", "int4_matmul")
 
 
 def _run_matmul(
-    kernel, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None, out_features: int, options: tuple = ()
+    kernel, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None, out_features: int, options: tuple = (),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [tokens, out] f32 = kernel(x, *weights, bias, M, N, K, y, threads, *options), the calling
-    convention of ``native/int4_matmul.c`` and ``native/int8_matmul.c``."""
+    """y [tokens, out] f32 = kernel(x, *weights, bias, M, N, K, y, threads, *options, ldy), the calling
+    convention of ``native/int4_matmul.c`` and ``native/int8_matmul.c``; into ``out`` where given (f32,
+    rows of unit stride: a stacked projection's columns)."""
     xf = x.float().contiguous()
     m, k = xf.shape
-    y = torch.empty(m, out_features, dtype=torch.float32)
+    y = torch.empty(m, out_features, dtype=torch.float32) if out is None else out
     rc = kernel(xf.data_ptr(), *(w.data_ptr() for w in weights), 0 if bias is None else bias.data_ptr(),
-                m, out_features, k, y.data_ptr(), torch.get_num_threads(), *options)
+                m, out_features, k, y.data_ptr(), torch.get_num_threads(), *options, y.stride(0))
     if rc != 0:
         raise MemoryError("native matmul: could not allocate the activation digits")
     return y
@@ -321,7 +366,8 @@ def _run_matmul(
 def pack_into_arena(linears: list) -> None:
     """The C kernels' packed weights of ``linears`` moved into one arena (``kvserve.host_memory``: 2 MiB
     pages on a Linux CPU), so a decode step streams them with a TLB entry per 2 MiB, not per 4 KiB."""
-    owners = [lin for lin in linears
+    flat = [part for lin in linears for part in getattr(lin, "parts", [lin])]
+    owners = [lin for lin in flat
               if getattr(lin, "kernel", None) is not None and isinstance(getattr(lin, "packed", None), torch.Tensor)]
     rehome(owners, "packed")
 

@@ -26,7 +26,7 @@ from kvserve.attention import native_paged
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.models import activations
 from kvserve.models.decoder import DecoderLM
-from kvserve.models.linear import Int4Linear, Int8GroupLinear
+from kvserve.models.linear import Int4Linear, Int8GroupLinear, StackedLinear
 from kvserve.native.decode_ops import kernel_addresses, operation
 
 
@@ -36,7 +36,9 @@ def _step_function():
 
 
 def _kernel_name(lin) -> str | None:
-    """The native matmul a projection runs through, or None where it has none."""
+    """The native matmul a projection runs through ("stacked": each part its own), or None where it has none."""
+    if isinstance(lin, StackedLinear):
+        return "stacked" if all(_kernel_name(part) not in (None, "stacked") for part in lin.parts) else None
     if isinstance(lin, Int4Linear) and lin.kernel is not None:
         return "int4_matmul"
     if isinstance(lin, Int8GroupLinear) and lin.kernel is not None:
@@ -110,11 +112,15 @@ class NativeDecodeStep:
             ops.append(operation(kernel, fn[kernel], group, **args))
 
         def matmul(lin, x: str, y: str) -> None:
-            bias = None if lin.bias is None else lin.bias.data_ptr()
-            kernel = _kernel_name(lin)
-            options = {"digits": lin.digits, "layout": lin.layout} if kernel == "int4_matmul" else {}
-            op(kernel, x=ptr[x], w=lin.packed.data_ptr(), bias=bias, N=lin.out_features, K=b[x].shape[1],
-               y=ptr[y], num_threads=threads, **options)
+            """One operation a projection; a stacked one's parts each write their columns of y."""
+            first = 0
+            for part in lin.parts if isinstance(lin, StackedLinear) else [lin]:
+                bias = None if part.bias is None else part.bias.data_ptr()
+                kernel = _kernel_name(part)
+                options = {"digits": part.digits, "layout": part.layout} if kernel == "int4_matmul" else {}
+                op(kernel, x=ptr[x], w=part.packed.data_ptr(), bias=bias, N=part.out_features, K=b[x].shape[1],
+                   y=ptr[y] + 4 * first, num_threads=threads, ldy=b[y].shape[1], **options)
+                first += part.out_features
 
         def norm(x: str, w: torch.Tensor, out: str) -> None:
             op("rms_norm", x=ptr[x], w=w.data_ptr(), eps=eps, hidden=hidden, out=ptr[out])

@@ -60,7 +60,7 @@ int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tab
             CALL(add_rms_norm)(P(0), P(1), I(2), P(3), F(4), n, I(6), P(7));
             break;
         case OP_INT4_MATMUL:
-            rc = CALL(int4_matmul)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7), I(8), I(9));
+            rc = CALL(int4_matmul)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7), I(8), I(9), I(10));
             break;
         case OP_ROPE_IN_PLACE:
             CALL(rope_in_place)(P(0), n, I(2), L(3), I(4), P(5), P(6));
@@ -86,10 +86,10 @@ int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tab
             CALL(gelu_tanh_mul)(P(0), n, I(2), P(3));
             break;
         case OP_INT8_MATMUL:
-            rc = CALL(int8_matmul)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7));
+            rc = CALL(int8_matmul)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7), I(8));
             break;
         case OP_INT8_MATMUL_G16:
-            rc = CALL(int8_matmul_g16)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7));
+            rc = CALL(int8_matmul_g16)(P(0), P(1), P(2), n, I(4), I(5), P(6), I(7), I(8));
             break;
         case OP_RMS_NORM_HEADS:
             CALL(rms_norm_heads)(P(0), n, I(2), L(3), I(4), P(5), F(6));

@@ -290,12 +290,13 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
 }
 
 /* x [M, K] f32, w packed [ceil(N / 16) panels of panel_bytes_of(layout, K / 32)], bias [N] or NULL,
- * y [M, N] f32; digits 2 (exact group sums) or 1 (llama.cpp's int8 activations); layout: kernels.h's QL_*
+ * y [M, N] f32 (rows ldy floats apart; ldy <= 0: N); digits 2 (exact group sums) or 1 (llama.cpp's int8 activations); layout: kernels.h's QL_*
  * (K a multiple of 256 for the K-quants'). Returns 0, or -1 when the digits could not be allocated (or the
  * layout is unknown). */
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                 int num_threads, int digits, int layout) {
+                 int num_threads, int digits, int layout, int ldy) {
     if (layout < QL_F16 || layout > QL_Q6_K) return -1;
+    const int64_t ld = ldy > 0 ? ldy : N; /* y's row stride */
     const int G = K / GROUP, panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_bytes = panel_bytes_of(layout, G);
     const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
@@ -337,7 +338,7 @@ int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
                     const int nr = m_end - m0 < ROW_TILE ? m_end - m0 : ROW_TILE;
                     panel_rows(panel, G, d1 + (int64_t)m0 * K, d2 + (int64_t)m0 * K, usum + (int64_t)m0 * G,
                                usum16 ? usum16 + (int64_t)m0 * 2 * G : NULL, gscale + (int64_t)m0 * G, digits,
-                               layout, nr, row_scale + m0, bias ? bias + n0 : NULL, width, y + (int64_t)m0 * N + n0, N);
+                               layout, nr, row_scale + m0, bias ? bias + n0 : NULL, width, y + m0 * ld + n0, (int)ld);
                 }
             }
         }

@@ -133,7 +133,9 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 }
 
 static inline __attribute__((always_inline)) int matmul(const float *x, const uint8_t *w, const float *bias, int M,
-                                                        int N, int K, float *y, int num_threads, const int layout) {
+                                                        int N, int K, float *y, int num_threads, const int layout,
+                                                        int ldy) {
+    const int64_t ld = ldy > 0 ? ldy : N; /* y's row stride */
     const int Kp = (K + GROUP - 1) / GROUP * GROUP, G = Kp / GROUP, panels = (N + PANEL - 1) / PANEL;
     const int block = layout == GROUPS_16 ? BLOCK_BYTES_16 : BLOCK_BYTES;
     const size_t rows = (size_t)(M + ROW_TILE - 1) / ROW_TILE * ROW_TILE; /* whole tiles */
@@ -169,7 +171,7 @@ static inline __attribute__((always_inline)) int matmul(const float *x, const ui
 #undef TILE
                 for (int r = 0; r < nr; r++)
                     for (int i = 0; i < width; i++)
-                        y[(int64_t)(m0 + r) * N + n0 + i] = fmaf(out[r][i], row_scale[m0 + r], bias ? bias[n0 + i] : 0.0f);
+                        y[(m0 + r) * ld + n0 + i] = fmaf(out[r][i], row_scale[m0 + r], bias ? bias[n0 + i] : 0.0f);
             }
         }
     }
@@ -177,17 +179,17 @@ static inline __attribute__((always_inline)) int matmul(const float *x, const ui
     return 0;
 }
 
-/* x [M, K] f32; w packed [ceil(N / 16), ceil(K / 32), 544] (see the top); bias [N] or NULL; y [M, N].
- * Returns 0, or -1 when the codes could not be allocated. */
+/* x [M, K] f32; w packed [ceil(N / 16), ceil(K / 32), 544] (see the top); bias [N] or NULL; y [M, N], rows
+ * ldy floats apart (ldy <= 0: N). Returns 0, or -1 when the codes could not be allocated. */
 int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                int num_threads) {
-    return matmul(x, w, bias, M, N, K, y, num_threads, GROUPS_32);
+                int num_threads, int ldy) {
+    return matmul(x, w, bias, M, N, K, y, num_threads, GROUPS_32, ldy);
 }
 
 /* The same with w packed [ceil(N / 16), ceil(K / 32), 768]: an f32 scale and offset per 16 inputs. */
 int int8_matmul_g16(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                    int num_threads) {
-    return matmul(x, w, bias, M, N, K, y, num_threads, GROUPS_16);
+                    int num_threads, int ldy) {
+    return matmul(x, w, bias, M, N, K, y, num_threads, GROUPS_16, ldy);
 }
 
 /* Rows ids[0..n) of packed weights with K inputs as f32 out [n][K], a tied model's embedding lookup from

@@ -52,7 +52,7 @@ enum {
     QL_Q6_K = 7, /* 6-bit codes, int8 scale per 16, f16 d per 256, offset -32 d sc */
 };
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                int num_threads, int digits, int layout);
+                int num_threads, int digits, int layout, int ldy);
 
 /* block_repack.c: rows x cols weights of a GGUF block type (its file bytes, rows in order) into the layout
  * `layout` of int4_matmul.c (QL_F16 for Q4_1); 0, or -1 for a layout it does not pack. */
@@ -61,11 +61,13 @@ int pack_gguf_blocks(const uint8_t *raw, int layout, int64_t rows, int cols, uin
 enum { INT8_FROM_Q8_0 = 0, INT8_FROM_Q5_0 = 1, INT8_FROM_Q4_0 = 2 };
 int pack_gguf_int8(const uint8_t *raw, int type, int64_t rows, int cols, uint8_t *out, int num_threads);
 
-/* int8_matmul.c: the int8 grids (f16 scale per 32 inputs; _g16: f32 scale and offset per 16). */
+/* int8_matmul.c: the int8 grids (f16 scale per 32 inputs; _g16: f32 scale and offset per 16).
+ * Every matmul writes row m of its output at y + m * ldy (ldy <= 0: N), so the parts of a stacked
+ * projection (q and k in one layout, v in another) fill their columns of one output. */
 int int8_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                int num_threads);
+                int num_threads, int ldy);
 int int8_matmul_g16(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
-                    int num_threads);
+                    int num_threads, int ldy);
 void int8_rows(const uint8_t *w, const int64_t *ids, int n, int K, float *out);
 void int8_rows_g16(const uint8_t *w, const int64_t *ids, int n, int K, float *out);
 

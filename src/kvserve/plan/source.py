@@ -60,23 +60,29 @@ def _through_f32(t, weights: str) -> float:
 
 
 def _from_file_blocks(parts) -> float | None:
-    """Bytes of a (stacked) projection that models/file_linears.py takes from the file's blocks: one block type
-    in its packed layout, symmetric grids as int8 groups of 32; None where it goes through f32."""
-    from kvserve.models import block_layouts
+    """Bytes of a (stacked) projection that models/file_linears.py takes from the file's blocks: each run of
+    parts one layout holds in that layout (a block type's packed layout, Q8_0's int8 groups of 32); None
+    where it goes through f32."""
+    from kvserve.models import layouts
 
-    types = {(t.type_name, t.dims[0]) for t in parts}
-    rows = sum(t.num_elements // t.dims[0] for t in parts)
-    if len(types) == 1 and block_layouts.supports(*next(iter(types))):
-        return block_layouts.packed_bytes(parts[0].type_name, rows, parts[0].dims[0])
-    if all(t.type_name in HEAD_GRIDS for t in parts) and len({t.dims[0] for t in parts}) == 1:
-        return -(-rows // 16) * 16 * parts[0].dims[0] * 544 / 512
-    return None
+    shapes = [(t.type_name, t.num_elements // t.dims[0], t.dims[0]) for t in parts]
+    found = layouts.runs(shapes)
+    if found is None:
+        return None
+    total = 0
+    for kind, first, end in found:
+        rows, cols = sum(s[1] for s in shapes[first:end]), shapes[0][2]
+        total += (-(-rows // 16) * 16 * cols * 544 // 512 if kind == "int8"
+                  else layouts.packed_bytes(kind, rows, cols))
+    return total
 
 
 def held_bytes(tensors, weights: str) -> int:
     """Bytes the engine holds of a GGUF's tensors in ``weights`` ("q4", "q4-fast" or "int8"): norms and other
     1-D tensors in f32; in the q4 formats projections and the head from the file's blocks (models/file_linears.py)
     and a quantized embedding table as the file's bytes, else (and in int8) as the f32 path makes them."""
+    from kvserve.models import layouts
+
     by_name = {t.name: t for t in tensors}
     file_blocks = weights in ("q4", "q4-fast")
     tied = "output.weight" not in by_name
@@ -89,10 +95,11 @@ def held_bytes(tensors, weights: str) -> int:
             continue
         if t.name == "token_embd.weight":
             quantized = t.type_name not in ("F32", "F16")
-            if tied and t.type_name in HEAD_GRIDS:  # the int8 head, rows from it
-                total += 544 / 512 * t.num_elements
-            elif tied and file_blocks and _from_file_blocks([t]) is not None:  # head packed, table as file bytes
+            own_layout = file_blocks and layouts.supports(t.type_name, t.dims[0])
+            if tied and own_layout:  # the head in its layout, the table as the file's bytes
                 total += _from_file_blocks([t]) + t.num_bytes
+            elif tied and t.type_name in HEAD_GRIDS:  # the int8 head, rows from it
+                total += 544 / 512 * t.num_elements
             elif not tied and file_blocks and quantized:  # the table as file bytes (the head on its own)
                 total += t.num_bytes
             else:
