@@ -217,3 +217,29 @@ def test_a_row_stride_writes_only_its_columns(layout):
         alone = _run_matmul(_int8_matmul_kernel(name), x, (w,), None, 40)
         _run_matmul(_int8_matmul_kernel(name), x, (w,), None, 40, (), wide[:, 60:])
         assert torch.equal(wide[:, 60:], alone), name
+
+
+@pytest.mark.parametrize("type_name, size", [("Q2_K", 84), ("Q3_K", 110)])
+def test_q2_k_and_q3_k_load_through_f32(tmp_path, type_name, size):
+    """No packed layout yet: read with the gguf library's dequantization and left to the f32 path
+    (models/linear.make_linear: int8 groups rounded to Q8_0's grid), not refused."""
+    from types import SimpleNamespace
+
+    from kvserve.models import file_linears
+    from kvserve.models.gguf_file import GGUFWeights
+    from kvserve.models.linear import make_linear
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (32, size), dtype=np.uint8)
+    raw[:, -2:] = np.array([0x00, 0x20], dtype=np.uint8)  # d: a small f16 (d is each block's last 2 bytes)
+    if type_name == "Q2_K":
+        raw[:, -4:-2] = np.array([0x00, 0x1C], dtype=np.uint8)  # dmin before it
+    write_gguf(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": (type_name, raw)})
+    gf = GGUFFile(tmp_path / "m.gguf")
+    weights = GGUFWeights(gf, SimpleNamespace(architecture="qwen2"))
+    assert file_linears.projection(weights, ["blk.0.ffn_down.weight"], None, "q4") is None
+    w = weights.pop("blk.0.ffn_down.weight")
+    assert torch.equal(w, dequantized(raw.reshape(-1), type_name, 32))
+    lin = make_linear(w, None, "q4", torch.device("cpu"), torch.float32)
+    step = w.view(32, -1, 32).abs().amax(-1, keepdim=True) / 127
+    assert bool(((lin.weight.view(32, -1, 32) - w.view(32, -1, 32)).abs() <= 0.51 * step).all())

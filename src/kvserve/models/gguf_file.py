@@ -21,7 +21,7 @@ from kvserve.models.arch import ARCHS
 from kvserve.models.gguf_config import read_model_config  # noqa: F401  (re-exported)
 from kvserve.models.gguf_header import read_gguf_header
 
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K")
 
 
 class GGUFFile:

