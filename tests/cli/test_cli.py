@@ -18,7 +18,9 @@ def kvserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
 
 @pytest.mark.slow
 def test_run_answers_paris_with_json_stats():
-    r = kvserve("run", "smollm2", "What is the capital of France?", "--temperature", "0", "--json", "-c", "1024")
+    # exact weights: auto's q4-fast (CPUs without a fused dot product) answers as llama.cpp does (L'Étoile...)
+    r = kvserve("run", "smollm2", "What is the capital of France?", "--temperature", "0", "--json", "-c", "1024",
+                "--weights", "q4")
     assert r.returncode == 0, r.stderr
     record = json.loads(r.stdout)  # stdout is exactly one JSON object
     assert "Paris" in record["text"]
@@ -27,8 +29,19 @@ def test_run_answers_paris_with_json_stats():
     assert record["completion_tokens"] >= 2 and record["ttft_ms"] > 0
     # KV bytes in use: every token's K and V in every layer at the cache type's width (f16 by default)
     assert record["kv_bytes"] == (record["prompt_tokens"] + record["completion_tokens"]) * 2 * 30 * 3 * 64 * 2
-    # auto weights on the CPU: q4, through the C kernels built for this CPU's fastest path
-    assert record["weights"] == "q4" and record["kernels"] == native.isa()
+    assert record["weights"] == "q4" and record["weights_why"] == "" and record["kernels"] == native.isa()
+
+
+def test_run_says_what_auto_weights_chose_and_why():
+    from kvserve.models.registry import resolve
+    from kvserve.models.weight_choice import choose
+
+    r = kvserve("run", "smollm2", "Hi", "-n", "2", "--json", "-c", "256")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)
+    expected = choose(resolve("smollm2"), "cpu", native.kernel_path())
+    assert (record["weights"], record["weights_why"]) == (expected.format, expected.why)
+    assert record["kernels"] == native.isa()
 
 
 def test_run_names_a_bad_kvserve_isa_in_one_line(monkeypatch):

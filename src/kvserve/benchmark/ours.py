@@ -16,7 +16,8 @@ class KVServeRunner:
     def __init__(self, loaded) -> None:
         self.loaded = loaded
         weights = loaded.model.weight_format
-        self.name = "kvserve" if weights == CPU_GGUF_FORMAT else f"kvserve {weights}"
+        # "kvserve" for the default (what auto chose, or q4 named): the format then shows in the build column
+        self.name = "kvserve" if loaded.weights_why or weights == CPU_GGUF_FORMAT else f"kvserve {weights}"
 
     def build(self) -> tuple[str, str]:
         """The C kernels' instruction-set path, and the compiler flags with the weight format (and why

@@ -105,24 +105,10 @@ static inline vi vi_dot_s16(vi acc, vw w, const int16_t *p) {
     __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
     return acc;
 }
-/* Per lane the sum of 32 products of its 4-bit codes c[j] (4 a lane each, values 0..15) with the int8
- * a[4 j .. 4 j + 3]: two dependency chains (the split of an integer sum is exact). */
-static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
-    vi s0 = vi_zero(), s1 = vi_zero();
-    for (int j = 0; j < 8; j += 2) {
-        s0 = vi_dot_u8s8(s0, c[j], a + 4 * j);
-        s1 = vi_dot_u8s8(s1, c[j + 1], a + 4 * j + 4);
-    }
-    return vi_add(s0, s1);
-}
 static inline vb vb_or(vb a, vb b) { return _mm512_or_si512(a, b); }
 static inline vb vb_bits(vb v, int mask, int shift) {
     const vb m = _mm512_and_si512(v, _mm512_set1_epi8((char)mask));
     return shift >= 0 ? _mm512_slli_epi16(m, (unsigned)shift) : _mm512_srli_epi16(m, (unsigned)-shift);
-}
-static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
-    return vi_add(vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[0], a), c[2], a + 8),
-                  vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[1], a + 4), c[3], a + 12));
 }
 #define simd_prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
@@ -199,22 +185,12 @@ static inline __m256i simd_broadcast4(const void *p) {
     return _mm256_set1_epi32(v);
 }
 #if defined(SIMD_AVXVNNI)
-/* One instruction a product quad, accumulated in int32: nothing to saturate, whatever the codes. */
+/* One instruction a product quad, accumulated in int32: nothing to saturate, whatever the codes (the group
+ * dots are the generic ones at the end). */
 static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) { return _mm256_dpbusd_avx_epi32(acc, w, simd_broadcast4(p)); }
 static inline vi vi_dot_s16(vi acc, vw w, const int16_t *p) { return _mm256_dpwssd_avx_epi32(acc, w, simd_broadcast4(p)); }
-static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
-    vi s0 = vi_zero(), s1 = vi_zero();
-    for (int j = 0; j < 8; j += 2) {
-        s0 = vi_dot_u8s8(s0, c[j], a + 4 * j);
-        s1 = vi_dot_u8s8(s1, c[j + 1], a + 4 * j + 4);
-    }
-    return vi_add(s0, s1);
-}
-static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
-    return vi_add(vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[0], a), c[2], a + 8),
-                  vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[1], a + 4), c[3], a + 12));
-}
 #else
+#define SIMD_OWN_GROUP_DOTS 1
 /* vpmaddubsw's int16 pair sums saturate: exact while w <= 127 and |p| <= 127 (at most 32258). */
 static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) {
     const __m256i pairs = _mm256_maddubs_epi16(w, simd_broadcast4(p));
@@ -333,26 +309,15 @@ static inline vi vi_dot_s16(vi acc, vw w, const int16_t *p) {
     const int16x8_t b = vreinterpretq_s16_s32(vdupq_n_s32(v));
     return vaddq_s32(acc, vpaddq_s32(vmull_s16(vget_low_s16(w), vget_low_s16(b)), vmull_high_s16(w, b)));
 }
-static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
-    vi s0 = vi_zero(), s1 = vi_zero();
-    for (int j = 0; j < 8; j += 2) {
-        s0 = vi_dot_u8s8(s0, c[j], a + 4 * j);
-        s1 = vi_dot_u8s8(s1, c[j + 1], a + 4 * j + 4);
-    }
-    return vi_add(s0, s1);
-}
 static inline vb vb_or(vb a, vb b) { return vorrq_u8(a, b); }
 static inline vb vb_bits(vb v, int mask, int shift) {
     return vshlq_u8(vandq_u8(v, vdupq_n_u8((uint8_t)mask)), vdupq_n_s8((int8_t)shift));
-}
-static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
-    return vi_add(vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[0], a), c[2], a + 8),
-                  vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[1], a + 4), c[3], a + 12));
 }
 #define simd_prefetch(p) __builtin_prefetch((p), 0, 2)
 
 /* ------------------------------------------------------------------------------------------------ */
 #else /* portable C: fixed-size arrays the compiler may vectorize for whatever it targets */
+#define SIMD_OWN_GROUP_DOTS 1
 #define SIMD_ISA "portable"
 #define VL 8
 typedef struct { float v[VL]; } vf;
@@ -473,6 +438,24 @@ static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
 }
 #undef SIMD_MAP
 #define simd_prefetch(p) __builtin_prefetch((p), 0, 2)
+#endif
+
+#if !defined(SIMD_OWN_GROUP_DOTS)
+/* Where vi_dot_u8s8 accumulates in int32 (VNNI, sdot, smull + pairwise adds): per lane the sum of 32 (16)
+ * products of its codes c[j] (4 a lane each) with the int8 a[4 j .. 4 j + 3], in two dependency chains
+ * (the split of an integer sum is exact). */
+static inline vi vi_group_dot_u4s8(const vb c[8], const int8_t *a) {
+    vi s0 = vi_zero(), s1 = vi_zero();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = vi_dot_u8s8(s0, c[j], a + 4 * j);
+        s1 = vi_dot_u8s8(s1, c[j + 1], a + 4 * j + 4);
+    }
+    return vi_add(s0, s1);
+}
+static inline vi vi_dot4_u6s8(const vb c[4], const int8_t *a) {
+    return vi_add(vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[0], a), c[2], a + 8),
+                  vi_dot_u8s8(vi_dot_u8s8(vi_zero(), c[1], a + 4), c[3], a + 12));
+}
 #endif
 
 static inline vi vi_group_dot_u6s8(const vb c[8], const int8_t *a) {
