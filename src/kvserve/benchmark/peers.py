@@ -105,12 +105,16 @@ class LlamaToolsRunner:
 
     def __init__(self, model_path: str, threads: int, folder: Path) -> None:
         self.model_path, self.threads, self.folder = model_path, threads, folder
-        self._features = ""
 
     def build(self) -> tuple[str, str]:
+        """Its version, and the instruction-set options its cmake cache records (bench/build_llama_cpp.sh
+        keeps the cache beside bin/)."""
         out = subprocess.run([str(self.folder / "llama-bench"), "--version"], capture_output=True, text=True, check=False)
         version = (out.stdout + out.stderr).strip().splitlines()
-        return self._features or "GGML_NATIVE", f"llama-bench {version[0] if version else ''} (GGML_NATIVE=ON)"
+        cache = self.folder.parent / "cmake" / "CMakeCache.txt"
+        options = re.findall(r"^(GGML_(?:NATIVE|AVX\w*|FMA|F16C)):BOOL=ON$", cache.read_text(), re.MULTILINE) if cache.is_file() else []
+        isa = ",".join(options) or "unknown"
+        return isa, f"llama-bench {version[0] if version else ''} ({isa})"
 
     def supports(self, cache_type: str, concurrency: int) -> bool:
         return cache_type in GGML_TYPES
@@ -120,9 +124,6 @@ class LlamaToolsRunner:
                              capture_output=True, text=True, timeout=3600, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"{tool} failed: {out.stderr.strip().splitlines()[-1:]}")
-        found = re.search(r"system_info: (.*)", out.stderr)
-        if found and not self._features:
-            self._features = ",".join(sorted(p.split("=")[0].strip() for p in found[1].split("|") if p.strip().endswith("= 1")))
         return out.stdout
 
     def _bench(self, cache_type: str, *args: str) -> float:
