@@ -122,7 +122,10 @@ def test_a_second_turn_reuses_the_first_turns_cached_blocks(page, idle: Server):
     assert cached >= BLOCK_SIZE and f"({cached} cached)" in second["statsText"]
     # the conversation so far is a prefix of the second prompt: its blocks are the first turn's own
     num_hit_blocks = cached // BLOCK_SIZE
-    assert second["blocks"][:num_hit_blocks] == first["blocks"][:num_hit_blocks]
+    # the first answer's last frame can predate its last block or two (a fast CPU finished the answer
+    # between two frames): the blocks that frame shows are the second turn's first
+    shown = min(num_hit_blocks, len(first["blocks"]))
+    assert shown >= num_hit_blocks - 2 and second["blocks"][:shown] == first["blocks"][:shown]
     after = wait_for(page, lambda s: not s["requests"], "the requests gone")
     assert set(after["blockStates"][:num_hit_blocks]) == {"cached"}
 
