@@ -157,7 +157,7 @@ class Int8GroupLinear(Int8Linear):
 
     @staticmethod
     def native() -> bool:
-        """Whether the C kernel runs here (``from_grid32`` needs it)."""
+        """Whether the C kernel runs here (``from_packed`` and ``from_grid32`` need it)."""
         return _int8_matmul_kernel() is not None
 
     @classmethod
@@ -173,8 +173,9 @@ class Int8GroupLinear(Int8Linear):
 
     @classmethod
     def from_grid32(cls, rows: int, cols: int, chunks, bias: torch.Tensor | None = None) -> Int8GroupLinear:
-        """Straight from a file's Q8_0 / Q5_0 / Q4_0 grid (``GGUFWeights.grid32``: its size and chunks of
-        int8 codes with their f32 scales per 32), never through f32 weights. Needs the kernel."""
+        """Straight from a Q8_0 / Q5_0 / Q4_0 grid (``gguf_file.symmetric_grid``: its size and chunks of
+        int8 codes with their f32 scales per 32), never through f32 weights: the reference the tests hold
+        ``file_linears.int8_groups``' native repack to. Needs the kernel."""
         lin = cls.__new__(cls)
         lin.kernel, lin.layout = _int8_matmul_kernel(), "g32"
         lin.out_features, lin.in_features = rows, cols

@@ -1,6 +1,6 @@
 """The grids the integer weight formats hold (models/linear.py's formats): finding a tensor's grid from
 its values (GGUF's symmetric per-32 grids, Q6_K's per-16 one, Q4_1's 4-bit one) or taking the file's
-(``GGUFWeights.grid16``/``grid32``), and packing codes and scales into the layouts the C kernels read
+(``GGUFWeights.grid16``, ``gguf_file.symmetric_grid``), and packing codes and scales into the layouts the C kernels read
 (``native/int4_matmul.c``, ``native/int8_matmul.c``). Plain tensor arithmetic; no kernel is called here.
 """
 
