@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import sys
 from functools import cache
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -64,20 +66,35 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _views(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
-    """Uninitialized tensors of the given (shape, dtype), each a contiguous view of one ``empty_bytes`` buffer."""
+def _views(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
+           zeroed: bool = False) -> list[torch.Tensor]:
+    """Tensors of the given (shape, dtype), each a contiguous view of one ``empty_bytes`` buffer
+    (uninitialized) or ``zeroed_bytes`` buffer."""
     sizes = [torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs]
     offsets, total = _offsets(sizes)
-    buffer = empty_bytes(total, device)
+    buffer = (zeroed_bytes if zeroed else empty_bytes)(total, device)
     return [buffer[o : o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
 
 
+def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``empty_bytes``, zeroed. On a Linux CPU from 2 MiB a fresh anonymous mapping, which the kernel
+    zeroes page by page as each is first touched: no pass over the whole buffer at start-up (a KV pool of
+    a 32K context: ~1 s of memset on 2 cores) and no resident page until a block is written."""
+    madvise = _madvise() if device.type == "cpu" and sys.platform.startswith("linux") else None
+    if madvise is None or nbytes < HUGE_PAGE:
+        return empty_bytes(nbytes, device).zero_()
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE)  # private, anonymous: zero-filled
+    raw = torch.from_numpy(np.frombuffer(region, dtype=np.uint8))  # the array keeps the mapping alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    buffer = raw[start : start + nbytes]
+    if madvise(buffer.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): 4 KiB pages", ctypes.get_errno())
+    return buffer
+
+
 def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
-    """Zeroed tensors of the given (shape, dtype), each a contiguous view of one buffer."""
-    tensors = _views(specs, device)
-    for t in tensors:
-        t.zero_()
-    return tensors
+    """Zeroed tensors of the given (shape, dtype), each a contiguous view of one buffer (``zeroed_bytes``)."""
+    return _views(specs, device, zeroed=True)
 
 
 TRIM_EVERY = 16 << 20  # bytes moved between two malloc_trim calls while filling an arena

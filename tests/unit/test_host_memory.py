@@ -27,6 +27,22 @@ def test_arena_tensors_are_zeroed_aligned_disjoint_views_of_one_buffer():
     assert all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazily zeroed mapping is Linux's")
+def test_a_big_arena_is_zero_without_being_touched_first():
+    """A pool-sized arena comes from a fresh anonymous mapping: zero everywhere, 2 MiB-aligned, and its
+    pages resident only once written (the start-up pays no memset of the whole pool)."""
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) << 10
+
+    before = rss()
+    (big,) = arena([((64 << 20,), torch.uint8)], CPU)
+    assert big.data_ptr() % HUGE_PAGE == 0 and rss() - before < (16 << 20)  # 64 MiB asked, not touched
+    assert not big[:: 4096].any() and not big[-1]  # zero wherever it is read (each read faults one page)
+    big[: 1 << 20].fill_(7)
+    assert int(big[(1 << 20) - 1]) == 7 and int(big[1 << 20]) == 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked for on Linux only")
 def test_big_buffers_start_on_a_huge_page_and_small_ones_stay_plain():
     assert empty_bytes(HUGE_PAGE + 123, CPU).data_ptr() % HUGE_PAGE == 0
