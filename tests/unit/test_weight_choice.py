@@ -50,3 +50,12 @@ def test_the_loaded_model_says_why(monkeypatch):
     loaded = load_model("smollm2", weight_format="auto")
     assert loaded.model.weight_format in ("q4", "q4-fast") and loaded.weights_why
     assert load_model("smollm2", weight_format="q4").weights_why == ""
+
+
+def test_the_measured_file_is_recognized_through_a_link(smollm2_measured, tmp_path):
+    link = tmp_path / "model.gguf"
+    link.symlink_to(smollm2_measured)
+    assert weight_choice.choose(link, "cpu", "avx2").format == "q4-fast"
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(b"GGUF")  # another file, whatever its name: not measured
+    assert weight_choice.choose(copy, "cpu", "avx2").format == "q4"

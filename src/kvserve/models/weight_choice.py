@@ -39,7 +39,8 @@ def fast_measured(path: Path) -> str | None:
     from kvserve.models.registry import REGISTRY, installed_path
 
     for entry in REGISTRY.values():
-        if entry.fast_kld_ok and installed_path(entry, assemble=False) == path:
+        installed = installed_path(entry, assemble=False) if entry.fast_kld_ok else None
+        if installed is not None and installed.resolve() == path.resolve():
             return entry.name
     return None
 
@@ -53,7 +54,7 @@ def choose(path: Path, device_type: str, isa: str) -> WeightChoice:
         reason = ("no C compiler: torch's kernels" if isa == "torch"
                   else f"{isa} has a fused integer dot product: exact activations")
         return WeightChoice("q4", reason)
-    measured = fast_measured(path.resolve())
+    measured = fast_measured(path)
     if measured:
         return WeightChoice("q4-fast", f"{isa} has no fused integer dot product and {measured}'s q4-fast KLD is "
                                        "measured at most llama.cpp's: llama.cpp's int8 activations")
