@@ -12,7 +12,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvserve.models import block_layouts
+from kvserve.models import block_layouts, layouts
 from kvserve.models.gguf_file import GGUFFile
 from kvserve.models.linear import Int4Linear
 from kvserve.models.registry import resolve
@@ -91,7 +91,7 @@ def test_the_loaded_qwen_holds_its_file(qwen):
         qkv = torch.cat([qwen.load_tensor(p + f"attn_{s}.weight") for s in "qkv"])
         assert torch.equal(layer.qkv.weight, qkv), i
         assert torch.equal(layer.down.weight, qwen.load_tensor(p + "ffn_down.weight")), i
-        assert isinstance(layer.down, Int4Linear) and layer.down.layout == block_layouts.GGUF_LAYOUTS[
+        assert isinstance(layer.down, Int4Linear) and layer.down.layout == layouts.GGUF_LAYOUTS[
             qwen.tensors[p + "ffn_down.weight"].type_name][0]
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve import native
-from kvserve.models import block_layouts
+from kvserve.models import block_layouts, layouts
 from kvserve.models.weight_grids import int8_groups, pack_int4, pack_int8_groups, pack_int8_groups16
 from kvserve.native import abi
 from tests.support import BLOCK_TYPES, random_blocks
@@ -58,13 +58,12 @@ def layout_inputs(m: int, n: int, k: int, seed: int, layout: str):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)
     x[0, :32] = 0.0
-    packed = block_layouts.pack_blocks(random_blocks(layout, n, k, seed), layout, n, k, huge_pages=False)
+    packed = block_layouts.pack_blocks(random_blocks(layout, n, k, seed), layout, n, k)
     return x, packed, torch.randn(n, generator=g)
 
 
 def layout_code(layout: str) -> int:
-    return block_layouts.LAYOUT_NAMES.index(layout if layout in ("F16", "F32") else
-                                            block_layouts.LAYOUT_NAMES[block_layouts.GGUF_LAYOUTS[layout][0]])
+    return layouts.LAYOUT_NAMES.index(layout) if layout in ("F16", "F32") else layouts.GGUF_LAYOUTS[layout][0]
 
 
 def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int, layout: str | bool = "F16") -> torch.Tensor:

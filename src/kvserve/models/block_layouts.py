@@ -24,12 +24,10 @@ import numpy as np
 import torch
 
 from kvserve import native
-from kvserve.host_memory import empty_bytes
-from kvserve.models.layouts import (  # noqa: F401  (re-exported: the layouts' table)
+from kvserve.models.layouts import (
     CODE_BITS,
     GGUF_LAYOUTS,
     GROUP_BYTES,
-    LAYOUT_NAMES,
     QL_F16,
     QL_F32,
     QL_Q4_0,
@@ -37,12 +35,9 @@ from kvserve.models.layouts import (  # noqa: F401  (re-exported: the layouts' t
     QL_Q5_0,
     QL_Q5_1,
     QL_Q5_K,
-    QL_Q6_K,
     ROW_CHUNK,
     SUPER_BYTES,
-    packed_bytes,
     panel_bytes,
-    supports,
 )
 
 
@@ -126,23 +121,27 @@ def _code_planes(codes: np.ndarray, panels: int, bits: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
-def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int, huge_pages: bool = False,
-                on_rows: Callable[[int], None] | None = None) -> torch.Tensor:
-    """A tensor's file bytes (rows x cols weights of ``type_name``, rows in order) -> u8 [panels,
-    panel_bytes] in int4_matmul.c's layout for the type (``native/block_repack.c``; where it cannot be
-    built, ``pack_blocks_reference``). ROW_CHUNK rows at a time into the output (with ``huge_pages``, its
-    own 2 MiB-page buffer); ``on_rows(n)`` hears after each chunk that the first n rows are packed (the
-    loader drops their pages of the mapped file)."""
-    repack = native.function("block_repack", "pack_gguf_blocks")
-    if repack is None:
-        return pack_blocks_reference(raw, type_name, rows, cols, huge_pages, on_rows)
+def _packed_output(type_name: str, rows: int, cols: int) -> tuple[int, torch.Tensor]:
+    """(layout, u8 [panels, panel_bytes]) for a rows x cols tensor of ``type_name``, after checking its rows
+    are whole file blocks."""
     layout, per_block, _ = GGUF_LAYOUTS[type_name]
     if cols % per_block:
         raise ValueError(f"{type_name}: rows of {cols} weights are not whole blocks of {per_block}")
+    panels = -(-rows // 16)
+    return layout, torch.empty(panels, panel_bytes(layout, cols), dtype=torch.uint8)
+
+
+def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int,
+                on_rows: Callable[[int], None] | None = None) -> torch.Tensor:
+    """A tensor's file bytes (rows x cols weights of ``type_name``, rows in order) -> u8 [panels,
+    panel_bytes] in int4_matmul.c's layout for the type (``native/block_repack.c``; where it cannot be
+    built, ``pack_blocks_reference``). ROW_CHUNK rows at a time; ``on_rows(n)`` hears after each chunk that
+    the first n rows are packed (the loader drops their pages of the mapped file)."""
+    repack = native.function("block_repack", "pack_gguf_blocks")
+    if repack is None:
+        return pack_blocks_reference(raw, type_name, rows, cols, on_rows)
+    layout, out = _packed_output(type_name, rows, cols)
     blocks = np.ascontiguousarray(raw).reshape(rows, -1)  # the mapped file itself where it is contiguous
-    panels, width = -(-rows // 16), panel_bytes(layout, cols)
-    out = (empty_bytes(panels * width, torch.device("cpu")) if huge_pages else torch.empty(panels * width, dtype=torch.uint8))
-    out = out.view(panels, width)
     threads = torch.get_num_threads()
     for r in range(0, rows, ROW_CHUNK):
         n = min(ROW_CHUNK, rows - r)
@@ -153,18 +152,14 @@ def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int, huge_page
     return out
 
 
-def pack_blocks_reference(raw: np.ndarray, type_name: str, rows: int, cols: int, huge_pages: bool = False,
+def pack_blocks_reference(raw: np.ndarray, type_name: str, rows: int, cols: int,
                           on_rows: Callable[[int], None] | None = None) -> torch.Tensor:
     """``pack_blocks`` in numpy: the reference the native repack is held to (tests), and the packer where
     no compiler is found."""
-    layout, per_block, block_bytes = GGUF_LAYOUTS[type_name]
-    if cols % per_block:
-        raise ValueError(f"{type_name}: rows of {cols} weights are not whole blocks of {per_block}")
+    layout, out = _packed_output(type_name, rows, cols)
+    _, per_block, block_bytes = GGUF_LAYOUTS[type_name]
     blocks = raw.reshape(rows, cols // per_block, block_bytes)
-    panels, width = -(-rows // 16), panel_bytes(layout, cols)
-    out = (empty_bytes(panels * width, torch.device("cpu")) if huge_pages else torch.empty(panels * width, dtype=torch.uint8))
-    out = out.view(panels, width)
-    target = out.numpy()
+    target, width = out.numpy(), out.shape[1]
     groups, super_bytes = cols // 32, SUPER_BYTES[layout]
     for r in range(0, rows, ROW_CHUNK):
         chunk = blocks[r : r + ROW_CHUNK]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvserve import native
-from kvserve.host_memory import TRIM_EVERY, empty_bytes, release_freed_memory
+from kvserve.host_memory import empty_bytes
 from kvserve.models.gguf_file import GGUFWeights, QuantRows
 from kvserve.models.layouts import INT8_SOURCES, holder, runs
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, Linear, StackedLinear
@@ -35,21 +35,8 @@ def projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None
     """The tensors ``names`` stacked by rows as one projection held in the file's bits, or None."""
     held = _projection(weights, names, bias, weight_format)
     if held is not None:
-        _count_packed(held.nbytes)
+        weights.trimmer.add(held.nbytes)
     return held
-
-
-_packed_since_trim = [0]
-
-
-def _count_packed(nbytes: int) -> None:
-    """Hands the C heap's freed pages back every TRIM_EVERY bytes packed: each chunk's numpy temporaries
-    are freed, but below glibc's mmap threshold (which rises with every big free) they stay resident
-    (Qwen2.5-0.5B: ~90 MiB by the end of the load)."""
-    _packed_since_trim[0] += nbytes
-    if _packed_since_trim[0] >= TRIM_EVERY:
-        release_freed_memory()
-        _packed_since_trim[0] = 0
 
 
 def _projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None, weight_format: str) -> Linear | None:

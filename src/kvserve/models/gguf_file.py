@@ -16,7 +16,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
-from kvserve.models import block_layouts
+from kvserve.host_memory import HeapTrimmer
+from kvserve.models import layouts
 from kvserve.models.arch import ARCHS
 from kvserve.models.gguf_config import read_model_config  # noqa: F401  (re-exported)
 from kvserve.models.gguf_header import read_gguf_header
@@ -180,7 +181,7 @@ class QuantRows:
     only the pages of rows looked up become resident."""
 
     def __init__(self, raw: np.ndarray, type_name: str, rows: int, cols: int) -> None:
-        self.raw, self.type_name, self.rows_count, self.cols = raw.reshape(rows, -1), type_name, rows, cols
+        self.raw, self.type_name, self.cols = raw.reshape(rows, -1), type_name, cols
         self.nbytes = int(raw.size)
 
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,6 +204,7 @@ class GGUFWeights:
         self.gf, self.config, self.on_tensor = gf, config, on_tensor
         self.names = {("rope_freqs" if n == "rope_freqs.weight" else n): n for n in gf.tensors}
         self.total, self.taken = len(self.names), 0
+        self.trimmer = HeapTrimmer()  # the C heap handed back as tensors are packed from their blocks
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
@@ -240,7 +242,7 @@ class GGUFWeights:
     def block_type(self, name: str) -> tuple[str, int, int] | None:
         """``matrix`` of a tensor whose file blocks ``block_layouts`` packs; None for other tensors."""
         found = self.matrix(name)
-        return found if found is not None and block_layouts.supports(found[0], found[2]) else None
+        return found if found is not None and layouts.supports(found[0], found[2]) else None
 
     def reordered(self, name: str) -> bool:
         """Whether the architecture reorders this tensor's rows (see ``_fix_rows``)."""

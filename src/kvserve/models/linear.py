@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from kvserve import native
 from kvserve.host_memory import rehome
 from kvserve.models import block_layouts
+from kvserve.models.layouts import GGUF_LAYOUTS, QL_F16, QL_F32
 from kvserve.models.weight_grids import (
     INT4_GROUP,
     ROW_BLOCK,
@@ -247,7 +248,7 @@ class Int4Linear:
         self.kernel = _int4_matmul_kernel()
         # f32 where f16 cannot hold a scale or offset exactly: 20% more bytes
         f32_scales = not all(torch.equal(t, t.half().float()) for t in (scale, lo))
-        self.layout = block_layouts.QL_F32 if f32_scales else block_layouts.QL_F16
+        self.layout = QL_F32 if f32_scales else QL_F16
         if self.kernel is not None:
             self.packed = pack_int4(codes, scale, lo, f32_scales)
             self.nbytes = self.packed.numel()
@@ -266,7 +267,7 @@ class Int4Linear:
         lin.kernel = _int4_matmul_kernel()
         lin.out_features, lin.in_features, lin.digits = rows, cols, 1 if fast else 2
         lin.bias = None if bias is None else bias.float().contiguous()
-        lin.layout = block_layouts.GGUF_LAYOUTS[type_name][0]
+        lin.layout = GGUF_LAYOUTS[type_name][0]
         lin.packed = block_layouts.pack_blocks(raw, type_name, rows, cols, on_rows=on_rows)
         lin.nbytes = lin.packed.numel()
         return lin
@@ -279,10 +280,10 @@ class Int4Linear:
     @property
     def weight(self) -> torch.Tensor:
         """[out, in] f32: scale * code + offset per group, as the file's dequantization rounds it."""
-        if self.layout not in (block_layouts.QL_F16, block_layouts.QL_F32):
+        if self.layout not in (QL_F16, QL_F32):
             return block_layouts.unpack_weight(self.packed, self.layout, self.out_features, self.in_features)
         packed = self.packed.view(self.packed.shape[0], self.in_features // INT4_GROUP, -1)
-        codes, scale, lo = unpack_int4(packed, self.out_features, self.layout == block_layouts.QL_F32)
+        codes, scale, lo = unpack_int4(packed, self.out_features, self.layout == QL_F32)
         groups = codes.view(self.out_features, -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]
         return groups.view(self.out_features, -1)
 
