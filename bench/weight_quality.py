@@ -5,7 +5,7 @@ text (``pydoc_data.topics``, as ``kvserve eval`` uses). The f32 run is the refer
     .venv/bin/python bench/weight_quality.py [--model smollm2] [--formats q4,q4-fast,int8,bf16] [--llama-cpp]
 
 ``--llama-cpp`` needs the peer installed (``make bench`` or ``pip install .[peers]``); it evaluates the
-same token ids with ``logits_all`` and f16 KV (whose own cost is ~0, see the KV table in the README).
+same token ids with ``logits_all`` and f16 KV (whose own cost is ~0, see the KV table in docs/kv-cache.md).
 """
 
 from __future__ import annotations

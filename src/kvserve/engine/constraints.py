@@ -5,8 +5,8 @@
              forbidden(vocab) -> bool mask for the sampler (tokens that would leave the grammar)
              advance(token)                                after each sampled token
 
-llguidance (llama.cpp's choice too) was picked over xgrammar by measuring on our tokenizers (see the
-README): masks well under a millisecond with either, schema compilation 5-6x faster (agents send new
+llguidance (llama.cpp's choice too) was picked over xgrammar by measuring on our tokenizers (see
+docs/serving.md): masks well under a millisecond with either, schema compilation 5-6x faster (agents send new
 tool schemas with every request), and no dependency beyond itself. Its tokenizer tables take seconds to
 build for a 262K vocabulary, so they are built once per model, on the first constrained request.
 

@@ -1,7 +1,7 @@
 """Choosing KV cache types for a memory budget, and advice that names the fix when something does not fit.
 
 The quality order is measured, not guessed: mean KL divergence against the f32 cache from
-``kvserve eval smollm2 --ctx 2048`` (see the README's table), best first. ``--cache-type auto`` takes
+``kvserve eval smollm2 --ctx 2048`` (see docs/kv-cache.md's table), best first. ``--cache-type auto`` takes
 the first pair whose pool fits the budget. Torch-free.
 """
 

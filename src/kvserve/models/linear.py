@@ -24,7 +24,7 @@ Each format computes every row of a batch exactly as it would alone (per-row act
 integer accumulation), so batched, chunked and single-token runs agree bit for bit within a format.
 Rejected after measurement: int8 with one int8 digit per token (SmolLM2's activation outliers) and
 fbgemm dynamic quantization (per-tensor activation scales: a row's result would depend on its batch).
-The measured KLD of each format is in the README (*Weight formats*).
+The measured KLD of each format is in docs/kernels.md (*Weight formats*).
 
 A projection is a callable ``x [num_tokens, in] -> [num_tokens, out]``; the model does not care which.
 """

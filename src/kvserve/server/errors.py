@@ -157,7 +157,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if union is not None:
         field, message = union
     elif kind == "extra_forbidden":
-        message = f"unsupported parameter '{field}'; see the README's table of supported parameters"
+        message = f"unsupported parameter '{field}'; see docs/serving.md's table of supported parameters"
     elif kind == "json_invalid":
         field, message = None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
     elif not loc and kind == "missing":

@@ -2,7 +2,7 @@
 
 Unknown fields are refused (400, "unsupported parameter"). Fields OpenAI defines that we cannot
 honour are accepted only with a value that asks for nothing (``logit_bias: {}``, ``functions: []``, ...); fields that do not change the output (``user``, ``metadata``, ...) are
-accepted and ignored. The README's table lists every field.
+accepted and ignored. docs/serving.md's table lists every field.
 """
 
 from __future__ import annotations
