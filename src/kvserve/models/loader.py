@@ -65,6 +65,7 @@ def load_model(
         gf = GGUFFile(path)
         config = read_model_config(gf)
         tokenizer = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") else None
+        release_freed_memory()  # a vocabulary's build temporaries (Gemma 3's merges: ~190 MiB of C heap)
         weights = GGUFWeights(gf, config, progress)
         weight_types = gf.header.bytes_by_type()
     why = ""

@@ -9,7 +9,7 @@ their windows (``kv.window_blocks.window_pool_blocks``), unless --no-window-kv.
 Two totals, which differ only in the weights:
 
     total (plan)    weights as stored + the pool
-    total (engine)  weights as the engine holds them (--weights: auto = q4 for a GGUF) + one tensor of the
+    total (engine)  weights as the engine holds them (--weights: auto = q4 for a GGUF) + a chunk of rows of the
                     file mapped while loading + the pool
 
 Both add the same activations and runtime overhead.
@@ -29,6 +29,7 @@ from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer
 from kvserve.kv.pool_sizing import PoolSize
 from kvserve.kv.pool_sizing import context_pool as engine_pool  # the engine's own arithmetic: no drift
 from kvserve.kv.pool_sizing import context_pool_bytes as planned_kv_pool_bytes  # noqa: F401 (kvserve.plan's name)
+from kvserve.models.layouts import ROW_CHUNK
 from kvserve.plan.source import ModelSpec, held_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -131,7 +132,7 @@ class ContextPlan:
     engine_pool: PoolSize
     activations: Activations
     total: int  # weights as stored + engine_kv_pool_bytes + activations + overhead
-    engine_total: int  # weights as held + a tensor in flight + engine_kv_pool_bytes + activations + overhead
+    engine_total: int  # weights as held + a chunk of rows in flight + engine_kv_pool_bytes + activations + overhead
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,10 +272,13 @@ def context_plan(
 
 
 def in_flight(spec: ModelSpec) -> int:
-    """A GGUF's largest tensor as stored: the loader drops a tensor's pages of the mapped file once it has
-    taken it, so the file's share of a load is about one tensor (the whole file where no tensor list is
-    known)."""
-    return max((t.num_bytes for t in spec.tensors), default=spec.mapped_bytes)
+    """What a load holds beside the weights it has packed: ROW_CHUNK rows of the widest tensor, as stored
+    and as float32 (the loader packs a tensor a chunk of rows at a time and drops the mapped file's pages
+    behind it). The whole file where no tensor list is known."""
+    if not spec.tensors:
+        return spec.mapped_bytes
+    return max(min(ROW_CHUNK, t.num_elements // t.dims[0]) * t.dims[0] * 4 + t.num_bytes * min(
+        1.0, ROW_CHUNK * t.dims[0] / t.num_elements) for t in spec.tensors).__ceil__()
 
 
 def largest_fit(total: Callable[[int], int], limit: int, memory: int) -> int:

@@ -264,7 +264,7 @@ def render(plan: Plan, console) -> None:
         "total (engine)",
         [p.engine_total for p in first.contexts],
         f"weights {weight_format(plan.model, s)} {fmt_bytes(plan.engine_weight_bytes)}"
-        + (" + a tensor of the GGUF in flight" if plan.model.mapped_bytes else "")
+        + (" + a chunk of the GGUF in flight" if plan.model.mapped_bytes else "")
         + f", pool of {s.block_size}-token blocks",
     )
     console.print(table)
