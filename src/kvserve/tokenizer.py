@@ -6,9 +6,11 @@ GGUF files carry the vocabulary, merges and pre-tokenizer name; we rebuild the t
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,27 @@ def _build_gpt2_bpe(tokens: list[str], merges: list[str], token_types: list[int]
     return tk
 
 
+# Fill-in-the-middle tokens as each code-model family spells them: (prefix, suffix, middle, file
+# separator or None). GGUF files seldom carry tokenizer.ggml.fim_*_token_id, so they are found by name.
+FIM_SPELLINGS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"),  # Qwen2.5-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>"),  # StarCoder, Granite
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None),  # DeepSeek-Coder
+    ("▁<PRE>", "▁<SUF>", "▁<MID>", None),  # Code Llama
+)
+# tokens that end a filled middle besides the model's end of sequence
+FIM_ENDS = ("<|endoftext|>", "<|file_sep|>", "<|fim_pad|>", "<|repo_name|>", "<file_sep>", "<EOT>", "▁<EOT>")
+
+
+@dataclass(frozen=True, slots=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+    file_sep: int | None
+    ends: tuple[int, ...]
+
+
 class Tokenizer:
     """Encode/decode, special tokens and the chat template of one model."""
 
@@ -96,6 +119,33 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def fim(self) -> FimTokens | None:
+        """The model's fill-in-the-middle tokens; None for a model trained without them."""
+        for names in FIM_SPELLINGS:
+            ids = [self.backend.token_to_id(n) if n else None for n in names]
+            if None not in ids[:3]:
+                ends = {self.backend.token_to_id(n) for n in FIM_ENDS} - {None}
+                return FimTokens(ids[0], ids[1], ids[2], ids[3], tuple(sorted(ends | set(self.eos_token_ids))))
+        return None
+
+    def encode_fim(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
+        """Prefix-suffix-middle as the code models are trained (and llama.cpp's /infill writes it): other
+        files first (``extra``: (file name, text), each after the file separator where the model has
+        one), then the prefix, the suffix and the start of the middle. ValueError without FIM tokens."""
+        fim = self.fim
+        if fim is None:
+            raise ValueError("this model has no fill-in-the-middle tokens (a code model such as Qwen2.5-Coder has)")
+        ids: list[int] = []
+        for name, text in extra:
+            if fim.file_sep is not None:
+                ids += [fim.file_sep, *self.encode(f"{name}\n{text}", add_special=False)]
+            else:
+                ids += self.encode(text, add_special=False)
+        ids += [fim.prefix, *self.encode(prefix, add_special=False), fim.suffix, *self.encode(suffix, add_special=False),
+                fim.middle, *self.encode(middle, add_special=False)]
+        return self._with_bos(ids, True)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

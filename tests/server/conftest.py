@@ -74,36 +74,19 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
+    # exact weights on every CPU: tests here assert greedy answers (Paris, tool calls), which the
+    # q4-fast that --weights auto takes on CPUs without a fused dot product can flip, as llama.cpp's do
+    yield from serve(tmp_path_factory, "smollm2", "-c", str(NUM_CTX), "--max-num-seqs", str(MAX_NUM_SEQS),
+                     "--max-waiting", str(MAX_WAITING), "--cache-type", "f32", "--weights", "q4",
+                     "--max-body-size", str(MAX_BODY))
+
+
+def serve(tmp_path_factory, model: str, *args: str):
+    """A ``kvserve serve MODEL ARGS`` on a free port with the tests' API key, until the generator ends."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvserve",
-        "serve",
-        "smollm2",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-c",
-        str(NUM_CTX),
-        "--max-num-seqs",
-        str(MAX_NUM_SEQS),
-        "--max-waiting",
-        str(MAX_WAITING),
-        "--cache-type",
-        "f32",
-        # exact weights on every CPU: tests here assert greedy answers (Paris, tool calls), which the
-        # q4-fast that --weights auto takes on CPUs without a fused dot product can flip, as llama.cpp's do
-        "--weights",
-        "q4",
-        "--max-body-size",
-        str(MAX_BODY),
-        "--api-key",
-        API_KEY,
-        "--no-access-log",
-    ]
+    cmd = [sys.executable, "-m", "kvserve", "serve", model, "--host", "127.0.0.1", "--port", str(port), *args,
+           "--api-key", API_KEY, "--no-access-log"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import ollama
 import pytest
@@ -83,10 +84,39 @@ def test_a_tool_result_is_answered(client, idle):
     assert r.message.content and r.prompt_eval_count > 40
 
 
-def test_bad_format_and_tools_are_400s(client, idle):
+def test_bad_format_is_a_400(client, idle):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="smollm2", messages=ASK, format={"type": "nonsense"})
     assert e.value.status_code == 400
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model="smollm2", messages=ASK, format=WEATHER, tools=TOOLS)
-    assert e.value.status_code == 400
+        client.chat(model="smollm2", messages=[{"role": "user", "content": "What is this?", "images": ["aGk="]}])
+    assert e.value.status_code == 400 and "images" in str(e.value)
+
+
+def test_tools_with_a_format_answer_a_call_or_the_schema(client, idle):
+    for seed in range(4):
+        r = client.chat(model="smollm2", messages=ASK, format=PERSON, tools=TOOLS,
+                        options={"seed": seed, "temperature": 1.0, "num_predict": 80})
+        if r.message.tool_calls:
+            for call in r.message.tool_calls:
+                jsonschema.validate(call.function.arguments, SCHEMAS[call.function.name])
+        else:
+            jsonschema.validate(json.loads(r.message.content), PERSON)
+
+
+def test_the_fields_litellm_and_llama_index_send(idle):
+    # litellm's ollama_chat/ echoes tool-call ids and types and names the call a tool message answers,
+    # with truncate and shift on top; llama-index sends /api/show's trained context as num_ctx
+    call = {"id": "call_7", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
+    body = {"model": "smollm2", "stream": False, "truncate": True, "shift": True, "keep_alive": "5m",
+            "messages": [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "content": "18 degrees", "tool_call_id": "call_7"}],
+            "tools": TOOLS, "options": {"num_ctx": 32768, "num_predict": 8, "temperature": 0}}
+    headers = {"Authorization": f"Bearer {idle.api_key}"}
+    r = httpx.post(f"{idle.url}/api/chat", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    assert int(r.headers["X-KVServe-Num-Ctx"]) < 32768
+    assert r.json()["done"] and r.json()["prompt_eval_count"] > 40
+    streamed = httpx.post(f"{idle.url}/api/chat", json={**body, "stream": True}, headers=headers, timeout=120)
+    assert streamed.status_code == 200 and "X-KVServe-Num-Ctx" in streamed.headers

@@ -25,6 +25,9 @@ def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
     if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
         ids, counts = torch.tensor(request.output_token_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+    if p.logit_bias:  # after the penalties, as OpenAI and llama.cpp add it: -100 bans a token, +100 all but forces it
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+        logits[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
     return logits
 
 
@@ -46,7 +49,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 
 
 def _needs_penalty(p) -> bool:
-    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias)
 
 
 class Sampler:

@@ -33,6 +33,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None  # a grammar the output must follow (JSON schema, regex, ...)
     num_keep: int | None = None  # tokens a context shift keeps at the start (None: the engine's --num-keep)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's logit_bias
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -41,6 +42,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         checks = [
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -54,6 +57,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias maps token ids (>= 0) to values in [-100, 100]"),
             (self.num_keep is None or self.num_keep >= 0, f"num_keep must be >= 0, got {self.num_keep}"),
             (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
         ]

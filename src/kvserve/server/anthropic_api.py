@@ -75,10 +75,7 @@ async def _prompt(serving: Serving, body: CountTokensRequest) -> tuple[list[int]
 async def messages(body: MessagesRequest, request: Request):
     serving = _serving(request)
     prompt, tools, choice = await _prompt(serving, body)
-    calls = call_constraint(tools, choice)
     answer_format = body.output_config.constraint() if body.output_config else None
-    if calls is not None and answer_format is not None:
-        raise APIError(400, "output_config.format goes with tools only when tool_choice is 'none'")
     params = sampling_params(
         PARAM_NAMES,
         max_tokens=body.max_tokens,
@@ -86,7 +83,7 @@ async def messages(body: MessagesRequest, request: Request):
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
-        constraint=calls or answer_format,
+        constraint=call_constraint(tools, choice, answer_format),
     )
     message_id = f"msg_{uuid.uuid4().hex}"
     stream = await serving.start(prompt, params, message_id, param="messages")

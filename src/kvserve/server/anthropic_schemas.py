@@ -91,7 +91,7 @@ class AnthropicToolChoice(Strict):
     disable_parallel_tool_use: bool | None = None
 
     def spec(self) -> ToolChoice:
-        parallel = not self.disable_parallel_tool_use
+        parallel = self.disable_parallel_tool_use is False  # asked for: see ToolChoice
         if self.type == "tool":
             if not self.name:
                 raise ValueError("tool_choice of type 'tool' needs the tool's name")

@@ -2,6 +2,7 @@
 
 /v1/...        OpenAI (openai_api)          /api/...      Ollama (ollama_api)
 /v1/messages   Anthropic (anthropic_api)
+/tokenize, /detokenize, /infill   llama.cpp's server (llama_api)
 /health        200 while the engine runs    /metrics      Prometheus text format
 /v1/kvserve/cache   KV blocks: free, held, and each live request's block table
 /openapi.json  the OpenAPI spec (FastAPI), /docs its UI
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
-from kvserve.server import anthropic_api, ollama_api, openai_api, web_ui
+from kvserve.server import anthropic_api, llama_api, ollama_api, openai_api, web_ui
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot, EngineView
 from kvserve.server.errors import install_error_handlers
@@ -128,6 +129,7 @@ def build_app(
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(llama_api.router)
     app.include_router(web_ui.router)  # before ops: its / serves browsers the page
     app.include_router(ops)
     app.add_middleware(JSONBodyMiddleware)

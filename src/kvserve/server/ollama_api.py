@@ -1,20 +1,25 @@
 """Ollama-compatible endpoints: ``/api/generate``, ``/api/chat`` (NDJSON streams by default), ``/api/tags``,
 ``/api/ps``, ``/api/show``, ``/api/version``.
 
-A request's ``num_ctx`` cannot resize the KV pool: it may only shrink the context below the server's
-(the prompt must fit in it and generation stops at it); a larger one is refused with 400.
+A request's ``num_ctx`` cannot resize the KV pool: it may shrink the context below the server's (the
+prompt must fit in it and generation stops at it); a larger one is served at the server's context, as
+Ollama serves what its memory allows, and the reply says so in ``X-KVServe-Num-Ctx`` and the log
+(llama-index sends ``/api/show``'s trained context as ``num_ctx`` on every request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from kvserve import __version__
 from kvserve.engine.async_engine import EngineDeadError
@@ -36,6 +41,7 @@ from kvserve.server.tools import (
     text_to_stream,
 )
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["Ollama"])
 
 NEVER = "9999-12-31T23:59:59Z"  # expires_at of a model that stays loaded
@@ -66,13 +72,7 @@ def ollama_params(
     o = options or Options()
     ctx = server_ctx
     if o.num_ctx is not None:
-        if o.num_ctx > server_ctx:
-            raise APIError(
-                400,
-                f"num_ctx {o.num_ctx} is larger than this server's context of {server_ctx} "
-                f"tokens; leave it out or restart the server with a larger --num-ctx",
-            )
-        ctx = o.num_ctx
+        ctx = min(o.num_ctx, server_ctx)  # a larger one: see the module's docstring
     if num_prompt_tokens >= ctx:
         raise prompt_too_long(num_prompt_tokens, ctx)
     room = ctx - num_prompt_tokens
@@ -160,7 +160,10 @@ class Reply:
     def final(self, out: RequestOutput, text: str = "", calls: list[ToolCall] | None = None) -> dict:
         obj = self.part(text, out, done=True)
         if calls:
-            obj["message"]["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            obj["message"]["tool_calls"] = [
+                {"id": c.id, "function": {"index": i, "name": c.name, "arguments": c.arguments}}
+                for i, c in enumerate(calls)
+            ]
         obj["done_reason"] = _done_reason(out)
         if not self.chat:
             obj["context"] = list(out.prompt_token_ids) + list(out.token_ids)
@@ -220,13 +223,18 @@ async def generate(body: GenerateRequest, request: Request):
     if body.raw and body.system:
         raise APIError(400, "system has no effect with raw: true; put it in the prompt")
     context = list(body.context or [])
-    if body.raw:
+    if body.suffix:  # as Ollama: the prompt and suffix through the model's fill-in-the-middle form
+        ids = context + await serving.encode_fim(body.prompt or "", body.suffix)
+        ends = serving.tokenizer.fim.ends
+    elif body.raw:
         ids = context + await serving.encode_text(body.prompt or "", add_special=not context)
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         messages.append({"role": "user", "content": body.prompt or ""})
         ids = context + await serving.encode_chat(messages, add_special=not context)
-    return await _run(request, serving, body, ids, chat=False, received=received)
+    if not body.suffix:
+        ends = ()
+    return await _run(request, serving, body, ids, chat=False, received=received, stop_token_ids=ends)
 
 
 @router.post(
@@ -250,15 +258,18 @@ async def chat(body: ChatRequest, request: Request):
         check_tools(tools, ToolChoice())
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    if tools and body.format:
-        raise APIError(400, "format goes with tools only when tools is empty; ask for one of them")
+    try:
+        answer_format = body.format_constraint()
+    except ValueError as e:
+        raise APIError(400, f"format: {e}") from None
     ids = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools)
-    calls = call_constraint(tools, ToolChoice())
+    calls = call_constraint(tools, ToolChoice(), answer_format) if tools else None
     return await _run(request, serving, body, ids, chat=True, received=received, calls=calls)
 
 
 async def _run(
-    request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float, calls=None
+    request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float, calls=None,
+    stop_token_ids: tuple[int, ...] = (),
 ):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     try:
@@ -266,9 +277,19 @@ async def _run(
     except ValueError as e:
         raise APIError(400, f"format: {e}") from None
     params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs, constraint)
+    if stop_token_ids:
+        params = replace(params, stop_token_ids=(*params.stop_token_ids, *stop_token_ids))
     stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")
     reply = Reply(body.model, chat, received, logprobs is not None, tools_on=calls is not None)
-    return await _reply(request, stream, reply, body.stream is not False)
+    result = await _reply(request, stream, reply, body.stream is not False)
+    asked = body.options.num_ctx if body.options else None
+    if asked is not None and asked > serving.max_model_len:
+        log.info("num_ctx %d asked, served at the server's context of %d tokens", asked, serving.max_model_len)
+        headers = {"X-KVServe-Num-Ctx": str(serving.max_model_len)}
+        if isinstance(result, dict):
+            return JSONResponse(result, headers=headers)
+        result.headers.update(headers)
+    return result
 
 
 # --- models -----------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from kvserve.server.tools import ToolCall
 DURATION = re.compile(r"^-?(\d+(\.\d+)?|(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+)$")
 
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""),
     "template": (None, ""),
     "format": (None, ""),
     "images": (None, []),
@@ -106,6 +105,8 @@ class GenerationFields(Strict):
     think: bool | str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    truncate: bool | None = None  # a prompt longer than the context is refused either way (see errors)
+    shift: bool | None = None  # context shift: a server setting here (--context-overflow)
 
     check_neutral = field_validator("think")(neutral_only)
 
@@ -133,11 +134,11 @@ class GenerateRequest(GenerationFields):
     system: str | None = None
     context: list[int] | None = None
     raw: bool | None = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle between prompt and suffix (a model with FIM tokens)
     template: str | None = None
     images: list[Any] | None = None
 
-    check_generate_neutral = field_validator("suffix", "template", "images")(neutral_only)
+    check_generate_neutral = field_validator("template", "images")(neutral_only)
 
 
 class OllamaCalledFunction(Strict):
@@ -148,6 +149,8 @@ class OllamaCalledFunction(Strict):
 
 class OllamaToolCallRecord(Strict):
     function: OllamaCalledFunction
+    id: str | None = None  # what newer Ollama servers and litellm send back
+    type: Literal["function"] | None = None
 
 
 class Message(Strict):
@@ -157,13 +160,17 @@ class Message(Strict):
     tool_calls: list[OllamaToolCallRecord] | None = None  # assistant turns
     thinking: str | None = None
     tool_name: str | None = None  # tool turns: which tool answered
+    tool_call_id: str | None = None  # tool turns: the call answered (litellm's ollama_chat/ sends it)
 
     check_neutral = field_validator("images", "thinking")(neutral_only)
 
     def for_template(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            message["tool_calls"] = [ToolCall(c.function.name, c.function.arguments) for c in self.tool_calls]
+            message["tool_calls"] = [ToolCall(c.function.name, c.function.arguments, **({"id": c.id} if c.id else {}))
+                                     for c in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 

@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 
@@ -67,11 +68,15 @@ def _params(
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
         constraint=constraint,
+        logit_bias={int(t): b for t, b in (body.logit_bias or {}).items()},
     )
 
 
 def _check_common(body: SamplingFields, serving: Serving) -> int:
     serving.check_model(body.model)
+    vocab = serving.vocab_size
+    if any(int(t) >= vocab for t in body.logit_bias or {}):
+        raise APIError(400, f"logit_bias names a token id beyond the vocabulary of {vocab}", "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     n = body.n or 1
@@ -93,12 +98,7 @@ def _chat_output_rules(body: ChatCompletionRequest) -> tuple[list[Tool], Constra
         answer_format = body.response_format.constraint() if body.response_format else None
     except ValueError as e:
         raise APIError(400, str(e), "response_format") from None
-    calls = call_constraint(tools, choice)
-    if calls is not None and answer_format is not None:
-        raise APIError(
-            400, "response_format other than text goes with tools only when tool_choice is 'none'", "response_format"
-        )
-    return (tools if choice.mode != "none" else []), calls or answer_format
+    return (tools if choice.mode != "none" else []), call_constraint(tools, choice, answer_format)
 
 
 def _assistant_message(out: RequestOutput, tools_on: bool) -> tuple[dict, str]:
@@ -232,6 +232,9 @@ async def completions(body: CompletionRequest, request: Request):
         )
     prompts = await _completion_prompts(body, serving)
     params = [_params(body, body.max_tokens or 16, body.logprobs, j) for j in range(n)]
+    if body.suffix is not None:  # the middle ends where the model says it does
+        ends = serving.tokenizer.fim.ends
+        params = [replace(p, stop_token_ids=(*p.stop_token_ids, *ends)) for p in params]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await serving.start_all(
         [(ids, params[j], f"{response_id}-{p * n + j}") for p, ids in enumerate(prompts) for j in range(n)],
@@ -262,6 +265,10 @@ async def _completion_prompts(body: CompletionRequest, serving: Serving) -> list
         prompt = [prompt]
     if not prompt or any(len(p) == 0 for p in prompt):
         raise APIError(400, "prompt must not be empty", "prompt")
+    if body.suffix is not None:
+        if not all(isinstance(p, str) for p in prompt):
+            raise APIError(400, "suffix goes with a text prompt, not token ids", "suffix")
+        return [await serving.encode_fim(p, body.suffix) for p in prompt]
     return [await serving.encode_text(p) if isinstance(p, str) else list(p) for p in prompt]
 
 

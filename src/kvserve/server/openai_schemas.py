@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI requests we accept.
 
 Unknown fields are refused (400, "unsupported parameter"). Fields OpenAI defines that we cannot
-honour are accepted only with a value that asks for nothing (``logit_bias: {}``, ``functions: []``, ...); fields that do not change the output (``user``, ``metadata``, ...) are
+honour are accepted only with a value that asks for nothing (``functions: []``, ...); fields that do not change the output (``user``, ``metadata``, ...) are
 accepted and ignored. docs/serving.md's table lists every field.
 """
 
@@ -22,7 +22,6 @@ SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed t
 
 # field -> the values that ask for nothing (anything else is refused)
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none"),
     "modalities": (None, ["text"]),
@@ -33,7 +32,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "verbosity": (None,),
     "moderation": (None,),
     "prompt_cache_options": (None,),
-    "suffix": (None, ""),
 }
 
 
@@ -173,8 +171,7 @@ class SamplingFields(Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = None
-    # accepted, refused unless neutral
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit, -100..100
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -184,7 +181,15 @@ class SamplingFields(Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
 
-    check_neutral = field_validator("logit_bias")(neutral_only)
+    @field_validator("logit_bias")
+    @classmethod
+    def bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -236,7 +241,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def tool_choice_spec(self) -> ToolChoice:
         choice = self.tool_choice or ("auto" if self.tools else "none")
-        parallel = self.parallel_tool_calls is not False
+        parallel = self.parallel_tool_calls is True  # asked for: see ToolChoice
         if isinstance(choice, NamedToolChoice):
             return ToolChoice("required", choice.function.name, parallel)
         return ToolChoice(choice, None, parallel)
@@ -247,6 +252,4 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
-
-    check_completion_neutral = field_validator("suffix")(neutral_only)
+    suffix: str | None = None  # fill in the middle between prompt and suffix (a model with FIM tokens)

@@ -90,6 +90,11 @@ class Serving:
         return self.async_engine.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        """The model's logits: the token ids a request may name."""
+        return self.async_engine.engine.model_config.vocab_size
+
+    @property
     def tokenizer(self):
         tokenizer = self.async_engine.engine.tokenizer
         if tokenizer is None:
@@ -135,6 +140,15 @@ class Serving:
         tokenizer = self.tokenizer
         try:
             return await asyncio.to_thread(tokenizer.encode, text, add_special)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
+
+    async def encode_fim(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "",
+                         param: str = "suffix") -> list[int]:
+        """A fill-in-the-middle prompt (``Tokenizer.encode_fim``); a 400 for a model without FIM tokens."""
+        tokenizer = self.tokenizer
+        try:
+            return await asyncio.to_thread(tokenizer.encode_fim, prefix, suffix, list(extra), middle)
         except ValueError as e:
             raise APIError(400, str(e), param) from None
 

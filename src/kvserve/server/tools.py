@@ -43,11 +43,13 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
-    """``mode``: "auto", "required" or "none"; ``name`` set when one tool is forced."""
+    """``mode``: "auto", "required" or "none"; ``name`` set when one tool is forced. ``parallel``: several
+    calls in one answer, only when the client asks (OpenAI's ``parallel_tool_calls: true``), as llama.cpp
+    decides: small models given the choice write the same call again and again."""
 
     mode: str = "auto"
     name: str | None = None
-    parallel: bool = True
+    parallel: bool = False
 
 
 def check_tools(tools: list[Tool], choice: ToolChoice) -> None:
@@ -65,58 +67,142 @@ def check_tools(tools: list[Tool], choice: ToolChoice) -> None:
         raise ValueError("tool_choice 'required' needs at least one tool")
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems")
+
+
+def _rewrite(schema: Any, ref: Any) -> Any:
+    """A copy of ``schema`` with each object closed (``additionalProperties: false`` where the schema
+    says nothing of other properties, as OpenAI's strict mode reads it) and each ``$ref`` through
+    ``ref``."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_rewrite(v, ref) for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _rewrite(v, ref) for k, v in value.items()}
+        elif key in _SUBSCHEMAS:
+            out[key] = _rewrite(value, ref)
+        elif key == "$ref" and isinstance(value, str):
+            out[key] = ref(value)
+        else:
+            out[key] = value
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
+    if (is_object or "properties" in out) and not {"additionalProperties", "unevaluatedProperties",
+                                                    "patternProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 def call_schema(tool: Tool) -> dict[str, Any]:
-    return {
+    """One call's JSON: {"name": the tool's, "arguments": its parameters}. The parameters' local
+    references are re-rooted at ``arguments`` (their ``$defs`` hoisted to the call's root), so a pydantic
+    model's nested models resolve inside the call as they did in the tool."""
+
+    def ref(target: str) -> str:
+        if target.startswith(("#/$defs/", "#/definitions/")):
+            return target
+        if target == "#" or target.startswith("#/"):
+            return "#/properties/arguments" + target[1:]
+        return target
+
+    parameters = _rewrite(tool.parameters or {"type": "object"}, ref)
+    defs = {k: parameters.pop(k) for k in ("$defs", "definitions") if isinstance(parameters.get(k), dict)}
+    schema = {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or {"type": "object"}},
+        "properties": {"name": {"const": tool.name}, "arguments": parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        **defs,
     }
-
-
-def call_constraint(tools: list[Tool], choice: ToolChoice) -> Constraint | None:
-    """The grammar of the answer: None when the model may write anything (no tools, ``none``)."""
-    if not tools or choice.mode == "none":
-        return None
-    offered = [t for t in tools if choice.name is None or t.name == choice.name]
-    schema = call_schema(offered[0]) if len(offered) == 1 else {"anyOf": [call_schema(t) for t in offered]}
     schema["x-guidance"] = {"whitespace_flexible": False}  # as Constraint's JSON: one line
-    calls = f"call (NL call){{0,{MAX_PARALLEL_CALLS - 1}}}" if choice.parallel else "call"
+    return schema
+
+
+def call_constraint(tools: list[Tool], choice: ToolChoice, answer: Constraint | None = None) -> Constraint | None:
+    """The grammar of the answer: None when the model may write anything (no tools, ``none``).
+    ``answer``: the format of an answer that is not calls (a structured output alongside tools): with
+    ``auto`` the answer is then calls or that JSON, never free text."""
+    if not tools or choice.mode == "none":
+        return answer
+    offered = [t for t in tools if choice.name is None or t.name == choice.name]
+    calls = f"call (NL call){{0,{MAX_PARALLEL_CALLS - 1}}}" if choice.parallel and choice.name is None else "call"
     grammar = [
         f"calls: {calls}",
-        f'call: "{CALL_OPEN}" NL %json {json.dumps(schema)} NL "{CALL_CLOSE}"',
+        f'call: "{CALL_OPEN}" NL ({" | ".join(f"tool{i}" for i in range(len(offered)))}) NL "{CALL_CLOSE}"',
+        *(f"tool{i}: %json {json.dumps(call_schema(t))}" for i, t in enumerate(offered)),
         r'NL: "\n"',
     ]
     if choice.mode == "auto" and choice.name is None:
-        # text that does not start a call; a call can only come first
-        grammar.insert(0, "start: TEXT | calls")
-        grammar.append(r"TEXT: /[^<](.|\n)*/")
+        if answer is not None:
+            grammar.insert(0, "start: calls | answer")
+            grammar.append(f"answer: %json {json.dumps(_answer_schema(answer))}")
+        else:  # text that does not start a call; a call can only come first
+            grammar.insert(0, "start: TEXT | calls")
+            grammar.append(r"TEXT: /[^<](.|\n)*/")
     else:
         grammar.insert(0, "start: calls")
     return Constraint("lark", "\n".join(grammar))
 
 
+def _answer_schema(answer: Constraint) -> dict[str, Any]:
+    if answer.kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif answer.kind == "json_schema":
+        schema = json.loads(answer.spec)
+        schema = schema if isinstance(schema, dict) else {}
+    else:
+        raise ValueError(f"a {answer.kind} answer format does not go with tools")
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
 def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(text before the first call, the calls). Text that only looks like a call stays text."""
-    start = text.find(CALL_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    rest = text[start:]
-    while rest.startswith(CALL_OPEN):
-        end = rest.find(CALL_CLOSE)
+    """(the text that is not calls, the calls): every complete ``<tool_call>`` block whose body is a
+    call, in order, a repeat of an earlier call dropped (small models loop on a call); a block cut off
+    by the token limit is dropped where complete calls precede it. Text that only looks like a call
+    stays text."""
+    calls: list[ToolCall] = []
+    seen: set[str] = set()
+    kept: list[str] = []
+    pos = 0
+    while (start := text.find(CALL_OPEN, pos)) >= 0:
+        end = text.find(CALL_CLOSE, start)
         if end < 0:
-            return text, []
-        try:
-            body = json.loads(rest[len(CALL_OPEN) : end])
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-            return text, []
-        arguments = body.get("arguments", {})
-        calls.append(ToolCall(body["name"], arguments if isinstance(arguments, dict) else {}))
-        rest = rest[end + len(CALL_CLOSE) :].lstrip("\n")
-    return text[:start].rstrip("\n"), calls if not rest.strip() else []
+            if calls:
+                return _joined(kept, ""), calls  # the call cut off after complete ones is dropped
+            break
+        call = _call(text[start + len(CALL_OPEN) : end])
+        if call is None:
+            kept.append(text[pos : end + len(CALL_CLOSE)])
+        else:
+            kept.append(text[pos:start])
+            key = json.dumps([call.name, call.arguments], sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                calls.append(call)
+        pos = end + len(CALL_CLOSE)
+    if not calls:
+        return text, []
+    return _joined(kept, text[pos:]), calls
+
+
+def _joined(parts: list[str], rest: str) -> str:
+    return "\n".join(p.strip("\n") for p in [*parts, rest] if p.strip())
+
+
+def _call(body: str) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    return ToolCall(value["name"], arguments if isinstance(arguments, dict) else {})
 
 
 def text_to_stream(holding: bool, out) -> tuple[bool, str]:
