@@ -75,8 +75,8 @@ def test_a_forced_call_with_the_clients_defaults_ends_as_one_call(client, idle):
     # default is true): the answer must be the call, ended, well inside max_tokens
     for choice_ in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         for stream in (False, True):
-            kwargs = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=choice_, temperature=0,
-                          max_tokens=120)
+            kwargs = {"model": "smollm2", "messages": ASK, "tools": TOOLS, "tool_choice": choice_, "temperature": 0,
+                          "max_tokens": 120}
             if stream:
                 with client.chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as s:
                     r = s.get_final_completion()
@@ -129,8 +129,8 @@ def test_open_and_nested_tool_schemas(client, idle):
 
 
 def test_logit_bias_bans_and_forces_tokens(client, idle):
-    ask = dict(model="smollm2", messages=[{"role": "user", "content": "Say hello."}], temperature=0, max_tokens=3,
-               logprobs=True)
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0, "max_tokens": 3,
+               "logprobs": True}
     first = client.chat.completions.create(**ask).choices[0].logprobs.content[0].token
     top = client.chat.completions.create(**ask, top_logprobs=5).choices[0].logprobs.content[0].top_logprobs
     assert top[0].token == first
@@ -209,10 +209,10 @@ def test_a_tool_result_turn_is_answered(client, idle):
 
 def test_bad_tool_requests_are_400s(client, idle):
     bad = [
-        dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
-        dict(tools=[TOOLS[0], TOOLS[0]]),
-        dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
-        dict(tool_choice="required"),
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tools": [TOOLS[0], TOOLS[0]]},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        {"tool_choice": "required"},
     ]
     for kwargs in bad:
         with pytest.raises(openai.BadRequestError):

@@ -138,7 +138,7 @@ async def infill(body: InfillRequest, request: Request):
     if not body.n_indent:
         [final] = await collect_finals(request, [stream])
         return _final(final, model)
-    async for last in _cut(stream, body.n_indent):  # noqa: B007 (the last output is the answer)
+    async for last in _cut(stream, body.n_indent):
         pass
     return _final(last, model, content=last.text[: last.cut] if last.cut is not None else None)
 

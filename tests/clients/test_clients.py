@@ -1,0 +1,145 @@
+"""The client libraries people drive the three APIs through, unchanged, against a live server: a forced
+tool call, a structured answer (alone and beside tools) and a tool round trip each. SmolLM2-135M chooses
+poorly; the grammar keeps every call and answer well formed, and these tests check that each library
+gets back what it parses."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.slow
+
+ASK = "What is the weather in Paris?"
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=16)
+    unit: str = Field(pattern="^(celsius|fahrenheit)$")
+
+
+def get_weather(city: str, unit: str) -> str:
+    """Weather in a city."""
+    return f"18 degrees {unit} and sunny in {city}"
+
+
+def test_instructor_tools_and_json_modes(idle):
+    import instructor
+    import openai
+
+    client = openai.OpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, max_retries=0)
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        patched = instructor.from_openai(client, mode=mode)
+        answer = patched.chat.completions.create(model="smollm2", response_model=Weather, max_retries=0,
+                                                 messages=[{"role": "user", "content": ASK}], max_tokens=120,
+                                                 temperature=0)
+        assert isinstance(answer, Weather)
+
+
+def test_langchain_openai(idle):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    weather = tool(get_weather)  # @tool: a schema without additionalProperties
+    llm = ChatOpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, model="smollm2", temperature=0,
+                     max_tokens=120, max_retries=0)
+    for streamed in (False, True):
+        bound = llm.bind_tools([weather], tool_choice="get_weather")
+        if streamed:
+            message = None
+            for chunk in bound.stream(ASK):
+                message = chunk if message is None else message + chunk
+        else:
+            message = bound.invoke(ASK)
+        [call] = message.tool_calls
+        assert call["name"] == "get_weather" and set(call["args"]) <= {"city", "unit"}
+    result = weather.invoke(call["args"] | {"unit": call["args"].get("unit", "celsius")})
+    reply = llm.invoke([HumanMessage(ASK), message, ToolMessage(result, tool_call_id=call["id"])])
+    assert reply.content
+    for method in ("json_schema", "function_calling"):
+        assert isinstance(llm.with_structured_output(Weather, method=method).invoke(ASK), Weather)
+
+
+def test_langchain_ollama(idle):
+    from langchain_core.tools import tool
+    from langchain_ollama import ChatOllama
+
+    llm = ChatOllama(base_url=idle.url, model="smollm2", temperature=0, num_predict=120,
+                     client_kwargs={"headers": idle.headers})
+    message = llm.bind_tools([tool(get_weather)]).invoke(ASK)
+    assert message.content or message.tool_calls
+    for call in message.tool_calls:
+        assert call["name"] == "get_weather"
+    assert isinstance(llm.with_structured_output(Weather, method="json_schema").invoke(ASK), Weather)
+
+
+def test_langchain_anthropic(idle):
+    from langchain_anthropic import ChatAnthropic
+    from langchain_core.tools import tool
+
+    llm = ChatAnthropic(base_url=idle.url, api_key=idle.api_key, model="smollm2", temperature=0, max_tokens=120,
+                        max_retries=0)
+    message = llm.bind_tools([tool(get_weather)], tool_choice="get_weather").invoke(ASK)
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather"
+    assert isinstance(llm.with_structured_output(Weather).invoke(ASK), Weather)
+
+
+def test_pydantic_ai_structured_output_and_tools(idle):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
+    from pydantic_ai.usage import UsageLimits
+
+    model = OpenAIChatModel("smollm2", provider=OpenAIProvider(base_url=f"{idle.url}/v1", api_key=idle.api_key))
+    settings = ModelSettings(temperature=0, max_tokens=120)
+    agent = Agent(model, output_type=Weather, model_settings=settings, retries=0)
+    assert isinstance(agent.run_sync(ASK).output, Weather)
+    with_tool = Agent(model, output_type=Weather, tools=[get_weather], model_settings=settings, retries=0)
+    result = with_tool.run_sync(ASK, usage_limits=UsageLimits(request_limit=4))
+    assert isinstance(result.output, Weather)
+
+
+def test_openai_agents_with_a_tool_and_an_output_type(idle):
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents.model_settings import ModelSettings
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, max_retries=0)
+    model = OpenAIChatCompletionsModel(model="smollm2", openai_client=client)
+    settings = ModelSettings(temperature=0, max_tokens=120)
+    plain = Agent(name="weather", instructions="Answer with the weather.", model=model, output_type=Weather,
+                  model_settings=settings)
+    # tools and an output_type in one request (a 400 before); SmolLM2 calls the tool again after every
+    # result, so the run stops at the first tool's answer
+    agent = Agent(name="weather", instructions="Answer with the weather.", model=model, output_type=Weather,
+                  tools=[function_tool(get_weather)], model_settings=settings, tool_use_behavior="stop_on_first_tool")
+
+    async def both():  # one event loop: the client's connections belong to it
+        return [(await Runner.run(a, ASK, max_turns=2)).final_output for a in (plain, agent)]
+
+    alone, output = asyncio.run(both())
+    assert isinstance(alone, Weather)
+    assert isinstance(output, Weather) or output.startswith("18 degrees")
+
+
+def test_litellm_openai_and_ollama_chat(idle):
+    import litellm
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": Weather.model_json_schema()}}]
+    messages = [{"role": "user", "content": ASK}]
+    r = litellm.completion(model="openai/smollm2", api_base=f"{idle.url}/v1", api_key=idle.api_key,
+                           messages=messages, tools=tools, tool_choice="required", temperature=0, max_tokens=120)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    # the round trip through ollama_chat/: it sends back the call's id and type and a tool_call_id
+    follow = [*messages, r.choices[0].message.model_dump(),
+              {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
+    again = litellm.completion(model="ollama_chat/smollm2", api_base=idle.url, messages=follow, tools=tools,
+                               temperature=0, max_tokens=40, extra_headers=idle.headers)
+    assert again.choices[0].message.content or again.choices[0].message.tool_calls
