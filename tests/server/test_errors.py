@@ -48,7 +48,8 @@ def ollama_error(r: httpx.Response, status: int) -> str:
         ({"tools": [{"type": "retrieval"}]}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
-        ({"logit_bias": {"50": 10}}, "logit_bias"),
+        ({"logit_bias": {"fifty": 10}}, "logit_bias"),
+        ({"logit_bias": {"50": 101}}, "logit_bias"),
         ({"best_guess": True}, "best_guess"),
         # values must already have their type: no "yes" for true, no 5.0 or true for an integer
         ({"stream": "yes"}, "stream"),

@@ -1,6 +1,7 @@
 """``build_app``: the FastAPI app over one ``AsyncLLMEngine``, plus the operational endpoints.
 
 /v1/...        OpenAI (openai_api)          /api/...      Ollama (ollama_api)
+/v1/responses  OpenAI's Responses API (responses_api)
 /v1/messages   Anthropic (anthropic_api)
 /tokenize, /detokenize, /infill   llama.cpp's server (llama_api)
 /health        200 while the engine runs    /metrics      Prometheus text format
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
-from kvserve.server import anthropic_api, llama_api, ollama_api, openai_api, web_ui
+from kvserve.server import anthropic_api, llama_api, ollama_api, openai_api, responses_api, web_ui
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot, EngineView
 from kvserve.server.errors import install_error_handlers
@@ -127,6 +128,7 @@ def build_app(
     app.state.serving = Serving(async_engine, card, app.state.metrics, config)
     install_error_handlers(app)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(ollama_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(llama_api.router)

@@ -74,9 +74,9 @@ def _params(
 
 def _check_common(body: SamplingFields, serving: Serving) -> int:
     serving.check_model(body.model)
-    vocab = serving.vocab_size
-    if any(int(t) >= vocab for t in body.logit_bias or {}):
-        raise APIError(400, f"logit_bias names a token id beyond the vocabulary of {vocab}", "logit_bias")
+    if body.logit_bias and any(int(t) >= serving.vocab_size for t in body.logit_bias):
+        raise APIError(400, f"logit_bias names a token id beyond the vocabulary of {serving.vocab_size}",
+                       "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     n = body.n or 1

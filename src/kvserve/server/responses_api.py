@@ -1,0 +1,269 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (streamed as its typed events or not), ``GET`` and
+``DELETE /v1/responses/{id}``.
+
+The OpenAI Agents SDK's default model class and Codex-style agents speak it. A response's conversation is
+kept in memory (the last ``STORED`` responses, unless ``store: false``) so that ``previous_response_id``
+continues it: the stored turns, then the new input, through the model's chat template. Tools, tool choice
+and ``text.format`` become the same grammar the chat APIs use (``tools.call_constraint``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.outputs import RequestOutput
+from kvserve.server.errors import APIError, engine_error
+from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
+from kvserve.server.responses_schemas import ResponseObject, ResponsesRequest, input_messages
+from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
+from kvserve.server.streaming import dumps, sse_response
+from kvserve.server.tools import ToolCall, call_constraint, check_tools, parse_calls, text_to_stream
+
+router = APIRouter(tags=["OpenAI"])
+
+STORED = 1000  # responses kept for previous_response_id and GET, least recently made dropped first
+
+
+class ResponseStore:
+    """Stored responses: the object as sent, and the conversation it ends (template messages)."""
+
+    def __init__(self, capacity: int = STORED) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict, list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict[str, Any]]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict[str, Any]]]:
+        if response_id not in self._items:
+            raise APIError(404, f"no stored response with id '{response_id}' (kept in memory: the last "
+                                f"{self.capacity}, and none from before a restart)", "previous_response_id")
+        return self._items[response_id]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+
+def _store(request: Request) -> ResponseStore:
+    state = request.app.state
+    if getattr(state, "responses", None) is None:
+        state.responses = ResponseStore()
+    return state.responses
+
+
+class Reply:
+    """One response's objects and events."""
+
+    def __init__(self, body: ResponsesRequest, model: str, tools_on: bool) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.body = body
+        self.model = model
+        self.tools_on = tools_on
+        self.created = int(time.time())
+        self.sequence = 0
+
+    def split(self, out: RequestOutput) -> tuple[str, list[ToolCall]]:
+        return parse_calls(out.text) if self.tools_on else (out.text, [])
+
+    def message_item(self, text: str, status: str = "completed") -> dict:
+        parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": parts}
+
+    @staticmethod
+    def call_item(call: ToolCall, arguments: str | None = None) -> dict:
+        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+                "name": call.name, "status": "completed" if arguments is None else "in_progress",
+                "arguments": json.dumps(call.arguments, ensure_ascii=False) if arguments is None else arguments}
+
+    def output(self, out: RequestOutput) -> list[dict]:
+        text, calls = self.split(out)
+        items = [self.message_item(text)] if text or not calls else []
+        return items + [self.call_item(c) for c in calls]
+
+    def response(self, out: RequestOutput | None, status: str | None = None) -> dict:
+        b = self.body
+        obj: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+            "status": status or "in_progress", "output": [], "error": None, "incomplete_details": None,
+            "instructions": b.instructions, "previous_response_id": b.previous_response_id,
+            "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+            "tool_choice": b.tool_choice if isinstance(b.tool_choice, str | None) else b.tool_choice.model_dump(),
+            "parallel_tool_calls": bool(b.parallel_tool_calls), "temperature": b.temperature, "top_p": b.top_p,
+            "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {}, "store": b.store is not False,
+            "text": {"format": b.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if b.text and b.text.format else {"format": {"type": "text"}},
+            "usage": None,
+        }
+        if out is None:
+            return obj
+        if out.finish_reason == "error":
+            raise APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
+        cached = out.metrics.num_cached_tokens
+        generated = out.metrics.num_generation_tokens
+        length = out.finish_reason == "length"
+        obj |= {
+            "status": "incomplete" if length else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if length else None,
+            "output": self.output(out),
+            "usage": {"input_tokens": len(out.prompt_token_ids), "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": len(out.prompt_token_ids) + generated},
+        }
+        return obj
+
+    def event(self, kind: str, **data: Any) -> bytes:
+        self.sequence += 1
+        return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': self.sequence - 1, **data})}\n\n".encode()
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+@router.post(
+    "/v1/responses",
+    response_model=None,
+    responses=ok(ResponseObject, "The response; with stream: true, its events as server-sent events",
+                 sse_stream(ResponseObject)) | openai_errors(400, 404, 429, 503),
+)
+async def create_response(body: ResponsesRequest, request: Request):
+    serving = _serving(request)
+    serving.check_model(body.model)
+    store = _store(request)
+    try:
+        messages = input_messages(body.input)
+    except ValueError as e:
+        raise APIError(400, str(e), "input") from None
+    history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
+    tools = [t.tool() for t in body.tools or []]
+    choice = body.tool_choice_spec()
+    try:
+        check_tools(tools, choice)
+    except ValueError as e:
+        raise APIError(400, str(e), "tools") from None
+    try:
+        answer = body.text.format.constraint() if body.text and body.text.format else None
+    except ValueError as e:
+        raise APIError(400, str(e), "text.format") from None
+    shown = tools if choice.mode != "none" else []
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    conversation = history + messages
+    prompt = await serving.encode_chat(system + conversation, tools=shown)
+    params = sampling_params(
+        None,
+        max_tokens=body.max_output_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        constraint=call_constraint(shown, choice, answer),
+    )
+    reply = Reply(body, body.model, bool(shown))
+    stream = await serving.start(prompt, params, reply.id, param="input")
+
+    def keep(out: RequestOutput, response: dict) -> None:
+        if body.store is not False and out.finish_reason != "error":
+            text, calls = reply.split(out)
+            turn: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                turn["tool_calls"] = calls
+            store.put(response, [*conversation, turn])
+
+    if body.stream:
+        return sse_response(_events(stream, reply, keep), cleanup=stream.aclose)
+    [final] = await collect_finals(request, [stream])
+    response = reply.response(final)
+    keep(final, response)
+    return response
+
+
+async def _events(stream: EngineStream, reply: Reply, keep) -> AsyncIterator[bytes]:
+    """OpenAI's event sequence: created, in_progress, then per output item added / deltas / done, then
+    completed (or incomplete). With tools, an answer that starts with a call is held back and its items
+    come whole at the end, as the chat endpoint does."""
+    yield reply.event("response.created", response=reply.response(None))
+    yield reply.event("response.in_progress", response=reply.response(None))
+    holding = reply.tools_on
+    opened = False  # the message item is streaming
+    try:
+        async with aclosing(stream.__aiter__()) as outputs:
+            async for out in outputs:
+                holding, text = text_to_stream(holding, out)
+                if text:
+                    if not opened:
+                        opened = True
+                        for event in _open_message(reply):
+                            yield event
+                    yield reply.event("response.output_text.delta", item_id=reply.message_id, output_index=0,
+                                      content_index=0, delta=text, logprobs=[])
+                if out.finished:
+                    response = reply.response(out)
+                    for index, item in enumerate(response["output"]):
+                        for event in _item_events(reply, index, item, opened and index == 0):
+                            yield event
+                    keep(out, response)
+                    kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+                    yield reply.event(kind, response=response)
+    except (APIError, EngineDeadError) as e:
+        error = engine_error(e) or APIError(503, f"the engine failed: {e}", code="engine_dead")
+        yield reply.event("error", code=error.code or str(error.status), message=error.message, param=error.param)
+
+
+def _open_message(reply: Reply) -> list[bytes]:
+    return [
+        reply.event("response.output_item.added", output_index=0, item=reply.message_item("", "in_progress")),
+        reply.event("response.content_part.added", item_id=reply.message_id, output_index=0, content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
+    ]
+
+
+def _item_events(reply: Reply, index: int, item: dict, streamed: bool) -> list[bytes]:
+    """The events of one finished output item; ``streamed``: a message whose text deltas went out."""
+    events = []
+    if item["type"] == "message":
+        text = item["content"][0]["text"]
+        if not streamed:
+            events += _open_message(reply)
+            if text:
+                events.append(reply.event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                          content_index=0, delta=text, logprobs=[]))
+        events += [
+            reply.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=text, logprobs=[]),
+            reply.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                        part=item["content"][0]),
+        ]
+    else:
+        events += [
+            reply.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                 "status": "in_progress"}),
+            reply.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                        delta=item["arguments"]),
+            reply.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"], name=item["name"]),
+        ]
+    return [*events, reply.event("response.output_item.done", output_index=index, item=item)]
+
+
+@router.get("/v1/responses/{response_id}", response_model=None,
+            responses=ok(ResponseObject, "A stored response") | openai_errors(404))
+async def get_response(response_id: str, request: Request) -> dict:
+    return _store(request).get(response_id)[0]
+
+
+@router.delete("/v1/responses/{response_id}", response_model=None,
+               responses=ok(dict, "The response is deleted") | openai_errors(404))
+async def delete_response(response_id: str, request: Request) -> dict:
+    _store(request).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}

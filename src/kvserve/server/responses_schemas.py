@@ -1,0 +1,179 @@
+"""Pydantic models of OpenAI's Responses API requests (``POST /v1/responses``) and of what we answer.
+
+The request's ``input`` is a string or a list of items: messages (``input_text`` / ``output_text`` parts),
+earlier ``function_call`` items and their ``function_call_output``. They become the chat messages every
+other API renders through the model's template (``for_template``). Unknown fields are refused; fields
+that do not change the output are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvserve.engine.constraints import Constraint
+from kvserve.server.strict_schema import Strict
+from kvserve.server.tools import Tool, ToolCall, ToolChoice
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments always follow the schema here
+
+    def tool(self) -> Tool:
+        return Tool(self.name, self.description or "", self.parameters or {"type": "object", "properties": {}})
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("json_object")
+        return Constraint.json_schema(self.schema_ or {"type": "object"})
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # no effect on this server's models
+
+
+class Reasoning(Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+def _text_of(content: Any) -> str:
+    """A message's content: a string, or parts of text (input_text, output_text, text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("message content must be a string or a list of text parts")  # noqa: TRY004 (a 400)
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as template messages; ValueError names what is wrong with an item."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"input[{i}] must be an object")  # noqa: TRY004 (a 400)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ValueError(f"input[{i}].role must be user, system, developer or assistant, got {role!r}")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content", ""))})
+        elif kind == "function_call":
+            name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
+            if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, str):
+                raise ValueError(f"input[{i}]: a function_call needs name, call_id and arguments (JSON text)")
+            try:
+                parsed = json.loads(arguments or "{}")
+            except json.JSONDecodeError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"input[{i}].arguments must be a JSON object as text")
+            call = ToolCall(name, parsed, call_id)
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            elif messages and messages[-1]["role"] == "assistant":
+                messages[-1]["tool_calls"] = [call]
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str):
+                raise ValueError(f"input[{i}]: a function_call_output needs its call_id")
+            messages.append({"role": "tool", "content": output if isinstance(output, str) else _text_of(output),
+                             "tool_call_id": item["call_id"]})
+        elif kind == "reasoning":
+            continue  # an earlier answer's thought: not shown to the model again, as templates do
+        else:
+            raise ValueError(f"input[{i}]: items of type {kind!r} are not supported by this server")
+    return messages
+
+
+class ResponsesRequest(Strict):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool | None = False
+    previous_response_id: str | None = None
+    store: bool | None = True
+    text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    # accepted and ignored: they do not change the output
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    stream_options: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=0)  # logprobs are not reported here
+    max_tool_calls: int | None = Field(None, ge=1)
+    background: Literal[False] | None = None
+
+    @field_validator("input")
+    @classmethod
+    def not_empty(cls, value: str | list) -> str | list:
+        if isinstance(value, list) and not value:
+            raise ValueError("input must not be empty")
+        return value
+
+    def tool_choice_spec(self) -> ToolChoice:
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        parallel = self.parallel_tool_calls is True  # asked for: see ToolChoice
+        if isinstance(choice, NamedFunction):
+            return ToolChoice("required", choice.name, parallel)
+        return ToolChoice(choice, None, parallel)
+
+
+class ResponseObject(BaseModel):
+    """The response as OpenAI's Responses API returns it (the fields clients read; more may come)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any]
+    incomplete_details: dict[str, str] | None
+    previous_response_id: str | None
