@@ -86,6 +86,9 @@ FIM_SPELLINGS = (
 FIM_ENDS = ("<|endoftext|>", "<|file_sep|>", "<|fim_pad|>", "<|repo_name|>", "<file_sep>", "<EOT>", "▁<EOT>")
 
 
+THINK_TAGS = ("<think>", "</think>")  # a thought, as reasoning models write it
+
+
 @dataclass(frozen=True, slots=True)
 class FimTokens:
     prefix: int
@@ -129,6 +132,14 @@ class Tokenizer:
                 ends = {self.backend.token_to_id(n) for n in FIM_ENDS} - {None}
                 return FimTokens(ids[0], ids[1], ids[2], ids[3], tuple(sorted(ends | set(self.eos_token_ids))))
         return None
+
+    @functools.cached_property
+    def thinks(self) -> bool:
+        """A reasoning model: ``<think>`` and ``</think>`` are tokens of its own and its template knows them
+        (Qwen3, DeepSeek-R1 distills, QwQ; not a model whose vocabulary merely has the words)."""
+        tags = [self.backend.token_to_id(t) for t in THINK_TAGS]
+        template = self.chat_template or ""
+        return None not in tags and ("think" in template or "reasoning" in template)
 
     def encode_fim(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
         """Prefix-suffix-middle as the code models are trained (and llama.cpp's /infill writes it): other

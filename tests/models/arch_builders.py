@@ -49,7 +49,7 @@ def layers_of(name: str) -> int:
     return SPECS[name].get("layers", 2)
 
 
-def build_hf_model(name: str):
+def build_hf_model(name: str, vocab: int = VOCAB):
     spec = SPECS[name]
     Config = getattr(transformers, spec["cls"] + "Config")
     Model = getattr(transformers, spec["cls"] + "ForCausalLM")
@@ -65,7 +65,7 @@ def build_hf_model(name: str):
         half = int(HEAD_DIM * spec["partial"]) // 2
         rope.update(rope_type="longrope", short_factor=(1 + 2 * torch.rand(half, generator=g)).tolist(),
                     long_factor=(1 + 8 * torch.rand(half, generator=g)).tolist())
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers_of(name),
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers_of(name),
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=CONTEXT,
                   rms_norm_eps=EPS, tie_word_embeddings=spec["arch"] == "gemma2", bos_token_id=None,
                   eos_token_id=None)
@@ -143,8 +143,10 @@ def _tensors(hf, name: str) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
-def write_gguf(path: Path, hf, name: str, quantized: bool = False) -> Path:
-    """quantized: every projection (experts included) stored as Q4_1, as a 4-bit file stores them."""
+def write_gguf(path: Path, hf, name: str, quantized: bool = False, extra_tokens: tuple[tuple[str, int], ...] = (),
+               chat_template: str | None = None, eos_token_id: int = 2) -> Path:
+    """quantized: every projection (experts included) stored as Q4_1, as a 4-bit file stores them.
+    extra_tokens: (text, GGUF token type) after the 256 byte symbols (the HF model's vocab must count them)."""
     spec = SPECS[name]
     arch, cfg = spec["arch"], hf.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -186,11 +188,13 @@ def write_gguf(path: Path, hf, name: str, quantized: bool = False) -> Path:
         w.add_expert_feed_forward_length(MOE_INTER)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list(byte_level_symbols())
-    w.add_token_types([1] * VOCAB)
+    w.add_token_list(byte_level_symbols() + [text for text, _ in extra_tokens])
+    w.add_token_types([1] * VOCAB + [kind for _, kind in extra_tokens])
     w.add_token_merges([])
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(eos_token_id)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     for tensor_name, t in _tensors(hf, name).items():
         projection = t.ndim >= 2 and tensor_name.startswith("blk.") and "ffn_gate_inp" not in tensor_name
         if quantized and projection:

@@ -44,6 +44,14 @@ def add_parser(sub, name: str) -> None:
         "they are plain text, so a client cannot forge a system turn",
     )
     p.add_argument(
+        "--reasoning-budget",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="thought tokens a reasoning model (Qwen3, DeepSeek-R1 distills) may write before its thought is "
+        "closed for it; -1: no limit (default), 0: thinking off",
+    )
+    p.add_argument(
         "--kv-events",
         default=None,
         metavar="ENDPOINT",
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         max_n=args.max_n,
         special_tokens_in_messages=args.special_tokens_in_messages,
+        reasoning_budget=args.reasoning_budget,
         kv_events=check_endpoint(args.kv_events) if args.kv_events else None,
     )
     if args.replicas is not None:

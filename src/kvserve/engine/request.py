@@ -9,6 +9,7 @@ import torch
 
 from kvserve.engine.constraints import TokenConstraint
 from kvserve.engine.outputs import RequestMetrics, TokenLogprob
+from kvserve.engine.reasoning import ThoughtState
 from kvserve.engine.sampling_params import SamplingParams
 
 
@@ -70,6 +71,7 @@ class Request:
         )
         self.generator: torch.Generator | None = None  # created by the sampler on first use
         self.constraint: TokenConstraint | None = None  # params.constraint's state, set by the engine
+        self.thought = ThoughtState(params.reasoning) if params.reasoning is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -48,6 +48,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def _grammar_applies(request: Request) -> bool:
+    """A grammar shapes the answer, not a thought before it."""
+    return request.thought is None or request.thought.answering
+
+
 def _needs_penalty(p) -> bool:
     return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias)
 
@@ -60,13 +65,23 @@ class Sampler:
         """logits: [len(requests), vocab] float32. A request whose draw fails gets the exception
         instead of a token, so one bad request cannot stop the batch."""
         results = []
-        plain_greedy = [r.params.greedy and not _needs_penalty(r.params) and r.constraint is None for r in requests]
+        plain_greedy = [r.params.greedy and not _needs_penalty(r.params) and r.constraint is None and r.thought is None
+                        for r in requests]
         # one argmax over the batch's rows (a call per row cost ~50 us at SmolLM2's 49k vocabulary)
         argmaxes = logits.argmax(-1).tolist() if sum(plain_greedy) > 1 else None
         for i, (row, request) in enumerate(zip(logits, requests)):
             try:
-                token = argmaxes[i] if argmaxes is not None and plain_greedy[i] else self._sample_one(row, request)
-                if request.constraint is not None:
+                forced = None
+                if request.thought is not None:
+                    request.thought.update(request.output_token_ids)
+                    forced = request.thought.forced()
+                if forced is not None:
+                    token = forced  # the thought is over its budget: its closing tokens
+                elif argmaxes is not None and plain_greedy[i]:
+                    token = argmaxes[i]
+                else:
+                    token = self._sample_one(row, request)
+                if request.constraint is not None and _grammar_applies(request):
                     request.constraint.advance(token)
             except (RuntimeError, ValueError) as e:  # e.g. a distribution with no finite entry
                 results.append((e, None))
@@ -77,7 +92,7 @@ class Sampler:
 
     def _sample_one(self, row: torch.Tensor, request: Request) -> int:
         p = request.params
-        if request.constraint is not None:  # first: penalties and filters then see only valid tokens
+        if request.constraint is not None and _grammar_applies(request):  # first: penalties and filters then see only valid tokens
             start = time.perf_counter()
             forbidden = request.constraint.forbidden(row.shape[-1], row.device)
             request.metrics.mask_times.append(time.perf_counter() - start)

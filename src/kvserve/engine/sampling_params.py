@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.engine.constraints import Constraint
+from kvserve.engine.reasoning import Reasoning
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily: dividing logits by a temperature near float32's smallest
@@ -34,6 +35,7 @@ class SamplingParams:
     constraint: Constraint | None = None  # a grammar the output must follow (JSON schema, regex, ...)
     num_keep: int | None = None  # tokens a context shift keeps at the start (None: the engine's --num-keep)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's logit_bias
+    reasoning: Reasoning | None = None  # a thought to follow: its closing tokens forced past its budget
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

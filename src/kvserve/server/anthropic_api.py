@@ -20,6 +20,8 @@ import secrets
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
+from typing import ClassVar
 
 from fastapi import APIRouter, Request
 
@@ -31,6 +33,7 @@ from kvserve.server.errors import APIError, anthropic_error_body, engine_error
 from kvserve.server.openapi_docs import anthropic_errors, anthropic_sse_stream, ok
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import dumps, sse_response
+from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tools import (
     Tool,
     ToolCall,
@@ -54,7 +57,9 @@ def event(kind: str, data: dict) -> bytes:
     return f"event: {kind}\ndata: {dumps({'type': kind, **data})}\n\n".encode()
 
 
-async def _prompt(serving: Serving, body: CountTokensRequest) -> tuple[list[int], list[Tool], ToolChoice]:
+async def _prompt(
+    serving: Serving, body: CountTokensRequest
+) -> tuple[list[int], list[Tool], ToolChoice, Thinking | None]:
     serving.check_model(body.model)
     try:
         tools, choice = body.tool_rules()
@@ -63,7 +68,15 @@ async def _prompt(serving: Serving, body: CountTokensRequest) -> tuple[list[int]
     except ValueError as e:  # Anthropic's errors name no parameter
         raise APIError(400, str(e)) from None
     shown = tools if choice.mode != "none" else []
-    return await serving.encode_chat(turns, tools=shown), shown, choice
+    asked = body.thinking.type if body.thinking else None
+    if asked == "enabled" and not serving.tokenizer.thinks:
+        raise APIError(400, f"'{body.model}' does not think; leave thinking out or disabled")
+    enable = serving.thinking_switch({"enabled": True, "disabled": False}.get(asked or ""))
+    if asked == "adaptive" and serving.tokenizer.thinks:
+        enable = True
+    prompt = await serving.encode_chat(turns, tools=shown, template_variables=template_switch(enable))
+    budget = body.thinking.budget_tokens if body.thinking else None
+    return prompt, shown, choice, serving.thinking(prompt, enable, budget)
 
 
 @router.post(
@@ -74,7 +87,7 @@ async def _prompt(serving: Serving, body: CountTokensRequest) -> tuple[list[int]
 )
 async def messages(body: MessagesRequest, request: Request):
     serving = _serving(request)
-    prompt, tools, choice = await _prompt(serving, body)
+    prompt, tools, choice, thinking = await _prompt(serving, body)
     answer_format = body.output_config.constraint() if body.output_config else None
     params = sampling_params(
         PARAM_NAMES,
@@ -85,9 +98,11 @@ async def messages(body: MessagesRequest, request: Request):
         stop=tuple(body.stop_sequences or ()),
         constraint=call_constraint(tools, choice, answer_format),
     )
+    if thinking is not None:
+        params = replace(params, reasoning=thinking.reasoning)
     message_id = f"msg_{uuid.uuid4().hex}"
     stream = await serving.start(prompt, params, message_id, param="messages")
-    reply = MessageReply(message_id, body.model, bool(tools))
+    reply = MessageReply(message_id, body.model, bool(tools), thinking)
     if body.stream:
         return sse_response(_events(stream, reply), cleanup=stream.aclose)
     [final] = await collect_finals(request, [stream])
@@ -100,21 +115,25 @@ async def messages(body: MessagesRequest, request: Request):
     responses=ok(responses.TokenCount, "The prompt's tokens, tools included") | anthropic_errors(400, 404),
 )
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
-    prompt, _, _ = await _prompt(_serving(request), body)
+    prompt, *_ = await _prompt(_serving(request), body)
     return {"input_tokens": len(prompt)}
 
 
 class MessageReply:
     """Builds one message's objects and events."""
 
-    def __init__(self, message_id: str, model: str, tools_on: bool) -> None:
+    def __init__(self, message_id: str, model: str, tools_on: bool, thinking: Thinking | None = None) -> None:
         self.id = message_id
         self.model = model
         self.tools_on = tools_on
+        self.thinking = thinking
 
-    def content(self, out: RequestOutput) -> tuple[list[dict], list[ToolCall]]:
-        text, calls = parse_calls(out.text) if self.tools_on else (out.text, [])
-        blocks = [{"type": "text", "text": text}] if text or not calls else []
+    def content(self, out: RequestOutput, with_thought: bool = True) -> tuple[list[dict], list[ToolCall]]:
+        """(the blocks: a thinking block, text, tool_use; the calls)."""
+        thought, text = self.thinking.split(out.text) if self.thinking is not None else (None, out.text)
+        text, calls = parse_calls(text) if self.tools_on else (text, [])
+        blocks = [_thinking_block(thought)] if thought is not None and with_thought else []
+        blocks += [{"type": "text", "text": text}] if text or not calls else []
         return blocks + [_tool_use(c) for c in calls], calls
 
     def message(self, out: RequestOutput) -> dict:
@@ -136,6 +155,10 @@ class MessageReply:
 
     def start(self, out: RequestOutput) -> bytes:
         return event("message_start", {"message": self._base([], None, None, out)})
+
+
+def _thinking_block(thought: str) -> dict:
+    return {"type": "thinking", "thinking": thought, "signature": ""}  # nothing to sign: the thought is whole
 
 
 def _tool_use(call: ToolCall) -> dict:
@@ -167,8 +190,10 @@ def _usage(out: RequestOutput) -> dict:
 async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[bytes]:
     """Text streams as text deltas; with tools, an answer that starts with a call (a call can only
     come first) is held back and its calls are sent as tool_use blocks when it ends."""
-    started = text_open = False
+    started = False
     holding = reply.tools_on
+    thoughts = ThoughtStream(reply.thinking)
+    blocks = _Blocks()
     try:
         async with aclosing(stream.__aiter__()) as outputs:
             async for out in outputs:
@@ -176,27 +201,54 @@ async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[by
                     started = True
                     yield reply.start(out)
                     yield event("ping", {})
-                holding, text = text_to_stream(holding, out)
+                thought, answer = thoughts.feed(out)
+                if thought:
+                    for chunk in blocks.delta("thinking", {"type": "thinking_delta", "thinking": thought}):
+                        yield chunk
+                holding, text = text_to_stream(holding, answer)
                 if text:
-                    if not text_open:
-                        text_open = True
-                        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                    yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+                    for chunk in blocks.delta("text", {"type": "text_delta", "text": text}):
+                        yield chunk
                 if out.finished:
-                    for chunk in _ending(out, reply, holding, text_open):
+                    for chunk in _ending(out, reply, holding, blocks):
                         yield chunk
     except (APIError, EngineDeadError) as e:
         error = engine_error(e) or APIError(503, f"the engine failed: {e}")
         yield event("error", {"error": anthropic_error_body(error)["error"]})
 
 
-def _ending(out: RequestOutput, reply: MessageReply, holding: bool, text_open: bool) -> list[bytes]:
-    blocks, calls = reply.content(out) if holding else ([], [])
+class _Blocks:
+    """The content blocks streamed so far: a delta of another kind closes the open block, opens its own."""
+
+    STARTS: ClassVar[dict[str, dict]] = {"thinking": {"type": "thinking", "thinking": "", "signature": ""},
+                                         "text": {"type": "text", "text": ""}}
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.open: str | None = None
+
+    def delta(self, kind: str, delta: dict) -> list[bytes]:
+        chunks = []
+        if self.open != kind:
+            chunks += self.close()
+            self.open = kind
+            chunks.append(event("content_block_start", {"index": self.count, "content_block": self.STARTS[kind]}))
+        return [*chunks, event("content_block_delta", {"index": self.count, "delta": delta})]
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        chunk = event("content_block_stop", {"index": self.count})
+        self.open = None
+        self.count += 1
+        return [chunk]
+
+
+def _ending(out: RequestOutput, reply: MessageReply, holding: bool, streamed: _Blocks) -> list[bytes]:
+    blocks, calls = reply.content(out, with_thought=False) if holding else ([], [])
     reason, sequence = _stop(out, calls)
-    chunks = []
-    if text_open:
-        chunks.append(event("content_block_stop", {"index": 0}))
-    for index, block in enumerate(blocks, start=int(text_open)):
+    chunks = streamed.close()
+    for index, block in enumerate(blocks, start=streamed.count):
         if block["type"] == "text":
             start, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
         else:

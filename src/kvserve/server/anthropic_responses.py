@@ -19,6 +19,12 @@ class TextContent(Exact):
     text: str
 
 
+class ThinkingContent(Exact):
+    type: Literal["thinking"]
+    thinking: str  # a reasoning model's thought, whole
+    signature: str  # empty: nothing is signed here
+
+
 class ToolUseContent(Exact):
     type: Literal["tool_use"]
     id: str
@@ -38,7 +44,7 @@ class MessageResponse(Exact):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[TextContent | ToolUseContent]
+    content: list[ThinkingContent | TextContent | ToolUseContent]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: AnthropicUsage
@@ -66,12 +72,17 @@ class MessageStart(Exact):
 class ContentBlockStart(Exact):
     type: Literal["content_block_start"]
     index: int
-    content_block: TextContent | ToolUseContent
+    content_block: ThinkingContent | TextContent | ToolUseContent
 
 
 class TextDelta(Exact):
     type: Literal["text_delta"]
     text: str
+
+
+class ThinkingDelta(Exact):
+    type: Literal["thinking_delta"]
+    thinking: str
 
 
 class InputJSONDelta(Exact):
@@ -82,7 +93,7 @@ class InputJSONDelta(Exact):
 class ContentBlockDelta(Exact):
     type: Literal["content_block_delta"]
     index: int
-    delta: TextDelta | InputJSONDelta
+    delta: ThinkingDelta | TextDelta | InputJSONDelta
 
 
 class ContentBlockStop(Exact):

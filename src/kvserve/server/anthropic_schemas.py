@@ -2,7 +2,7 @@
 ``/v1/messages/count_tokens``).
 
 As on the other APIs: unknown fields are refused (400), values must have their documented type, and
-fields we cannot honour are accepted only at a value that asks for nothing (``thinking`` disabled).
+fields we cannot honour are accepted only at a value that asks for nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +47,17 @@ class AnthropicToolResult(Strict):
         return f"error: {body}" if self.is_error else body
 
 
-Block = Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult, Field(discriminator="type")]
+class AnthropicThought(Strict):
+    """An earlier answer's thinking block, echoed back: not shown to the model again."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+Block = Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicThought,
+                  Field(discriminator="type")]
 
 
 class AnthropicMessage(Strict):
@@ -100,15 +110,9 @@ class AnthropicToolChoice(Strict):
 
 
 class AnthropicThinking(Strict):
-    type: Literal["disabled", "enabled"]
-    budget_tokens: int | None = None
-
-    @field_validator("type")
-    @classmethod
-    def disabled_only(cls, value: str) -> str:
-        if value != "disabled":
-            raise ValueError("extended thinking is not supported by this server; leave it out")
-        return value
+    type: Literal["disabled", "enabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0)  # the thought's tokens before it is closed for the model
+    display: Literal["summarized", "omitted"] | None = None  # the thought is always shown whole here
 
 
 class AnthropicMetadata(Strict):

@@ -18,6 +18,9 @@ class ServerConfig:
     # special-token strings in chat messages become control tokens (trusted clients that build turns)
     special_tokens_in_messages: bool = False
     kv_events: str | None = None  # a ZeroMQ address to publish the prefix cache's events on (server.kv_events)
+    # thought tokens a reasoning model may write before its thought is closed for it (-1: no limit, 0: no
+    # thinking); a request's own budget (Anthropic's thinking.budget_tokens) comes first
+    reasoning_budget: int = -1
 
     def __post_init__(self) -> None:
         if not self.model_name:

@@ -32,6 +32,7 @@ from kvserve.server.ollama_schemas import ChatRequest, GenerateRequest, Options,
 from kvserve.server.openapi_docs import ndjson_stream, ok, ollama_errors
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import ndjson_line, ndjson_response
+from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tools import (
     ToolCall,
     ToolChoice,
@@ -139,26 +140,39 @@ def _done_reason(out: RequestOutput) -> str:
 class Reply:
     """Builds the objects of one /api/generate or /api/chat reply."""
 
-    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool, tools_on: bool = False) -> None:
+    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool, tools_on: bool = False,
+                 thinking: Thinking | None = None) -> None:
         self.model = model
         self.chat = chat
         self.received = received
         self.want_logprobs = want_logprobs
         self.tools_on = tools_on  # an answer may be tool calls (chat with tools)
+        self.thinking = thinking  # a reasoning model's thought, sent as "thinking"
 
-    def part(self, text: str, out: RequestOutput | None = None, done: bool = False) -> dict:
+    def split(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
+        """(the thought, the answer's text, its calls)."""
+        thought, answer = self.thinking.split(text) if self.thinking is not None else (None, text)
+        answer, calls = parse_calls(answer) if self.tools_on else (answer, [])
+        return thought, answer, calls
+
+    def part(self, text: str, out: RequestOutput | None = None, done: bool = False, thought: str | None = None) -> dict:
         obj: dict = {"model": self.model, "created_at": _now()}
         if self.chat:
             obj["message"] = {"role": "assistant", "content": text}
+            if thought:
+                obj["message"]["thinking"] = thought
         else:
             obj["response"] = text
+            if thought:
+                obj["thinking"] = thought
         obj["done"] = done
         if self.want_logprobs and out is not None and not done:
             obj["logprobs"] = _logprobs(out.new_logprobs)
         return obj
 
-    def final(self, out: RequestOutput, text: str = "", calls: list[ToolCall] | None = None) -> dict:
-        obj = self.part(text, out, done=True)
+    def final(self, out: RequestOutput, text: str = "", calls: list[ToolCall] | None = None,
+              thought: str | None = None) -> dict:
+        obj = self.part(text, out, done=True, thought=thought)
         if calls:
             obj["message"]["tool_calls"] = [
                 {"id": c.id, "function": {"index": i, "name": c.name, "arguments": c.arguments}}
@@ -176,22 +190,26 @@ async def _reply(request: Request, stream: EngineStream, reply: Reply, streaming
     if streaming:
         return ndjson_response(_lines(stream, reply), cleanup=stream.aclose)
     [final] = await collect_finals(request, [stream])
-    text, calls = parse_calls(final.text) if reply.tools_on else (final.text, [])
-    return reply.final(final, text, calls)
+    thought, text, calls = reply.split(final.text)
+    return reply.final(final, text, calls, thought)
 
 
 async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
     """With tools, an answer that starts with a call is held back and its calls come whole in the
     last line (a call can only come first); text answers stream as usual."""
     holding = reply.tools_on
+    thoughts = ThoughtStream(reply.thinking)
     try:
         async with aclosing(stream.__aiter__()) as outputs:
             async for out in outputs:
-                holding, text = text_to_stream(holding, out)
+                thought, answer = thoughts.feed(out)
+                if thought:
+                    yield ndjson_line(reply.part("", thought=thought))
+                holding, text = text_to_stream(holding, answer)
                 if text or (reply.want_logprobs and out.new_logprobs):
                     yield ndjson_line(reply.part(text, out))
                 if out.finished:
-                    held, calls = parse_calls(out.text) if holding else ("", [])
+                    held, calls = parse_calls(answer.text) if holding else ("", [])
                     yield ndjson_line(reply.final(out, held, calls))
     except (APIError, EngineDeadError) as e:
         yield ndjson_line({"error": (engine_error(e) or APIError(503, f"the engine failed: {e}")).message})
@@ -231,10 +249,12 @@ async def generate(body: GenerateRequest, request: Request):
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         messages.append({"role": "user", "content": body.prompt or ""})
-        ids = context + await serving.encode_chat(messages, add_special=not context)
-    if not body.suffix:
-        ends = ()
-    return await _run(request, serving, body, ids, chat=False, received=received, stop_token_ids=ends)
+        enable, variables = _thinking_switch(serving, body)
+        ids = context + await serving.encode_chat(messages, add_special=not context, template_variables=variables)
+        return await _run(request, serving, body, ids, chat=False, received=received,
+                          thinking=serving.thinking(ids, enable))
+    return await _run(request, serving, body, ids, chat=False, received=received,
+                      stop_token_ids=ends if body.suffix else ())
 
 
 @router.post(
@@ -262,14 +282,26 @@ async def chat(body: ChatRequest, request: Request):
         answer_format = body.format_constraint()
     except ValueError as e:
         raise APIError(400, f"format: {e}") from None
-    ids = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools)
+    enable, variables = _thinking_switch(serving, body)
+    ids = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools,
+                                    template_variables=variables)
     calls = call_constraint(tools, ToolChoice(), answer_format) if tools else None
-    return await _run(request, serving, body, ids, chat=True, received=received, calls=calls)
+    return await _run(request, serving, body, ids, chat=True, received=received, calls=calls,
+                      thinking=serving.thinking(ids, enable))
+
+
+def _thinking_switch(serving: Serving, body) -> tuple[bool | None, dict]:
+    """``think`` as the template's variables; true for a model that does not think is a 400, as in Ollama."""
+    enable, level = body.thinking_switch
+    if enable and not serving.tokenizer.thinks:
+        raise APIError(400, f'"{body.model}" does not support thinking')
+    enable = serving.thinking_switch(enable)
+    return enable, template_switch(enable, level)
 
 
 async def _run(
     request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float, calls=None,
-    stop_token_ids: tuple[int, ...] = (),
+    stop_token_ids: tuple[int, ...] = (), thinking: Thinking | None = None,
 ):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     try:
@@ -279,8 +311,10 @@ async def _run(
     params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs, constraint)
     if stop_token_ids:
         params = replace(params, stop_token_ids=(*params.stop_token_ids, *stop_token_ids))
+    if thinking is not None:
+        params = replace(params, reasoning=thinking.reasoning)
     stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")
-    reply = Reply(body.model, chat, received, logprobs is not None, tools_on=calls is not None)
+    reply = Reply(body.model, chat, received, logprobs is not None, tools_on=calls is not None, thinking=thinking)
     result = await _reply(request, stream, reply, body.stream is not False)
     asked = body.options.num_ctx if body.options else None
     if asked is not None and asked > serving.max_model_len:

@@ -44,21 +44,25 @@ class Reply(Exact):
 
 class GenerateResponse(Reply):
     response: str
+    thinking: str | None = None  # a reasoning model's thought (streamed: as it comes, before the answer)
     context: list[int] | None = None  # prompt and answer token ids, on the last line
 
 
 class OllamaFunctionCall(Exact):
+    index: int  # which call of the answer this is
     name: str
     arguments: dict
 
 
 class OllamaToolCall(Exact):
+    id: str
     function: OllamaFunctionCall
 
 
 class OllamaMessage(Exact):
     role: Literal["assistant"]
     content: str
+    thinking: str | None = None  # a reasoning model's thought (streamed: as it comes, before the answer)
     tool_calls: list[OllamaToolCall] | None = None  # the answer's calls, in the line that ends it
 
 

@@ -24,8 +24,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "template": (None, ""),
     "format": (None, ""),
     "images": (None, []),
-    "think": (None, False),
-    "thinking": (None, ""),
     "typical_p": (None, 1.0),
     "tfs_z": (None, 1.0),
     "mirostat": (None, 0),
@@ -102,13 +100,20 @@ class GenerationFields(Strict):
     options: Options | None = None
     keep_alive: str | float | None = None  # validated, then ignored: the model stays loaded
     format: Literal["json", ""] | dict[str, Any] | None = None  # any JSON, or a JSON schema
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None  # a reasoning model's thought, on or off
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     truncate: bool | None = None  # a prompt longer than the context is refused either way (see errors)
     shift: bool | None = None  # context shift: a server setting here (--context-overflow)
 
-    check_neutral = field_validator("think")(neutral_only)
+    @property
+    def thinking_switch(self) -> tuple[bool | None, str | None]:
+        """(thinking on or off, None: the template's default; a level for templates that take one)."""
+        if self.think is None:
+            return None, None
+        if isinstance(self.think, str):
+            return True, self.think
+        return self.think, None
 
     def format_constraint(self) -> Constraint | None:
         if not self.format:
@@ -158,11 +163,11 @@ class Message(Strict):
     content: str = ""
     images: list[Any] | None = None
     tool_calls: list[OllamaToolCallRecord] | None = None  # assistant turns
-    thinking: str | None = None
+    thinking: str | None = None  # an earlier answer's thought, echoed back: not shown to the model
     tool_name: str | None = None  # tool turns: which tool answered
     tool_call_id: str | None = None  # tool turns: the call answered (litellm's ollama_chat/ sends it)
 
-    check_neutral = field_validator("images", "thinking")(neutral_only)
+    check_neutral = field_validator("images")(neutral_only)
 
     def for_template(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.content}

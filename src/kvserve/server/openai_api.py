@@ -29,6 +29,7 @@ from kvserve.server.openai_schemas import ChatCompletionRequest, CompletionReque
 from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, merge, sampling_params
 from kvserve.server.streaming import SSE_DONE, sse_event, sse_response
+from kvserve.server.thinking import Thinking, ThoughtStream
 from kvserve.server.tools import (
     Tool,
     ToolCall,
@@ -101,16 +102,19 @@ def _chat_output_rules(body: ChatCompletionRequest) -> tuple[list[Tool], Constra
     return (tools if choice.mode != "none" else []), call_constraint(tools, choice, answer_format)
 
 
-def _assistant_message(out: RequestOutput, tools_on: bool) -> tuple[dict, str]:
-    """(the message, its finish_reason): tool calls when the answer is calls."""
+def _assistant_message(out: RequestOutput, tools_on: bool, thinking: Thinking | None = None) -> tuple[dict, str]:
+    """(the message, its finish_reason): tool calls when the answer is calls; a reasoning model's
+    thought as ``reasoning_content``."""
     reason = finish_reason(out)
+    thought, text = thinking.split(out.text) if thinking is not None else (None, out.text)
+    extra = {"reasoning_content": thought} if thought is not None else {}
     if tools_on:
-        content, calls = parse_calls(out.text)
+        content, calls = parse_calls(text)
         if calls:
             message = {"role": "assistant", "content": content or None, "refusal": None,
-                       "tool_calls": [_call_record(c) for c in calls]}
+                       "tool_calls": [_call_record(c) for c in calls], **extra}
             return message, "tool_calls"
-    return {"role": "assistant", "content": out.text, "refusal": None}, reason
+    return {"role": "assistant", "content": text, "refusal": None, **extra}, reason
 
 
 def _call_record(call: ToolCall) -> dict:
@@ -143,8 +147,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools, constraint = _chat_output_rules(body)
+    enable, variables = body.thinking_switch()
+    enable = serving.thinking_switch(enable)
+    if enable is not None:
+        variables["enable_thinking"] = enable
+    prompt = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools,
+                                       template_variables=variables)
+    thinking = serving.thinking(prompt, enable)
     params = [_params(body, max_tokens, logprobs, i, constraint) for i in range(n)]
-    prompt = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools)
+    if thinking is not None:
+        params = [replace(p, reasoning=thinking.reasoning) for p in params]
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.start_all(
         [(prompt, p, f"{response_id}-{i}") for i, p in enumerate(params)], param="messages"
@@ -152,18 +164,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     maker = ChunkMaker(response_id, int(time.time()), body.model, "chat.completion.chunk", body.include_usage)
     tools_on = bool(tools)
     if body.stream:
-        events = _chat_events(streams, maker, n, logprobs is not None, tools_on)
+        events = _chat_events(streams, maker, n, logprobs is not None, tools_on, thinking)
         return sse_response(events, cleanup=_closer(streams))
     finals = await collect_finals(request, streams)
     choices = []
     for i, out in enumerate(finals):
-        message, reason = _assistant_message(out, tools_on)
+        message, reason = _assistant_message(out, tools_on, thinking)
         choices.append({"index": i, "message": message, "logprobs": chat_logprobs(out.logprobs), "finish_reason": reason})
     return maker.final("chat.completion", choices, usage(*prompt_usage([finals]), finals))
 
 
 async def _chat_events(
-    streams: list[EngineStream], maker: ChunkMaker, n: int, want_logprobs: bool, tools_on: bool
+    streams: list[EngineStream], maker: ChunkMaker, n: int, want_logprobs: bool, tools_on: bool,
+    thinking: Thinking | None = None,
 ) -> AsyncIterator[bytes]:
     """With tools, an answer that starts with a call (the grammar lets a call come first only) is
     held back and sent as whole tool calls when it ends; text answers stream as usual."""
@@ -177,10 +190,15 @@ async def _chat_events(
         yield sse_event(maker.chunk([first]))
     finals: list[RequestOutput] = []
     holding = [tools_on] * n  # still undecided or a call: text held back
+    thoughts = [ThoughtStream(thinking) for _ in range(n)]
     try:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
-                holding[i], text = text_to_stream(holding[i], out)
+                thought, answer = thoughts[i].feed(out)
+                if thought:
+                    yield sse_event(maker.chunk([{"index": i, "delta": {"reasoning_content": thought},
+                                                  "logprobs": None, "finish_reason": None}]))
+                holding[i], text = text_to_stream(holding[i], answer)
                 if text or (want_logprobs and out.new_logprobs):
                     delta = {
                         "index": i,
@@ -191,7 +209,7 @@ async def _chat_events(
                     yield sse_event(maker.chunk([delta]))
                 if out.finished:
                     finals.append(out)
-                    message, reason = _assistant_message(out, tools_on)
+                    message, reason = _assistant_message(out, tools_on, thinking)
                     if holding[i]:
                         held = {"content": message["content"]} if message["content"] else {}
                         if message.get("tool_calls"):

@@ -79,6 +79,7 @@ class AssistantMessage(Exact):
     content: str | None  # None when the answer is only tool calls
     refusal: None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thought, apart from the answer
 
 
 class ChatChoice(Exact):
@@ -101,6 +102,7 @@ class ToolCallDelta(ToolCall):
 class Delta(Exact):
     role: Literal["assistant"] | None = None  # only in each choice's first chunk
     content: str | None = None
+    reasoning_content: str | None = None  # the thought as it comes, before the answer
     tool_calls: list[ToolCallDelta] | None = None  # each call whole, in the choice's last content chunk
 
 

@@ -27,7 +27,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "web_search_options": (None,),
     "verbosity": (None,),
     "moderation": (None,),
@@ -124,6 +123,7 @@ class ChatMessage(Strict):
     function_call: Any = None
     audio: Any = None
     annotations: list[Any] | None = None
+    reasoning_content: str | None = None  # an earlier answer's thought, echoed back: not shown to the model
 
     @field_validator("content")
     @classmethod
@@ -220,7 +220,9 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    # a reasoning model's switch ("none": no thought); others ignore it, as llama.cpp does
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and llama.cpp's: variables for the template
     web_search_options: dict[str, Any] | None = None
     verbosity: str | None = None
     moderation: dict[str, Any] | None = None
@@ -232,12 +234,22 @@ class ChatCompletionRequest(SamplingFields):
         "modalities",
         "audio",
         "prediction",
-        "reasoning_effort",
         "web_search_options",
         "verbosity",
         "moderation",
         "prompt_cache_options",
     )(neutral_only)
+
+    def thinking_switch(self) -> tuple[bool | None, dict[str, Any]]:
+        """(thinking on or off, None: the template's default; the template's variables)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        effort = self.reasoning_effort
+        enable = kwargs.get("enable_thinking", None if effort is None else effort != "none")
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        if enable is not None:
+            kwargs["enable_thinking"] = bool(enable)
+        return (None if enable is None else bool(enable)), kwargs
 
     def tool_choice_spec(self) -> ToolChoice:
         choice = self.tool_choice or ("auto" if self.tools else "none")

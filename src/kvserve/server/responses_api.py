@@ -21,11 +21,13 @@ from fastapi import APIRouter, Request
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.reasoning import ThoughtState
 from kvserve.server.errors import APIError, engine_error
 from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.responses_schemas import ResponseObject, ResponsesRequest, input_messages
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import dumps, sse_response
+from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tools import ToolCall, call_constraint, check_tools, parse_calls, text_to_stream
 
 router = APIRouter(tags=["OpenAI"])
@@ -66,17 +68,27 @@ def _store(request: Request) -> ResponseStore:
 class Reply:
     """One response's objects and events."""
 
-    def __init__(self, body: ResponsesRequest, model: str, tools_on: bool) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, tools_on: bool, thinking: Thinking | None = None) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.body = body
         self.model = model
         self.tools_on = tools_on
+        self.thinking = thinking
         self.created = int(time.time())
         self.sequence = 0
 
+    def thought(self, out: RequestOutput) -> str | None:
+        return self.thinking.split(out.text)[0] if self.thinking is not None else None
+
     def split(self, out: RequestOutput) -> tuple[str, list[ToolCall]]:
-        return parse_calls(out.text) if self.tools_on else (out.text, [])
+        text = self.thinking.split(out.text)[1] if self.thinking is not None else out.text
+        return parse_calls(text) if self.tools_on else (text, [])
+
+    def reasoning_item(self, thought: str, status: str = "completed") -> dict:
+        content = [{"type": "reasoning_text", "text": thought}] if status == "completed" else []
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
 
     def message_item(self, text: str, status: str = "completed") -> dict:
         parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
@@ -89,8 +101,10 @@ class Reply:
                 "arguments": json.dumps(call.arguments, ensure_ascii=False) if arguments is None else arguments}
 
     def output(self, out: RequestOutput) -> list[dict]:
+        thought = self.thought(out)
         text, calls = self.split(out)
-        items = [self.message_item(text)] if text or not calls else []
+        items = [self.reasoning_item(thought)] if thought is not None else []
+        items += [self.message_item(text)] if text or not calls else []
         return items + [self.call_item(c) for c in calls]
 
     def response(self, out: RequestOutput | None, status: str | None = None) -> dict:
@@ -119,10 +133,17 @@ class Reply:
             "incomplete_details": {"reason": "max_output_tokens"} if length else None,
             "output": self.output(out),
             "usage": {"input_tokens": len(out.prompt_token_ids), "input_tokens_details": {"cached_tokens": cached},
-                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": self.thought_tokens(out)},
                       "total_tokens": len(out.prompt_token_ids) + generated},
         }
         return obj
+
+    def thought_tokens(self, out: RequestOutput) -> int:
+        if self.thinking is None:
+            return 0
+        state = ThoughtState(self.thinking.reasoning)
+        state.update(list(out.token_ids))
+        return state.thought_tokens
 
     def event(self, kind: str, **data: Any) -> bytes:
         self.sequence += 1
@@ -161,15 +182,20 @@ async def create_response(body: ResponsesRequest, request: Request):
     shown = tools if choice.mode != "none" else []
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     conversation = history + messages
-    prompt = await serving.encode_chat(system + conversation, tools=shown)
+    effort = body.reasoning.effort if body.reasoning else None
+    enable = serving.thinking_switch(None if effort is None else effort != "none")
+    prompt = await serving.encode_chat(system + conversation, tools=shown,
+                                       template_variables=template_switch(enable, effort))
+    thinking = serving.thinking(prompt, enable)
     params = sampling_params(
         None,
         max_tokens=body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         constraint=call_constraint(shown, choice, answer),
+        reasoning=thinking.reasoning if thinking is not None else None,
     )
-    reply = Reply(body, body.model, bool(shown))
+    reply = Reply(body, body.model, bool(shown), thinking)
     stream = await serving.start(prompt, params, reply.id, param="input")
 
     def keep(out: RequestOutput, response: dict) -> None:
@@ -190,28 +216,46 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 async def _events(stream: EngineStream, reply: Reply, keep) -> AsyncIterator[bytes]:
     """OpenAI's event sequence: created, in_progress, then per output item added / deltas / done, then
-    completed (or incomplete). With tools, an answer that starts with a call is held back and its items
-    come whole at the end, as the chat endpoint does."""
+    completed (or incomplete). A thought streams as a reasoning item before the answer; with tools, an
+    answer that starts with a call is held back and its items come whole at the end, as the chat endpoint
+    does."""
     yield reply.event("response.created", response=reply.response(None))
     yield reply.event("response.in_progress", response=reply.response(None))
     holding = reply.tools_on
-    opened = False  # the message item is streaming
+    thoughts = ThoughtStream(reply.thinking)
+    thought_index = message_index = None  # the items streaming, by output index
+    thought_text = ""
     try:
         async with aclosing(stream.__aiter__()) as outputs:
             async for out in outputs:
-                holding, text = text_to_stream(holding, out)
+                thought, answer = thoughts.feed(out)
+                if thought:
+                    if thought_index is None:
+                        thought_index = 0
+                        yield reply.event("response.output_item.added", output_index=0,
+                                          item=reply.reasoning_item("", "in_progress"))
+                    thought_text += thought
+                    yield reply.event("response.reasoning_text.delta", item_id=reply.reasoning_id, output_index=0,
+                                      content_index=0, delta=thought)
+                holding, text = text_to_stream(holding, answer)
                 if text:
-                    if not opened:
-                        opened = True
-                        for event in _open_message(reply):
+                    if message_index is None:
+                        message_index = 0 if thought_index is None else 1
+                        for event in _close_thought(reply, thought_index, thought_text):
                             yield event
-                    yield reply.event("response.output_text.delta", item_id=reply.message_id, output_index=0,
-                                      content_index=0, delta=text, logprobs=[])
+                        for event in _open_message(reply, message_index):
+                            yield event
+                    yield reply.event("response.output_text.delta", item_id=reply.message_id,
+                                      output_index=message_index, content_index=0, delta=text, logprobs=[])
                 if out.finished:
                     response = reply.response(out)
-                    for index, item in enumerate(response["output"]):
-                        for event in _item_events(reply, index, item, opened and index == 0):
+                    if message_index is None:
+                        for event in _close_thought(reply, thought_index, thought_text):
                             yield event
+                    for index, item in enumerate(response["output"]):
+                        if index != thought_index:
+                            for event in _item_events(reply, index, item, index == message_index):
+                                yield event
                     keep(out, response)
                     kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
                     yield reply.event(kind, response=response)
@@ -220,10 +264,21 @@ async def _events(stream: EngineStream, reply: Reply, keep) -> AsyncIterator[byt
         yield reply.event("error", code=error.code or str(error.status), message=error.message, param=error.param)
 
 
-def _open_message(reply: Reply) -> list[bytes]:
+def _close_thought(reply: Reply, index: int | None, thought: str) -> list[bytes]:
+    if index is None:
+        return []
+    item = reply.reasoning_item(thought.strip())
     return [
-        reply.event("response.output_item.added", output_index=0, item=reply.message_item("", "in_progress")),
-        reply.event("response.content_part.added", item_id=reply.message_id, output_index=0, content_index=0,
+        reply.event("response.reasoning_text.done", item_id=reply.reasoning_id, output_index=index, content_index=0,
+                    text=thought.strip()),
+        reply.event("response.output_item.done", output_index=index, item=item),
+    ]
+
+
+def _open_message(reply: Reply, index: int) -> list[bytes]:
+    return [
+        reply.event("response.output_item.added", output_index=index, item=reply.message_item("", "in_progress")),
+        reply.event("response.content_part.added", item_id=reply.message_id, output_index=index, content_index=0,
                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
     ]
 
@@ -231,10 +286,13 @@ def _open_message(reply: Reply) -> list[bytes]:
 def _item_events(reply: Reply, index: int, item: dict, streamed: bool) -> list[bytes]:
     """The events of one finished output item; ``streamed``: a message whose text deltas went out."""
     events = []
+    if item["type"] == "reasoning":  # a thought that was never streamed (none: it streams as it comes)
+        return [reply.event("response.output_item.added", output_index=index, item=item),
+                reply.event("response.output_item.done", output_index=index, item=item)]
     if item["type"] == "message":
         text = item["content"][0]["text"]
         if not streamed:
-            events += _open_message(reply)
+            events += _open_message(reply, index)
             if text:
                 events.append(reply.event("response.output_text.delta", item_id=item["id"], output_index=index,
                                           content_index=0, delta=text, logprobs=[]))

@@ -24,6 +24,7 @@ from kvserve.server.errors import APIError, engine_error
 from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
 from kvserve.server.streaming import cancel_on_disconnect
+from kvserve.server.thinking import Thinking, thinking_for
 from kvserve.server.tools import Tool, messages_for_template, template_takes_tools
 
 
@@ -112,14 +113,17 @@ class Serving:
 
     # --- prompts --------------------------------------------------------------------------------------
     async def encode_chat(
-        self, messages: list[dict[str, Any]], add_special: bool = True, tools: list[Tool] | None = None
+        self, messages: list[dict[str, Any]], add_special: bool = True, tools: list[Tool] | None = None,
+        template_variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """The messages through the model's chat template, ending with the assistant's turn; with
-        ``tools``, they and the tool turns of ``messages`` as ``tools.messages_for_template`` puts them."""
+        ``tools``, they and the tool turns of ``messages`` as ``tools.messages_for_template`` puts them;
+        ``template_variables`` (``enable_thinking``, ...) beside them."""
         tokenizer = self.tokenizer
         messages, variables = messages_for_template(
             messages, tools or [], template_takes_tools(tokenizer.chat_template)
         )
+        variables = {**(template_variables or {}), **variables}
 
         def encode() -> list[int]:
             return tokenizer.encode_chat(
@@ -151,6 +155,17 @@ class Serving:
             return await asyncio.to_thread(tokenizer.encode_fim, prefix, suffix, list(extra), middle)
         except ValueError as e:
             raise APIError(400, str(e), param) from None
+
+    def thinking_switch(self, asked: bool | None) -> bool | None:
+        """A request's thinking switch, off where the server turns thinking off (--reasoning-budget 0)."""
+        return False if asked is None and self.config.reasoning_budget == 0 else asked
+
+    def thinking(self, prompt: list[int], enable: bool | None, budget: int | None = None) -> Thinking | None:
+        """The request's thought (``server.thinking``); ``budget``: the request's, else the server's."""
+        tokenizer = self.async_engine.engine.tokenizer
+        if tokenizer is None:
+            return None
+        return thinking_for(tokenizer, prompt, enable, self.config.reasoning_budget if budget is None else budget)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
