@@ -35,6 +35,7 @@ from kvserve.server.serving import EngineStream, Serving, collect_finals, sampli
 from kvserve.server.streaming import dumps, sse_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tools import (
+    Calls,
     Tool,
     ToolCall,
     ToolChoice,
@@ -96,13 +97,13 @@ async def messages(body: MessagesRequest, request: Request):
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
-        constraint=call_constraint(tools, choice, answer_format),
+        constraint=call_constraint(tools, choice, answer_format, serving.call_format),
     )
     if thinking is not None:
         params = replace(params, reasoning=thinking.reasoning)
     message_id = f"msg_{uuid.uuid4().hex}"
     stream = await serving.start(prompt, params, message_id, param="messages")
-    reply = MessageReply(message_id, body.model, bool(tools), thinking)
+    reply = MessageReply(message_id, body.model, Calls(serving.call_format, tools) if tools else None, thinking)
     if body.stream:
         return sse_response(_events(stream, reply), cleanup=stream.aclose)
     [final] = await collect_finals(request, [stream])
@@ -122,7 +123,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
 class MessageReply:
     """Builds one message's objects and events."""
 
-    def __init__(self, message_id: str, model: str, tools_on: bool, thinking: Thinking | None = None) -> None:
+    def __init__(self, message_id: str, model: str, tools_on: Calls | None, thinking: Thinking | None = None) -> None:
         self.id = message_id
         self.model = model
         self.tools_on = tools_on
@@ -131,7 +132,7 @@ class MessageReply:
     def content(self, out: RequestOutput, with_thought: bool = True) -> tuple[list[dict], list[ToolCall]]:
         """(the blocks: a thinking block, text, tool_use; the calls)."""
         thought, text = self.thinking.split(out.text) if self.thinking is not None else (None, out.text)
-        text, calls = parse_calls(text) if self.tools_on else (text, [])
+        text, calls = parse_calls(text, self.tools_on) if self.tools_on else (text, [])
         blocks = [_thinking_block(thought)] if thought is not None and with_thought else []
         blocks += [{"type": "text", "text": text}] if text or not calls else []
         return blocks + [_tool_use(c) for c in calls], calls
@@ -191,7 +192,7 @@ async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[by
     """Text streams as text deltas; with tools, an answer that starts with a call (a call can only
     come first) is held back and its calls are sent as tool_use blocks when it ends."""
     started = False
-    holding = reply.tools_on
+    holding = reply.tools_on is not None
     thoughts = ThoughtStream(reply.thinking)
     blocks = _Blocks()
     try:
@@ -205,7 +206,7 @@ async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[by
                 if thought:
                     for chunk in blocks.delta("thinking", {"type": "thinking_delta", "thinking": thought}):
                         yield chunk
-                holding, text = text_to_stream(holding, answer)
+                holding, text = text_to_stream(holding, answer, reply.tools_on)
                 if text:
                     for chunk in blocks.delta("text", {"type": "text_delta", "text": text}):
                         yield chunk

@@ -34,6 +34,7 @@ from kvserve.server.serving import EngineStream, Serving, collect_finals, sampli
 from kvserve.server.streaming import ndjson_line, ndjson_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tools import (
+    Calls,
     ToolCall,
     ToolChoice,
     call_constraint,
@@ -140,7 +141,7 @@ def _done_reason(out: RequestOutput) -> str:
 class Reply:
     """Builds the objects of one /api/generate or /api/chat reply."""
 
-    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool, tools_on: bool = False,
+    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool, tools_on: Calls | None = None,
                  thinking: Thinking | None = None) -> None:
         self.model = model
         self.chat = chat
@@ -152,7 +153,7 @@ class Reply:
     def split(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
         """(the thought, the answer's text, its calls)."""
         thought, answer = self.thinking.split(text) if self.thinking is not None else (None, text)
-        answer, calls = parse_calls(answer) if self.tools_on else (answer, [])
+        answer, calls = parse_calls(answer, self.tools_on) if self.tools_on else (answer, [])
         return thought, answer, calls
 
     def part(self, text: str, out: RequestOutput | None = None, done: bool = False, thought: str | None = None) -> dict:
@@ -197,7 +198,7 @@ async def _reply(request: Request, stream: EngineStream, reply: Reply, streaming
 async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
     """With tools, an answer that starts with a call is held back and its calls come whole in the
     last line (a call can only come first); text answers stream as usual."""
-    holding = reply.tools_on
+    holding = reply.tools_on is not None
     thoughts = ThoughtStream(reply.thinking)
     try:
         async with aclosing(stream.__aiter__()) as outputs:
@@ -205,11 +206,11 @@ async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
                 thought, answer = thoughts.feed(out)
                 if thought:
                     yield ndjson_line(reply.part("", thought=thought))
-                holding, text = text_to_stream(holding, answer)
+                holding, text = text_to_stream(holding, answer, reply.tools_on)
                 if text or (reply.want_logprobs and out.new_logprobs):
                     yield ndjson_line(reply.part(text, out))
                 if out.finished:
-                    held, calls = parse_calls(answer.text) if holding else ("", [])
+                    held, calls = parse_calls(answer.text, reply.tools_on) if holding else ("", [])
                     yield ndjson_line(reply.final(out, held, calls))
     except (APIError, EngineDeadError) as e:
         yield ndjson_line({"error": (engine_error(e) or APIError(503, f"the engine failed: {e}")).message})
@@ -285,8 +286,8 @@ async def chat(body: ChatRequest, request: Request):
     enable, variables = _thinking_switch(serving, body)
     ids = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools,
                                     template_variables=variables)
-    calls = call_constraint(tools, ToolChoice(), answer_format) if tools else None
-    return await _run(request, serving, body, ids, chat=True, received=received, calls=calls,
+    calls = call_constraint(tools, ToolChoice(), answer_format, serving.call_format) if tools else None
+    return await _run(request, serving, body, ids, chat=True, received=received, calls=calls, tools=tools,
                       thinking=serving.thinking(ids, enable))
 
 
@@ -301,7 +302,7 @@ def _thinking_switch(serving: Serving, body) -> tuple[bool | None, dict]:
 
 async def _run(
     request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float, calls=None,
-    stop_token_ids: tuple[int, ...] = (), thinking: Thinking | None = None,
+    stop_token_ids: tuple[int, ...] = (), thinking: Thinking | None = None, tools: list | None = None,
 ):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     try:
@@ -314,7 +315,8 @@ async def _run(
     if thinking is not None:
         params = replace(params, reasoning=thinking.reasoning)
     stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")
-    reply = Reply(body.model, chat, received, logprobs is not None, tools_on=calls is not None, thinking=thinking)
+    reply = Reply(body.model, chat, received, logprobs is not None, tools_on=Calls(serving.call_format, tools) if calls is not None else None,
+                  thinking=thinking)
     result = await _reply(request, stream, reply, body.stream is not False)
     asked = body.options.num_ctx if body.options else None
     if asked is not None and asked > serving.max_model_len:

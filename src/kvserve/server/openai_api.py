@@ -31,6 +31,7 @@ from kvserve.server.serving import EngineStream, Serving, collect_finals, merge,
 from kvserve.server.streaming import SSE_DONE, sse_event, sse_response
 from kvserve.server.thinking import Thinking, ThoughtStream
 from kvserve.server.tools import (
+    Calls,
     Tool,
     ToolCall,
     call_constraint,
@@ -86,7 +87,7 @@ def _check_common(body: SamplingFields, serving: Serving) -> int:
     return n
 
 
-def _chat_output_rules(body: ChatCompletionRequest) -> tuple[list[Tool], Constraint | None]:
+def _chat_output_rules(body: ChatCompletionRequest, serving: Serving) -> tuple[list[Tool], Constraint | None]:
     """(the tools the model is shown, the grammar of its answer) from tools, tool_choice,
     parallel_tool_calls and response_format."""
     tools = [t.tool() for t in body.tools or []]
@@ -99,17 +100,18 @@ def _chat_output_rules(body: ChatCompletionRequest) -> tuple[list[Tool], Constra
         answer_format = body.response_format.constraint() if body.response_format else None
     except ValueError as e:
         raise APIError(400, str(e), "response_format") from None
-    return (tools if choice.mode != "none" else []), call_constraint(tools, choice, answer_format)
+    return (tools if choice.mode != "none" else []), call_constraint(tools, choice, answer_format,
+                                                                     serving.call_format)
 
 
-def _assistant_message(out: RequestOutput, tools_on: bool, thinking: Thinking | None = None) -> tuple[dict, str]:
+def _assistant_message(out: RequestOutput, tools_on: Calls | None, thinking: Thinking | None = None) -> tuple[dict, str]:
     """(the message, its finish_reason): tool calls when the answer is calls; a reasoning model's
     thought as ``reasoning_content``."""
     reason = finish_reason(out)
     thought, text = thinking.split(out.text) if thinking is not None else (None, out.text)
     extra = {"reasoning_content": thought} if thought is not None else {}
     if tools_on:
-        content, calls = parse_calls(text)
+        content, calls = parse_calls(text, tools_on)
         if calls:
             message = {"role": "assistant", "content": content or None, "refusal": None,
                        "tool_calls": [_call_record(c) for c in calls], **extra}
@@ -146,7 +148,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    tools, constraint = _chat_output_rules(body)
+    tools, constraint = _chat_output_rules(body, serving)
     enable, variables = body.thinking_switch()
     enable = serving.thinking_switch(enable)
     if enable is not None:
@@ -162,7 +164,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         [(prompt, p, f"{response_id}-{i}") for i, p in enumerate(params)], param="messages"
     )
     maker = ChunkMaker(response_id, int(time.time()), body.model, "chat.completion.chunk", body.include_usage)
-    tools_on = bool(tools)
+    tools_on = Calls(serving.call_format, tools) if tools else None
     if body.stream:
         events = _chat_events(streams, maker, n, logprobs is not None, tools_on, thinking)
         return sse_response(events, cleanup=_closer(streams))
@@ -175,7 +177,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def _chat_events(
-    streams: list[EngineStream], maker: ChunkMaker, n: int, want_logprobs: bool, tools_on: bool,
+    streams: list[EngineStream], maker: ChunkMaker, n: int, want_logprobs: bool, tools_on: Calls | None,
     thinking: Thinking | None = None,
 ) -> AsyncIterator[bytes]:
     """With tools, an answer that starts with a call (the grammar lets a call come first only) is
@@ -189,7 +191,7 @@ async def _chat_events(
         }
         yield sse_event(maker.chunk([first]))
     finals: list[RequestOutput] = []
-    holding = [tools_on] * n  # still undecided or a call: text held back
+    holding = [tools_on is not None] * n  # still undecided or a call: text held back
     thoughts = [ThoughtStream(thinking) for _ in range(n)]
     try:
         async with aclosing(merge(streams)) as outputs:
@@ -198,7 +200,7 @@ async def _chat_events(
                 if thought:
                     yield sse_event(maker.chunk([{"index": i, "delta": {"reasoning_content": thought},
                                                   "logprobs": None, "finish_reason": None}]))
-                holding[i], text = text_to_stream(holding[i], answer)
+                holding[i], text = text_to_stream(holding[i], answer, tools_on)
                 if text or (want_logprobs and out.new_logprobs):
                     delta = {
                         "index": i,

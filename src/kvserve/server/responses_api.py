@@ -28,7 +28,7 @@ from kvserve.server.responses_schemas import ResponseObject, ResponsesRequest, i
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import dumps, sse_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tools import ToolCall, call_constraint, check_tools, parse_calls, text_to_stream
+from kvserve.server.tools import Calls, ToolCall, call_constraint, check_tools, parse_calls, text_to_stream
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -68,7 +68,7 @@ def _store(request: Request) -> ResponseStore:
 class Reply:
     """One response's objects and events."""
 
-    def __init__(self, body: ResponsesRequest, model: str, tools_on: bool, thinking: Thinking | None = None) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, tools_on: Calls | None, thinking: Thinking | None = None) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
@@ -84,7 +84,7 @@ class Reply:
 
     def split(self, out: RequestOutput) -> tuple[str, list[ToolCall]]:
         text = self.thinking.split(out.text)[1] if self.thinking is not None else out.text
-        return parse_calls(text) if self.tools_on else (text, [])
+        return parse_calls(text, self.tools_on) if self.tools_on else (text, [])
 
     def reasoning_item(self, thought: str, status: str = "completed") -> dict:
         content = [{"type": "reasoning_text", "text": thought}] if status == "completed" else []
@@ -192,10 +192,10 @@ async def create_response(body: ResponsesRequest, request: Request):
         max_tokens=body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        constraint=call_constraint(shown, choice, answer),
+        constraint=call_constraint(shown, choice, answer, serving.call_format),
         reasoning=thinking.reasoning if thinking is not None else None,
     )
-    reply = Reply(body, body.model, bool(shown), thinking)
+    reply = Reply(body, body.model, Calls(serving.call_format, shown) if shown else None, thinking)
     stream = await serving.start(prompt, params, reply.id, param="input")
 
     def keep(out: RequestOutput, response: dict) -> None:
@@ -221,7 +221,7 @@ async def _events(stream: EngineStream, reply: Reply, keep) -> AsyncIterator[byt
     does."""
     yield reply.event("response.created", response=reply.response(None))
     yield reply.event("response.in_progress", response=reply.response(None))
-    holding = reply.tools_on
+    holding = reply.tools_on is not None
     thoughts = ThoughtStream(reply.thinking)
     thought_index = message_index = None  # the items streaming, by output index
     thought_text = ""
@@ -237,7 +237,7 @@ async def _events(stream: EngineStream, reply: Reply, keep) -> AsyncIterator[byt
                     thought_text += thought
                     yield reply.event("response.reasoning_text.delta", item_id=reply.reasoning_id, output_index=0,
                                       content_index=0, delta=thought)
-                holding, text = text_to_stream(holding, answer)
+                holding, text = text_to_stream(holding, answer, reply.tools_on)
                 if text:
                     if message_index is None:
                         message_index = 0 if thought_index is None else 1

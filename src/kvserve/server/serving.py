@@ -9,6 +9,7 @@ request, which frees its KV blocks before the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -19,6 +20,7 @@ from jinja2.exceptions import TemplateError
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.server.call_formats import CallFormat, call_format
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, engine_error
 from kvserve.server.metrics import RequestTracker, ServerMetrics
@@ -89,6 +91,11 @@ class Serving:
     @property
     def max_model_len(self) -> int:
         return self.async_engine.engine.max_model_len
+
+    @functools.cached_property
+    def call_format(self) -> CallFormat:
+        """How the model's family writes a tool call (``call_formats``), read from its chat template."""
+        return call_format(self.async_engine.engine.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -207,7 +214,7 @@ class Serving:
                     if id(prompt) not in checked:
                         checked.add(id(prompt))
                         self.async_engine.engine.check_prompt(prompt)
-            except Exception as e:  # noqa: BLE001 - mapped like generate()'s admission errors
+            except Exception as e:
                 mapped = engine_error(e, param)
                 if mapped is None:
                     raise

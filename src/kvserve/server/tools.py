@@ -19,9 +19,12 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.constraints import Constraint
+
+if TYPE_CHECKING:
+    from kvserve.server.call_formats import CallFormat
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # small models repeat a call until the token limit; the grammar ends them here
@@ -123,30 +126,40 @@ def call_schema(tool: Tool) -> dict[str, Any]:
     return schema
 
 
-def call_constraint(tools: list[Tool], choice: ToolChoice, answer: Constraint | None = None) -> Constraint | None:
+def closed_parameters(tool: Tool) -> dict[str, Any]:
+    """The tool's parameters schema, closed as ``call_schema`` closes it (references as they are)."""
+    return _rewrite(tool.parameters or {"type": "object"}, lambda target: target)
+
+
+def call_constraint(
+    tools: list[Tool], choice: ToolChoice, answer: Constraint | None = None, fmt: CallFormat | None = None
+) -> Constraint | None:
     """The grammar of the answer: None when the model may write anything (no tools, ``none``).
     ``answer``: the format of an answer that is not calls (a structured output alongside tools): with
-    ``auto`` the answer is then calls or that JSON, never free text."""
+    ``auto`` the answer is then calls or that JSON, never free text. ``fmt``: how the model family writes
+    a call (``call_formats``; Hermes by default)."""
     if not tools or choice.mode == "none":
         return answer
+    fmt = fmt or _hermes()
     offered = [t for t in tools if choice.name is None or t.name == choice.name]
-    calls = f"call (NL call){{0,{MAX_PARALLEL_CALLS - 1}}}" if choice.parallel and choice.name is None else "call"
-    grammar = [
-        f"calls: {calls}",
-        f'call: "{CALL_OPEN}" NL ({" | ".join(f"tool{i}" for i in range(len(offered)))}) NL "{CALL_CLOSE}"',
-        *(f"tool{i}: %json {json.dumps(call_schema(t))}" for i, t in enumerate(offered)),
-        r'NL: "\n"',
-    ]
+    max_calls = MAX_PARALLEL_CALLS if choice.parallel and choice.name is None else 1
+    grammar = fmt.rules(offered, max_calls)
     if choice.mode == "auto" and choice.name is None:
         if answer is not None:
             grammar.insert(0, "start: calls | answer")
             grammar.append(f"answer: %json {json.dumps(_answer_schema(answer))}")
         else:  # text that does not start a call; a call can only come first
             grammar.insert(0, "start: TEXT | calls")
-            grammar.append(r"TEXT: /[^<](.|\n)*/")
+            grammar.append(f"TEXT: {fmt.text_regex}")
     else:
         grammar.insert(0, "start: calls")
     return Constraint("lark", "\n".join(grammar))
+
+
+def _hermes() -> CallFormat:
+    from kvserve.server.call_formats import HERMES
+
+    return HERMES
 
 
 def _answer_schema(answer: Constraint) -> dict[str, Any]:
@@ -160,7 +173,20 @@ def _answer_schema(answer: Constraint) -> dict[str, Any]:
     return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
-def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
+@dataclass(frozen=True, slots=True)
+class Calls:
+    """What an answer's calls are read against: the model family's format and the tools offered."""
+
+    fmt: CallFormat
+    tools: list[Tool]
+
+
+def parse_calls(text: str, calls: Calls | None = None) -> tuple[str, list[ToolCall]]:
+    """(the text that is not calls, the calls) as the model family writes them (Hermes by default)."""
+    return calls.fmt.parse(text, calls.tools) if calls is not None else _hermes().parse(text)
+
+
+def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     """(the text that is not calls, the calls): every complete ``<tool_call>`` block whose body is a
     call, in order, a repeat of an earlier call dropped (small models loop on a call); a block cut off
     by the token limit is dropped where complete calls precede it. Text that only looks like a call
@@ -205,13 +231,13 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall(value["name"], arguments if isinstance(arguments, dict) else {})
 
 
-def text_to_stream(holding: bool, out) -> tuple[bool, str]:
+def text_to_stream(holding: bool, out, calls: Calls | None = None) -> tuple[bool, str]:
     """(still holding, text to send now) for one output of a streamed answer that may be calls: the
-    answer is held while it is empty or starts a call (a call can only come first, see
+    answer is held while it is empty or may still become a call (a call can only come first, see
     ``call_constraint``); once it is text, what was held goes out, then each delta as it comes."""
     if not holding:
         return False, out.delta_text
-    if out.text and not out.text.startswith(CALL_OPEN[0]):
+    if out.text and not (calls.fmt if calls is not None else _hermes()).may_start(out.text):
         return False, out.text
     return True, ""
 
