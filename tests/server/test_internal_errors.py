@@ -22,6 +22,8 @@ SECRET = "secret-internal-detail"
 
 class StubTokenizer:
     chat_template = ""
+    thinks = False  # not a reasoning model
+    fim = None
 
     def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
         return "prompt"
