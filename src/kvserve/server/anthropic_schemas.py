@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server.strict_schema import Strict
-from kvserve.server.tools import Tool, ToolCall, ToolChoice
+from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
 
 MAX_STOP = 16
 
@@ -129,7 +129,7 @@ class AnthropicOutputConfig(Strict):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # ignored: no thinking here
 
     def constraint(self) -> Constraint | None:
-        return Constraint.json_schema(self.format.schema_) if self.format else None
+        return Constraint.json_schema(closed_schema(self.format.schema_)) if self.format else None
 
 
 class CountTokensRequest(Strict):

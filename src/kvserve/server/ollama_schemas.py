@@ -16,7 +16,7 @@ from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.openai_schemas import ToolDefinition
 from kvserve.server.strict_schema import Strict
-from kvserve.server.tools import ToolCall
+from kvserve.server.tools import ToolCall, closed_schema
 
 DURATION = re.compile(r"^-?(\d+(\.\d+)?|(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+)$")
 
@@ -118,7 +118,7 @@ class GenerationFields(Strict):
     def format_constraint(self) -> Constraint | None:
         if not self.format:
             return None
-        return Constraint("json_object") if self.format == "json" else Constraint.json_schema(self.format)
+        return Constraint("json_object") if self.format == "json" else Constraint.json_schema(closed_schema(self.format))
 
     @field_validator("keep_alive")
     @classmethod

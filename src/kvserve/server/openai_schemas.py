@@ -15,7 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.strict_schema import Strict
-from kvserve.server.tools import Tool, ToolCall, ToolChoice
+from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
 
 MAX_STOP = 16
 SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed takes
@@ -109,7 +109,7 @@ class ResponseFormat(Strict):
             return Constraint("json_object")
         if self.json_schema is None:
             raise ValueError("response_format of type json_schema needs json_schema")
-        return Constraint.json_schema(self.json_schema.schema_ or {"type": "object"})
+        return Constraint.json_schema(closed_schema(self.json_schema.schema_ or {"type": "object"}))
 
 
 class ChatMessage(Strict):

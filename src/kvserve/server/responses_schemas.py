@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server.strict_schema import Strict
-from kvserve.server.tools import Tool, ToolCall, ToolChoice
+from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
 
 
 class FunctionTool(Strict):
@@ -46,7 +46,7 @@ class TextFormat(Strict):
             return None
         if self.type == "json_object":
             return Constraint("json_object")
-        return Constraint.json_schema(self.schema_ or {"type": "object"})
+        return Constraint.json_schema(closed_schema(self.schema_ or {"type": "object"}))
 
 
 class TextConfig(Strict):

@@ -126,9 +126,16 @@ def call_schema(tool: Tool) -> dict[str, Any]:
     return schema
 
 
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with every object closed where it says nothing of other properties, as OpenAI's strict mode
+    and llama.cpp's grammars read a schema: a small model given the choice adds properties until the token
+    limit. References stay as they are."""
+    return _rewrite(schema, lambda target: target)
+
+
 def closed_parameters(tool: Tool) -> dict[str, Any]:
-    """The tool's parameters schema, closed as ``call_schema`` closes it (references as they are)."""
-    return _rewrite(tool.parameters or {"type": "object"}, lambda target: target)
+    """The tool's parameters schema, closed as ``call_schema`` closes it."""
+    return closed_schema(tool.parameters or {"type": "object"})
 
 
 def call_constraint(
