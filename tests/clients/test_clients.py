@@ -158,6 +158,12 @@ def test_litellm_openai_and_ollama_chat(live):
                            messages=messages, tools=tools, tool_choice="required", temperature=0, max_tokens=120)
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
+    # tools beside a structured answer: a call or the schema's JSON
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": Weather.model_json_schema()}}
+    both = litellm.completion(model=f"openai/{model}", api_base=f"{idle.url}/v1", api_key=idle.api_key,
+                              messages=messages, tools=tools, response_format=fmt, temperature=0, max_tokens=120)
+    answer = both.choices[0].message
+    assert answer.tool_calls or Weather.model_validate_json(answer.content)
     # the round trip through ollama_chat/: it sends back the call's id and type and a tool_call_id
     follow = [*messages, r.choices[0].message.model_dump(),
               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
