@@ -2,8 +2,11 @@
 by another, as llama.cpp's slot save/restore and mlx-lm's prompt caches do; a chat session's
 messages may ride along.
 
-The framing is ``kv_file``'s (magic KVSPC01, an unkeyed checksum, so a file can move to another
-machine). Header: the engine identity it was computed under, the tokens, the block count, and an
+The framing is ``kv_file``'s (magic KVSPC02), its digest keyed with this user's prompt-cache secret
+(``CACHE_DIR/prompt-cache/secret``, made on first use, mode 0600): a file that labels one prompt's K/V
+with another prompt's tokens cannot be made without the secret, so it cannot poison the prefix cache (or,
+through it, the disk tier). To use a file on another machine, copy the secret with it. Every header field
+is checked before use; a bad one is a one-line ``PromptCacheError``. Header: the engine identity it was computed under, the tokens, the block count, and an
 optional ``extra`` object; payload: the blocks' bytes as the pool stores them, one after another.
 With a window group (``kv.window_blocks``) the header's ``window_blocks`` lists the blocks whose
 window parts (the sliding layers' bytes) follow, in that order, after all the blocks: at least the
@@ -29,7 +32,17 @@ from kvserve.kv.hashing import window_part_hash
 from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
 from kvserve.kv.window_blocks import WINDOW_GROUP
 
-MAGIC = b"KVSPC01\n"
+MAGIC = b"KVSPC02\n"
+UNKEYED = b"KVSPC01\n"  # before files were keyed: refused
+
+
+def _key() -> bytes:
+    from kvserve.kv.disk_tier import load_secret
+    from kvserve.native import cache_root
+
+    root = cache_root() / "prompt-cache"
+    root.mkdir(parents=True, exist_ok=True)
+    return load_secret(root)
 
 
 class PromptCacheError(KVServeError):
@@ -54,7 +67,7 @@ def save_prompt_cache(engine, token_ids: list[int], path: str | os.PathLike, ext
         header["window_blocks"] = [i for i, _ in parts]
         window_data = engine.storage.export_blocks([b.block_id for _, b in parts], WINDOW_GROUP)
         data = torch.cat([data.view(-1), window_data.view(-1)])
-    write_atomically(Path(path), pack(MAGIC, header, memoryview(data.numpy()).cast("B")))
+    write_atomically(Path(path), pack(MAGIC, header, memoryview(data.numpy()).cast("B"), _key()))
     return num_tokens
 
 
@@ -103,14 +116,38 @@ class _FileBlocks:
 
 
 def read_prompt_cache(path: str | os.PathLike) -> tuple[dict, memoryview]:
+    """(header, payload) of a file written under this user's key, its fields checked (``_check``)."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
         raise PromptCacheError(f"cannot read the prompt cache {path}: {e.strerror or e}") from None
+    if data[:8] == UNKEYED:
+        raise PromptCacheError(f"{path} was saved by an older kvserve, without a key: save it again")
     try:
-        return unpack(data, MAGIC)
+        header, payload = unpack(data, MAGIC, _key())
     except KVFileError as e:
-        raise PromptCacheError(f"{path} is not a usable prompt cache: {e}") from None
+        raise PromptCacheError(f"{path} is not a usable prompt cache (damaged, or saved under another "
+                               f"user's or machine's secret): {e}") from None
+    problem = _check(header)
+    if problem:
+        raise PromptCacheError(f"{path}: {problem}")
+    return header, payload
+
+
+def _check(header: dict) -> str | None:
+    """What is wrong with a header's fields, or None."""
+    tokens, blocks = header.get("tokens"), header.get("blocks")
+    if not isinstance(header.get("identity"), dict):
+        return "its header names no engine setup"
+    if type(blocks) is not int or blocks < 1:
+        return f"'blocks' must be a positive integer, got {blocks!r:.40}"
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        return "'tokens' must be a list of token ids"
+    if not isinstance(header.get("extra", {}), dict):
+        return "'extra' must be an object"
+    if not isinstance(header.get("window_blocks", []), list):
+        return "'window_blocks' must be a list"
+    return None
 
 
 def load_prompt_cache(engine, path: str | os.PathLike) -> tuple[int, dict]:
@@ -128,7 +165,9 @@ def load_prompt_cache(engine, path: str | os.PathLike) -> tuple[int, dict]:
     tokens, num_blocks = header.get("tokens"), header.get("blocks")
     window_blocks = header.get("window_blocks", [])  # absent: a file without window parts
     bs = engine.kv.block_size
-    if (not isinstance(tokens, list) or not isinstance(num_blocks, int) or len(tokens) != num_blocks * bs
+    if any(t >= engine.model_config.vocab_size for t in tokens):
+        raise PromptCacheError(f"{path}: its tokens are not all of this model's vocabulary")
+    if (len(tokens) != num_blocks * bs
             or not _valid_window_blocks(window_blocks, num_blocks, engine.storage)
             or len(payload) != _payload_bytes(engine.storage, num_blocks, window_blocks)):
         raise PromptCacheError(f"{path}: its header does not match its payload")
