@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,8 @@ class GrammarTokenizer:
         self.tokenizer = tokenizer
         self._built = None
         self._lock = threading.Lock()
+        self.lock = threading.Lock()  # guards ``compiled``
+        self.compiled: OrderedDict = OrderedDict()  # (kind, spec) -> a matcher at the start (``compiled``)
 
     def get(self):
         with self._lock:
@@ -85,21 +88,82 @@ class GrammarTokenizer:
         return self._built
 
 
+class GrammarError(ValueError):
+    """A grammar that cannot be followed: refused at admission (a 400), or, found only while generating,
+    the end of that request alone (``Request.error_status`` 400). The message is ours, one line: never
+    the grammar library's parser state."""
+
+
+def _first_line(message: str) -> str:
+    return message.split("<state>")[0].strip().splitlines()[0][:300] if message.strip() else "unknown"
+
+
+PROBE_TOKENS = 4  # tokens a new grammar is followed ahead, on a copy, before the request is admitted
+
+
+COMPILED_KEPT = 64  # compiled grammars kept per model: agents send the same tools with every turn
+MAX_SPEC_BYTES = 1 << 20  # a grammar's text (schema, regex, Lark) beyond this is refused before compiling
+
+
+def compiled(constraint: Constraint, grammar_tokenizer: GrammarTokenizer):
+    """The constraint's matcher at its start, compiled and probed once (``_probe``) and kept (the last
+    ``COMPILED_KEPT``): each request then takes a copy. ValueError (a 400) for a grammar that is
+    invalid, too large or cannot be followed. Safe from any thread; llguidance compiles without the GIL,
+    so the server compiles off its event loop (``Serving.start``)."""
+    key = (constraint.kind, constraint.spec)
+    cache = grammar_tokenizer.compiled
+    with grammar_tokenizer.lock:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+    if len(constraint.spec) > MAX_SPEC_BYTES:
+        raise ValueError(f"the {constraint.kind.replace('_', ' ')} is {len(constraint.spec):,} bytes; at most "
+                         f"{MAX_SPEC_BYTES:,} are compiled")
+    from llguidance import LLMatcher
+
+    tokenizer = grammar_tokenizer.get()
+    grammar = constraint.grammar()
+    kind = constraint.kind.replace("_", " ")
+    error = LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise ValueError(f"invalid {kind}: {_first_line(error)}")
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"invalid {kind}: {_first_line(matcher.get_error())}")
+    _probe(matcher, kind, tokenizer.vocab_size)
+    with grammar_tokenizer.lock:
+        cache[key] = matcher
+        while len(cache) > COMPILED_KEPT:
+            cache.popitem(last=False)
+    return matcher
+
+
+def _probe(matcher, kind: str, vocab_size: int) -> None:
+    """Follows the grammar a few tokens ahead on a copy, taking the first token each step allows: a schema
+    that compiles but cannot be followed (a property that requires itself without end, a constant too
+    large for the lexer) fails here, at admission, rather than on the first sampled token."""
+    probe = matcher.deep_copy()
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    for _ in range(PROBE_TOKENS):
+        if probe.is_stopped():
+            return
+        probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size])
+        if allowed.size == 0:
+            if probe.is_accepting():
+                return
+            raise GrammarError(f"the {kind} admits no output: {_first_line(probe.get_error() or 'no token fits')}")
+        if not probe.consume_token(int(allowed[0])) or probe.is_error():
+            raise GrammarError(f"the {kind} cannot be followed (a property that requires itself without end, "
+                               f"or a part too large for the grammar engine): {_first_line(probe.get_error())}")
+
+
 class TokenConstraint:
-    """One request's grammar state."""
+    """One request's grammar state: a copy of the compiled grammar's start (``compiled``)."""
 
     def __init__(self, constraint: Constraint, grammar_tokenizer: GrammarTokenizer) -> None:
-        from llguidance import LLMatcher
-
-        tokenizer = grammar_tokenizer.get()
-        grammar = constraint.grammar()
-        error = LLMatcher.validate_grammar(grammar, tokenizer)
-        if error:
-            raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {error}")
-        self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {self.matcher.get_error()}")
-        self._words = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+        self.matcher = compiled(constraint, grammar_tokenizer).deep_copy()
+        self._words = np.zeros((grammar_tokenizer.get().vocab_size + 31) // 32, dtype=np.int32)
 
     def forbidden(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """[vocab_size] bool: the tokens that would leave the grammar (the logits' padding rows too)."""
@@ -111,7 +175,8 @@ class TokenConstraint:
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise ValueError(f"token {token} does not fit the constraint: {self.matcher.get_error()}")
+            raise GrammarError(f"the output's grammar could not be followed past token {token}: "
+                               f"{_first_line(self.matcher.get_error())}")
 
     @property
     def complete(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from kvserve import native
 from kvserve.config import EngineConfig
-from kvserve.engine.constraints import GrammarTokenizer, TokenConstraint
+from kvserve.engine.constraints import GrammarError, GrammarTokenizer, TokenConstraint
 from kvserve.engine.malloc import keep_freed_pages
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
@@ -224,6 +224,8 @@ class LLMEngine:
                 if request.request_id in drafts:
                     self._verify(request, drafts[request.request_id], logits, first, token, now)
             if isinstance(token, Exception) or request.error is not None:  # this request fails; the others go on
+                if isinstance(token, GrammarError):
+                    request.error, request.error_status = str(token), 400
                 request.error = request.error or f"sampling failed: {token}"
                 request.status = RequestStatus.FINISHED_ERROR
             output = self.outputs.process(request)
@@ -250,7 +252,8 @@ class LLMEngine:
             accepted += 1
             ((token, logprob),) = self.sampler.sample(logits[first + accepted : first + accepted + 1], [request])
             if isinstance(token, Exception):
-                request.error = f"sampling failed: {token}"
+                request.error = str(token) if isinstance(token, GrammarError) else f"sampling failed: {token}"
+                request.error_status = 400 if isinstance(token, GrammarError) else 500
                 break
             self._take_token(request, token, logprob, now)
         request.num_computed_tokens += accepted

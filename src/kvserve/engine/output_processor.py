@@ -69,6 +69,7 @@ class OutputProcessor:
             logprobs=list(logprobs) if logprobs is not None else None,
             new_logprobs=logprobs[-len(new_ids):] if logprobs and new_ids else ([] if logprobs is not None else None),
             error=request.error,
+            error_status=request.error_status,
         )
 
     def _advance_text(self, request: Request, state: RequestTextState, new_ids: list[int]) -> None:

@@ -89,3 +89,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_status: int = 500  # 400: the request's own grammar could not be followed (its fault, not ours)

@@ -58,6 +58,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        self.error_status = 500  # the HTTP status its error maps to: 400 where the request's own grammar failed
         self.num_step_failures = 0  # failed forwards this request was part of
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         limit = max_total_tokens

@@ -29,7 +29,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server import anthropic_responses as responses
 from kvserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest
-from kvserve.server.errors import APIError, anthropic_error_body, engine_error
+from kvserve.server.errors import APIError, anthropic_error_body, engine_error, generation_error
 from kvserve.server.openapi_docs import anthropic_errors, anthropic_sse_stream, ok
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import dumps, sse_response
@@ -168,7 +168,7 @@ def _tool_use(call: ToolCall) -> dict:
 
 def _stop(out: RequestOutput, calls: list[ToolCall]) -> tuple[str, str | None]:
     if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
+        raise generation_error(out)
     if calls:
         return "tool_use", None
     if out.finish_reason == "length":

@@ -50,7 +50,9 @@ def _gathered(schemas: list[dict], path) -> tuple[list[dict], dict]:
 
 class CallFormat:
     name = "hermes"
-    text_regex = r"/[^<](.|\n)*/"
+    # an answer that is text: it cannot start a call (nor with blank space, which a model that means to call
+    # writes first), nor hold one further on (a call there would escape the grammar, read back unchecked)
+    text_regex = r"/[^<\s](.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/"
 
     def rules(self, offered: list[Tool], max_calls: int) -> list[str]:
         calls = "call" if max_calls == 1 else f"call (NL call){{0,{max_calls - 1}}}"

@@ -67,6 +67,14 @@ class APIError(Exception):
         self.headers = headers
 
 
+def generation_error(out) -> APIError:
+    """The error of a request that finished with one: a 400 where its own grammar could not be followed,
+    else a 500 (the engine's fault)."""
+    if getattr(out, "error_status", 500) == 400:
+        return APIError(400, out.error or "the request's grammar could not be followed", code="grammar_failed")
+    return APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
+
+
 class ClientDisconnected(Exception):
     """The client went away before its response was ready; its engine requests were aborted."""
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server.errors import APIError, engine_error
+from kvserve.server.errors import APIError, engine_error, generation_error
 from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_event, sse_response
@@ -182,7 +182,7 @@ async def _cut(stream: EngineStream, n_indent: int) -> AsyncIterator[_Cut]:
 
 def _final(out, model: str, content: str | None = None) -> dict[str, Any]:
     if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
+        raise generation_error(out)
     m = out.metrics
     decode_s = max(m.decode_time, 1e-9)
     cut = isinstance(out, _Cut) and out.cut is not None

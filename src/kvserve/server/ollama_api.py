@@ -27,7 +27,7 @@ from kvserve.engine.constraints import Constraint
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server import ollama_responses as responses
-from kvserve.server.errors import APIError, engine_error, prompt_too_long
+from kvserve.server.errors import APIError, engine_error, generation_error, prompt_too_long
 from kvserve.server.ollama_schemas import ChatRequest, GenerateRequest, Options, ShowRequest
 from kvserve.server.openapi_docs import ndjson_stream, ok, ollama_errors
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
@@ -134,7 +134,7 @@ def _timings(out: RequestOutput, received: float) -> dict:
 
 def _done_reason(out: RequestOutput) -> str:
     if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
+        raise generation_error(out)
     return "length" if out.finish_reason == "length" else "stop"
 
 

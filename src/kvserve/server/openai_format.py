@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from kvserve import __version__
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
-from kvserve.server.errors import APIError
+from kvserve.server.errors import APIError, generation_error
 
 SYSTEM_FINGERPRINT = f"kvserve-{__version__}"
 
 
 def finish_reason(out: RequestOutput) -> str:
     if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
+        raise generation_error(out)
     return "length" if out.finish_reason == "length" else "stop"
 
 

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.reasoning import ThoughtState
-from kvserve.server.errors import APIError, engine_error
+from kvserve.server.errors import APIError, engine_error, generation_error
 from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.responses_schemas import ResponseObject, ResponsesRequest, input_messages
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
@@ -124,7 +124,7 @@ class Reply:
         if out is None:
             return obj
         if out.finish_reason == "error":
-            raise APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
+            raise generation_error(out)
         cached = out.metrics.num_cached_tokens
         generated = out.metrics.num_generation_tokens
         length = out.finish_reason == "length"

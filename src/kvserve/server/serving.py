@@ -18,6 +18,7 @@ from fastapi import Request
 from jinja2.exceptions import TemplateError
 
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.constraints import compiled
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.call_formats import CallFormat, call_format
@@ -181,7 +182,14 @@ class Serving:
     async def start(
         self, prompt: list[int], params: SamplingParams, request_id: str, param: str | None = None
     ) -> EngineStream:
-        """Admits the request or raises ``APIError``. ``param`` names the prompt field in errors."""
+        """Admits the request or raises ``APIError``. ``param`` names the prompt field in errors. A grammar
+        is compiled first, in a worker thread (llguidance releases the GIL): never on the event loop."""
+        grammar_tokenizer = getattr(self.async_engine.engine, "grammar_tokenizer", None)
+        if params.constraint is not None and grammar_tokenizer is not None:
+            try:
+                await asyncio.to_thread(compiled, params.constraint, grammar_tokenizer)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
         agen = self.async_engine.generate(prompt, params, request_id)
         first = asyncio.ensure_future(agen.__anext__())
         # generate() calls add_request before its first await, and a new task runs before the task

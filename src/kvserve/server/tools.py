@@ -113,7 +113,12 @@ def call_schema(tool: Tool) -> dict[str, Any]:
             return "#/properties/arguments" + target[1:]
         return target
 
-    parameters = _rewrite(tool.parameters or {"type": "object"}, ref)
+    parameters = tool.parameters or {"type": "object"}
+    if isinstance(parameters.get("defs"), dict) and "$defs" not in parameters and "#/$defs/" in json.dumps(parameters):
+        # the ollama client's Tool model renames $defs to "defs" (and drops a property's lone $ref): keep
+        # what it kept resolvable
+        parameters = {("$defs" if k == "defs" else k): v for k, v in parameters.items()}
+    parameters = _rewrite(parameters, ref)
     defs = {k: parameters.pop(k) for k in ("$defs", "definitions") if isinstance(parameters.get(k), dict)}
     schema = {
         "type": "object",
