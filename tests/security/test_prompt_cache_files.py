@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from kvserve.kv import prompt_cache
 from kvserve.kv.kv_file import pack, unpack, write_atomically
-from kvserve.kv.prompt_cache import MAGIC, PromptCacheError, load_prompt_cache, read_prompt_cache, save_prompt_cache
+from kvserve.kv.prompt_cache import (
+    MAGIC,
+    PromptCacheError,
+    load_prompt_cache,
+    read_prompt_cache,
+    save_prompt_cache,
+)
 from tests.support import make_engine
 
 
@@ -39,7 +45,7 @@ def saved(tiny_llama_hd64, tmp_path_factory):
 
 
 def test_a_forged_file_is_refused_and_poisons_nothing(tiny_llama_hd64, saved, tmp_path):
-    path, header, payload, prompt = saved
+    _, header, payload, _ = saved
     victim = [(11 * i + 5) % 80 + 10 for i in range(64)]
     forged = tmp_path / "forged.kvc"
     # the genuine K/V relabelled with the victim's tokens, under a key that is not the user's secret
