@@ -86,6 +86,12 @@ FIM_SPELLINGS = (
 FIM_ENDS = ("<|endoftext|>", "<|file_sep|>", "<|fim_pad|>", "<|repo_name|>", "<file_sep>", "<EOT>", "▁<EOT>")
 
 
+def _ids(backend, text: str) -> list[int]:
+    """``text``'s token ids. Through the batch call, which releases the GIL while Rust works (a single
+    encode holds it: a 3 MB prompt stalled the server's event loop for 2 s)."""
+    return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 THINK_TAGS = ("<think>", "</think>")  # a thought, as reasoning models write it
 
 
@@ -134,6 +140,12 @@ class Tokenizer:
         return None
 
     @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (at least 1): a text of n characters is at least
+        n / max_token_bytes tokens, so a prompt far over the context is refused before it is tokenized."""
+        return max([len(t.encode()) for t in self.backend.get_vocab()] + [1])
+
+    @functools.cached_property
     def thinks(self) -> bool:
         """A reasoning model: ``<think>`` and ``</think>`` are tokens of its own and its template knows them
         (Qwen3, DeepSeek-R1 distills, QwQ; not a model whose vocabulary merely has the words)."""
@@ -172,7 +184,7 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Special-token strings in ``text`` become those tokens (a raw prompt is the caller's own)."""
         check_unicode(text)
-        return self._with_bos(self.backend.encode(text, add_special_tokens=False).ids, add_special)
+        return self._with_bos(_ids(self.backend, text), add_special)
 
     def _with_bos(self, ids: list[int], add_special: bool) -> list[int]:
         if add_special and self.add_bos and self.bos_token_id is not None:
@@ -238,7 +250,7 @@ class Tokenizer:
         ids: list[int] = []
         for text, from_content in segments:
             backend = self._literal() if from_content else self.backend
-            ids.extend(backend.encode(text, add_special_tokens=False).ids)
+            ids.extend(_ids(backend, text))
         return self._with_bos(ids, add_special)
 
     def _has_special(self, text: str) -> bool:

@@ -5,12 +5,14 @@ The API key and body checks answer in the error shape of the API the path belong
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvserve.host_memory import release_freed_memory
 from kvserve.server.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/", "/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
@@ -73,6 +75,9 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+TRIM_AFTER_BYTES = 1 << 20  # a request body this large is followed by a heap trim
+
+
 class BodyLimitMiddleware:
     """Refuses bodies over ``max_bytes`` with 413: at once when Content-Length says so, else as soon
     as the streamed (chunked) body crosses the limit."""
@@ -108,7 +113,13 @@ class BodyLimitMiddleware:
                     raise HTTPException(413, self._too_large())
             return message
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        finally:
+            if received >= TRIM_AFTER_BYTES:
+                # a big body leaves megabytes of freed C heap (its JSON, its text, its tokens) that glibc
+                # keeps: hand them back, off the event loop (malloc_trim runs without the GIL)
+                await asyncio.to_thread(release_freed_memory)
 
 
 class JSONBodyMiddleware:

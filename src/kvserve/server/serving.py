@@ -9,6 +9,7 @@ request, which frees its KV blocks before the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import json
 import functools
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -132,6 +133,8 @@ class Serving:
             messages, tools or [], template_takes_tools(tokenizer.chat_template)
         )
         variables = {**(template_variables or {}), **variables}
+        self.check_size(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+                        + sum(len(t.description) + len(json.dumps(t.parameters)) for t in tools or []), "messages")
 
         def encode() -> list[int]:
             return tokenizer.encode_chat(
@@ -148,8 +151,18 @@ class Serving:
         except ValueError as e:  # text that is not valid Unicode, a special token the template mangles
             raise APIError(400, str(e), "messages") from None
 
+    def check_size(self, characters: int, param: str | None = None) -> None:
+        """Refuses a prompt of ``characters`` that cannot fit the context whatever its tokens (each stands
+        for at most ``max_token_bytes``), before any work on it."""
+        least = characters // self.tokenizer.max_token_bytes
+        if least >= self.max_model_len:
+            raise APIError(400, f"the prompt is at least {least:,} tokens ({characters:,} characters) but the "
+                                f"context limit is {self.max_model_len} tokens; shorten it", param,
+                           "context_length_exceeded")
+
     async def encode_text(self, text: str, add_special: bool = True, param: str = "prompt") -> list[int]:
         tokenizer = self.tokenizer
+        self.check_size(len(text), param)
         try:
             return await asyncio.to_thread(tokenizer.encode, text, add_special)
         except ValueError as e:
