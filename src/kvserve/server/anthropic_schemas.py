@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server.strict_schema import Strict
+from kvserve.server.strict_schema import NonEmptyStr, Strict
 from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
 
 MAX_STOP = 16
@@ -160,7 +160,7 @@ class CountTokensRequest(Strict):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[NonEmptyStr] | None = None
     stream: bool | None = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)

@@ -121,7 +121,10 @@ def build_app(
         version=__version__,
         description="OpenAI- and Ollama-compatible streaming over the kvserve engine.",
         lifespan=lifespan,
+        docs_url=None,  # served below from the package's own copy of Swagger UI: no CDN, works offline
+        redoc_url=None,
     )
+    _api_page(app)
     view = view or EngineView(async_engine)
     app.state.view = view
     app.state.metrics = ServerMetrics(view)
@@ -147,3 +150,25 @@ def build_app(
 
     app.openapi = openapi
     return app
+
+
+def _api_page(app: FastAPI) -> None:
+    """``/docs``: Swagger UI over ``/openapi.json``, its scripts and styles from the ``swagger-ui-bundle``
+    package (FastAPI's default page loads them from a CDN, blank offline)."""
+    from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount("/docs/assets", StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="kvserve API",
+                                   swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/assets/swagger-ui.css",
+                                   swagger_favicon_url="/docs/assets/favicon-32x32.png",
+                                   oauth2_redirect_url="/docs/oauth2-redirect")
+
+    @app.get("/docs/oauth2-redirect", include_in_schema=False)
+    async def oauth2_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()

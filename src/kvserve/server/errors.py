@@ -178,8 +178,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def _is_union_member(part: object) -> bool:
-    """pydantic names a union's member in an error's location by its type: ``str``, ``list[int]``."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+    """pydantic names a union's member in an error's location by its type: ``str``, ``list[int]``
+    (``constrained-str`` where the member has a constraint such as a minimum length)."""
+    if not isinstance(part, str):
+        return False
+    part = part.removeprefix("constrained-")
+    return "[" in part or part in ("str", "int", "float", "bool")
 
 
 def _union_failure(errors: list[dict]) -> tuple[str, str] | None:
@@ -213,6 +217,7 @@ _TYPE_NAMES = {
 
 def _type_name(tag: str, plural: bool = False) -> str:
     """``list[list[int]]`` -> "a list of lists of integers"."""
+    tag = tag.replace("constrained-", "")
     if tag.startswith("list[") and tag.endswith("]"):
         items = _type_name(tag[5:-1], plural=True)
         return f"lists of {items}" if plural else f"a list of {items}"

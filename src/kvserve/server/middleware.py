@@ -15,7 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.host_memory import release_freed_memory
 from kvserve.server.errors import APIError, error_response
 
-OPEN_PATHS = frozenset({"/", "/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset({"/", "/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+OPEN_PREFIXES = ("/docs/assets/",)  # the API page's scripts and styles, served from the package
 CLIENT_CLOSED = 499  # what the handlers "answer" a client that went away; it never reaches anyone
 
 
@@ -57,7 +58,8 @@ class APIKeyMiddleware:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES) or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"x-api-key", b"")

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.openai_schemas import ToolDefinition
-from kvserve.server.strict_schema import Strict
+from kvserve.server.strict_schema import NonEmptyStr, Strict
 from kvserve.server.tools import ToolCall, closed_schema
 
 DURATION = re.compile(r"^-?(\d+(\.\d+)?|(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+)$")
@@ -41,7 +41,7 @@ class Options(Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # -1: random, as in Ollama
-    stop: list[str] | None = None
+    stop: list[NonEmptyStr] | None = None
     repeat_penalty: float | None = Field(None, gt=0)
     repeat_last_n: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)

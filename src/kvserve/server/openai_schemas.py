@@ -8,13 +8,13 @@ accepted and ignored. docs/serving.md's table lists every field.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
-from kvserve.server.strict_schema import Strict
+from kvserve.server.strict_schema import NonEmptyStr, NonEmptyTokens, Strict
 from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
 
 MAX_STOP = 16
@@ -24,7 +24,7 @@ SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed t
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "modalities": (None, ["text"]),
+    "modalities": (None, ["text"], []),
     "audio": (None,),
     "prediction": (None,),
     "web_search_options": (None,),
@@ -159,7 +159,7 @@ class SamplingFields(Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None)
     seed: int | None = Field(None, **SEED_RANGE)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -260,7 +260,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], WithJsonSchema(
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1})] | NonEmptyTokens | Annotated[
+        list[NonEmptyTokens], WithJsonSchema({"type": "array", "minItems": 1, "items": {
+            "type": "array", "items": {"type": "integer"}, "minItems": 1}})]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)

@@ -7,7 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, WithJsonSchema
+
+
+# Text and token lists that must not be empty (a stop sequence, a prompt), as the published schema says them
+# (so a schema-valid request is never refused for being empty); the handlers' own checks refuse them with
+# their own messages, and a lone surrogate still reaches the Unicode check that names it
+NonEmptyStr = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
+NonEmptyTokens = Annotated[list[int], WithJsonSchema({"type": "array", "items": {"type": "integer"}, "minItems": 1})]
 
 
 class Strict(BaseModel):
