@@ -23,7 +23,7 @@ def _request(rng: random.Random) -> tuple[str, dict | bytes, bool]:
     stream = rng.random() < 0.5
     max_tokens = rng.randrange(1, 9)
     sampling = {"temperature": rng.choice([0, 0.7, 1e-39]), "top_p": rng.choice([1, 0.9, 1e-46]), "seed": rng.randrange(99)}
-    kind = rng.choices(range(6), weights=[3, 3, 2, 2, 1, 0.5])[0]
+    kind = rng.choices(range(7), weights=[3, 3, 2, 2, 1, 0.5, 0.5])[0]
     if kind == 0:
         return "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": text}],
                                         "max_tokens": max_tokens, "stream": stream, **sampling}, stream
@@ -43,6 +43,17 @@ def _request(rng: random.Random) -> tuple[str, dict | bytes, bool]:
             json.dumps({"model": "smollm2", "messages": "hi", "stream": "yes"}).encode(),
             json.dumps({"model": "smollm2", "prompt": "x", "max_tokens": -1, "bogus": 1}).encode(),
         ]), False
+    if kind == 6:  # hostile: schemas that cannot be followed, a prompt far over the context by its size
+        self_ref = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+        return rng.choice([
+            ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": text}],
+                                      "stream": stream, "response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "s", "schema": self_ref}}}),
+            ("/api/chat", {"model": "smollm2", "messages": [{"role": "user", "content": text}], "format": self_ref,
+                           "stream": stream}),
+            ("/v1/messages", {"model": "smollm2", "max_tokens": 4, "stream": stream, "messages": [
+                {"role": "user", "content": "word " * 12_000}]}),
+        ]) + (stream,)
     return "/v1/embeddings" if rng.random() < 0.5 else "/api/tags", {"model": "smollm2", "input": text}, False
 
 
