@@ -71,5 +71,9 @@ bench: model llama-cpp
 	$(KVSERVE) bench $(MODEL) --compare llama.cpp --prompt-lens 128,512,1024,2048 --gen 64 --cache-types f16 \
 		--json docs/bench.json --plot docs/bench.png
 
+# ruff over the code, the tests and the benchmarks (the rules in pyproject.toml)
+lint: test-setup
+	$(PY) -m ruff check src tests bench
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -5,7 +5,7 @@ from kvserve.engine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

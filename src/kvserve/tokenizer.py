@@ -187,9 +187,8 @@ class Tokenizer:
         return self._with_bos(_ids(self.backend, text), add_special)
 
     def _with_bos(self, ids: list[int], add_special: bool) -> list[int]:
-        if add_special and self.add_bos and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id, *ids]
+        if add_special and self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

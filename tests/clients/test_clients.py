@@ -95,10 +95,10 @@ def test_langchain_anthropic(live):
 def test_pydantic_ai_structured_output_and_tools(live):
     idle, model = live
     from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.exceptions import UsageLimitExceeded
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.settings import ModelSettings
-    from pydantic_ai.exceptions import UsageLimitExceeded
     from pydantic_ai.usage import UsageLimits
 
     model = OpenAIChatModel(model, provider=OpenAIProvider(base_url=f"{idle.url}/v1", api_key=idle.api_key))

@@ -89,11 +89,11 @@ def test_extreme_in_range_values_draw_a_token_instead_of_failing():
     s = Sampler(str)
     logits = torch.tensor([[2.0, 5.0, -1.0, 0.0]])
     cases = {
-        "tiny temperature is greedy": dict(temperature=1e-39),
-        "top_p that is 0 in float32 keeps the top token": dict(temperature=1.0, top_p=1e-46),
-        "tiny repetition penalty": dict(temperature=1.0, repetition_penalty=1e-300),
-        "huge repetition penalty": dict(temperature=1.0, repetition_penalty=1e300),
-        "huge temperature": dict(temperature=1e38),
+        "tiny temperature is greedy": {"temperature": 1e-39},
+        "top_p that is 0 in float32 keeps the top token": {"temperature": 1.0, "top_p": 1e-46},
+        "tiny repetition penalty": {"temperature": 1.0, "repetition_penalty": 1e-300},
+        "huge repetition penalty": {"temperature": 1.0, "repetition_penalty": 1e300},
+        "huge temperature": {"temperature": 1e38},
     }
     for name, params in cases.items():
         [(token, _)] = s.sample(logits.clone(), [_request([1, 0], seed=3, **params)])

@@ -21,27 +21,27 @@ EPS = 1e-6
 
 # name -> (transformers class names, config kwargs beyond the common ones, GGUF arch, layers)
 SPECS: dict[str, dict] = {
-    "qwen3": dict(cls="Qwen3", arch="qwen3", kw=dict(rope_theta=1e6)),
-    "qwen3-yarn": dict(cls="Qwen3", arch="qwen3", kw=dict(rope_theta=1e6), rope=dict(
-        rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
-    "mistral": dict(cls="Mistral", arch="llama", kw=dict(rope_theta=1e6, sliding_window=8)),
-    "phi3": dict(cls="Phi3", arch="phi3", kw=dict(rope_theta=1e4, pad_token_id=0, sliding_window=None),
-                 partial=0.5),
-    "phi3-longrope": dict(cls="Phi3", arch="phi3", kw=dict(rope_theta=1e4, pad_token_id=0, sliding_window=None,
-                                                           original_max_position_embeddings=128),
-                          partial=0.5, rope="longrope"),
-    "gemma2": dict(cls="Gemma2", arch="gemma2", layers=4, kw=dict(
-        rope_theta=1e4, sliding_window=8, query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=4.0,
-        final_logit_softcapping=6.0, head_dim=HEAD_DIM, hidden_activation="gelu_pytorch_tanh")),
-    "granite": dict(cls="Granite", arch="granite", kw=dict(
-        rope_theta=1e4, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
-        logits_scaling=4.0)),
-    "qwen3moe": dict(cls="Qwen3Moe", arch="qwen3moe", kw=dict(
-        rope_theta=1e6, num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=MOE_INTER,
-        norm_topk_prob=True)),
-    "olmoe": dict(cls="Olmoe", arch="olmoe", kw=dict(
-        rope_theta=1e4, num_experts=EXPERTS, num_experts_per_tok=TOP_K, intermediate_size=MOE_INTER,
-        norm_topk_prob=False)),
+    "qwen3": {"cls": "Qwen3", "arch": "qwen3", "kw": {"rope_theta": 1e6}},
+    "qwen3-yarn": {"cls": "Qwen3", "arch": "qwen3", "kw": {"rope_theta": 1e6}, "rope": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+    "mistral": {"cls": "Mistral", "arch": "llama", "kw": {"rope_theta": 1e6, "sliding_window": 8}},
+    "phi3": {"cls": "Phi3", "arch": "phi3", "kw": {"rope_theta": 1e4, "pad_token_id": 0, "sliding_window": None},
+                 "partial": 0.5},
+    "phi3-longrope": {"cls": "Phi3", "arch": "phi3", "kw": {"rope_theta": 1e4, "pad_token_id": 0, "sliding_window": None,
+                                                           "original_max_position_embeddings": 128},
+                          "partial": 0.5, "rope": "longrope"},
+    "gemma2": {"cls": "Gemma2", "arch": "gemma2", "layers": 4, "kw": {
+        "rope_theta": 1e4, "sliding_window": 8, "query_pre_attn_scalar": HEAD_DIM, "attn_logit_softcapping": 4.0,
+        "final_logit_softcapping": 6.0, "head_dim": HEAD_DIM, "hidden_activation": "gelu_pytorch_tanh"}},
+    "granite": {"cls": "Granite", "arch": "granite", "kw": {
+        "rope_theta": 1e4, "embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+        "logits_scaling": 4.0}},
+    "qwen3moe": {"cls": "Qwen3Moe", "arch": "qwen3moe", "kw": {
+        "rope_theta": 1e6, "num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "moe_intermediate_size": MOE_INTER,
+        "norm_topk_prob": True}},
+    "olmoe": {"cls": "Olmoe", "arch": "olmoe", "kw": {
+        "rope_theta": 1e4, "num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "intermediate_size": MOE_INTER,
+        "norm_topk_prob": False}},
 }
 
 
@@ -65,10 +65,10 @@ def build_hf_model(name: str, vocab: int = VOCAB):
         half = int(HEAD_DIM * spec["partial"]) // 2
         rope.update(rope_type="longrope", short_factor=(1 + 2 * torch.rand(half, generator=g)).tolist(),
                     long_factor=(1 + 8 * torch.rand(half, generator=g)).tolist())
-    common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers_of(name),
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=CONTEXT,
-                  rms_norm_eps=EPS, tie_word_embeddings=spec["arch"] == "gemma2", bos_token_id=None,
-                  eos_token_id=None)
+    common = {"vocab_size": vocab, "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": layers_of(name),
+                  "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "max_position_embeddings": CONTEXT,
+                  "rms_norm_eps": EPS, "tie_word_embeddings": spec["arch"] == "gemma2", "bos_token_id": None,
+                  "eos_token_id": None}
     common.update(kw)
     if "head_dim" not in common and spec["cls"] in ("Qwen3", "Qwen3Moe"):
         common["head_dim"] = HEAD_DIM

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvserve.attention.contiguous import ContiguousKVCache
+from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models.loader import load_model
 from tests.support import assert_same_or_near_tie, make_engine, reference_greedy
-from kvserve.engine.sampling_params import SamplingParams
 
 WINDOW = 8
 

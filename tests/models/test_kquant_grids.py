@@ -11,8 +11,8 @@ import torch
 from kvserve.models.block_layouts import QL_F32
 from kvserve.models.gguf_file import GGUFFile, GGUFWeights
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, make_linear
-from kvserve.models.weight_grids import int8_groups16, pack_int8_groups16
 from kvserve.models.registry import resolve
+from kvserve.models.weight_grids import int8_groups16, pack_int8_groups16
 
 CPU = torch.device("cpu")
 
@@ -158,7 +158,6 @@ def test_four_bit_grids_run_as_four_bit_groups(qtype, size, f32_scales):
 def test_symmetric_grids_from_the_blocks_are_the_librarys_dequantization(qtype):
     """Q8_0, Q5_0 and Q4_0 decoded from their blocks by chunks of rows (the tied head's path, which never
     dequantizes the embedding): held as int8 groups, the gguf library's dequantization bit for bit."""
-    import numpy as np
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 

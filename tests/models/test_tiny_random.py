@@ -39,19 +39,19 @@ LOGITS_RTOL = 1e-4
 
 SPECS = {
     # qwen2: q/k/v biases, tied embeddings (as the small Qwen2.5 models), rope base 1e6
-    "qwen2": dict(arch="qwen2", rope_theta=1_000_000.0, tie=True, scaling=None),
+    "qwen2": {"arch": "qwen2", "rope_theta": 1_000_000.0, "tie": True, "scaling": None},
     # llama: untied output head, rope base 5e5
-    "llama": dict(arch="llama", rope_theta=500_000.0, tie=False, scaling=None),
+    "llama": {"arch": "llama", "rope_theta": 500_000.0, "tie": False, "scaling": None},
     # llama with Llama 3 RoPE frequency scaling (Llama 3.1/3.2); a short original context so that the
     # scaling changes most frequencies within the test prompts. The GGUF carries it as rope_freqs.weight.
-    "llama3-scaled": dict(
-        arch="llama",
-        rope_theta=500_000.0,
-        tie=True,
-        scaling=dict(
-            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
-        ),
-    ),
+    "llama3-scaled": {
+        "arch": "llama",
+        "rope_theta": 500_000.0,
+        "tie": True,
+        "scaling": {
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64
+        },
+    },
 }
 
 
@@ -117,20 +117,20 @@ def prompts() -> list[list[int]]:
 def build_hf_model(name: str):
     spec = SPECS[name]
     arch = spec["arch"]
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=CONTEXT,
-        rms_norm_eps=RMS_EPS,
-        tie_word_embeddings=spec["tie"],
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": CONTEXT,
+        "rms_norm_eps": RMS_EPS,
+        "tie_word_embeddings": spec["tie"],
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
     rope = {"rope_theta": spec["rope_theta"], "rope_type": "default"}
     legacy_scaling = {}
     if spec["scaling"]:
@@ -147,12 +147,12 @@ def build_hf_model(name: str):
     torch.manual_seed(0)
     model = Model(config).float().eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif pname.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))
-            elif "embed_tokens" in name or "lm_head" in name:
+            elif "embed_tokens" in pname or "lm_head" in pname:
                 p.copy_(torch.randn_like(p))
             else:  # projections: 1/sqrt(fan_in) * 2, so attention is peaky and logits are spread
                 p.copy_(torch.randn_like(p) * (2.0 / p.shape[1] ** 0.5))

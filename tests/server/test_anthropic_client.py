@@ -43,7 +43,7 @@ def test_a_message_and_its_usage(client, idle):
 
 
 def test_a_streamed_answer_equals_the_whole_one(client, idle):
-    kw = dict(model="smollm2", max_tokens=16, extra_body={"temperature": 0}, messages=ASK)
+    kw = {"model": "smollm2", "max_tokens": 16, "extra_body": {"temperature": 0}, "messages": ASK}
     whole = client.messages.create(**kw)
     with client.messages.stream(**kw) as stream:
         kinds = [e.type for e in stream]
@@ -61,8 +61,8 @@ def test_stop_sequences_say_which_one_stopped(client, idle):
 
 
 def test_tool_use_blocks_validate_streamed_or_not(client, idle):
-    kw = dict(model="smollm2", max_tokens=80, extra_body={"temperature": 0}, messages=ASK, tools=TOOLS,
-              tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    kw = {"model": "smollm2", "max_tokens": 80, "extra_body": {"temperature": 0}, "messages": ASK, "tools": TOOLS,
+              "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
     r = client.messages.create(**kw)
     assert r.stop_reason == "tool_use"
     [use] = [b for b in r.content if b.type == "tool_use"]

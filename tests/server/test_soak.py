@@ -76,7 +76,7 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, statuses: list[int
             try:
                 r = await asyncio.wait_for(client.post(path, content=content, headers=headers), rng.uniform(0.01, 0.3))
                 statuses.append(r.status_code)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             return
         r = await client.post(path, content=content, headers=headers)

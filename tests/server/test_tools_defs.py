@@ -39,8 +39,8 @@ def test_openai(idle):
     client = openai.OpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, max_retries=0)
     tools = [{"type": "function", "function": {"name": "plan", "parameters": SCHEMA}}]
     for stream in (False, True):
-        kwargs = dict(model="smollm2", messages=[{"role": "user", "content": ASK}], tools=tools,
-                      tool_choice="required", temperature=0, max_tokens=200)
+        kwargs = {"model": "smollm2", "messages": [{"role": "user", "content": ASK}], "tools": tools,
+                      "tool_choice": "required", "temperature": 0, "max_tokens": 200}
         if stream:
             with client.chat.completions.stream(**kwargs) as s:
                 r = s.get_final_completion()

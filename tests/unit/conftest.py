@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from kv_helpers import BLOCK_SIZE, leak_report
+
 from kvserve.config import SchedulerConfig
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from kv_helpers import cached_ids, free_ids, ref_counts
+
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.hashing import extend_block_hashes, hash_block
 

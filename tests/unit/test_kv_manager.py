@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from kv_helpers import cached_ids, free_ids, leak_report, make_request, manager_snapshot, ref_counts
+
 from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kv.hashing import hash_block
@@ -283,7 +283,7 @@ def test_prefix_counters_count_recorded_lookups_only(make_manager):
     prefill(kv, a)
     kv.free(a)
     b = make_request("b", range(10))
-    hits, n = kv.get_computed_blocks(b)
+    _, n = kv.get_computed_blocks(b)
     assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)  # a lookup alone counts nothing
     kv.record_prefix_lookup(b, n)
     assert (kv.prefix_queries, kv.prefix_hits) == (10, 8)

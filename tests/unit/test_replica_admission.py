@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'kvserve[ray]'")
 
-from kvserve.errors import PromptTooLongError  # noqa: E402
-from kvserve.server.ray_ingress import RemoteEngine, ReplicaFacts  # noqa: E402
+from kvserve.errors import PromptTooLongError
+from kvserve.server.ray_ingress import RemoteEngine, ReplicaFacts
 
 
 class Sent(Exception):

@@ -6,7 +6,6 @@ Steps are simulated without a model (see ``kv_helpers.simulate_step``): the samp
 from __future__ import annotations
 
 import pytest
-
 from kv_helpers import (
     ShadowKV,
     check_scheduler_invariants,
@@ -16,6 +15,7 @@ from kv_helpers import (
     run_until_done,
     simulate_step,
 )
+
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.scheduler import QueueFullError
 from kvserve.errors import PromptTooLongError

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import Self
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -34,7 +35,7 @@ class LiveAnswer:
         self.text = ""
         self.live = Live(console=self.console, transient=True, auto_refresh=False, vertical_overflow="visible")
 
-    def __enter__(self) -> LiveAnswer:
+    def __enter__(self) -> Self:
         self.live.__enter__()
         return self
 

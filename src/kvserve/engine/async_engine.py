@@ -133,7 +133,7 @@ class AsyncLLMEngine:
             if kind == "add":
                 try:
                     self.engine.add_prepared(item)
-                except Exception as e:  # a race the caller-side checks could not see
+                except Exception as e:  # noqa: BLE001 (a race the caller-side checks could not see: its request fails alone)
                     self._deliver_error(item.request_id, e)
             else:
                 output = self.engine.abort_request(item)
@@ -176,7 +176,7 @@ class AsyncLLMEngine:
             for request_id in streams:
                 try:
                     self.engine.abort_request(request_id)
-                except Exception:  # noqa: BLE001 - the engine is broken already; the waiters are told
+                except Exception:
                     log.exception("could not abort %s after the engine failed", request_id)
 
     def end_streams(self, reason: str) -> None:

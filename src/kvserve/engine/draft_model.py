@@ -119,7 +119,7 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
     if sizes[0] != sizes[1]:
         raise ValueError(f"the draft model's vocabulary has {sizes[1]} tokens, the model's {sizes[0]}: "
                          "a draft model must share the model's tokenizer")
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        if target.tokenizer.encode(PROBE) != draft.tokenizer.encode(PROBE):
-            raise ValueError("the draft model's tokenizer splits text differently from the model's: "
-                             "a draft model must share the model's tokenizer")
+    if (target.tokenizer is not None and draft.tokenizer is not None
+            and target.tokenizer.encode(PROBE) != draft.tokenizer.encode(PROBE)):
+        raise ValueError("the draft model's tokenizer splits text differently from the model's: "
+                         "a draft model must share the model's tokenizer")

@@ -22,7 +22,7 @@ rotates the query instead (q.k = Rq.Rk) and rotates the value sum back once at t
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -143,7 +143,7 @@ class FP8Codec(KVCodec):
 # --- rotated low-bit codecs -----------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def lloyd_max_codebook(bits: int, iterations: int = 200) -> torch.Tensor:
     """Optimal ``2**bits`` reconstruction levels for a standard normal variable (Lloyd's algorithm
     on the exact Gaussian density): the MSE-optimal scalar quantizer for rotated coordinates."""

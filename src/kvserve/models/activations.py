@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from kvserve import native
 
-
 GATE_KERNELS = {"silu": ("silu_mul", "silu_mul"), "gelu_tanh": ("gelu_mul", "gelu_tanh_mul")}
 
 

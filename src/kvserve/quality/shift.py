@@ -62,5 +62,5 @@ def shift_scores(model: DecoderLM, token_ids: list[int], num_ctx: int, num_keep:
     # text just before the stretch and the stretch
     fresh = token_ids[:1] + token_ids[position - num_ctx + 1 : position]
     fresh_nll = _nll(model, fresh, num_ctx - stretch, chunk)
-    mean = lambda nll: math.exp(sum(nll) / len(nll))  # noqa: E731
+    mean = lambda nll: math.exp(sum(nll) / len(nll))
     return ShiftScores(shifts, mean(stretch_nll), mean(fresh_nll), len(stretch_nll))

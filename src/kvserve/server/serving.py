@@ -9,8 +9,8 @@ request, which frees its KV blocks before the engine's next step.
 from __future__ import annotations
 
 import asyncio
-import json
 import functools
+import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any

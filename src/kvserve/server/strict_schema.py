@@ -5,12 +5,9 @@ for nothing."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, WithJsonSchema
-
 
 # Text and token lists that must not be empty (a stop sequence, a prompt), as the published schema says them
 # (so a schema-valid request is never refused for being empty); the handlers' own checks refuse them with

@@ -63,7 +63,7 @@ def check_tools(tools: list[Tool], choice: ToolChoice) -> None:
         if not tool.name or not all(c.isalnum() or c in "_-." for c in tool.name):
             raise ValueError(f"tool name {tool.name!r} must be letters, digits, '_', '-' or '.'")
         if not isinstance(tool.parameters, dict):
-            raise ValueError(f"the parameters of tool {tool.name!r} must be a JSON schema object")
+            raise ValueError(f"the parameters of tool {tool.name!r} must be a JSON schema object")  # noqa: TRY004
     if choice.name is not None and choice.name not in names:
         raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
     if choice.mode == "required" and not tools:
