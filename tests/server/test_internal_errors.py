@@ -23,6 +23,7 @@ SECRET = "secret-internal-detail"
 class StubTokenizer:
     chat_template = ""
     thinks = False  # not a reasoning model
+    max_token_bytes = 16
     fim = None
 
     def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
