@@ -95,6 +95,13 @@ def _ids(backend, text: str) -> list[int]:
 THINK_TAGS = ("<think>", "</think>")  # a thought, as reasoning models write it
 
 
+def hole_indent(prefix: str) -> int:
+    """The indentation of the line a fill-in-the-middle hole opens on: a middle that writes a line indented
+    less has left the hole (a function's body, a loop's), as editors tell llama.cpp with ``n_indent``."""
+    line = prefix.rsplit("\n", 1)[-1]
+    return len(line) - len(line.lstrip(" \t"))
+
+
 @dataclass(frozen=True, slots=True)
 class FimTokens:
     prefix: int

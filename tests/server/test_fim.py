@@ -68,17 +68,18 @@ def test_infill_middles_parse(coder):
     assert ended.count("limit") <= 2, ended  # a middle cut off by n_predict must still have parsed
 
 
-def test_suffix_on_openai_and_ollama_gives_the_same_middle(coder):
-    # the same prompt through each API: the same greedy middle (with no n_indent to end it early)
-    for prefix, suffix in PAIRS[:4]:
+def test_suffix_on_openai_and_ollama_parses_and_is_the_same_middle(coder):
+    # no n_indent on these APIs: the middle ends at the hole's own indentation (the prefix's last line)
+    for prefix, suffix in PAIRS:
         openai = _post(coder, "/v1/completions", {"model": "qwen2.5-coder-0.5b", "prompt": prefix, "suffix": suffix,
                                                   "max_tokens": 96, "temperature": 0}).json()
         middle = openai["choices"][0]["text"]
+        _parses(prefix, middle, suffix)
         ollama = _post(coder, "/api/generate", {"model": "qwen2.5-coder-0.5b", "prompt": prefix, "suffix": suffix,
                                                "stream": False, "options": {"temperature": 0, "num_predict": 96}})
         assert ollama.json()["response"] == middle
         infill = _post(coder, "/infill", {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 96,
-                                          "temperature": 0}).json()
+                                          "temperature": 0, "n_indent": _indent(prefix)}).json()
         assert infill["content"] == middle
 
 

@@ -11,6 +11,21 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+def dedent_at(text: str, n_indent: int) -> int | None:
+    """Where ``text`` leaves an indented hole: the start of its first line after the first that is indented
+    less than ``n_indent`` (a line counts once it has a character other than indentation); None while it
+    has not."""
+    start = text.find("\n") + 1
+    while start:
+        end = text.find("\n", start)
+        line = text[start:] if end < 0 else text[start:end]
+        body = line.lstrip(" \t")
+        if body and len(line) - len(body) < n_indent:
+            return start
+        start = end + 1 if end >= 0 else 0
+    return None
+
+
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
     longest = 0
@@ -49,6 +64,10 @@ class OutputProcessor:
             safe = len(state.text)
             if not request.is_finished:
                 safe -= _held_back(state.text, request.params.stop)
+                if request.params.stop_at_dedent and "\n" in state.text:
+                    tail = state.text.rsplit("\n", 1)[1]
+                    if not tail.strip():  # a line begun: its indentation is not known yet
+                        safe = min(safe, len(state.text) - len(tail))
             delta = state.text[state.emitted : safe]
             state.emitted = max(state.emitted, safe)
             state.num_emitted_tokens = len(request.output_token_ids)
@@ -78,6 +97,13 @@ class OutputProcessor:
         if request.is_finished:
             piece += state.detokenizer.flush()
         state.text += piece
+        dedent = request.params.stop_at_dedent
+        if dedent and request.status is not RequestStatus.FINISHED_ABORTED:
+            cut = dedent_at(state.text, dedent)
+            if cut is not None:
+                state.text = state.text[:cut]
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
         stops = request.params.stop
         if not stops or request.status is RequestStatus.FINISHED_ABORTED:
             return

@@ -36,6 +36,9 @@ class SamplingParams:
     num_keep: int | None = None  # tokens a context shift keeps at the start (None: the engine's --num-keep)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's logit_bias
     reasoning: Reasoning | None = None  # a thought to follow: its closing tokens forced past its budget
+    # code completion: the text ends before its first line (after the first) indented less than this
+    # many spaces or tabs (llama.cpp's n_indent: the middle has left the hole); 0: off
+    stop_at_dedent: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +65,7 @@ class SamplingParams:
             (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
              "logit_bias maps token ids (>= 0) to values in [-100, 100]"),
             (self.num_keep is None or self.num_keep >= 0, f"num_keep must be >= 0, got {self.num_keep}"),
+            (self.stop_at_dedent >= 0, f"stop_at_dedent must be >= 0, got {self.stop_at_dedent}"),
             (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
         ]
         for ok, message in checks:

@@ -130,66 +130,25 @@ async def infill(body: InfillRequest, request: Request):
         seed=None if body.seed in (None, -1) else body.seed,
         stop=tuple(body.stop),
         stop_token_ids=serving.tokenizer.fim.ends,
+        stop_at_dedent=body.n_indent,
     )
     stream = await serving.start(ids, params, f"infill-{uuid.uuid4().hex}", param="input_prefix")
     model = serving.card.name
     if body.stream:
-        return sse_response(_events(stream, model, body.n_indent), cleanup=stream.aclose)
-    if not body.n_indent:
-        [final] = await collect_finals(request, [stream])
-        return _final(final, model)
-    async for last in _cut(stream, body.n_indent):
-        pass
-    return _final(last, model, content=last.text[: last.cut] if last.cut is not None else None)
+        return sse_response(_events(stream, model), cleanup=stream.aclose)
+    [final] = await collect_finals(request, [stream])
+    return _final(final, model)
 
 
-def dedent_at(text: str, n_indent: int) -> int | None:
-    """Where ``text`` leaves the hole: the start of its first line after the first that is indented less
-    than ``n_indent`` (a line counts once it has a character other than indentation), as llama.cpp's
-    ``n_indent``; None while it has not."""
-    start = text.find("\n") + 1
-    while start:
-        end = text.find("\n", start)
-        line = text[start:] if end < 0 else text[start:end]
-        body = line.lstrip(" \t")
-        if body and len(line) - len(body) < n_indent:
-            return start
-        start = end + 1 if end >= 0 else 0
-    return None
-
-
-class _Cut:
-    """An output with ``cut``: where its text is to end (None: all of it)."""
-
-    def __init__(self, out: RequestOutput, cut: int | None) -> None:
-        self.out, self.cut = out, cut
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.out, name)
-
-
-async def _cut(stream: EngineStream, n_indent: int) -> AsyncIterator[_Cut]:
-    """The stream's outputs until the middle leaves the hole (then that output, marked, and the request
-    aborted) or ends."""
-    async with aclosing(stream.__aiter__()) as outputs:
-        async for out in outputs:
-            cut = dedent_at(out.text, n_indent) if n_indent else None
-            yield _Cut(out, cut)
-            if cut is not None:
-                break
-    await stream.aclose()
-
-
-def _final(out, model: str, content: str | None = None) -> dict[str, Any]:
+def _final(out: RequestOutput, model: str, content: str | None = None) -> dict[str, Any]:
     if out.finish_reason == "error":
         raise generation_error(out)
     m = out.metrics
     decode_s = max(m.decode_time, 1e-9)
-    cut = isinstance(out, _Cut) and out.cut is not None
     return {
         "content": out.text if content is None else content,
         "stop": True,
-        "stop_type": "word" if cut else "limit" if out.finish_reason == "length" else "eos",
+        "stop_type": "limit" if out.finish_reason == "length" else "eos",
         "model": model,
         "tokens_predicted": m.num_generation_tokens,
         "tokens_evaluated": m.num_prompt_tokens,
@@ -198,16 +157,13 @@ def _final(out, model: str, content: str | None = None) -> dict[str, Any]:
     }
 
 
-async def _events(stream: EngineStream, model: str, n_indent: int) -> AsyncIterator[bytes]:
-    sent = 0
+async def _events(stream: EngineStream, model: str) -> AsyncIterator[bytes]:
     try:
-        async with aclosing(_cut(stream, n_indent)) as outputs:
+        async with aclosing(stream.__aiter__()) as outputs:
             async for out in outputs:
-                end = len(out.text) if out.cut is None else out.cut
-                if end > sent:
-                    yield sse_event({"content": out.text[sent:end], "stop": False})
-                    sent = end
-                if out.finished or out.cut is not None:
+                if out.delta_text:
+                    yield sse_event({"content": out.delta_text, "stop": False})
+                if out.finished:
                     yield sse_event(_final(out, model, content=""))
     except (APIError, EngineDeadError) as e:
         error = engine_error(e) or APIError(503, f"the engine failed: {e}")

@@ -42,6 +42,7 @@ from kvserve.server.tools import (
     parse_calls,
     text_to_stream,
 )
+from kvserve.tokenizer import hole_indent
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["Ollama"])
@@ -255,7 +256,8 @@ async def generate(body: GenerateRequest, request: Request):
         return await _run(request, serving, body, ids, chat=False, received=received,
                           thinking=serving.thinking(ids, enable))
     return await _run(request, serving, body, ids, chat=False, received=received,
-                      stop_token_ids=ends if body.suffix else ())
+                      stop_token_ids=ends if body.suffix else (),
+                      stop_at_dedent=hole_indent(body.prompt or "") if body.suffix else 0)
 
 
 @router.post(
@@ -303,6 +305,7 @@ def _thinking_switch(serving: Serving, body) -> tuple[bool | None, dict]:
 async def _run(
     request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float, calls=None,
     stop_token_ids: tuple[int, ...] = (), thinking: Thinking | None = None, tools: list | None = None,
+    stop_at_dedent: int = 0,
 ):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     try:
@@ -311,7 +314,7 @@ async def _run(
         raise APIError(400, f"format: {e}") from None
     params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs, constraint)
     if stop_token_ids:
-        params = replace(params, stop_token_ids=(*params.stop_token_ids, *stop_token_ids))
+        params = replace(params, stop_token_ids=(*params.stop_token_ids, *stop_token_ids), stop_at_dedent=stop_at_dedent)
     if thinking is not None:
         params = replace(params, reasoning=thinking.reasoning)
     stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")

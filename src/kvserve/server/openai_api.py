@@ -39,6 +39,7 @@ from kvserve.server.tools import (
     parse_calls,
     text_to_stream,
 )
+from kvserve.tokenizer import hole_indent
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -252,9 +253,10 @@ async def completions(body: CompletionRequest, request: Request):
         )
     prompts = await _completion_prompts(body, serving)
     params = [_params(body, body.max_tokens or 16, body.logprobs, j) for j in range(n)]
-    if body.suffix is not None:  # the middle ends where the model says it does
+    if body.suffix is not None:  # the middle ends where the model says, or where it leaves the hole
         ends = serving.tokenizer.fim.ends
-        params = [replace(p, stop_token_ids=(*p.stop_token_ids, *ends)) for p in params]
+        indent = hole_indent(body.prompt if isinstance(body.prompt, str) else "")
+        params = [replace(p, stop_token_ids=(*p.stop_token_ids, *ends), stop_at_dedent=indent) for p in params]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await serving.start_all(
         [(ids, params[j], f"{response_id}-{p * n + j}") for p, ids in enumerate(prompts) for j in range(n)],
