@@ -37,6 +37,11 @@ def test_instructor_tools_and_json_modes(live):
                                                  messages=[{"role": "user", "content": ASK}], max_tokens=120,
                                                  temperature=0)
         assert isinstance(answer, Weather)
+    partials = list(instructor.from_openai(client, mode=instructor.Mode.TOOLS).chat.completions.create_partial(
+        model=model, response_model=Weather, max_retries=0, messages=[{"role": "user", "content": ASK}],
+        max_tokens=120, temperature=0))
+    # a streamed call comes whole in one delta (the server holds a call until it ends): one partial, complete
+    assert partials and Weather.model_validate(partials[-1].model_dump())
 
 
 def test_langchain_openai(live):
@@ -74,6 +79,10 @@ def test_langchain_ollama(live):
                      client_kwargs={"headers": idle.headers})
     message = llm.bind_tools([tool(get_weather)]).invoke(ASK)
     assert message.content or message.tool_calls
+    streamed = None
+    for chunk in llm.bind_tools([tool(get_weather)]).stream(ASK):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [c["args"] for c in streamed.tool_calls] == [c["args"] for c in message.tool_calls]
     for call in message.tool_calls:
         assert call["name"] == "get_weather"
     assert isinstance(llm.with_structured_output(Weather, method="json_schema").invoke(ASK), Weather)
@@ -86,9 +95,19 @@ def test_langchain_anthropic(live):
 
     llm = ChatAnthropic(base_url=idle.url, api_key=idle.api_key, model=model, temperature=0, max_tokens=120,
                         max_retries=0)
-    message = llm.bind_tools([tool(get_weather)], tool_choice="get_weather").invoke(ASK)
+    bound = llm.bind_tools([tool(get_weather)], tool_choice="get_weather")
+    message = bound.invoke(ASK)
     [call] = message.tool_calls
     assert call["name"] == "get_weather"
+    streamed = None
+    for chunk in bound.stream(ASK):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [c["args"] for c in streamed.tool_calls] == [call["args"]]
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    result = get_weather(call["args"].get("city", "Paris"), call["args"].get("unit", "celsius"))
+    reply = llm.invoke([HumanMessage(ASK), message, ToolMessage(result, tool_call_id=call["id"])])
+    assert reply.content
     assert isinstance(llm.with_structured_output(Weather).invoke(ASK), Weather)
 
 
@@ -158,6 +177,11 @@ def test_litellm_openai_and_ollama_chat(live):
                            messages=messages, tools=tools, tool_choice="required", temperature=0, max_tokens=120)
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
+    chunks = list(litellm.completion(model=f"openai/{model}", api_base=f"{idle.url}/v1", api_key=idle.api_key,
+                                     messages=messages, tools=tools, tool_choice="required", temperature=0,
+                                     max_tokens=120, stream=True))
+    rebuilt = litellm.stream_chunk_builder(chunks, messages=messages)
+    assert rebuilt.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
     # tools beside a structured answer: a call or the schema's JSON
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": Weather.model_json_schema()}}
     both = litellm.completion(model=f"openai/{model}", api_base=f"{idle.url}/v1", api_key=idle.api_key,
