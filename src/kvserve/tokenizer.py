@@ -10,12 +10,12 @@ import functools
 import json
 import re
 import threading
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kvserve.errors import ModelLoadError
+from kvserve.fim import FimTokens, fim_prompt, find_fim_tokens
 from kvserve.pretokenizers import PreTokenizer, build_normalizer, build_pre_tokenizer, pre_tokenizer_for
 
 # Chat formats of architectures whose GGUF files may lack tokenizer.chat_template.
@@ -74,18 +74,6 @@ def _build_gpt2_bpe(tokens: list[str], merges: list[str], token_types: list[int]
     return tk
 
 
-# Fill-in-the-middle tokens as each code-model family spells them: (prefix, suffix, middle, file
-# separator or None). GGUF files seldom carry tokenizer.ggml.fim_*_token_id, so they are found by name.
-FIM_SPELLINGS = (
-    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"),  # Qwen2.5-Coder, CodeGemma
-    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>"),  # StarCoder, Granite
-    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None),  # DeepSeek-Coder
-    ("▁<PRE>", "▁<SUF>", "▁<MID>", None),  # Code Llama
-)
-# tokens that end a filled middle besides the model's end of sequence
-FIM_ENDS = ("<|endoftext|>", "<|file_sep|>", "<|fim_pad|>", "<|repo_name|>", "<file_sep>", "<EOT>", "▁<EOT>")
-
-
 def _ids(backend, text: str) -> list[int]:
     """``text``'s token ids. Through the batch call, which releases the GIL while Rust works (a single
     encode holds it: a 3 MB prompt stalled the server's event loop for 2 s)."""
@@ -93,22 +81,6 @@ def _ids(backend, text: str) -> list[int]:
 
 
 THINK_TAGS = ("<think>", "</think>")  # a thought, as reasoning models write it
-
-
-def hole_indent(prefix: str) -> int:
-    """The indentation of the line a fill-in-the-middle hole opens on: a middle that writes a line indented
-    less has left the hole (a function's body, a loop's), as editors tell llama.cpp with ``n_indent``."""
-    line = prefix.rsplit("\n", 1)[-1]
-    return len(line) - len(line.lstrip(" \t"))
-
-
-@dataclass(frozen=True, slots=True)
-class FimTokens:
-    prefix: int
-    suffix: int
-    middle: int
-    file_sep: int | None
-    ends: tuple[int, ...]
 
 
 class Tokenizer:
@@ -139,12 +111,7 @@ class Tokenizer:
     @functools.cached_property
     def fim(self) -> FimTokens | None:
         """The model's fill-in-the-middle tokens; None for a model trained without them."""
-        for names in FIM_SPELLINGS:
-            ids = [self.backend.token_to_id(n) if n else None for n in names]
-            if None not in ids[:3]:
-                ends = {self.backend.token_to_id(n) for n in FIM_ENDS} - {None}
-                return FimTokens(ids[0], ids[1], ids[2], ids[3], tuple(sorted(ends | set(self.eos_token_ids))))
-        return None
+        return find_fim_tokens(self.backend, self.eos_token_ids)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -161,21 +128,8 @@ class Tokenizer:
         return None not in tags and ("think" in template or "reasoning" in template)
 
     def encode_fim(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
-        """Prefix-suffix-middle as the code models are trained (and llama.cpp's /infill writes it): other
-        files first (``extra``: (file name, text), each after the file separator where the model has
-        one), then the prefix, the suffix and the start of the middle. ValueError without FIM tokens."""
-        fim = self.fim
-        if fim is None:
-            raise ValueError("this model has no fill-in-the-middle tokens (a code model such as Qwen2.5-Coder has)")
-        ids: list[int] = []
-        for name, text in extra:
-            if fim.file_sep is not None:
-                ids += [fim.file_sep, *self.encode(f"{name}\n{text}", add_special=False)]
-            else:
-                ids += self.encode(text, add_special=False)
-        ids += [fim.prefix, *self.encode(prefix, add_special=False), fim.suffix, *self.encode(suffix, add_special=False),
-                fim.middle, *self.encode(middle, add_special=False)]
-        return self._with_bos(ids, True)
+        """A fill-in-the-middle prompt (``fim.fim_prompt``); ValueError for a model without FIM tokens."""
+        return fim_prompt(self, prefix, suffix, list(extra), middle)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

@@ -49,7 +49,7 @@ def session_path(name: str) -> Path:
 
 
 def interactive_chat(engine, params: SamplingParams, system: str | None) -> int:
-    from kvserve.cli.run import generate_streaming, stats_line
+    from kvserve.cli.live import generate_streaming, stats_line
 
     chat = ChatSession(params, system)
     print("chat with the model; /? for help, /bye to leave", file=sys.stderr)

@@ -1,8 +1,11 @@
-"""A live view for ``kvserve run`` on a terminal: the answer as it streams, and under it a status line
-(TTFT, tok/s, context used / num_ctx, KV bytes, cached prefix tokens) refreshed with every token."""
+"""One answer of ``kvserve run`` and its chat as it streams: on a terminal a live view (the answer, and under
+it a status line of TTFT, tok/s, context used / num_ctx, KV bytes, cached prefix tokens refreshed with every
+token), plainly otherwise; then its record (``--json``) and its stats line."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from typing import Self
 
@@ -11,6 +14,7 @@ from rich.live import Live
 from rich.text import Text
 
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
 
 
 def status_text(engine, out: RequestOutput) -> Text:
@@ -47,3 +51,66 @@ class LiveAnswer:
         self.live.__exit__(*exc)
         self.console.file.write(self.text)
         self.console.file.flush()
+
+
+def generate_streaming(engine, prompt_ids: list[int], params: SamplingParams, echo: bool = True) -> RequestOutput:
+    """Run one request to the end, echoing its text: with a live status line on a terminal, plainly
+    otherwise. Ctrl-C stops the answer (the request is aborted) rather than the program."""
+    request = engine.add_request(prompt_ids, params)
+    final = None
+    live = LiveAnswer(engine) if echo and sys.stdout.isatty() else None
+    try:
+        with live or contextlib.nullcontext():
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if live is not None:
+                        live.update(output)
+                    elif echo and output.delta_text:
+                        sys.stdout.write(output.delta_text)
+                        sys.stdout.flush()
+                    if output.finished:
+                        final = output
+    except KeyboardInterrupt:
+        final = engine.abort_request(request.request_id)
+        if final is None:
+            raise
+    return final
+
+
+def result_record(engine, out: RequestOutput) -> dict:
+    m = out.metrics
+    return {
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": m.num_prompt_tokens,
+        "cached_prompt_tokens": m.num_cached_tokens,
+        "completion_tokens": m.num_generation_tokens,
+        "ttft_ms": round(m.ttft * 1000, 2) if m.ttft is not None else None,
+        "prefill_tok_s": round(m.prefill_tok_s, 2) if m.prefill_tok_s else None,
+        "decode_tok_s": round(m.decode_tok_s, 2) if m.decode_tok_s else None,
+        "itl_ms_mean": round(1000 * sum(m.itls) / len(m.itls), 2) if m.itls else None,
+        "kv_bytes": (m.num_prompt_tokens + m.num_generation_tokens) * engine.kv_bytes_per_token,
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "cache_type_k": engine.config.cache.cache_type_k,
+        "cache_type_v": engine.config.cache.cache_type_v_resolved,
+        "kv_pool_bytes": engine.kv_pool_bytes,
+        "draft_tokens": m.num_draft_tokens,
+        "accepted_draft_tokens": m.num_accepted_tokens,
+        "weights": engine.loaded.model.weight_format,
+        "weights_why": engine.loaded.weights_why,
+        "kernels": engine.kernels,
+    }
+
+
+def stats_line(engine, out: RequestOutput) -> str:
+    r = result_record(engine, out)
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    return (
+        f"prompt {r['prompt_tokens']} tok ({r['cached_prompt_tokens']} cached) | "
+        f"TTFT {fmt(r['ttft_ms'], '.0f')} ms | prefill {fmt(r['prefill_tok_s'], '.1f')} tok/s | "
+        f"completion {r['completion_tokens']} tok | decode {fmt(r['decode_tok_s'], '.1f')} tok/s | "
+        f"KV {r['kv_bytes'] / 2**20:.2f} MiB in use of {r['kv_pool_bytes'] / 2**20:.0f} MiB"
+    )

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
 from kvserve.cli.chat import interactive_chat
-from kvserve.cli.live import LiveAnswer
+from kvserve.cli.live import generate_streaming, result_record, stats_line
 from kvserve.cli.options import add_engine_args, load_engine
-from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models.registry import REGISTRY
 
@@ -75,66 +73,3 @@ def run(args: argparse.Namespace) -> int:
         print(file=sys.stdout, flush=True)
         print(stats_line(engine, final), file=sys.stderr)
     return 0
-
-
-def generate_streaming(engine, prompt_ids: list[int], params: SamplingParams, echo: bool = True) -> RequestOutput:
-    """Run one request to the end, echoing its text: with a live status line on a terminal, plainly
-    otherwise. Ctrl-C stops the answer (the request is aborted) rather than the program."""
-    request = engine.add_request(prompt_ids, params)
-    final = None
-    live = LiveAnswer(engine) if echo and sys.stdout.isatty() else None
-    try:
-        with live or contextlib.nullcontext():
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if live is not None:
-                        live.update(output)
-                    elif echo and output.delta_text:
-                        sys.stdout.write(output.delta_text)
-                        sys.stdout.flush()
-                    if output.finished:
-                        final = output
-    except KeyboardInterrupt:
-        final = engine.abort_request(request.request_id)
-        if final is None:
-            raise
-    return final
-
-
-def result_record(engine, out: RequestOutput) -> dict:
-    m = out.metrics
-    return {
-        "text": out.text,
-        "finish_reason": out.finish_reason,
-        "prompt_tokens": m.num_prompt_tokens,
-        "cached_prompt_tokens": m.num_cached_tokens,
-        "completion_tokens": m.num_generation_tokens,
-        "ttft_ms": round(m.ttft * 1000, 2) if m.ttft is not None else None,
-        "prefill_tok_s": round(m.prefill_tok_s, 2) if m.prefill_tok_s else None,
-        "decode_tok_s": round(m.decode_tok_s, 2) if m.decode_tok_s else None,
-        "itl_ms_mean": round(1000 * sum(m.itls) / len(m.itls), 2) if m.itls else None,
-        "kv_bytes": (m.num_prompt_tokens + m.num_generation_tokens) * engine.kv_bytes_per_token,
-        "kv_bytes_per_token": engine.kv_bytes_per_token,
-        "cache_type_k": engine.config.cache.cache_type_k,
-        "cache_type_v": engine.config.cache.cache_type_v_resolved,
-        "kv_pool_bytes": engine.kv_pool_bytes,
-        "draft_tokens": m.num_draft_tokens,
-        "accepted_draft_tokens": m.num_accepted_tokens,
-        "weights": engine.loaded.model.weight_format,
-        "weights_why": engine.loaded.weights_why,
-        "kernels": engine.kernels,
-    }
-
-
-def stats_line(engine, out: RequestOutput) -> str:
-    r = result_record(engine, out)
-
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    return (
-        f"prompt {r['prompt_tokens']} tok ({r['cached_prompt_tokens']} cached) | "
-        f"TTFT {fmt(r['ttft_ms'], '.0f')} ms | prefill {fmt(r['prefill_tok_s'], '.1f')} tok/s | "
-        f"completion {r['completion_tokens']} tok | decode {fmt(r['decode_tok_s'], '.1f')} tok/s | "
-        f"KV {r['kv_bytes'] / 2**20:.2f} MiB in use of {r['kv_pool_bytes'] / 2**20:.0f} MiB"
-    )

@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
-from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -24,10 +23,11 @@ from fastapi.responses import JSONResponse
 from kvserve import __version__
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.constraints import Constraint
-from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.fim import hole_indent
 from kvserve.server import ollama_responses as responses
-from kvserve.server.errors import APIError, engine_error, generation_error, prompt_too_long
+from kvserve.server.errors import APIError, engine_error, prompt_too_long
+from kvserve.server.ollama_format import Reply, iso_stamp, now_stamp
 from kvserve.server.ollama_schemas import ChatRequest, GenerateRequest, Options, ShowRequest
 from kvserve.server.openapi_docs import ndjson_stream, ok, ollama_errors
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
@@ -35,14 +35,12 @@ from kvserve.server.streaming import ndjson_line, ndjson_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tools import (
     Calls,
-    ToolCall,
     ToolChoice,
     call_constraint,
     check_tools,
     parse_calls,
     text_to_stream,
 )
-from kvserve.tokenizer import hole_indent
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["Ollama"])
@@ -53,14 +51,6 @@ PARAM_NAMES = {"repetition_penalty": "repeat_penalty", "logprobs": "top_logprobs
 
 def _serving(request: Request) -> Serving:
     return request.app.state.serving
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _iso(unix_time: float) -> str:
-    return datetime.fromtimestamp(unix_time, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def ollama_params(
@@ -99,95 +89,6 @@ def ollama_params(
     )
 
 
-def _logprobs(entries: list[TokenLogprob] | None) -> list[dict] | None:
-    if entries is None:
-        return None
-    return [
-        {
-            "token": e.token,
-            "logprob": e.logprob,
-            "bytes": list(e.token.encode()),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for _, t, lp in e.top],
-        }
-        for e in entries
-    ]
-
-
-def _timings(out: RequestOutput, received: float) -> dict:
-    """Nanoseconds, as Ollama reports them. load: request received -> handed to the engine (the model
-    is loaded at startup); prompt_eval: first scheduled -> first token; eval: first -> last token."""
-    m = out.metrics
-    end = m.finished_time or time.perf_counter()
-    first_token = m.first_token_time or end
-
-    def ns(seconds: float) -> int:
-        return max(0, int(seconds * 1e9))
-
-    return {
-        "total_duration": ns(end - received),
-        "load_duration": ns(m.arrival_time - received),
-        "prompt_eval_count": m.num_prompt_tokens,
-        "prompt_eval_duration": ns(first_token - (m.first_scheduled_time or m.arrival_time)),
-        "eval_count": m.num_generation_tokens,
-        "eval_duration": ns(m.decode_time),
-    }
-
-
-def _done_reason(out: RequestOutput) -> str:
-    if out.finish_reason == "error":
-        raise generation_error(out)
-    return "length" if out.finish_reason == "length" else "stop"
-
-
-class Reply:
-    """Builds the objects of one /api/generate or /api/chat reply."""
-
-    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool, tools_on: Calls | None = None,
-                 thinking: Thinking | None = None) -> None:
-        self.model = model
-        self.chat = chat
-        self.received = received
-        self.want_logprobs = want_logprobs
-        self.tools_on = tools_on  # an answer may be tool calls (chat with tools)
-        self.thinking = thinking  # a reasoning model's thought, sent as "thinking"
-
-    def split(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
-        """(the thought, the answer's text, its calls)."""
-        thought, answer = self.thinking.split(text) if self.thinking is not None else (None, text)
-        answer, calls = parse_calls(answer, self.tools_on) if self.tools_on else (answer, [])
-        return thought, answer, calls
-
-    def part(self, text: str, out: RequestOutput | None = None, done: bool = False, thought: str | None = None) -> dict:
-        obj: dict = {"model": self.model, "created_at": _now()}
-        if self.chat:
-            obj["message"] = {"role": "assistant", "content": text}
-            if thought:
-                obj["message"]["thinking"] = thought
-        else:
-            obj["response"] = text
-            if thought:
-                obj["thinking"] = thought
-        obj["done"] = done
-        if self.want_logprobs and out is not None and not done:
-            obj["logprobs"] = _logprobs(out.new_logprobs)
-        return obj
-
-    def final(self, out: RequestOutput, text: str = "", calls: list[ToolCall] | None = None,
-              thought: str | None = None) -> dict:
-        obj = self.part(text, out, done=True, thought=thought)
-        if calls:
-            obj["message"]["tool_calls"] = [
-                {"id": c.id, "function": {"index": i, "name": c.name, "arguments": c.arguments}}
-                for i, c in enumerate(calls)
-            ]
-        obj["done_reason"] = _done_reason(out)
-        if not self.chat:
-            obj["context"] = list(out.prompt_token_ids) + list(out.token_ids)
-        if self.want_logprobs and text:
-            obj["logprobs"] = _logprobs(out.logprobs)
-        return obj | _timings(out, self.received)
-
-
 async def _reply(request: Request, stream: EngineStream, reply: Reply, streaming: bool):
     if streaming:
         return ndjson_response(_lines(stream, reply), cleanup=stream.aclose)
@@ -219,7 +120,7 @@ async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
 
 def _load_reply(model: str, chat: bool) -> dict:
     """What Ollama answers to an empty prompt: the model is loaded (it always is here)."""
-    obj: dict = {"model": model, "created_at": _now()}
+    obj: dict = {"model": model, "created_at": now_stamp()}
     obj |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
     return obj | {"done": True, "done_reason": "load"}
 
@@ -338,7 +239,7 @@ async def _model_entry(serving: Serving) -> dict:
     return {
         "name": card.ollama_name,
         "model": card.ollama_name,
-        "modified_at": _iso(card.modified),
+        "modified_at": iso_stamp(card.modified),
         "size": card.size_bytes,
         "digest": digest,
         "details": card.details(),
@@ -396,7 +297,7 @@ async def show(body: ShowRequest, request: Request) -> dict:
         "details": card.details(),
         "model_info": info,
         "capabilities": ["completion", "tools"],
-        "modified_at": _iso(card.modified),
+        "modified_at": iso_stamp(card.modified),
     }
 
 

@@ -15,6 +15,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.constraints import Constraint
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.fim import hole_indent
 from kvserve.server import openai_responses as responses
 from kvserve.server.errors import APIError, engine_error, openai_error_body
 from kvserve.server.openai_format import (
@@ -39,7 +40,6 @@ from kvserve.server.tools import (
     parse_calls,
     text_to_stream,
 )
-from kvserve.tokenizer import hole_indent
 
 router = APIRouter(tags=["OpenAI"])
 
