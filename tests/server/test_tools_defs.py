@@ -29,6 +29,13 @@ class Trip(BaseModel):
 
 SCHEMA = Trip.model_json_schema()
 ASK = "Plan a trip to Paris and Rome."
+# Ollama has no tool_choice: the model chooses. After a call of its own in the history SmolLM2 calls again
+EXAMPLE = {"cities": [{"name": "Paris", "country": "France"}], "start": {"name": "Paris", "country": "France"},
+           "days": 3}
+HISTORY = [{"role": "user", "content": "Plan a trip to Paris."},
+           {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "plan", "arguments": EXAMPLE}}]},
+           {"role": "tool", "content": "planned", "tool_name": "plan"},
+           {"role": "user", "content": "Now plan a trip to Rome."}]
 
 
 def test_the_schema_has_references():
@@ -64,14 +71,7 @@ def test_anthropic(idle):
 def test_ollama(idle):
     client = ollama.Client(host=idle.url, headers=idle.headers)
     tools = [{"type": "function", "function": {"name": "plan", "description": "Plan a trip", "parameters": SCHEMA}}]
-    # Ollama has no tool_choice: the model chooses. After a call of its own in the history SmolLM2 calls
-    # again; every call must validate
-    example = {"cities": [{"name": "Paris", "country": "France"}], "start": {"name": "Paris", "country": "France"},
-               "days": 3}
-    messages = [{"role": "user", "content": "Plan a trip to Paris."},
-                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "plan", "arguments": example}}]},
-                {"role": "tool", "content": "planned", "tool_name": "plan"},
-                {"role": "user", "content": "Now plan a trip to Rome."}]
+    messages = HISTORY  # every call must validate
     calls = []
     for seed in range(4):
         r = client.chat(model="smollm2", messages=messages, tools=tools,
@@ -92,12 +92,7 @@ def test_ollama_api_with_the_schema_whole(idle):
     import httpx
 
     tools = [{"type": "function", "function": {"name": "plan", "description": "Plan a trip", "parameters": SCHEMA}}]
-    example = {"cities": [{"name": "Paris", "country": "France"}], "start": {"name": "Paris", "country": "France"},
-               "days": 3}
-    messages = [{"role": "user", "content": "Plan a trip to Paris."},
-                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "plan", "arguments": example}}]},
-                {"role": "tool", "content": "planned", "tool_name": "plan"},
-                {"role": "user", "content": "Now plan a trip to Rome."}]
+    messages = HISTORY
     calls = []
     for seed in range(4):
         r = httpx.post(f"{idle.url}/api/chat", headers=idle.headers, timeout=120, json={

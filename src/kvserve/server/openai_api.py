@@ -35,8 +35,6 @@ from kvserve.server.tools import (
     Calls,
     Tool,
     ToolCall,
-    call_constraint,
-    check_tools,
     parse_calls,
     text_to_stream,
 )
@@ -92,17 +90,8 @@ def _chat_output_rules(body: ChatCompletionRequest, serving: Serving) -> tuple[l
     """(the tools the model is shown, the grammar of its answer) from tools, tool_choice,
     parallel_tool_calls and response_format."""
     tools = [t.tool() for t in body.tools or []]
-    choice = body.tool_choice_spec()
-    try:
-        check_tools(tools, choice)
-    except ValueError as e:
-        raise APIError(400, str(e), "tools") from None
-    try:
-        answer_format = body.response_format.constraint() if body.response_format else None
-    except ValueError as e:
-        raise APIError(400, str(e), "response_format") from None
-    return (tools if choice.mode != "none" else []), call_constraint(tools, choice, answer_format,
-                                                                     serving.call_format)
+    answer = body.response_format.constraint if body.response_format else lambda: None
+    return serving.output_rules(tools, body.tool_choice_spec(), answer, "response_format")
 
 
 def _assistant_message(out: RequestOutput, tools_on: Calls | None, thinking: Thinking | None = None) -> tuple[dict, str]:

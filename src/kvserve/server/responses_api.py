@@ -28,7 +28,7 @@ from kvserve.server.responses_schemas import ResponseObject, ResponsesRequest, i
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import dumps, sse_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tools import Calls, ToolCall, call_constraint, check_tools, parse_calls, text_to_stream
+from kvserve.server.tools import Calls, ToolCall, parse_calls, text_to_stream
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -169,17 +169,10 @@ async def create_response(body: ResponsesRequest, request: Request):
     except ValueError as e:
         raise APIError(400, str(e), "input") from None
     history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
-    tools = [t.tool() for t in body.tools or []]
     choice = body.tool_choice_spec()
-    try:
-        check_tools(tools, choice)
-    except ValueError as e:
-        raise APIError(400, str(e), "tools") from None
-    try:
-        answer = body.text.format.constraint() if body.text and body.text.format else None
-    except ValueError as e:
-        raise APIError(400, str(e), "text.format") from None
-    shown = tools if choice.mode != "none" else []
+    fmt = body.text.format if body.text else None
+    shown, constraint = serving.output_rules([t.tool() for t in body.tools or []], choice,
+                                             fmt.constraint if fmt else lambda: None, "text.format")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     conversation = history + messages
     effort = body.reasoning.effort if body.reasoning else None
@@ -192,7 +185,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         max_tokens=body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        constraint=call_constraint(shown, choice, answer, serving.call_format),
+        constraint=constraint,
         reasoning=thinking.reasoning if thinking is not None else None,
     )
     reply = Reply(body, body.model, Calls(serving.call_format, shown) if shown else None, thinking)

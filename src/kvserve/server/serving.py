@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -19,7 +19,7 @@ from fastapi import Request
 from jinja2.exceptions import TemplateError
 
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.engine.constraints import compiled
+from kvserve.engine.constraints import Constraint, compiled
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.call_formats import CallFormat, call_format
@@ -29,7 +29,14 @@ from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
 from kvserve.server.streaming import cancel_on_disconnect
 from kvserve.server.thinking import Thinking, thinking_for
-from kvserve.server.tools import Tool, messages_for_template, template_takes_tools
+from kvserve.server.tools import (
+    Tool,
+    ToolChoice,
+    call_constraint,
+    check_tools,
+    messages_for_template,
+    template_takes_tools,
+)
 
 
 def sampling_params(param_names: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
@@ -110,6 +117,23 @@ class Serving:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids (/v1/completions)")
         return tokenizer
+
+    def output_rules(
+        self, tools: list[Tool], choice: ToolChoice, answer: Callable[[], Constraint | None], answer_param: str
+    ) -> tuple[list[Tool], Constraint | None]:
+        """(the tools the model is shown, the grammar of its answer): the tools checked, the answer's format
+        built by ``answer`` (its ValueError a 400 naming ``answer_param``), and one grammar of both in the
+        model family's form of a call (``tools.call_constraint``)."""
+        try:
+            check_tools(tools, choice)
+        except ValueError as e:
+            raise APIError(400, str(e), "tools") from None
+        try:
+            answer_format = answer()
+        except ValueError as e:
+            raise APIError(400, str(e), answer_param) from None
+        shown = tools if choice.mode != "none" else []
+        return shown, call_constraint(shown, choice, answer_format, self.call_format)
 
     def check_model(self, name: str | None) -> None:
         if not self.card.matches(name):
