@@ -146,19 +146,16 @@ async def generate(body: GenerateRequest, request: Request):
     context = list(body.context or [])
     if body.suffix:  # as Ollama: the prompt and suffix through the model's fill-in-the-middle form
         ids = context + await serving.encode_fim(body.prompt or "", body.suffix)
-        ends = serving.tokenizer.fim.ends
-    elif body.raw:
-        ids = context + await serving.encode_text(body.prompt or "", add_special=not context)
-    else:
-        messages = [{"role": "system", "content": body.system}] if body.system else []
-        messages.append({"role": "user", "content": body.prompt or ""})
-        enable, variables = _thinking_switch(serving, body)
-        ids = context + await serving.encode_chat(messages, add_special=not context, template_variables=variables)
         return await _run(request, serving, body, ids, chat=False, received=received,
-                          thinking=serving.thinking(ids, enable))
-    return await _run(request, serving, body, ids, chat=False, received=received,
-                      stop_token_ids=ends if body.suffix else (),
-                      stop_at_dedent=hole_indent(body.prompt or "") if body.suffix else 0)
+                          stop_token_ids=serving.tokenizer.fim.ends, stop_at_dedent=hole_indent(body.prompt or ""))
+    if body.raw:
+        ids = context + await serving.encode_text(body.prompt or "", add_special=not context)
+        return await _run(request, serving, body, ids, chat=False, received=received)
+    messages = [{"role": "system", "content": body.system}] if body.system else []
+    messages.append({"role": "user", "content": body.prompt or ""})
+    enable, variables = _thinking_switch(serving, body)
+    ids = context + await serving.encode_chat(messages, add_special=not context, template_variables=variables)
+    return await _run(request, serving, body, ids, chat=False, received=received, thinking=serving.thinking(ids, enable))
 
 
 @router.post(
