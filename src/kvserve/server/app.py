@@ -4,6 +4,7 @@
 /v1/responses  OpenAI's Responses API (responses_api)
 /v1/messages   Anthropic (anthropic_api)
 /tokenize, /detokenize, /infill   llama.cpp's server (llama_api)
+/v1/embeddings, /api/embed, /api/embeddings   an encoder's sentence embeddings (embeddings_api)
 /health        200 while the engine runs    /metrics      Prometheus text format
 /v1/kvserve/cache   KV blocks: free, held, and each live request's block table
 /openapi.json  the OpenAPI spec (FastAPI), /docs its UI
@@ -22,7 +23,15 @@ from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
-from kvserve.server import anthropic_api, llama_api, ollama_api, openai_api, responses_api, web_ui
+from kvserve.server import (
+    anthropic_api,
+    embeddings_api,
+    llama_api,
+    ollama_api,
+    openai_api,
+    responses_api,
+    web_ui,
+)
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot, EngineView
 from kvserve.server.errors import install_error_handlers
@@ -97,9 +106,11 @@ def build_app(
     config: ServerConfig,
     card: ModelCard | None = None,
     view: EngineView | None = None,
+    encoder=None,
 ) -> FastAPI:
     """The app owns ``async_engine`` from now on: it shuts the engine down when the server stops.
-    ``view`` replaces the engine's own for ``/metrics`` and ``/v1/kvserve/cache`` (replicas: their sum)."""
+    ``view`` replaces the engine's own for ``/metrics`` and ``/v1/kvserve/cache`` (replicas: their sum);
+    ``encoder`` (``models.encoder.Encoder``) answers the embeddings routes."""
     card = card or ModelCard.from_engine(async_engine.engine, config.model_name)
 
     @asynccontextmanager
@@ -135,6 +146,8 @@ def build_app(
     app.include_router(ollama_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(llama_api.router)
+    app.include_router(embeddings_api.router)
+    app.state.encoder = encoder
     app.include_router(web_ui.router)  # before ops: its / serves browsers the page
     app.include_router(ops)
     app.add_middleware(JSONBodyMiddleware)

@@ -1,0 +1,155 @@
+"""Sentence embeddings beside the chat model: OpenAI's ``/v1/embeddings``, Ollama's ``/api/embed`` and its
+older ``/api/embeddings``, from the encoder ``kvserve serve --embedding-model NAME`` loads
+(``models.encoder``; ``all-minilm`` in the registry).
+
+The encoder runs in a worker thread (torch computes without the GIL), a batch of inputs at a time, never
+on the event loop nor in the engine's steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Literal
+
+import torch
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.models.encoder import Encoder
+from kvserve.server.errors import APIError
+from kvserve.server.openapi_docs import ok, ollama_errors, openai_errors
+from kvserve.server.strict_schema import Strict
+
+router = APIRouter(tags=["Embeddings"])
+
+MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+BATCH = 32  # inputs the encoder reads at once
+
+
+class EmbeddingsRequest(Strict):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None  # ignored
+
+
+class EmbedRequest(Strict):
+    model: str
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = Field(None, ge=1)
+    keep_alive: str | float | None = None  # the embedding model stays loaded
+    options: dict | None = None  # sampling options mean nothing to an encoder
+
+
+class LegacyEmbeddingsRequest(Strict):
+    model: str
+    prompt: str
+    keep_alive: str | float | None = None
+    options: dict | None = None
+
+
+class EmbeddingsResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    object: Literal["list"]
+    data: list[dict]
+    model: str
+    usage: dict
+
+
+class EmbedResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    embeddings: list[list[float]]
+
+
+class LegacyEmbeddingResponse(BaseModel):
+    embedding: list[float]
+
+
+def _encoder(request: Request, model: str) -> Encoder:
+    encoder: Encoder | None = getattr(request.app.state, "encoder", None)
+    if encoder is None:
+        raise APIError(404, f"model '{model}' not found; this server has no embedding model (start it with "
+                            "--embedding-model all-minilm)", "model", "model_not_found")
+    if model not in (encoder.name, f"{encoder.name}:latest"):
+        raise APIError(404, f"model '{model}' not found; this server embeds with '{encoder.name}'", "model",
+                       "model_not_found")
+    return encoder
+
+
+async def _vectors(encoder: Encoder, inputs: list[list[int]], dimensions: int | None) -> torch.Tensor:
+    """The inputs' embeddings, ``BATCH`` at a time in a worker thread; cut to ``dimensions`` (and normalized
+    again where the model normalizes)."""
+    if not inputs or len(inputs) > MAX_INPUTS:
+        raise APIError(400, f"input must hold 1 to {MAX_INPUTS} items", "input")
+    if dimensions is not None and dimensions > encoder.config.dimensions:
+        raise APIError(400, f"dimensions must be at most {encoder.config.dimensions}", "dimensions")
+    parts = [await asyncio.to_thread(encoder.embed, inputs[i : i + BATCH]) for i in range(0, len(inputs), BATCH)]
+    vectors = torch.cat(parts)
+    if dimensions is not None:
+        vectors = vectors[:, :dimensions]
+        if encoder.config.normalize:
+            vectors = torch.nn.functional.normalize(vectors, dim=-1)
+    return vectors
+
+
+async def _tokens(encoder: Encoder, texts: list[str], truncate: bool = True) -> list[list[int]]:
+    if any(not t for t in texts):
+        raise APIError(400, "input must not hold an empty string", "input")
+    try:
+        return await asyncio.to_thread(encoder.tokenize, texts, truncate)
+    except ValueError as e:
+        raise APIError(400, str(e), "input") from None
+
+
+@router.post("/v1/embeddings", response_model=None,
+             responses=ok(EmbeddingsResponse, "The inputs' embeddings, in order") | openai_errors(400, 404))
+async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
+    encoder = _encoder(request, body.model)
+    given = body.input
+    if isinstance(given, str) or given and isinstance(given[0], int):
+        given = [given]
+    if given and isinstance(given[0], list):  # token ids, as the encoder's vocabulary numbers them
+        vocab = encoder.config.vocab_size
+        if any(not ids or len(ids) > encoder.config.max_seq_length or not all(0 <= t < vocab for t in ids)
+               for ids in given):
+            raise APIError(400, f"token-id inputs must be 1 to {encoder.config.max_seq_length} ids in "
+                                f"[0, {vocab})", "input")
+        tokens = [list(ids) for ids in given]
+    else:
+        tokens = await _tokens(encoder, list(given))
+    vectors = await _vectors(encoder, tokens, body.dimensions)
+    data = []
+    for i, v in enumerate(vectors):
+        value = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if body.encoding_format == "base64" \
+            else v.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    used = sum(len(t) for t in tokens)
+    return {"object": "list", "data": data, "model": body.model,
+            "usage": {"prompt_tokens": used, "total_tokens": used}}
+
+
+@router.post("/api/embed", response_model=None,
+             responses=ok(EmbedResponse, "The inputs' embeddings, in order") | ollama_errors(400, 404))
+async def embed(body: EmbedRequest, request: Request) -> dict:
+    start = time.perf_counter()
+    encoder = _encoder(request, body.model)
+    tokens = await _tokens(encoder, [body.input] if isinstance(body.input, str) else list(body.input), body.truncate)
+    vectors = await _vectors(encoder, tokens, body.dimensions)
+    return {"model": body.model, "embeddings": vectors.tolist(),
+            "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": 0,
+            "prompt_eval_count": sum(len(t) for t in tokens)}
+
+
+@router.post("/api/embeddings", response_model=None,
+             responses=ok(LegacyEmbeddingResponse, "The prompt's embedding") | ollama_errors(400, 404))
+async def legacy_embeddings(body: LegacyEmbeddingsRequest, request: Request) -> dict:
+    encoder = _encoder(request, body.model)
+    if not body.prompt:
+        return {"embedding": []}  # what Ollama answers to an empty prompt
+    vectors = await _vectors(encoder, await _tokens(encoder, [body.prompt]), None)
+    return {"embedding": vectors[0].tolist()}

@@ -1,0 +1,78 @@
+"""Sentence embeddings from all-MiniLM-L6-v2 beside the chat model, through the official OpenAI and Ollama
+clients: the same vectors as sentence-transformers computes (cosine >= 0.9999 on 240 sentences), base64
+and shortened vectors, token-id inputs, Ollama's batch and legacy routes, and clear refusals."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+
+import numpy as np
+import ollama
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SUBJECTS = ["The cat", "A young engineer", "My grandmother", "The old ship", "A quiet city", "The river",
+            "Our team", "The orchestra", "A tired runner", "The library"]
+VERBS = ["sleeps near", "talks about", "dreams of", "walks toward", "writes to", "waits for"]
+OBJECTS = ["the mountains.", "a broken clock.", "the first snow of winter.", "an unfinished poem."]
+SENTENCES = [" ".join(p) for p in itertools.product(SUBJECTS, VERBS, OBJECTS)]  # 240
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from sentence_transformers import SentenceTransformer
+
+    from kvserve.models.registry import resolve
+
+    return SentenceTransformer(str(resolve("all-minilm")), device="cpu")
+
+
+def test_openai_embeddings_match_sentence_transformers(idle, reference):
+    client = openai.OpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, max_retries=0)
+    ours = []
+    for i in range(0, len(SENTENCES), 80):
+        r = client.embeddings.create(model="all-minilm", input=SENTENCES[i : i + 80])
+        assert [d.index for d in r.data] == list(range(len(r.data)))
+        ours += [d.embedding for d in r.data]
+    ours = np.array(ours)
+    theirs = reference.encode(SENTENCES, normalize_embeddings=False)
+    cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+    assert cosine.min() >= 0.9999, cosine.min()
+    assert ours.shape == (240, 384) and np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)  # normalized
+
+
+def test_base64_dimensions_and_token_ids(idle):
+    client = openai.OpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, max_retries=0)
+    floats = client.embeddings.create(model="all-minilm", input="Hello world").data[0].embedding
+    raw = client.with_raw_response.embeddings.create(model="all-minilm", input="Hello world",
+                                                     encoding_format="base64").http_response.json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(decoded, floats, atol=1e-7)
+    short = np.array(client.embeddings.create(model="all-minilm", input="Hello world", dimensions=64).data[0].embedding)
+    assert short.shape == (64,) and np.isclose(np.linalg.norm(short), 1, atol=1e-5)
+    assert np.allclose(short, np.array(floats[:64]) / np.linalg.norm(floats[:64]), atol=1e-6)
+    ids = [101, 7592, 2088, 102]  # [CLS] hello world [SEP] in the model's vocabulary
+    by_ids = client.embeddings.create(model="all-minilm", input=[ids]).data[0].embedding
+    assert np.allclose(by_ids, floats, atol=1e-5)
+    for bad in (dict(model="smollm2", input="x"), dict(model="all-minilm", input=""), dict(model="all-minilm",
+                input=[[10**9]]), dict(model="all-minilm", input="x", dimensions=1000)):
+        with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
+            client.embeddings.create(**bad)
+
+
+def test_ollama_embed_and_the_older_route(idle):
+    client = ollama.Client(host=idle.url, headers=idle.headers)
+    r = client.embed(model="all-minilm", input=["Hello world", "The cat sleeps near the mountains."])
+    assert len(r.embeddings) == 2 and len(r.embeddings[0]) == 384 and r.prompt_eval_count > 4
+    legacy = client.embeddings(model="all-minilm", prompt="Hello world")
+    assert np.allclose(legacy.embedding, r.embeddings[0], atol=1e-6)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="all-minilm", input="word " * 400, truncate=False)
+    assert e.value.status_code == 400 and "truncate" in e.value.error
+    assert len(client.embed(model="all-minilm", input="word " * 400).embeddings[0]) == 384  # cut at 256 tokens
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="nomic-embed-text", input="x")
+    assert e.value.status_code == 404
