@@ -57,8 +57,8 @@ def test_base64_dimensions_and_token_ids(idle):
     ids = [101, 7592, 2088, 102]  # [CLS] hello world [SEP] in the model's vocabulary
     by_ids = client.embeddings.create(model="all-minilm", input=[ids]).data[0].embedding
     assert np.allclose(by_ids, floats, atol=1e-5)
-    for bad in (dict(model="smollm2", input="x"), dict(model="all-minilm", input=""), dict(model="all-minilm",
-                input=[[10**9]]), dict(model="all-minilm", input="x", dimensions=1000)):
+    for bad in ({"model": "smollm2", "input": "x"}, {"model": "all-minilm", "input": ""}, {"model": "all-minilm",
+                "input": [[10**9]]}, {"model": "all-minilm", "input": "x", "dimensions": 1000}):
         with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
             client.embeddings.create(**bad)
 
