@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvserve.models.registry import REGISTRY, installed_path, pull
 
@@ -17,9 +18,14 @@ def add_parser(sub, name: str) -> None:
         p.set_defaults(handler=run_list)
 
 
+def _size(path: Path) -> int:
+    """A model file's bytes, or a model folder's (an HF folder: its files)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
 def run_pull(args: argparse.Namespace) -> int:
     path = pull(args.name)
-    print(f"{args.name}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    print(f"{args.name}: {path} ({_size(path) / 1e6:.1f} MB)")
     return 0
 
 
@@ -30,7 +36,7 @@ def run_list(args: argparse.Namespace) -> int:
     table = Table("NAME", "SIZE", "WHERE", "DESCRIPTION", box=None)
     for entry in REGISTRY.values():
         path = installed_path(entry, assemble=False)
-        size = f"{path.stat().st_size / 1e6:.0f} MB" if path and path.is_file() else "-"
+        size = f"{_size(path) / 1e6:.0f} MB" if path and path.exists() else "-"
         where = str(path) if path else f"not installed (kvserve pull {entry.name})"
         table.add_row(entry.name, size, where, entry.description)
     Console().print(table)
