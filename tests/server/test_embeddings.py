@@ -76,3 +76,11 @@ def test_ollama_embed_and_the_older_route(idle):
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="nomic-embed-text", input="x")
     assert e.value.status_code == 404
+
+
+def test_an_encoder_is_not_a_model_to_chat_with():
+    from kvserve.errors import ModelLoadError
+    from kvserve.models.loader import load_model
+
+    with pytest.raises(ModelLoadError, match="--embedding-model all-minilm"):
+        load_model("all-minilm")
