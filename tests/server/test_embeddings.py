@@ -44,6 +44,12 @@ def test_openai_embeddings_match_sentence_transformers(idle, reference):
     assert ours.shape == (240, 384) and np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)  # normalized
 
 
+def test_the_embedding_model_is_listed(idle):
+    client = openai.OpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["smollm2", "all-minilm"]
+    assert client.models.retrieve("all-minilm").max_model_len == 256
+
+
 def test_base64_dimensions_and_token_ids(idle):
     client = openai.OpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, max_retries=0)
     floats = client.embeddings.create(model="all-minilm", input="Hello world").data[0].embedding

@@ -129,8 +129,8 @@ def test_completion_logprobs_and_token_prompt(client, idle):
 
 
 def test_models(client):
-    [model] = client.models.list().data
-    assert model.id == "smollm2" and model.owned_by == "kvserve"
+    model, embedder = client.models.list().data  # the chat model, then the embedding model beside it
+    assert model.id == "smollm2" and model.owned_by == "kvserve" and embedder.id == "all-minilm"
     assert client.models.retrieve("smollm2").id == "smollm2"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")

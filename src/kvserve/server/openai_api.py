@@ -337,9 +337,17 @@ def _model_object(serving: Serving) -> dict:
     }
 
 
-@router.get("/v1/models", response_model=None, responses=ok(responses.ModelList, "The served model"))
+def _encoder_object(encoder) -> dict:
+    return {"id": encoder.name, "object": "model", "created": int(encoder.path.stat().st_mtime),
+            "owned_by": "kvserve", "max_model_len": encoder.config.max_seq_length}
+
+
+@router.get("/v1/models", response_model=None,
+            responses=ok(responses.ModelList, "The served model, and the embedding model beside it"))
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_object(_serving(request))]}
+    encoder = getattr(request.app.state, "encoder", None)
+    data = [_model_object(_serving(request))] + ([_encoder_object(encoder)] if encoder is not None else [])
+    return {"object": "list", "data": data}
 
 
 @router.get(
@@ -349,5 +357,8 @@ async def list_models(request: Request) -> dict:
 )
 async def get_model(model: str, request: Request) -> dict:
     serving = _serving(request)
+    encoder = getattr(request.app.state, "encoder", None)
+    if encoder is not None and model in (encoder.name, f"{encoder.name}:latest"):
+        return _encoder_object(encoder)
     serving.check_model(model)
     return _model_object(serving)
