@@ -82,7 +82,7 @@ class Encoder:
         from tokenizers import Tokenizer
 
         self.path, self.name = path, name
-        self.config = c = read_encoder_config(path)
+        self.config = read_encoder_config(path)
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{path}: no safetensors weights")
@@ -94,24 +94,21 @@ class Encoder:
                    if k not in weights]
         if missing:
             raise ModelLoadError(f"{path}: not a BERT encoder's weights (missing {missing[0]})")
+        # no truncation or padding set on the shared tokenizer: requests in other threads use it at once
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(c.max_seq_length)
+        self.tokenizer.no_truncation()
 
     def tokenize(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Each text's token ids ([CLS] ... [SEP]); ValueError for one over the longest input unless
-        ``truncate`` (then it is cut there, as sentence-transformers cuts it)."""
-        if not truncate:
-            self.tokenizer.no_truncation()
-        try:
-            ids = [e.ids for e in self.tokenizer.encode_batch(texts)]
-        finally:
-            self.tokenizer.enable_truncation(self.config.max_seq_length)
+        ``truncate`` (then its words are cut there and [SEP] kept, as sentence-transformers cuts it)."""
+        most = self.config.max_seq_length
+        ids = [e.ids for e in self.tokenizer.encode_batch(texts)]
         longest = max((len(i) for i in ids), default=0)
-        if longest > self.config.max_seq_length:
-            raise ValueError(f"an input is {longest} tokens; this model reads at most {self.config.max_seq_length} "
+        if longest > most and not truncate:
+            raise ValueError(f"an input is {longest} tokens; this model reads at most {most} "
                              "(send truncate: true to cut it)")
-        return ids
+        return [i if len(i) <= most else [*i[: most - 1], i[-1]] for i in ids]
 
     @torch.inference_mode()
     def embed(self, batch: list[list[int]]) -> torch.Tensor:

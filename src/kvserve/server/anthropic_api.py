@@ -32,7 +32,7 @@ from kvserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from kvserve.server.errors import APIError, anthropic_error_body, engine_error, generation_error
 from kvserve.server.openapi_docs import anthropic_errors, anthropic_sse_stream, ok
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
-from kvserve.server.streaming import dumps, sse_response
+from kvserve.server.streaming import sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tools import (
     Calls,
@@ -54,8 +54,6 @@ def _serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
-def event(kind: str, data: dict) -> bytes:
-    return f"event: {kind}\ndata: {dumps({'type': kind, **data})}\n\n".encode()
 
 
 async def _prompt(
@@ -155,7 +153,7 @@ class MessageReply:
         }
 
     def start(self, out: RequestOutput) -> bytes:
-        return event("message_start", {"message": self._base([], None, None, out)})
+        return sse_typed_event("message_start", {"message": self._base([], None, None, out)})
 
 
 def _thinking_block(thought: str) -> dict:
@@ -201,7 +199,7 @@ async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[by
                 if not started:
                     started = True
                     yield reply.start(out)
-                    yield event("ping", {})
+                    yield sse_typed_event("ping", {})
                 thought, answer = thoughts.feed(out)
                 if thought:
                     for chunk in blocks.delta("thinking", {"type": "thinking_delta", "thinking": thought}):
@@ -215,7 +213,7 @@ async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[by
                         yield chunk
     except (APIError, EngineDeadError) as e:
         error = engine_error(e) or APIError(503, f"the engine failed: {e}")
-        yield event("error", {"error": anthropic_error_body(error)["error"]})
+        yield sse_typed_event("error", {"error": anthropic_error_body(error)["error"]})
 
 
 class _Blocks:
@@ -233,13 +231,13 @@ class _Blocks:
         if self.open != kind:
             chunks += self.close()
             self.open = kind
-            chunks.append(event("content_block_start", {"index": self.count, "content_block": self.STARTS[kind]}))
-        return [*chunks, event("content_block_delta", {"index": self.count, "delta": delta})]
+            chunks.append(sse_typed_event("content_block_start", {"index": self.count, "content_block": self.STARTS[kind]}))
+        return [*chunks, sse_typed_event("content_block_delta", {"index": self.count, "delta": delta})]
 
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
-        chunk = event("content_block_stop", {"index": self.count})
+        chunk = sse_typed_event("content_block_stop", {"index": self.count})
         self.open = None
         self.count += 1
         return [chunk]
@@ -255,11 +253,11 @@ def _ending(out: RequestOutput, reply: MessageReply, holding: bool, streamed: _B
         else:
             start, delta = {**block, "input": {}}, {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
         chunks += [
-            event("content_block_start", {"index": index, "content_block": start}),
-            event("content_block_delta", {"index": index, "delta": delta}),
-            event("content_block_stop", {"index": index}),
+            sse_typed_event("content_block_start", {"index": index, "content_block": start}),
+            sse_typed_event("content_block_delta", {"index": index, "delta": delta}),
+            sse_typed_event("content_block_stop", {"index": index}),
         ]
-    chunks.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+    chunks.append(sse_typed_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                           "usage": {"output_tokens": out.metrics.num_generation_tokens}}))
-    chunks.append(event("message_stop", {}))
+    chunks.append(sse_typed_event("message_stop", {}))
     return chunks

@@ -48,6 +48,21 @@ def _gathered(schemas: list[dict], path) -> tuple[list[dict], dict]:
     return moved, defs
 
 
+def _joined(parts: list[str], rest: str) -> str:
+    return "\n".join(p.strip("\n") for p in [*parts, rest] if p.strip())
+
+
+def _json_call(body: str) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    return ToolCall(value["name"], arguments if isinstance(arguments, dict) else {})
+
+
 class CallFormat:
     name = "hermes"
     # an answer that is text: it cannot start a call (nor with blank space, which a model that means to call
@@ -67,9 +82,25 @@ class CallFormat:
         return text.startswith(CALL_OPEN) or CALL_OPEN.startswith(text)
 
     def parse(self, text: str, tools: list[Tool] | None = None) -> tuple[str, list[ToolCall]]:
-        from kvserve.server.tools import parse_hermes
-
-        return parse_hermes(text)
+        """(the text that is not calls, the calls): every complete ``<tool_call>`` block whose body is a
+        call, in order, a repeat dropped; a block cut off by the token limit is dropped where complete
+        calls precede it. Text that only looks like a call stays text."""
+        calls: list[ToolCall] = []
+        kept: list[str] = []
+        pos = 0
+        while (start := text.find(CALL_OPEN, pos)) >= 0:
+            end = text.find(CALL_CLOSE, start)
+            if end < 0:
+                if calls:
+                    return _joined(kept, ""), _dedupe(calls)  # the call cut off after complete ones is dropped
+                break
+            call = _json_call(text[start + len(CALL_OPEN) : end])
+            kept.append(text[pos : end + len(CALL_CLOSE)] if call is None else text[pos:start])
+            calls += [call] if call is not None else []
+            pos = end + len(CALL_CLOSE)
+        if not calls:
+            return text, []
+        return _joined(kept, text[pos:]), _dedupe(calls)
 
 
 class Qwen3CoderFormat(CallFormat):
@@ -129,7 +160,7 @@ class Qwen3CoderFormat(CallFormat):
         rest = text[pos:]
         if CALL_OPEN in rest:  # a call cut off after complete ones
             rest = rest[: rest.index(CALL_OPEN)]
-        return "\n".join(p.strip() for p in [*kept, rest] if p.strip()), _dedupe(calls)
+        return _joined(kept, rest), _dedupe(calls)
 
 
 class Llama3JsonFormat(CallFormat):

@@ -211,7 +211,7 @@ async def _run(
     except ValueError as e:
         raise APIError(400, f"format: {e}") from None
     params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs, constraint)
-    if stop_token_ids:
+    if stop_token_ids or stop_at_dedent:
         params = replace(params, stop_token_ids=(*params.stop_token_ids, *stop_token_ids), stop_at_dedent=stop_at_dedent)
     if thinking is not None:
         params = replace(params, reasoning=thinking.reasoning)

@@ -26,7 +26,7 @@ from kvserve.server.errors import APIError, engine_error, generation_error
 from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.responses_schemas import ResponseObject, ResponsesRequest, input_messages
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
-from kvserve.server.streaming import dumps, sse_response
+from kvserve.server.streaming import sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tools import Calls, ToolCall, parse_calls, text_to_stream
 
@@ -147,7 +147,7 @@ class Reply:
 
     def event(self, kind: str, **data: Any) -> bytes:
         self.sequence += 1
-        return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': self.sequence - 1, **data})}\n\n".encode()
+        return sse_typed_event(kind, {"sequence_number": self.sequence - 1, **data})
 
 
 def _serving(request: Request) -> Serving:

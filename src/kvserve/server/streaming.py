@@ -36,6 +36,11 @@ def sse_event(obj: dict) -> bytes:
     return f"data: {dumps(obj)}\n\n".encode()
 
 
+def sse_typed_event(kind: str, data: dict) -> bytes:
+    """An SSE event named by its type, as the Anthropic and Responses APIs send them."""
+    return f"event: {kind}\ndata: {dumps({'type': kind, **data})}\n\n".encode()
+
+
 def ndjson_line(obj: dict) -> bytes:
     return f"{dumps(obj)}\n".encode()
 

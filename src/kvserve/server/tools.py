@@ -198,51 +198,6 @@ def parse_calls(text: str, calls: Calls | None = None) -> tuple[str, list[ToolCa
     return calls.fmt.parse(text, calls.tools) if calls is not None else _hermes().parse(text)
 
 
-def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
-    """(the text that is not calls, the calls): every complete ``<tool_call>`` block whose body is a
-    call, in order, a repeat of an earlier call dropped (small models loop on a call); a block cut off
-    by the token limit is dropped where complete calls precede it. Text that only looks like a call
-    stays text."""
-    calls: list[ToolCall] = []
-    seen: set[str] = set()
-    kept: list[str] = []
-    pos = 0
-    while (start := text.find(CALL_OPEN, pos)) >= 0:
-        end = text.find(CALL_CLOSE, start)
-        if end < 0:
-            if calls:
-                return _joined(kept, ""), calls  # the call cut off after complete ones is dropped
-            break
-        call = _call(text[start + len(CALL_OPEN) : end])
-        if call is None:
-            kept.append(text[pos : end + len(CALL_CLOSE)])
-        else:
-            kept.append(text[pos:start])
-            key = json.dumps([call.name, call.arguments], sort_keys=True)
-            if key not in seen:
-                seen.add(key)
-                calls.append(call)
-        pos = end + len(CALL_CLOSE)
-    if not calls:
-        return text, []
-    return _joined(kept, text[pos:]), calls
-
-
-def _joined(parts: list[str], rest: str) -> str:
-    return "\n".join(p.strip("\n") for p in [*parts, rest] if p.strip())
-
-
-def _call(body: str) -> ToolCall | None:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", {})
-    return ToolCall(value["name"], arguments if isinstance(arguments, dict) else {})
-
-
 def text_to_stream(holding: bool, out, calls: Calls | None = None) -> tuple[bool, str]:
     """(still holding, text to send now) for one output of a streamed answer that may be calls: the
     answer is held while it is empty or may still become a call (a call can only come first, see
