@@ -3,7 +3,16 @@ leak check for engines."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
+
+# The suite gates every landing, so by default each property test draws the same examples every run
+# (a failure is reproducible, never luck); HYPOTHESIS_PROFILE=explore draws fresh ones to hunt for bugs.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 from kvserve.models.loader import load_model
 from tests.support import write_tiny_llama

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv import prompt_cache
@@ -67,6 +67,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(["tokens", "blocks", "extra", "window_blocks", "identity"]), value=JSON)
+@example(field="identity", value={"\n": False})  # a key of the file's own once reached the message
+@example(field="identity", value={1: "x", "a": 2})  # keys that do not sort together
 def test_crafted_fields_are_one_line_refusals(tiny_llama_hd64, saved, tmp_path_factory, field, value):
     _, header, payload, _ = saved
     path = tmp_path_factory.mktemp("crafted") / "c.kvc"

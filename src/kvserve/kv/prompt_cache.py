@@ -156,8 +156,10 @@ def load_prompt_cache(engine, path: str | os.PathLike) -> tuple[int, dict]:
     header, payload = read_prompt_cache(path)
     identity = header.get("identity")
     if identity != engine.cache_identity:
-        differs = sorted(k for k in {**engine.cache_identity, **(identity or {})}
-                         if (identity or {}).get(k) != engine.cache_identity.get(k))
+        # only our own field names are printed: the file's keys are whatever its writer chose
+        differs = [k for k in sorted(engine.cache_identity) if identity.get(k) != engine.cache_identity[k]]
+        if any(k not in engine.cache_identity for k in identity):
+            differs.append("fields this version does not know")
         raise PromptCacheError(f"{path} was saved by another engine setup (differs in: {', '.join(differs)}); "
                                f"load it with the same model file, --weights, KV types and block size")
     if not engine.config.cache.enable_prefix_caching:
