@@ -51,10 +51,10 @@ def ollama_error(r: httpx.Response, status: int) -> str:
         ({"logit_bias": {"fifty": 10}}, "logit_bias"),
         ({"logit_bias": {"50": 101}}, "logit_bias"),
         ({"best_guess": True}, "best_guess"),
-        # values must already have their type: no "yes" for true, no 5.0 or true for an integer
+        # values must already have their type: no "yes" for true, no 5.5 or true for an integer
         ({"stream": "yes"}, "stream"),
         ({"logprobs": 1}, "logprobs"),
-        ({"max_tokens": 5.0}, "max_tokens"),
+        ({"max_tokens": 5.5}, "max_tokens"),
         ({"n": True}, "n"),
         ({"temperature": "0.5"}, "temperature"),
         (
@@ -89,12 +89,34 @@ def test_openai_invalid_parameters_are_400(server, change, param):
         ({"raw": 1}, "raw"),
         ({"context": [True]}, "context"),
         ({"options": {"num_predict": "5"}}, "num_predict"),
-        ({"options": {"num_predict": 5.0}}, "num_predict"),
+        ({"options": {"num_predict": 5.5}}, "num_predict"),
     ],
 )
 def test_ollama_invalid_parameters_are_400(server, change, word):
     with server.client() as c:
         assert word in ollama_error(c.post("/api/generate", json={**GENERATE, **change}), 400)
+
+
+def test_integers_may_be_written_with_a_zero_fraction(server):
+    """JSON Schema's "integer" is any number without a fraction: 2.0 is 2, as the published document allows
+    (Python's json reads it as a float)."""
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2.0, "n": 1.0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 2
+        r = c.post("/v1/completions", json={"model": "smollm2", "prompt": [[1.0, 2.0]], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        r = c.post("/api/generate", json={**GENERATE, "options": {"num_predict": 1.0}})
+        assert r.status_code == 200 and r.json()["eval_count"] == 1, r.text
+
+
+def test_text_of_no_tokens_completes_from_the_start_of_text(server):
+    """A control character SmolLM2's tokenizer drops leaves no tokens: the completion starts from BOS, as
+    an unconditioned one does, rather than refusing a request the document allows."""
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": "smollm2", "prompt": "\x06", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 1
 
 
 @pytest.mark.parametrize("prompt", [[[False]], [1.5], [[1, "2"]], True, {"text": "hi"}])

@@ -54,6 +54,15 @@ def _indent(prefix: str) -> int:
     return len(line) - len(line.lstrip(" "))
 
 
+def test_the_document_offers_fill_in_the_middle(coder):
+    doc = httpx.get(f"{coder.url}/openapi.json", headers=coder.headers).json()
+    assert "/infill" in doc["paths"]
+    assert doc["components"]["schemas"]["GenerateRequest"]["properties"]["suffix"]["anyOf"] == [
+        {"type": "string"}, {"type": "null"}]
+    tokens = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert tokens["maximum"] == 151935  # Qwen2.5's embedding rows, more than its tokenizer's ids
+
+
 def test_infill_middles_parse(coder):
     # as editors ask (llama.vscode sends the hole's indentation as n_indent): this instruct model often
     # writes on past the hole, into calls of the function, until a line indented less ends the middle

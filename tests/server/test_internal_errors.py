@@ -51,6 +51,7 @@ class StubAsyncEngine:
         self.lock = threading.Lock()
         self.engine = SimpleNamespace(
             tokenizer=StubTokenizer(),
+            model_config=SimpleNamespace(vocab_size=100),
             max_model_len=64,
             kv=KVCacheManager(8, 4),
             scheduler=SimpleNamespace(running=[], waiting=[]),

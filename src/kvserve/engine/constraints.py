@@ -17,6 +17,7 @@ as it is (the output tokens stay), so it needs nothing on resume.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -98,6 +99,30 @@ def _first_line(message: str) -> str:
     return message.split("<state>")[0].strip().splitlines()[0][:300] if message.strip() else "unknown"
 
 
+# JSON Schema keywords the grammar engine cannot enforce: a schema using them is refused (OpenAI's strict
+# mode refuses them too), rather than followed in part
+UNENFORCED_KEYWORDS = ("if", "then", "else", "not", "dependentSchemas", "dependentRequired", "unevaluatedProperties",
+                       "unevaluatedItems", "contains", "minContains", "maxContains", "propertyNames", "uniqueItems",
+                       "$dynamicRef", "$dynamicAnchor")
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+def _reason(kind: str, error: str) -> str:
+    """The grammar engine's complaint in our words: its parser positions and internal prefixes left out."""
+    line = _first_line(error)
+    unimplemented = _UNIMPLEMENTED.search(line)
+    if unimplemented:
+        keywords = unimplemented.group(1).replace('"', "")
+        return f"the JSON schema uses keywords this server cannot enforce: {keywords}; leave them out"
+    in_schema = "JSON schema" in line
+    line = re.sub(r"^at \d+\(\d+\): (failed to compile JSON schema: )?", "", line)
+    if line.startswith("Unsatisfiable schema"):
+        return f"the JSON schema cannot be satisfied ({line.partition(': ')[2] or line})"
+    if in_schema or line.startswith("schema "):
+        return f"the JSON schema is not valid: {line}"
+    return f"invalid {kind}: {line}"
+
+
 PROBE_TOKENS = 4  # tokens a new grammar is followed ahead, on a copy, before the request is admitted
 
 
@@ -126,10 +151,10 @@ def compiled(constraint: Constraint, grammar_tokenizer: GrammarTokenizer):
     kind = constraint.kind.replace("_", " ")
     error = LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
-        raise ValueError(f"invalid {kind}: {_first_line(error)}")
+        raise ValueError(_reason(kind, error))
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
-        raise ValueError(f"invalid {kind}: {_first_line(matcher.get_error())}")
+        raise ValueError(_reason(kind, matcher.get_error()))
     _probe(matcher, kind, tokenizer.vocab_size)
     with grammar_tokenizer.lock:
         cache[key] = matcher

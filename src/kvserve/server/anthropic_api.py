@@ -30,7 +30,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.server import anthropic_responses as responses
 from kvserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from kvserve.server.errors import APIError, anthropic_error_body, engine_error, generation_error
-from kvserve.server.openapi_docs import anthropic_errors, anthropic_sse_stream, ok
+from kvserve.server.openapi_docs import anthropic_errors, ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
@@ -81,7 +81,7 @@ async def _prompt(
 @router.post(
     "/v1/messages",
     response_model=None,
-    responses=ok(responses.MessageResponse, "The message; with stream: true, Anthropic's events", anthropic_sse_stream())
+    responses=ok(responses.MessageResponse, "The message; with stream: true, Anthropic's events", typed_sse_stream(*responses.STREAM_EVENTS))
     | anthropic_errors(400, 404, 429, 503),
 )
 async def messages(body: MessagesRequest, request: Request):

@@ -13,10 +13,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server.strict_schema import NonEmptyStr, Strict
+from kvserve.server import strict_schema
+from kvserve.server.strict_schema import Strict, ToolName
 from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
 
-MAX_STOP = 16
+MAX_STOP = strict_schema.MAX_STOP
 
 
 class AnthropicText(Strict):
@@ -60,7 +61,15 @@ Block = Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult | Anthr
                   Field(discriminator="type")]
 
 
+def _no_blocks(role: str, block: str) -> dict:
+    """The published rule that ``role``'s turns hold no ``block`` blocks."""
+    not_block = {"not": {"required": ["type"], "properties": {"type": {"const": block}}}}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": not_block}]}
+    return {"if": {"properties": {"role": {"const": role}}}, "then": {"properties": {"content": content}}}
+
+
 class AnthropicMessage(Strict):
+    schema_rules = (_no_blocks("user", "tool_use"), _no_blocks("assistant", "tool_result"))
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
@@ -85,9 +94,9 @@ class AnthropicMessage(Strict):
 
 
 class AnthropicTool(Strict):
-    name: str
+    name: ToolName
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: strict_schema.ClientSchema
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -96,6 +105,8 @@ class AnthropicTool(Strict):
 
 
 class AnthropicToolChoice(Strict):
+    schema_rules = ({"if": {"properties": {"type": {"const": "tool"}}},
+                     "then": {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}},)
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -115,13 +126,18 @@ class AnthropicThinking(Strict):
     display: Literal["summarized", "omitted"] | None = None  # the thought is always shown whole here
 
 
+_THINKING = AnthropicThinking.model_json_schema()
+# a model that does not think takes thinking disabled or adaptive (which then means disabled)
+_NO_THINKING = {**_THINKING, "properties": {**_THINKING["properties"], "type": {"enum": ["disabled", "adaptive"]}}}
+
+
 class AnthropicMetadata(Strict):
     user_id: str | None = None  # ignored
 
 
 class AnthropicJSONFormat(Strict):
     type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: strict_schema.ClientSchema = Field(alias="schema")
 
 
 class AnthropicOutputConfig(Strict):
@@ -133,12 +149,15 @@ class AnthropicOutputConfig(Strict):
 
 
 class CountTokensRequest(Strict):
+    schema_rules = (strict_schema.tool_choice_needs_tools(
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}),)
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicText] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: AnthropicThinking | None = None
+    thinking: Annotated[AnthropicThinking | None, strict_schema.needs(
+        "thinking", {"anyOf": [_THINKING, {"type": "null"}]}, {"anyOf": [_NO_THINKING, {"type": "null"}]})] = None
 
     @property
     def system_text(self) -> str:
@@ -160,7 +179,7 @@ class CountTokensRequest(Strict):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[NonEmptyStr] | None = None
+    stop_sequences: strict_schema.StopList | None = None
     stream: bool | None = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)

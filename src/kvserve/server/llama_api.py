@@ -21,7 +21,7 @@ from kvserve.server.errors import APIError, engine_error, generation_error
 from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_event, sse_response
-from kvserve.server.strict_schema import Strict
+from kvserve.server.strict_schema import Strict, Tokens
 
 router = APIRouter(tags=["llama.cpp"])
 
@@ -42,7 +42,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(Strict):
-    tokens: list[int]
+    tokens: Tokens
 
 
 class DetokenizeResponse(BaseModel):

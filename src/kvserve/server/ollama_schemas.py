@@ -8,17 +8,20 @@ accepted only with their no-op value (``typical_p: 1``, ``mirostat: 0``, ...).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, WithJsonSchema, field_validator, model_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.openai_schemas import ToolDefinition
-from kvserve.server.strict_schema import NonEmptyStr, Strict
+from kvserve.server.strict_schema import NonEmptyStr, Strict, Tokens
 from kvserve.server.tools import ToolCall, closed_schema
 
-DURATION = re.compile(r"^-?(\d+(\.\d+)?|(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+)$")
+DURATION_PATTERN = r"^-?([0-9]+(\.[0-9]+)?|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$"
+DURATION = re.compile(DURATION_PATTERN)
+KeepAlive = Annotated[str | float | None, WithJsonSchema(
+    {"anyOf": [{"type": "string", "pattern": DURATION_PATTERN}, {"type": "number"}, {"type": "null"}]})]
 
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "template": (None, ""),
@@ -34,6 +37,7 @@ neutral_only = strict_schema.neutral_only(NEUTRAL_VALUES)
 
 
 class Options(Strict):
+    neutral_values = NEUTRAL_VALUES
     num_ctx: int | None = Field(None, ge=1)
     num_predict: int | None = None
     temperature: float | None = Field(None, ge=0)
@@ -43,7 +47,7 @@ class Options(Strict):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # -1: random, as in Ollama
     stop: list[NonEmptyStr] | None = None
     repeat_penalty: float | None = Field(None, gt=0)
-    repeat_last_n: int | None = None
+    repeat_last_n: Annotated[int | None, WithJsonSchema({"enum": [-1, 0, None]})] = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     num_batch: int | None = Field(None, ge=1)  # no effect: the engine batches by --max-num-batched-tokens
@@ -51,7 +55,7 @@ class Options(Strict):
     typical_p: float | None = None
     tfs_z: float | None = None
     mirostat: int | None = None
-    num_keep: int | None = None  # tokens a context shift keeps (a server run with --context-overflow shift)
+    num_keep: int | None = Field(None, ge=0)  # tokens a context shift keeps (a server run with --context-overflow shift)
     # ignored: no effect without mirostat, deprecated, or load-time settings of a model already loaded
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
@@ -95,12 +99,18 @@ class Options(Strict):
 
 
 class GenerationFields(Strict):
+    neutral_values = NEUTRAL_VALUES
+    schema_rules = (strict_schema.top_logprobs_need_logprobs(1),)
     model: str
     stream: bool | None = True
     options: Options | None = None
-    keep_alive: str | float | None = None  # validated, then ignored: the model stays loaded
-    format: Literal["json", ""] | dict[str, Any] | None = None  # any JSON, or a JSON schema
-    think: bool | Literal["low", "medium", "high"] | None = None  # a reasoning model's thought, on or off
+    keep_alive: KeepAlive = None  # validated, then ignored: the model stays loaded
+    format: Annotated[Literal["json", ""] | dict[str, Any] | None, WithJsonSchema({"anyOf": [
+        {"enum": ["json", ""]}, strict_schema.CLIENT_SCHEMA, {"type": "null"}]})] = None  # any JSON, or a JSON schema
+    # a reasoning model's thought, on or off
+    think: Annotated[bool | Literal["low", "medium", "high"] | None, strict_schema.needs("thinking", {"anyOf": [
+        {"type": "boolean"}, {"enum": ["low", "medium", "high"]}, {"type": "null"}]},
+        otherwise={"anyOf": [{"const": False}, {"type": "null"}]})] = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     truncate: bool | None = None  # a prompt longer than the context is refused either way (see errors)
@@ -135,11 +145,15 @@ class GenerationFields(Strict):
 
 
 class GenerateRequest(GenerationFields):
+    schema_rules = (*GenerationFields.schema_rules, {  # raw: the prompt is all the model sees
+        "if": {"required": ["raw"], "properties": {"raw": {"const": True}}},
+        "then": {"properties": {"system": {"anyOf": [{"type": "null"}, {"maxLength": 0}]}}}})
     prompt: str | None = None
     system: str | None = None
-    context: list[int] | None = None
+    context: Tokens | None = None
     raw: bool | None = False
-    suffix: str | None = None  # fill in the middle between prompt and suffix (a model with FIM tokens)
+    # fill in the middle between prompt and suffix (a model with FIM tokens)
+    suffix: Annotated[str | None, strict_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None
     template: str | None = None
     images: list[Any] | None = None
 
@@ -159,6 +173,7 @@ class OllamaToolCallRecord(Strict):
 
 
 class Message(Strict):
+    neutral_values = NEUTRAL_VALUES
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[Any] | None = None
@@ -185,6 +200,8 @@ class ChatRequest(GenerationFields):
 
 
 class ShowRequest(Strict):
+    schema_rules = ({"anyOf": [{"required": [key], "properties": {key: {"type": "string", "minLength": 1}}}
+                               for key in ("model", "name")]},)
     model: str | None = None
     name: str | None = None  # the older spelling
     verbose: bool | None = None

@@ -280,7 +280,13 @@ async def _completion_prompts(body: CompletionRequest, serving: Serving) -> list
         if not all(isinstance(p, str) for p in prompt):
             raise APIError(400, "suffix goes with a text prompt, not token ids", "suffix")
         return [await serving.encode_fim(p, body.suffix) for p in prompt]
-    return [await serving.encode_text(p) if isinstance(p, str) else list(p) for p in prompt]
+    prompts = [await serving.encode_text(p) if isinstance(p, str) else list(p) for p in prompt]
+    if all(prompts):
+        return prompts
+    # text of no tokens (control characters the tokenizer drops): the model starts from its text's start,
+    # as an unconditioned completion does
+    bos = serving.tokenizer.bos_token_id
+    return [p or ([bos] if bos is not None else p) for p in prompts]
 
 
 async def _completion_events(

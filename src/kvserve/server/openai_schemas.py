@@ -7,17 +7,16 @@ accepted and ignored. docs/serving.md's table lists every field.
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
-from kvserve.server.strict_schema import NonEmptyStr, NonEmptyTokens, Strict
-from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
+from kvserve.server.strict_schema import NonEmptyStr, NonEmptyTokens, Strict, ToolName
+from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema, echoed_arguments
 
-MAX_STOP = 16
+MAX_STOP = strict_schema.MAX_STOP
 SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed takes
 
 # field -> the values that ask for nothing (anything else is refused)
@@ -43,9 +42,9 @@ class StreamOptions(Strict):
 
 
 class FunctionDefinition(Strict):
-    name: str
+    name: ToolName
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    parameters: strict_schema.OptionalClientSchema = None  # none: no arguments
     strict: bool | None = None  # arguments always follow the schema here
 
 
@@ -69,18 +68,7 @@ class NamedToolChoice(Strict):
 
 class CalledFunction(Strict):
     name: str
-    arguments: str  # a JSON object, as text
-
-    @field_validator("arguments")
-    @classmethod
-    def json_object(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value or "{}")
-        except json.JSONDecodeError:
-            raise ValueError("function arguments must be a JSON object as text") from None
-        if not isinstance(parsed, dict):
-            raise ValueError("function arguments must be a JSON object as text")  # noqa: TRY004 (a 400)
-        return value
+    arguments: str  # a JSON object as text, or what a model wrote instead (see tools.echoed_arguments)
 
 
 class ToolCallRecord(Strict):
@@ -94,11 +82,13 @@ class ToolCallRecord(Strict):
 class JSONSchemaFormat(Strict):
     name: str
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: strict_schema.OptionalClientSchema = Field(None, alias="schema")
     strict: bool | None = None  # output always follows the schema here
 
 
 class ResponseFormat(Strict):
+    schema_rules = ({"if": {"properties": {"type": {"const": "json_schema"}}},
+                     "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}},)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -112,9 +102,16 @@ class ResponseFormat(Strict):
         return Constraint.json_schema(closed_schema(self.json_schema.schema_ or {"type": "object"}))
 
 
+# the content parts served: text (images and audio are refused by ChatMessage with a message naming them)
+TEXT_PART = {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+
+
 class ChatMessage(Strict):
+    neutral_values: ClassVar = {"refusal": (None, ""), "function_call": (None,), "audio": (None,)}  # echoed
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "null"}, {"type": "array", "items": TEXT_PART}]})] = None
     name: str | None = None  # ignored
     tool_calls: list[ToolCallRecord] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns
@@ -147,7 +144,7 @@ class ChatMessage(Strict):
         message: dict[str, Any] = {"role": role, "content": self.content or ""}
         if self.tool_calls:
             message["tool_calls"] = [
-                ToolCall(c.function.name, json.loads(c.function.arguments or "{}"), c.id) for c in self.tool_calls
+                ToolCall(c.function.name, echoed_arguments(c.function.arguments), c.id) for c in self.tool_calls
             ]
         return message
 
@@ -155,12 +152,17 @@ class ChatMessage(Strict):
 class SamplingFields(Strict):
     """Fields shared by chat and legacy completions."""
 
+    neutral_values = NEUTRAL_VALUES
+
     model: str
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
-    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None)
-    seed: int | None = Field(None, **SEED_RANGE)
+    n: Annotated[int | None, WithJsonSchema({"anyOf": [
+        {"type": "integer", "minimum": 1, strict_schema.LIMIT: "n"}, {"type": "null"}]})] = Field(None, ge=1)
+    stop: NonEmptyStr | strict_schema.StopList | None = Field(None)
+    # published as +-2**62, inside what is taken: numbers near the bounds do not survive a trip through a float
+    seed: Annotated[int | None, WithJsonSchema({"anyOf": [
+        {"type": "integer", "minimum": -(2**62), "maximum": 2**62}, {"type": "null"}]})] = Field(None, **SEED_RANGE)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -171,7 +173,9 @@ class SamplingFields(Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit, -100..100
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema({"anyOf": [{"type": "null"}, {
+        "type": "object", "propertyNames": {"pattern": "^[0-9]+$", strict_schema.TOKEN_ID_KEY: True},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}]})] = None  # token id (as a string) -> added to its logit, -100..100
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -207,6 +211,10 @@ class SamplingFields(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
+    schema_rules = (strict_schema.STREAM_OPTIONS_NEED_STREAM, strict_schema.top_logprobs_need_logprobs(0),
+                    strict_schema.tool_choice_needs_tools(strict_schema.OPENAI_FORCING),
+                    {"not": {"required": ["max_tokens", "max_completion_tokens"], "properties": {  # one of them
+                        "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}}})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -260,11 +268,21 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    schema_rules = (strict_schema.STREAM_OPTIONS_NEED_STREAM, {
+        # echo with logprobs would need the prompt's logprobs, not computed here
+        "not": {"required": ["echo", "logprobs"], "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}
+    }, {
+        # a suffix goes with text, not token ids
+        "if": {"required": ["suffix"], "properties": {"suffix": {"type": "string"}}},
+        "then": {"properties": {"prompt": {"anyOf": [{"type": "string"}, {
+            "type": "array", "items": {"type": "string"}}]}}}})
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], WithJsonSchema(
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1})] | NonEmptyTokens | Annotated[
         list[NonEmptyTokens], WithJsonSchema({"type": "array", "minItems": 1, "items": {
-            "type": "array", "items": {"type": "integer"}, "minItems": 1}})]
+            "type": "array", "items": strict_schema.TOKEN_ID_SCHEMA, "minItems": 1}})]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None  # fill in the middle between prompt and suffix (a model with FIM tokens)
+    # published as 1 only: best_of equal to n is taken too, which JSON Schema cannot say
+    best_of: Annotated[int | None, WithJsonSchema({"enum": [None, 1]})] = Field(None, ge=1)
+    # fill in the middle between prompt and suffix (a model with FIM tokens)
+    suffix: Annotated[str | None, strict_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None

@@ -21,6 +21,8 @@ from pydantic.json_schema import models_json_schema
 from kvserve.server import anthropic_responses, ollama_responses, openai_responses
 from kvserve.server.errors import is_anthropic_path, is_ollama_path
 from kvserve.server.pool_view import PoolFrame
+from kvserve.server.responses_schemas import ResponseEvent
+from kvserve.server.strict_schema import LIMIT, NEEDS, OTHERWISE, TOKEN_ID_KEY
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -56,6 +58,7 @@ STREAMED_MODELS = (
     ollama_responses.GenerateResponse,
     ollama_responses.ChatResponse,
     ollama_responses.OllamaError,
+    ResponseEvent,
     *anthropic_responses.STREAM_EVENTS,
     PoolFrame,
 )
@@ -79,10 +82,11 @@ def sse_stream(chunk: type) -> dict:
     return {SSE: {"itemSchema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
 
 
-def anthropic_sse_stream() -> dict:
-    """``event: <type>`` / ``data: {event}`` pairs: message_start, content blocks, message_delta,
-    message_stop; an ``error`` event when the engine fails mid-stream."""
-    data = {"contentMediaType": JSON, "contentSchema": {"anyOf": [ref(m) for m in anthropic_responses.STREAM_EVENTS]}}
+def typed_sse_stream(*events: type) -> dict:
+    """``event: <type>`` / ``data: {event}`` pairs, each event's data one of ``events`` (Anthropic's:
+    message_start, content blocks, message_delta, message_stop, and ``error`` when the engine fails
+    mid-stream; the Responses API's)."""
+    data = {"contentMediaType": JSON, "contentSchema": {"anyOf": [ref(m) for m in events]}}
     item = {"type": "object", "required": ["event", "data"],
             "properties": {"event": {"type": "string"}, "data": {"type": "string", **data}}}
     return {SSE: {"itemSchema": item}}
@@ -134,10 +138,17 @@ def error_model(path: str) -> type:
     return openai_responses.OpenAIError
 
 
-def openapi_document(app: FastAPI, open_paths: frozenset[str] | None) -> dict:
+def openapi_document(app: FastAPI, open_paths: frozenset[str] | None, limits: dict[str, int] | None = None,
+                     features: frozenset[str] = frozenset({"fim", "thinking"})) -> dict:
     """``app``'s OpenAPI document. ``open_paths``: the paths that need no API key, or None when the
-    server has no key."""
+    server has no key. What the served model decides is said too, so that every request the document
+    allows is one the server takes: its ``limits`` ("token_id": the last id of its vocabulary, "n": the
+    most choices a request may ask for), and what needs one of the model's
+    ``features`` ("fim", "thinking") only when it has it: ``/infill``, ``suffix``, thinking switched on."""
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    if "fim" not in features:
+        doc["paths"].pop("/infill", None)
+    _as_served(doc, limits or {}, features)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
@@ -155,6 +166,41 @@ def openapi_document(app: FastAPI, open_paths: frozenset[str] | None) -> dict:
         for operation in operations.values():
             _add_shared_responses(operation, error, needs_key)
     return doc
+
+
+def _as_served(node: Any, limits: dict[str, int], features: frozenset[str]) -> None:
+    """Fill in what ``strict_schema`` marked for the running server: its limits, and fields that need a
+    feature of its model."""
+    if isinstance(node, dict):
+        if NEEDS in node:
+            feature, otherwise = node.pop(NEEDS), node.pop(OTHERWISE)
+            if feature not in features:
+                node.clear()
+                node.update(otherwise)
+        limit = limits.get(node.pop(LIMIT, None))
+        if limit is not None:
+            node["maximum"] = limit
+        if node.pop(TOKEN_ID_KEY, False) and "token_id" in limits:
+            node["pattern"] = f"^0*({below(limits['token_id'] + 1)})$"
+        for value in node.values():
+            _as_served(value, limits, features)
+    elif isinstance(node, list):
+        for value in node:
+            _as_served(value, limits, features)
+
+
+def below(n: int) -> str:
+    """A regular expression for the decimal numbers 0 ... n - 1 (no leading zeros; n >= 1)."""
+    digits = str(n)
+    options = [f"[0-9]{{1,{len(digits) - 1}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(digits):
+        if d != "0":
+            first = "1" if i == 0 and len(digits) > 1 else "0"
+            if i == 0 and len(digits) > 1 and d == "1":
+                continue  # no numbers of this length start below 1
+            rest = f"[0-9]{{{len(digits) - i - 1}}}" if i < len(digits) - 1 else ""
+            options.append(f"{digits[:i]}[{first}-{int(d) - 1}]{rest}")
+    return "|".join(options)
 
 
 def _add_shared_responses(operation: dict, error: dict, needs_key: bool) -> None:

@@ -8,21 +8,26 @@ that do not change the output are accepted and ignored.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server.strict_schema import Strict
-from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
+from kvserve.server.strict_schema import (
+    OPENAI_FORCING,
+    OptionalClientSchema,
+    Strict,
+    ToolName,
+    tool_choice_needs_tools,
+)
+from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema, echoed_arguments
 
 
 class FunctionTool(Strict):
     type: Literal["function"]
-    name: str
+    name: ToolName
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: OptionalClientSchema = None
     strict: bool | None = None  # arguments always follow the schema here
 
     def tool(self) -> Tool:
@@ -38,7 +43,7 @@ class TextFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: OptionalClientSchema = Field(None, alias="schema")
     strict: bool | None = None
 
     def constraint(self) -> Constraint | None:
@@ -75,6 +80,23 @@ def _text_of(content: Any) -> str:
     return "\n".join(texts)
 
 
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}}
+_TEXT = {"anyOf": [{"type": "string"}, _TEXT_PARTS]}
+# the input items served, as ``input_messages`` reads them
+INPUT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+        "content": _TEXT}},
+    {"type": "object", "required": ["type", "name", "call_id", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "name": {"type": "string"}, "call_id": {"type": "string"},
+        "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": {"type": "string"}, "output": _TEXT}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "reasoning"}}},
+]}}]}
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input as template messages; ValueError names what is wrong with an item."""
     if isinstance(items, str):
@@ -94,13 +116,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, str):
                 raise ValueError(f"input[{i}]: a function_call needs name, call_id and arguments (JSON text)")
-            try:
-                parsed = json.loads(arguments or "{}")
-            except json.JSONDecodeError:
-                parsed = None
-            if not isinstance(parsed, dict):
-                raise ValueError(f"input[{i}].arguments must be a JSON object as text")
-            call = ToolCall(name, parsed, call_id)
+            call = ToolCall(name, echoed_arguments(arguments), call_id)
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             elif messages and messages[-1]["role"] == "assistant":
@@ -121,8 +137,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ResponsesRequest(Strict):
+    schema_rules = (tool_choice_needs_tools(OPENAI_FORCING),)
     model: str
-    input: str | list[dict[str, Any]]
+    input: Annotated[str | list[dict[str, Any]], WithJsonSchema(INPUT_SCHEMA)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
@@ -171,9 +188,19 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["completed", "incomplete", "failed"]
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
     output: list[dict[str, Any]]
-    usage: dict[str, Any]
+    usage: dict[str, Any] | None  # none until the response is done
     incomplete_details: dict[str, str] | None
     previous_response_id: str | None
+
+
+class ResponseEvent(BaseModel):
+    """One event of a streamed response (``response.created``, ``response.output_text.delta``, ...,
+    ``response.completed``; ``error``): its type, its place in the stream, and the type's own fields."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None  # the events about the whole response carry it

@@ -4,23 +4,136 @@ for nothing."""
 
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, ValidationInfo, WithJsonSchema, model_validator
+
+from kvserve.engine.constraints import UNENFORCED_KEYWORDS
 
 # Text and token lists that must not be empty (a stop sequence, a prompt), as the published schema says them
 # (so a schema-valid request is never refused for being empty); the handlers' own checks refuse them with
 # their own messages, and a lone surrogate still reaches the Unicode check that names it
 NonEmptyStr = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
-NonEmptyTokens = Annotated[list[int], WithJsonSchema({"type": "array", "items": {"type": "integer"}, "minItems": 1})]
+
+# A bound of the running server's (``{LIMIT: "n"}``: at most ``--max-n``): ``openapi_docs`` fills the maximum
+# in, as only the running server knows it; the handlers refuse values beyond it with their own message
+LIMIT = "x-kvserve-limit"
+# a token id: 0 ... the served vocabulary's last id
+TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, LIMIT: "token_id"}
+Tokens = Annotated[list[int], WithJsonSchema({"type": "array", "items": TOKEN_ID_SCHEMA})]
+NonEmptyTokens = Annotated[list[int], WithJsonSchema({"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1})]
+
+# A field the served model may not take: ``needs(feature, schema)`` publishes ``schema`` when the model has
+# ``feature`` ("fim": fill-in-the-middle tokens, "thinking": a thought it writes first), else ``otherwise``
+# (by default: the field must be left out); ``openapi_docs`` decides, as only the running server knows
+NEEDS, OTHERWISE = "x-kvserve-needs", "x-kvserve-otherwise"
+
+
+def needs(feature: str, schema: dict, otherwise: dict | None = None) -> WithJsonSchema:
+    return WithJsonSchema({**schema, NEEDS: feature, OTHERWISE: otherwise if otherwise is not None else {"not": {}}})
+
+
+MAX_STOP = 16  # stop sequences a request may give
+
+
+def stop_list(max_items: int = MAX_STOP) -> WithJsonSchema:
+    return WithJsonSchema({"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": max_items})
+
+
+StopList = Annotated[list[NonEmptyStr], stop_list()]
+
+# A token id as a string (logit_bias' keys): published with the pattern of the served vocabulary's ids
+TOKEN_ID_KEY = "x-kvserve-token-id-key"
+
+# A client's JSON Schema (a response format, a tool's parameters), published without the keywords the
+# grammar engine cannot enforce; what the document cannot say (nested keywords, a schema nothing satisfies)
+# is still a 400 from compiling it
+CLIENT_SCHEMA = {"type": "object", "propertyNames": {"not": {"enum": list(UNENFORCED_KEYWORDS)}}}
+ClientSchema = Annotated[dict[str, Any], WithJsonSchema(CLIENT_SCHEMA)]
+OptionalClientSchema = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [CLIENT_SCHEMA, {"type": "null"}]})]
+
+# A tool's name as templates and call grammars take it (``tools.check_tools`` refuses others)
+ToolName = Annotated[str, WithJsonSchema({"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
+
+
+
+STREAM_OPTIONS_NEED_STREAM = {  # the published rule that stream_options go with stream: true
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+
+
+def tool_choice_needs_tools(forcing: dict) -> dict:
+    """The published rule that a ``tool_choice`` matching ``forcing`` (one that forces a call) comes with tools."""
+    return {"if": {"required": ["tool_choice"], "properties": {"tool_choice": forcing}},
+            "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+
+
+OPENAI_FORCING = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+
+
+def top_logprobs_need_logprobs(least: int) -> dict:
+    """The published rule that ``top_logprobs`` of at least ``least`` asks for ``logprobs: true`` too."""
+    return {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": least}}},
+            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+
+
+def _publish(schema: dict[str, Any], model: type) -> None:
+    """A request model's published schema: fields we cannot honour as the values that ask for nothing
+    (``neutral_values``), and the rules between fields that JSON Schema can say (``schema_rules``)."""
+    properties = schema.get("properties", {})
+    for name, values in getattr(model, "neutral_values", {}).items():
+        if name in properties:
+            properties[name] = {"enum": list(values)}
+    rules = getattr(model, "schema_rules", ())
+    if rules:
+        schema["allOf"] = list(rules)
 
 
 class Strict(BaseModel):
     # strict: no coercion, so "stream": "yes" or a token id of false is a 400, not true or token 0.
     # Both APIs' specs type these fields; their own servers refuse such values too. Integers still pass
     # where a number is expected (JSON does not tell 1 from 1.0).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish)
+    neutral_values: ClassVar[dict[str, tuple]] = {}
+    schema_rules: ClassVar[tuple[dict, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, data: Any) -> Any:
+        """JSON Schema's "integer" is any number without a fraction, so a schema-valid ``"n": 2.0`` is 2;
+        2.5 and "2" are still refused."""
+        if not isinstance(data, dict):
+            return data
+        names = _integer_fields(cls) & data.keys()
+        return {**data, **{name: _integral(data[name]) for name in names}} if names else data
+
+
+@functools.cache
+def _integer_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The input names of a model's fields that take integers (or lists of them)."""
+    return frozenset(field.alias or name for name, field in model.model_fields.items()
+                     if _takes_int(field.annotation))
+
+
+def _takes_int(annotation: Any) -> bool:
+    if annotation is int:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, list, typing.Annotated):
+        return any(_takes_int(arg) for arg in typing.get_args(annotation))
+    return False
+
+
+def _integral(value: Any) -> Any:
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
 
 
 def neutral_only(neutral_values: dict[str, tuple]) -> Callable[[Any, ValidationInfo], Any]:

@@ -40,7 +40,7 @@ class Tool:
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     name: str
-    arguments: dict[str, Any]
+    arguments: dict[str, Any] | str  # text only in a client's echo of arguments that are no JSON object
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
 
@@ -207,6 +207,17 @@ def text_to_stream(holding: bool, out, calls: Calls | None = None) -> tuple[bool
     if out.text and not (calls.fmt if calls is not None else _hermes()).may_start(out.text):
         return False, out.text
     return True, ""
+
+
+def echoed_arguments(text: str) -> dict[str, Any] | str:
+    """A client's echo of an earlier call's arguments (JSON text): the object, or the text as it came when it
+    is no JSON object (a model's malformed call sent back), which templates print as it is, as OpenAI,
+    whose API takes any text there, would show it."""
+    try:
+        parsed = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return text
+    return parsed if isinstance(parsed, dict) else text
 
 
 def render_call(call: ToolCall) -> str:
