@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvserve.server.call_formats import Llama3JsonFormat, MistralFormat, Qwen3CoderFormat, call_format
-from kvserve.server.tools import Tool, ToolCall
+from kvserve.server.tool_types import Tool, ToolCall
 from tests.server.conftest import serve
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server.tools import Tool, ToolChoice, call_constraint, call_schema, parse_calls, render_call
+from kvserve.server.tool_types import Tool, ToolChoice, call_schema, render_call
+from kvserve.server.tools import call_constraint, parse_calls
 
 CALL = render_call  # the form the grammar writes
 

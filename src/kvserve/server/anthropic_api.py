@@ -34,16 +34,8 @@ from kvserve.server.openapi_docs import anthropic_errors, ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tools import (
-    Calls,
-    Tool,
-    ToolCall,
-    ToolChoice,
-    call_constraint,
-    check_tools,
-    parse_calls,
-    text_to_stream,
-)
+from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, check_tools
+from kvserve.server.tools import Calls, call_constraint, parse_calls, text_to_stream
 
 router = APIRouter(tags=["Anthropic"])
 

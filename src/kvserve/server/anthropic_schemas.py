@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.strict_schema import Strict, ToolName
-from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema
+from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, closed_schema
 
 MAX_STOP = strict_schema.MAX_STOP
 

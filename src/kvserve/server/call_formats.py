@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from kvserve.server.tools import CALL_CLOSE, CALL_OPEN, Tool, ToolCall, call_schema, closed_parameters
+from kvserve.server.tool_types import CALL_CLOSE, CALL_OPEN, Tool, ToolCall, call_schema, closed_parameters
 
 ONE_LINE = {"whitespace_flexible": False}
 

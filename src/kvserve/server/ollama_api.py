@@ -33,14 +33,8 @@ from kvserve.server.openapi_docs import ndjson_stream, ok, ollama_errors
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import ndjson_line, ndjson_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tools import (
-    Calls,
-    ToolChoice,
-    call_constraint,
-    check_tools,
-    parse_calls,
-    text_to_stream,
-)
+from kvserve.server.tool_types import ToolChoice, check_tools
+from kvserve.server.tools import Calls, call_constraint, parse_calls, text_to_stream
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["Ollama"])

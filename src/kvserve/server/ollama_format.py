@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.server.errors import generation_error
 from kvserve.server.thinking import Thinking
-from kvserve.server.tools import Calls, ToolCall, parse_calls
+from kvserve.server.tool_types import ToolCall
+from kvserve.server.tools import Calls, parse_calls
 
 
 def now_stamp() -> str:

@@ -16,7 +16,7 @@ from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.openai_schemas import ToolDefinition
 from kvserve.server.strict_schema import NonEmptyStr, Strict, Tokens
-from kvserve.server.tools import ToolCall, closed_schema
+from kvserve.server.tool_types import ToolCall, closed_schema
 
 DURATION_PATTERN = r"^-?([0-9]+(\.[0-9]+)?|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$"
 DURATION = re.compile(DURATION_PATTERN)

@@ -31,13 +31,8 @@ from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, merge, sampling_params
 from kvserve.server.streaming import SSE_DONE, sse_event, sse_response
 from kvserve.server.thinking import Thinking, ThoughtStream
-from kvserve.server.tools import (
-    Calls,
-    Tool,
-    ToolCall,
-    parse_calls,
-    text_to_stream,
-)
+from kvserve.server.tool_types import Tool, ToolCall
+from kvserve.server.tools import Calls, parse_calls, text_to_stream
 
 router = APIRouter(tags=["OpenAI"])
 

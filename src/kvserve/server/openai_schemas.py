@@ -14,7 +14,7 @@ from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.strict_schema import NonEmptyStr, NonEmptyTokens, Strict, ToolName
-from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema, echoed_arguments
+from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, closed_schema, echoed_arguments
 
 MAX_STOP = strict_schema.MAX_STOP
 SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed takes
@@ -68,7 +68,7 @@ class NamedToolChoice(Strict):
 
 class CalledFunction(Strict):
     name: str
-    arguments: str  # a JSON object as text, or what a model wrote instead (see tools.echoed_arguments)
+    arguments: str  # a JSON object as text, or what a model wrote instead (see tool_types.echoed_arguments)
 
 
 class ToolCallRecord(Strict):

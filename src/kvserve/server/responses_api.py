@@ -28,7 +28,8 @@ from kvserve.server.responses_schemas import ResponseEvent, ResponseObject, Resp
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tools import Calls, ToolCall, parse_calls, text_to_stream
+from kvserve.server.tool_types import ToolCall
+from kvserve.server.tools import Calls, parse_calls, text_to_stream
 
 router = APIRouter(tags=["OpenAI"])
 

@@ -20,7 +20,7 @@ from kvserve.server.strict_schema import (
     ToolName,
     tool_choice_needs_tools,
 )
-from kvserve.server.tools import Tool, ToolCall, ToolChoice, closed_schema, echoed_arguments
+from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, closed_schema, echoed_arguments
 
 
 class FunctionTool(Strict):

@@ -29,14 +29,8 @@ from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
 from kvserve.server.streaming import cancel_on_disconnect
 from kvserve.server.thinking import Thinking, thinking_for
-from kvserve.server.tools import (
-    Tool,
-    ToolChoice,
-    call_constraint,
-    check_tools,
-    messages_for_template,
-    template_takes_tools,
-)
+from kvserve.server.tool_types import Tool, ToolChoice, check_tools
+from kvserve.server.tools import call_constraint, messages_for_template, template_takes_tools
 
 
 def sampling_params(param_names: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:

@@ -56,7 +56,7 @@ CLIENT_SCHEMA = {"type": "object", "propertyNames": {"not": {"enum": list(UNENFO
 ClientSchema = Annotated[dict[str, Any], WithJsonSchema(CLIENT_SCHEMA)]
 OptionalClientSchema = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [CLIENT_SCHEMA, {"type": "null"}]})]
 
-# A tool's name as templates and call grammars take it (``tools.check_tools`` refuses others)
+# A tool's name as templates and call grammars take it (``tool_types.check_tools`` refuses others)
 ToolName = Annotated[str, WithJsonSchema({"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
 
 

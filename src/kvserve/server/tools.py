@@ -17,130 +17,20 @@ tool's JSON schema; with ``auto`` it is either text or calls, and a call still f
 from __future__ import annotations
 
 import json
-import secrets
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from kvserve.engine.constraints import Constraint
-
-if TYPE_CHECKING:
-    from kvserve.server.call_formats import CallFormat
-
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-MAX_PARALLEL_CALLS = 8  # small models repeat a call until the token limit; the grammar ends them here
-
-
-@dataclass(frozen=True, slots=True)
-class Tool:
-    name: str
-    description: str = ""
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any] | str  # text only in a client's echo of arguments that are no JSON object
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
-
-
-@dataclass(frozen=True, slots=True)
-class ToolChoice:
-    """``mode``: "auto", "required" or "none"; ``name`` set when one tool is forced. ``parallel``: several
-    calls in one answer, only when the client asks (OpenAI's ``parallel_tool_calls: true``), as llama.cpp
-    decides: small models given the choice write the same call again and again."""
-
-    mode: str = "auto"
-    name: str | None = None
-    parallel: bool = False
-
-
-def check_tools(tools: list[Tool], choice: ToolChoice) -> None:
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise ValueError("tool names must be unique")
-    for tool in tools:
-        if not tool.name or not all(c.isalnum() or c in "_-." for c in tool.name):
-            raise ValueError(f"tool name {tool.name!r} must be letters, digits, '_', '-' or '.'")
-        if not isinstance(tool.parameters, dict):
-            raise ValueError(f"the parameters of tool {tool.name!r} must be a JSON schema object")  # noqa: TRY004
-    if choice.name is not None and choice.name not in names:
-        raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
-    if choice.mode == "required" and not tools:
-        raise ValueError("tool_choice 'required' needs at least one tool")
-
-
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-               "unevaluatedProperties", "unevaluatedItems")
-
-
-def _rewrite(schema: Any, ref: Any) -> Any:
-    """A copy of ``schema`` with each object closed (``additionalProperties: false`` where the schema
-    says nothing of other properties, as OpenAI's strict mode reads it) and each ``$ref`` through
-    ``ref``."""
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_rewrite(v, ref) for v in value]
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: _rewrite(v, ref) for k, v in value.items()}
-        elif key in _SUBSCHEMAS:
-            out[key] = _rewrite(value, ref)
-        elif key == "$ref" and isinstance(value, str):
-            out[key] = ref(value)
-        else:
-            out[key] = value
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
-    if (is_object or "properties" in out) and not {"additionalProperties", "unevaluatedProperties",
-                                                    "patternProperties"} & out.keys():
-        out["additionalProperties"] = False
-    return out
-
-
-def call_schema(tool: Tool) -> dict[str, Any]:
-    """One call's JSON: {"name": the tool's, "arguments": its parameters}. The parameters' local
-    references are re-rooted at ``arguments`` (their ``$defs`` hoisted to the call's root), so a pydantic
-    model's nested models resolve inside the call as they did in the tool."""
-
-    def ref(target: str) -> str:
-        if target.startswith(("#/$defs/", "#/definitions/")):
-            return target
-        if target == "#" or target.startswith("#/"):
-            return "#/properties/arguments" + target[1:]
-        return target
-
-    parameters = tool.parameters or {"type": "object"}
-    if isinstance(parameters.get("defs"), dict) and "$defs" not in parameters and "#/$defs/" in json.dumps(parameters):
-        # the ollama client's Tool model renames $defs to "defs" (and drops a property's lone $ref): keep
-        # what it kept resolvable
-        parameters = {("$defs" if k == "defs" else k): v for k, v in parameters.items()}
-    parameters = _rewrite(parameters, ref)
-    defs = {k: parameters.pop(k) for k in ("$defs", "definitions") if isinstance(parameters.get(k), dict)}
-    schema = {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-        **defs,
-    }
-    schema["x-guidance"] = {"whitespace_flexible": False}  # as Constraint's JSON: one line
-    return schema
-
-
-def closed_schema(schema: Any) -> Any:
-    """``schema`` with every object closed where it says nothing of other properties, as OpenAI's strict mode
-    and llama.cpp's grammars read a schema: a small model given the choice adds properties until the token
-    limit. References stay as they are."""
-    return _rewrite(schema, lambda target: target)
-
-
-def closed_parameters(tool: Tool) -> dict[str, Any]:
-    """The tool's parameters schema, closed as ``call_schema`` closes it."""
-    return closed_schema(tool.parameters or {"type": "object"})
+from kvserve.server.call_formats import HERMES, CallFormat
+from kvserve.server.tool_types import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    MAX_PARALLEL_CALLS,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    render_call,
+)
 
 
 def call_constraint(
@@ -152,7 +42,7 @@ def call_constraint(
     a call (``call_formats``; Hermes by default)."""
     if not tools or choice.mode == "none":
         return answer
-    fmt = fmt or _hermes()
+    fmt = fmt or HERMES
     offered = [t for t in tools if choice.name is None or t.name == choice.name]
     max_calls = MAX_PARALLEL_CALLS if choice.parallel and choice.name is None else 1
     grammar = fmt.rules(offered, max_calls)
@@ -166,12 +56,6 @@ def call_constraint(
     else:
         grammar.insert(0, "start: calls")
     return Constraint("lark", "\n".join(grammar))
-
-
-def _hermes() -> CallFormat:
-    from kvserve.server.call_formats import HERMES
-
-    return HERMES
 
 
 def _answer_schema(answer: Constraint) -> dict[str, Any]:
@@ -195,7 +79,7 @@ class Calls:
 
 def parse_calls(text: str, calls: Calls | None = None) -> tuple[str, list[ToolCall]]:
     """(the text that is not calls, the calls) as the model family writes them (Hermes by default)."""
-    return calls.fmt.parse(text, calls.tools) if calls is not None else _hermes().parse(text)
+    return calls.fmt.parse(text, calls.tools) if calls is not None else HERMES.parse(text)
 
 
 def text_to_stream(holding: bool, out, calls: Calls | None = None) -> tuple[bool, str]:
@@ -204,25 +88,9 @@ def text_to_stream(holding: bool, out, calls: Calls | None = None) -> tuple[bool
     ``call_constraint``); once it is text, what was held goes out, then each delta as it comes."""
     if not holding:
         return False, out.delta_text
-    if out.text and not (calls.fmt if calls is not None else _hermes()).may_start(out.text):
+    if out.text and not (calls.fmt if calls is not None else HERMES).may_start(out.text):
         return False, out.text
     return True, ""
-
-
-def echoed_arguments(text: str) -> dict[str, Any] | str:
-    """A client's echo of an earlier call's arguments (JSON text): the object, or the text as it came when it
-    is no JSON object (a model's malformed call sent back), which templates print as it is, as OpenAI,
-    whose API takes any text there, would show it."""
-    try:
-        parsed = json.loads(text or "{}")
-    except json.JSONDecodeError:
-        return text
-    return parsed if isinstance(parsed, dict) else text
-
-
-def render_call(call: ToolCall) -> str:
-    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
-    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
 
 
 def tools_prompt(tools: list[Tool]) -> str:
