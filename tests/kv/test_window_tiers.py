@@ -65,7 +65,7 @@ def computed(gemma, prompts, tmp_path_factory):
     window pool, then saves the prompt's cache file and serves the continuation."""
     root = tmp_path_factory.mktemp("window_tiers")
     engine = _engine(gemma, disk_cache_dir=root / "disk")
-    assert engine.kv.window is not None and engine.storage.windowed
+    assert engine.kv.window.enabled and engine.storage.windowed
     _run(engine, prompts[0], SamplingParams(temperature=0, max_tokens=1))
     engine.disk.flush()
     files_written = engine.disk.stats.blocks_written

@@ -83,7 +83,7 @@ def leak_report(kv: KVCacheManager) -> list[str]:
     if kv.num_cached_blocks:
         problems.append(f"num_cached_blocks still present: {kv.num_cached_blocks}")
     window = kv.window
-    if window is not None:
+    if window.enabled:
         held = {b.block_id: b.ref_count for b in window.pool.blocks[1:] if b.ref_count != 0}
         if held:
             problems.append(f"window blocks still referenced: {held}")
@@ -128,7 +128,7 @@ def check_manager_invariants(kv: KVCacheManager) -> None:
     assert set(kv.num_cached_blocks) == set(kv.req_blocks)
     for rid, n in kv.num_cached_blocks.items():
         assert 0 <= n <= len(kv.req_blocks[rid]), f"{rid}: num_cached_blocks {n} > table {len(kv.req_blocks[rid])}"
-    if kv.window is not None:
+    if kv.window.enabled:
         check_window_invariants(kv)
 
 

@@ -55,7 +55,7 @@ def save_prompt_cache(engine, token_ids: list[int], path: str | os.PathLike, ext
     Returns the number of tokens saved (whole blocks)."""
     blocks, parts = _cached_blocks(engine.kv, token_ids)
     if not blocks:
-        window = " with the window parts a query after them reads" if engine.kv.window is not None else ""
+        window = " with the window parts a query after them reads" if engine.kv.window.enabled else ""
         raise PromptCacheError(
             f"none of the {len(token_ids)} tokens' blocks are cached{window} (a prompt needs at least "
             f"{engine.kv.block_size} tokens, and prefix caching must be on)")
@@ -76,8 +76,6 @@ def _cached_blocks(kv, token_ids: list[int]) -> tuple[list, list]:
     with a window group, cut to the blocks a query after them could take whole (their last window's
     parts cached)."""
     blocks = kv.cached_prefix(token_ids)
-    if kv.window is None:
-        return blocks, []
     parts = kv.cached_window_parts(token_ids, blocks)
     usable = kv.window.reusable_prefix(blocks, kv.block_hashes_of(token_ids), token_ids, None)
     return blocks[:usable], [(i, b) for i, b in parts if i < usable]

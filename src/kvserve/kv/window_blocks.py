@@ -38,6 +38,10 @@ def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_
 
 
 class WindowBlocks:
+    """The sliding-window layers' group: a pool, and per request a window table beside its block table."""
+
+    enabled = True
+
     def __init__(self, num_blocks: int, block_size: int, window: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError("a window pool needs the null block and at least one more")
@@ -142,3 +146,69 @@ class WindowBlocks:
     def num_held_blocks(self) -> int:
         """Blocks held by requests (the null block not counted)."""
         return self.pool.num_blocks - self.pool.num_free_blocks - 1
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+
+class NoWindow:
+    """The window group of a model without sliding-window layers: it holds nothing, so every prefix the
+    full group caches is whole, and the manager needs no branch for it. ``WindowBlocks``' interface."""
+
+    enabled = False
+    window = 0
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def first_live(self, num_computed: int) -> int:
+        return num_computed // self.block_size  # no window parts to read: the live range is empty
+
+    def reusable_prefix(self, hits: list[KVBlock], block_hashes: list[int], token_ids: list[int],
+                        salt: str | None) -> int:
+        return len(hits)
+
+    def lookup(self, i: int, hits: list[KVBlock], block_hashes: list[int], token_ids: list[int],
+               salt: str | None) -> KVBlock | None:
+        return None
+
+    def hit_blocks(self, hits: list[KVBlock], block_hashes: list[int], token_ids: list[int],
+                   salt: str | None) -> list[KVBlock]:
+        return []
+
+    def blocks_needed(self, request_id: str, num_computed: int, num_blocks: int, num_hits: int = 0) -> int:
+        return 0
+
+    def allocate(self, request_id: str, num_computed: int, num_blocks: int,
+                 hit_blocks: list[KVBlock] | None = None) -> None:
+        pass
+
+    def release(self, request_id: str, num_computed: int) -> None:
+        pass
+
+    num_free_blocks = 0
+
+    def num_evictable(self, blocks: list[KVBlock]) -> int:
+        return 0
+
+    def cache_block(self, request_id: str, index: int, block_hash: int, token_ids: tuple[int, ...],
+                    full_ref: BlockRef, salt: str | None) -> None:
+        pass
+
+    def forget_from(self, request_id: str, first: int) -> None:
+        pass
+
+    def block(self, request_id: str, index: int) -> KVBlock | None:
+        return None
+
+    def free(self, request_id: str) -> None:
+        pass
+
+    def block_ids(self, request_id: str) -> list[int] | None:
+        return None
+
+    def num_held_blocks(self) -> int:
+        return 0
+
+    def reset_prefix_cache(self) -> None:
+        pass

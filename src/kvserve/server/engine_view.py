@@ -90,7 +90,7 @@ class EngineView:
                 spec_verify_steps=engine.num_verify_steps,
             )
             window = kv.window
-            if window is not None:
+            if window.enabled:
                 snap.window_blocks, snap.window_size = window.pool.num_blocks, window.window
                 snap.window_free_blocks = window.num_free_blocks
                 snap.usage = max(snap.usage, window.num_held_blocks() / (window.pool.num_blocks - 1))
@@ -100,6 +100,6 @@ class EngineView:
             if with_blocks:
                 snap.requests = {rid: kv.block_ids(rid) for rid in list(kv.req_blocks)}
                 snap.held_blocks = [b.block_id for b in kv.pool.blocks if b.ref_count > 0]
-                if window is not None:
+                if window.enabled:
                     snap.window_tables = {rid: window.block_ids(rid) for rid in list(window.tables)}
         return snap

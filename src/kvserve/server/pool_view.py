@@ -110,7 +110,7 @@ class PoolView:
             live = [*scheduler.running, *scheduler.waiting]
             tables = [[b.block_id for b in kv.req_blocks.get(r.request_id, ())] for r in live]
             window = kv.window
-            window_values = [] if window is None else [
+            window_values = [] if not window.enabled else [
                 b.ref_count or -(b.block_hash is not None) for b in window.pool.blocks[1:]]  # the null block left out
             window_tables = [kv.window_block_ids(r.request_id) or [] for r in live]
             rows = [
@@ -181,5 +181,5 @@ class PoolView:
             engine_alive=self.async_engine.dead_error is None,
             requests=requests,
             window_blocks=block_codes(window_values),
-            window_size=engine.kv.window.window if engine.kv.window is not None else 0,
+            window_size=engine.kv.window.window,
         )
