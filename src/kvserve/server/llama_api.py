@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.errors import APIError, engine_error, generation_error
-from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
+from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_event, sse_response
 from kvserve.server.strict_schema import Strict, Tokens
@@ -107,12 +107,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return {"content": serving.decode(body.tokens)}
 
 
-@router.post(
-    "/infill",
-    response_model=None,
-    responses=ok(InfillResponse, "The middle; with stream: true, server-sent events of its pieces",
-                 sse_stream(InfillResponse)) | openai_errors(400, 404, 429, 503),
-)
+@documented(router.post, "/infill", InfillResponse, "The middle; with stream: true, server-sent events of its pieces",
+            sse_stream(InfillResponse), openai_errors(400, 404, 429, 503))
 async def infill(body: InfillRequest, request: Request):
     serving = _serving(request)
     if body.model:

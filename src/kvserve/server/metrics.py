@@ -118,43 +118,25 @@ class ServerMetrics:
         disable_created_metrics()  # no *_created samples: they double the exposition for nothing
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            "kvserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "kvserve_inter_token_latency_seconds",
-            "Time between consecutive output tokens",
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "kvserve_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r
-        )
-        self.queue = Histogram(
-            "kvserve_request_queue_time_seconds",
-            "Arrival to first scheduled",
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "kvserve_prompt_tokens", "Prompt tokens of requests that started", registry=r
-        )
-        self.generation_tokens = Counter("kvserve_generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter(
-            "kvserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
-        )
-        self.errors = Counter(
-            "kvserve_request_errors", "Error responses by status code", ["status"], registry=r
-        )
-        self.constrained = Counter(
-            "kvserve_constrained_requests", "Finished requests whose output followed a grammar", registry=r
-        )
-        self.mask_time = Histogram(
-            "kvserve_constraint_mask_seconds",
-            "Time to compute one grammar token mask",
-            buckets=MASK_BUCKETS,
-            registry=r,
-        )
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        self.ttft = histogram("kvserve_time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = histogram("kvserve_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             ITL_BUCKETS)
+        self.e2e = histogram("kvserve_e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS)
+        self.queue = histogram("kvserve_request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS)
+        self.prompt_tokens = counter("kvserve_prompt_tokens", "Prompt tokens of requests that started")
+        self.generation_tokens = counter("kvserve_generation_tokens", "Tokens generated")
+        self.requests = counter("kvserve_requests", "Finished requests by finish reason", "finish_reason")
+        self.errors = counter("kvserve_request_errors", "Error responses by status code", "status")
+        self.constrained = counter("kvserve_constrained_requests", "Finished requests whose output followed a grammar")
+        self.mask_time = histogram("kvserve_constraint_mask_seconds", "Time to compute one grammar token mask",
+                                   MASK_BUCKETS)
         r.register(EngineCollector(view))
 
     def exposition(self) -> bytes:

@@ -29,7 +29,7 @@ from kvserve.server import ollama_responses as responses
 from kvserve.server.errors import APIError, engine_error, prompt_too_long
 from kvserve.server.ollama_format import Reply, iso_stamp, now_stamp
 from kvserve.server.ollama_schemas import ChatRequest, GenerateRequest, Options, ShowRequest
-from kvserve.server.openapi_docs import ndjson_stream, ok, ollama_errors
+from kvserve.server.openapi_docs import documented, ndjson_stream, ok, ollama_errors
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import ndjson_line, ndjson_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
@@ -119,16 +119,11 @@ def _load_reply(model: str, chat: bool) -> dict:
     return obj | {"done": True, "done_reason": "load"}
 
 
-@router.post(
-    "/api/generate",
-    response_model=None,
-    responses=ok(
-        responses.GenerateResponse,
-        "NDJSON lines as the answer is generated (the default), or one object with stream: false",
-        ndjson_stream(responses.GenerateResponse),
-    )
-    | ollama_errors(400, 404, 503),
-)
+STREAMED = "NDJSON lines as the answer is generated (the default), or one object with stream: false"
+
+
+@documented(router.post, "/api/generate", responses.GenerateResponse, STREAMED,
+            ndjson_stream(responses.GenerateResponse), ollama_errors(400, 404, 503))
 async def generate(body: GenerateRequest, request: Request):
     received = time.perf_counter()
     serving = _serving(request)
@@ -152,16 +147,8 @@ async def generate(body: GenerateRequest, request: Request):
     return await _run(request, serving, body, ids, chat=False, received=received, thinking=serving.thinking(ids, enable))
 
 
-@router.post(
-    "/api/chat",
-    response_model=None,
-    responses=ok(
-        responses.ChatResponse,
-        "NDJSON lines as the answer is generated (the default), or one object with stream: false",
-        ndjson_stream(responses.ChatResponse),
-    )
-    | ollama_errors(400, 404, 503),
-)
+@documented(router.post, "/api/chat", responses.ChatResponse, STREAMED, ndjson_stream(responses.ChatResponse),
+            ollama_errors(400, 404, 503))
 async def chat(body: ChatRequest, request: Request):
     received = time.perf_counter()
     serving = _serving(request)

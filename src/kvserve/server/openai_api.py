@@ -27,7 +27,7 @@ from kvserve.server.openai_format import (
     usage,
 )
 from kvserve.server.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvserve.server.openapi_docs import ok, openai_errors, sse_stream
+from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, merge, sampling_params
 from kvserve.server.streaming import SSE_DONE, sse_event, sse_response
 from kvserve.server.thinking import Thinking, ThoughtStream
@@ -114,16 +114,11 @@ def _stream_error(e: Exception) -> dict:
 
 
 # --- /v1/chat/completions ---------------------------------------------------------------------------
-@router.post(
-    "/v1/chat/completions",
-    response_model=None,
-    responses=ok(
-        responses.ChatCompletion,
-        "The completion; with stream: true, chunks as server-sent events",
-        sse_stream(responses.ChatCompletionChunk),
-    )
-    | openai_errors(400, 404, 429, 503),
-)
+STREAMED = "The completion; with stream: true, chunks as server-sent events"
+
+
+@documented(router.post, "/v1/chat/completions", responses.ChatCompletion, STREAMED,
+            sse_stream(responses.ChatCompletionChunk), openai_errors(400, 404, 429, 503))
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     serving = _serving(request)
     n = _check_common(body, serving)
@@ -216,16 +211,8 @@ async def _chat_events(
 
 
 # --- /v1/completions --------------------------------------------------------------------------------
-@router.post(
-    "/v1/completions",
-    response_model=None,
-    responses=ok(
-        responses.Completion,
-        "The completion; with stream: true, chunks as server-sent events",
-        sse_stream(responses.CompletionChunk),
-    )
-    | openai_errors(400, 404, 429, 503),
-)
+@documented(router.post, "/v1/completions", responses.Completion, STREAMED, sse_stream(responses.CompletionChunk),
+            openai_errors(400, 404, 429, 503))
 async def completions(body: CompletionRequest, request: Request):
     serving = _serving(request)
     n = _check_common(body, serving)

@@ -14,7 +14,13 @@ from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
 from kvserve.server.strict_schema import NonEmptyStr, NonEmptyTokens, Strict, ToolName
-from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, closed_schema, echoed_arguments
+from kvserve.server.tool_types import (
+    Tool,
+    ToolCall,
+    ToolChoice,
+    echoed_arguments,
+    format_constraint,
+)
 
 MAX_STOP = strict_schema.MAX_STOP
 SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed takes
@@ -93,13 +99,9 @@ class ResponseFormat(Strict):
     json_schema: JSONSchemaFormat | None = None
 
     def constraint(self) -> Constraint | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return Constraint("json_object")
-        if self.json_schema is None:
+        if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format of type json_schema needs json_schema")
-        return Constraint.json_schema(closed_schema(self.json_schema.schema_ or {"type": "object"}))
+        return format_constraint(self.type, self.json_schema.schema_ if self.json_schema else None)
 
 
 # the content parts served: text (images and audio are refused by ChatMessage with a message naming them)

@@ -12,6 +12,7 @@ Content-Length for bodies, 500 everywhere, and the 422s removed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -105,6 +106,14 @@ def ok(model: type, description: str, stream: dict | None = None) -> dict[int | 
     if stream is not None:
         response["content"] = stream
     return {200: response}
+
+
+def documented(route: Callable, path: str, model: type, description: str, stream: dict | None = None,
+               errors: dict[int | str, dict[str, Any]] | None = None) -> Callable:
+    """``route`` (``router.post``, ``router.get``) for ``path`` with its answers documented: ``model`` as the
+    200 body (and ``stream``, ``sse_stream`` or ``ndjson_stream``, when the request asks for one) and
+    ``errors``; the handler returns its response itself."""
+    return route(path, response_model=None, responses=ok(model, description, stream) | (errors or {}))
 
 
 def _errors(

@@ -23,7 +23,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.reasoning import ThoughtState
 from kvserve.server.errors import APIError, engine_error, generation_error
-from kvserve.server.openapi_docs import ok, openai_errors, typed_sse_stream
+from kvserve.server.openapi_docs import documented, ok, openai_errors, typed_sse_stream
 from kvserve.server.responses_schemas import ResponseEvent, ResponseObject, ResponsesRequest, input_messages
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event
@@ -155,12 +155,9 @@ def _serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
-@router.post(
-    "/v1/responses",
-    response_model=None,
-    responses=ok(ResponseObject, "The response; with stream: true, its events as server-sent events",
-                 typed_sse_stream(ResponseEvent)) | openai_errors(400, 404, 429, 503),
-)
+@documented(router.post, "/v1/responses", ResponseObject,
+            "The response; with stream: true, its events as server-sent events", typed_sse_stream(ResponseEvent),
+            openai_errors(400, 404, 429, 503))
 async def create_response(body: ResponsesRequest, request: Request):
     serving = _serving(request)
     serving.check_model(body.model)

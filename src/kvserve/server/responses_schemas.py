@@ -20,7 +20,13 @@ from kvserve.server.strict_schema import (
     ToolName,
     tool_choice_needs_tools,
 )
-from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, closed_schema, echoed_arguments
+from kvserve.server.tool_types import (
+    Tool,
+    ToolCall,
+    ToolChoice,
+    echoed_arguments,
+    format_constraint,
+)
 
 
 class FunctionTool(Strict):
@@ -47,11 +53,7 @@ class TextFormat(Strict):
     strict: bool | None = None
 
     def constraint(self) -> Constraint | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return Constraint("json_object")
-        return Constraint.json_schema(closed_schema(self.schema_ or {"type": "object"}))
+        return format_constraint(self.type, self.schema_)
 
 
 class TextConfig(Strict):

@@ -9,6 +9,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.engine.constraints import Constraint
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # small models repeat a call until the token limit; the grammar ends them here
 
@@ -119,6 +121,16 @@ def closed_schema(schema: Any) -> Any:
     and llama.cpp's grammars read a schema: a small model given the choice adds properties until the token
     limit. References stay as they are."""
     return _rewrite(schema, lambda target: target)
+
+
+def format_constraint(kind: str, schema: dict[str, Any] | None) -> Constraint | None:
+    """The grammar of a structured answer (OpenAI's ``response_format`` and ``text.format`` types): none
+    for text, any JSON object, or the closed schema (any object when none is given)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    return Constraint.json_schema(closed_schema(schema or {"type": "object"}))
 
 
 def closed_parameters(tool: Tool) -> dict[str, Any]:
