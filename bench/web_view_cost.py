@@ -141,7 +141,7 @@ def in_process(args: argparse.Namespace) -> None:
     from kvserve.cli.options import engine_config
     from kvserve.engine.engine import LLMEngine
     from kvserve.engine.sampling_params import SamplingParams
-    from kvserve.server.pool_view import PoolView
+    from kvserve.server.web.pool_view import PoolView
 
     flags = ["serve", args.model, "-c", "512", "--max-num-seqs", str(args.streams), "--cache-type", "f16"]
     engine = LLMEngine.from_config(engine_config(build_parser().parse_args(flags)), auto_pull=True)

@@ -116,7 +116,7 @@ def test_the_pool_frame_shows_the_window_pool(gemma3, prompts, check_no_leaks):
     import threading
     from types import SimpleNamespace
 
-    from kvserve.server.pool_view import PoolView
+    from kvserve.server.web.pool_view import PoolView
 
     engine = make_engine(gemma3, num_ctx=2048, max_num_seqs=2)
     check_no_leaks.append(engine)

@@ -17,7 +17,7 @@ import zmq
 
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kv.events import wire_hash
-from kvserve.server.kv_events import KVEventPublisher
+from kvserve.server.replicas.kv_events import KVEventPublisher
 from tests.server.conftest import _wait_healthy, free_port
 from tests.support import make_engine, write_tiny_llama
 

@@ -30,8 +30,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from kvserve.server import ServerConfig, ollama_schemas, openai_schemas
+from kvserve.server import ServerConfig
 from kvserve.server.middleware import OPEN_PATHS
+from kvserve.server.ollama import ollama_schemas
+from kvserve.server.openai import openai_schemas
 from tests.server.test_internal_errors import make_client
 
 MODEL = "smollm2"

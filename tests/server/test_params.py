@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvserve.server.errors import APIError
-from kvserve.server.ollama_api import ollama_params
-from kvserve.server.ollama_schemas import Options
-from kvserve.server.openai_api import _params
-from kvserve.server.openai_schemas import ChatCompletionRequest
+from kvserve.server.ollama.ollama_api import ollama_params
+from kvserve.server.ollama.ollama_schemas import Options
+from kvserve.server.openai.openai_api import _params
+from kvserve.server.openai.openai_schemas import ChatCompletionRequest
 
 CTX = 512
 

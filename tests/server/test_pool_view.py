@@ -10,8 +10,8 @@ import threading
 from types import SimpleNamespace
 
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.server.pool_stream import PoolStream
-from kvserve.server.pool_view import PoolView, block_codes
+from kvserve.server.web.pool_stream import PoolStream
+from kvserve.server.web.pool_view import PoolView, block_codes
 from tests.support import make_engine
 
 BS = 16

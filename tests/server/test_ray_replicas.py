@@ -21,7 +21,7 @@ serve = pytest.importorskip("ray.serve")
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.server.config import ServerConfig
-from kvserve.server.ray_serve import build_application
+from kvserve.server.replicas.ray_serve import build_application
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from pydantic import TypeAdapter
 
-from kvserve.server.pool_view import PoolFrame
+from kvserve.server.web.pool_view import PoolFrame
 from tests.server.conftest import Server
 
 pytestmark = pytest.mark.slow

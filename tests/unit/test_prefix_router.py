@@ -6,7 +6,7 @@ import pytest
 
 from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes
 from kvserve.kv.manager import KVCacheManager
-from kvserve.server.prefix_router import PrefixIndex, ReplicaReport, chain_hashes, leading_matches
+from kvserve.server.replicas.prefix_router import PrefixIndex, ReplicaReport, chain_hashes, leading_matches
 
 BS = 4
 KEY_A = bytes(range(32))

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'kvserve[ray]'")
 
 from kvserve.errors import PromptTooLongError
-from kvserve.server.ray_ingress import RemoteEngine, ReplicaFacts
+from kvserve.server.replicas.ray_ingress import RemoteEngine, ReplicaFacts
 
 
 class Sent(Exception):

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.server import ServerConfig, build_app
     from kvserve.server.graceful import EndingStreamsServer
-    from kvserve.server.kv_events import check_endpoint
+    from kvserve.server.replicas.kv_events import check_endpoint
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be between 1 and 65535, got {args.port}")

@@ -62,7 +62,7 @@ def run_replicas(args: argparse.Namespace, config: ServerConfig) -> int:
         from ray import serve
     except ImportError:
         raise ValueError("--replicas needs Ray Serve: pip install 'kvserve[ray]'") from None
-    from kvserve.server.ray_serve import build_application
+    from kvserve.server.replicas.ray_serve import build_application
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")

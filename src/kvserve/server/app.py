@@ -23,18 +23,12 @@ from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
-from kvserve.server import (
-    anthropic_api,
-    embeddings_api,
-    llama_api,
-    ollama_api,
-    openai_api,
-    responses_api,
-    web_ui,
-)
+from kvserve.server import embeddings_api
+from kvserve.server.anthropic import anthropic_api
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot, EngineView
 from kvserve.server.errors import install_error_handlers
+from kvserve.server.llamacpp import llama_api
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import (
     OPEN_PATHS,
@@ -44,8 +38,11 @@ from kvserve.server.middleware import (
     JSONBodyMiddleware,
 )
 from kvserve.server.model_card import ModelCard
+from kvserve.server.ollama import ollama_api
+from kvserve.server.openai import openai_api, responses_api
 from kvserve.server.openapi_docs import ok, openapi_document
 from kvserve.server.serving import Serving
+from kvserve.server.web import web_ui
 
 ops = APIRouter(tags=["Operations"])
 
@@ -117,7 +114,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         publisher = None
         if config.kv_events:
-            from kvserve.server.kv_events import KVEventPublisher
+            from kvserve.server.replicas.kv_events import KVEventPublisher
 
             publisher = KVEventPublisher(config.kv_events)
             await asyncio.to_thread(_publish_kv_events, async_engine, publisher)

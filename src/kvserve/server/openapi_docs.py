@@ -19,11 +19,13 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from kvserve.server import anthropic_responses, ollama_responses, openai_responses
+from kvserve.server.anthropic import anthropic_responses
 from kvserve.server.errors import is_anthropic_path, is_ollama_path
-from kvserve.server.pool_view import PoolFrame
-from kvserve.server.responses_schemas import ResponseEvent
+from kvserve.server.ollama import ollama_responses
+from kvserve.server.openai import openai_responses
+from kvserve.server.openai.responses_schemas import ResponseEvent
 from kvserve.server.strict_schema import LIMIT, NEEDS, OTHERWISE, TOKEN_ID_KEY
+from kvserve.server.web.pool_view import PoolFrame
 
 JSON = "application/json"
 SSE = "text/event-stream"

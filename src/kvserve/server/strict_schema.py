@@ -8,11 +8,12 @@ import functools
 import types
 import typing
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, WithJsonSchema, model_validator
 
 from kvserve.engine.constraints import UNENFORCED_KEYWORDS
+from kvserve.server.tool_types import Tool
 
 # Text and token lists that must not be empty (a stop sequence, a prompt), as the published schema says them
 # (so a schema-valid request is never refused for being empty); the handlers' own checks refuse them with
@@ -145,3 +146,21 @@ def neutral_only(neutral_values: dict[str, tuple]) -> Callable[[Any, ValidationI
         return value
 
     return check
+
+
+class FunctionDefinition(Strict):
+    name: ToolName
+    description: str | None = None
+    parameters: OptionalClientSchema = None  # none: no arguments
+    strict: bool | None = None  # arguments always follow the schema here
+
+
+class ToolDefinition(Strict):
+    """A function tool as OpenAI's chat API and Ollama's take it."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def tool(self) -> Tool:
+        f = self.function
+        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}})

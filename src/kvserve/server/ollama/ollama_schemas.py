@@ -14,8 +14,7 @@ from pydantic import Field, WithJsonSchema, field_validator, model_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
-from kvserve.server.openai_schemas import ToolDefinition
-from kvserve.server.strict_schema import NonEmptyStr, Strict, Tokens
+from kvserve.server.strict_schema import NonEmptyStr, Strict, Tokens, ToolDefinition
 from kvserve.server.tool_types import ToolCall, closed_schema
 
 DURATION_PATTERN = r"^-?([0-9]+(\.[0-9]+)?|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$"

@@ -23,8 +23,13 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.reasoning import ThoughtState
 from kvserve.server.errors import APIError, engine_error, generation_error
+from kvserve.server.openai.responses_schemas import (
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
+    input_messages,
+)
 from kvserve.server.openapi_docs import documented, ok, openai_errors, typed_sse_stream
-from kvserve.server.responses_schemas import ResponseEvent, ResponseObject, ResponsesRequest, input_messages
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch

@@ -16,7 +16,7 @@ import random
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvserve.server.prefix_router import PrefixIndex, ReplicaReport
+from kvserve.server.replicas.prefix_router import PrefixIndex, ReplicaReport
 
 POLICIES = ("prefix", "random")
 

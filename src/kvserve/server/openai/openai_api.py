@@ -16,9 +16,9 @@ from kvserve.engine.constraints import Constraint
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.fim import hole_indent
-from kvserve.server import openai_responses as responses
 from kvserve.server.errors import APIError, engine_error, openai_error_body
-from kvserve.server.openai_format import (
+from kvserve.server.openai import openai_responses as responses
+from kvserve.server.openai.openai_format import (
     ChunkMaker,
     chat_logprobs,
     completion_logprobs,
@@ -26,7 +26,7 @@ from kvserve.server.openai_format import (
     prompt_usage,
     usage,
 )
-from kvserve.server.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvserve.server.openai.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, merge, sampling_params
 from kvserve.server.streaming import SSE_DONE, sse_event, sse_response

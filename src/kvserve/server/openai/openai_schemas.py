@@ -13,9 +13,8 @@ from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server import strict_schema
-from kvserve.server.strict_schema import NonEmptyStr, NonEmptyTokens, Strict, ToolName
+from kvserve.server.strict_schema import NonEmptyStr, NonEmptyTokens, Strict, ToolDefinition
 from kvserve.server.tool_types import (
-    Tool,
     ToolCall,
     ToolChoice,
     echoed_arguments,
@@ -45,22 +44,6 @@ neutral_only = strict_schema.neutral_only(NEUTRAL_VALUES)
 class StreamOptions(Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # ignored: chunks never carry an "obfuscation" field
-
-
-class FunctionDefinition(Strict):
-    name: ToolName
-    description: str | None = None
-    parameters: strict_schema.OptionalClientSchema = None  # none: no arguments
-    strict: bool | None = None  # arguments always follow the schema here
-
-
-class ToolDefinition(Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-    def tool(self) -> Tool:
-        f = self.function
-        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}})
 
 
 class FunctionName(Strict):

@@ -32,7 +32,7 @@ from kvserve.kv.events import wire_hash
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_view import EngineSnapshot, EngineView
 from kvserve.server.errors import engine_error
-from kvserve.server.ray_ingress import KVServeIngress, ReplicaRefusal
+from kvserve.server.replicas.ray_ingress import KVServeIngress, ReplicaRefusal
 
 # how stale the router's picture of a replica's cache may be (the chains it sent since fill the gap)
 ROUTING_STATS_PERIOD_S = 1.0
@@ -127,7 +127,7 @@ def build_application(
         # whichever replica frees a slot first
         max_ongoing_requests=2 * max_num_seqs,
         request_router_config=RequestRouterConfig(
-            request_router_class="kvserve.server.ray_router:KVPrefixRouter",
+            request_router_class="kvserve.server.replicas.ray_router:KVPrefixRouter",
             request_router_kwargs={
                 "block_size": engine_config.cache.block_size,
                 "imbalance_threshold": max_num_seqs,

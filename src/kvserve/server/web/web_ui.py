@@ -22,9 +22,9 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
 from kvserve.server.errors import APIError
 from kvserve.server.openapi_docs import JSON, SSE, openai_errors, ref
-from kvserve.server.pool_stream import PoolStream
-from kvserve.server.pool_view import PoolFrame, PoolView
 from kvserve.server.streaming import EngineStreamingResponse, sse_response
+from kvserve.server.web.pool_stream import PoolStream
+from kvserve.server.web.pool_view import PoolFrame, PoolView
 
 router = APIRouter(tags=["kvserve"])
 
@@ -40,7 +40,7 @@ STREAM_ITEM = {
 @cache
 def page() -> tuple[str, str]:
     """(the HTML with its script and style inlined, its Content-Security-Policy)."""
-    web = resources.files("kvserve.server") / "web"
+    web = resources.files("kvserve.server.web")
     script = "\n".join((web / name).read_text(encoding="utf-8") for name in SCRIPTS)
     style = (web / "app.css").read_text(encoding="utf-8")
     html = (web / "index.html").read_text(encoding="utf-8")

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from kvserve.server.pool_view import PoolView
+from kvserve.server.web.pool_view import PoolView
 
 log = logging.getLogger(__name__)
 

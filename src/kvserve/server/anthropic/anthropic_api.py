@@ -27,8 +27,8 @@ from fastapi import APIRouter, Request
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server import anthropic_responses as responses
-from kvserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest
+from kvserve.server.anthropic import anthropic_responses as responses
+from kvserve.server.anthropic.anthropic_schemas import CountTokensRequest, MessagesRequest
 from kvserve.server.errors import APIError, anthropic_error_body, engine_error, generation_error
 from kvserve.server.openapi_docs import anthropic_errors, ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params

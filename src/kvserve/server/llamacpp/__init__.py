@@ -1,0 +1,1 @@
+"""llama.cpp's server routes: fill in the middle, tokenize, detokenize."""

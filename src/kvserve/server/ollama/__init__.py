@@ -1,0 +1,1 @@
+"""Ollama's API: generate, chat, tags, ps, show, version."""

@@ -1,0 +1,1 @@
+"""OpenAI's APIs: chat and legacy completions, models, the Responses API."""
