@@ -138,8 +138,8 @@ def run_setup(num_replicas: int, policy: str, args: argparse.Namespace) -> Outco
     from ray import serve
 
     from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from kvserve.server.config import ServerConfig
     from kvserve.server.replicas.ray_serve import build_application
+    from kvserve.server.server_config import ServerConfig
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

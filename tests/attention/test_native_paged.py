@@ -60,7 +60,7 @@ def decode(storage, tables, lens, q, layer, window, use_native):
     return attn._decode_attention(layer, q, window, 0.125)
 
 
-@pytest.mark.parametrize("cache_type", list(native_paged.KINDS))
+@pytest.mark.parametrize("cache_type", list(native_paged.KV_KIND_CODES))
 def test_matches_torch_path_for_every_kv_type(cache_type):
     cfg = config()
     lens = [1, 17, 255, 256, 257, 700]  # around the 256-position partitions and 16-token blocks
@@ -171,7 +171,7 @@ def prefill(storage, table, context_len, q, layer, window, use_native):
     return attn.attend(layer, q, k, v, window, 0.125)
 
 
-@pytest.mark.parametrize("cache_type", list(native_paged.KINDS))
+@pytest.mark.parametrize("cache_type", list(native_paged.KV_KIND_CODES))
 def test_prefill_matches_torch_path_for_every_kv_type(cache_type):
     """A whole prompt and a later chunk (queries from position 200), causal and windowed."""
     cfg = config()

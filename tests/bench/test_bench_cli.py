@@ -39,8 +39,8 @@ def test_bench_rows_json_and_plot(tmp_path):
 def test_many_streams_are_compared_with_the_peers_stream_measured_alike():
     """Both aggregates count prefill (new tokens / wall time from the first request to the last token);
     the peer's decode rate alone (no prefill) is shown beside."""
+    from kvserve.benchmark.bench_report import aggregate_ratio, bandwidth_range
     from kvserve.benchmark.measure import BenchRow
-    from kvserve.benchmark.report import aggregate_ratio, bandwidth_range
 
     def row(engine, concurrency, decode, aggregate, bandwidth=0.0):
         return BenchRow(engine, "f16", 128, concurrency, 100.0, 1000.0, decode, 5.0, 6.0, aggregate, 1, 1,

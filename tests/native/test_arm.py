@@ -122,7 +122,7 @@ def run_arm_attention(program: Path, tmp_path: Path, prefill: bool, q, k, v, tab
     codes, *scales = stored[0]
     code_bytes = codes.shape[-1] * codes.element_size()
     scale_bytes = scales[0].shape[-1] * scales[0].element_size() if scales else 0
-    kind = native_paged.KINDS[codec.name if codec else "f32"]
+    kind = native_paged.KV_KIND_CODES[codec.name if codec else "f32"]
     header = np.array([prefill, n, heads, kv_heads, d, blocks, block_size, window, ctx, kind, code_bytes, scale_bytes],
                       dtype=np.int32)
     parts = [header.tobytes(), np.array([scale, softcap], dtype=np.float32).tobytes(), q.contiguous().numpy().tobytes()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.server.errors import APIError
+from kvserve.server.api_errors import APIError
 from kvserve.server.ollama.ollama_api import ollama_params
 from kvserve.server.ollama.ollama_schemas import Options
 from kvserve.server.openai.openai_api import _params

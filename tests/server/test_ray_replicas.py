@@ -20,8 +20,8 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install
 serve = pytest.importorskip("ray.serve")
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvserve.server.config import ServerConfig
 from kvserve.server.replicas.ray_serve import build_application
+from kvserve.server.server_config import ServerConfig
 
 pytestmark = pytest.mark.slow
 

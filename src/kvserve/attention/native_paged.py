@@ -24,7 +24,7 @@ from kvserve.kv.storage import PagedKVStorage
 from kvserve.native import abi
 
 # codec name -> kind in paged_attention.c
-KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8": 5, "tq2": 6, "tq3": 7, "tq4": 8}
+KV_KIND_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8": 5, "tq2": 6, "tq3": 7, "tq4": 8}
 # The attention kernels' parameters for each of K and V (kernels.h: k_kind, k_codes, ...), in the order
 # NativePagedAttention.layer_args holds them.
 KV_PART = ("kind", "codes", "scales", "code_stride", "scale_stride", "table")
@@ -59,7 +59,7 @@ class NativePagedAttention:
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec, table: torch.Tensor | None) -> tuple:
         codes, scales, code_stride, scale_stride = _layout(parts)
-        return KINDS[codec.name], codes, scales, code_stride, scale_stride, 0 if table is None else table.data_ptr()
+        return KV_KIND_CODES[codec.name], codes, scales, code_stride, scale_stride, 0 if table is None else table.data_ptr()
 
     @staticmethod
     def _run(kernel, what: str, q: torch.Tensor, shape: tuple, rest: tuple) -> torch.Tensor:
@@ -134,7 +134,7 @@ class NativeKVWrite:
             return None
         codes, scales, code_stride, scale_stride = _layout(parts)
         rotation, levels = (t.data_ptr() for t in tables) if tables else (0, 0)
-        return KINDS[codec.name], codes, code_stride, scales, scale_stride, rotation, levels
+        return KV_KIND_CODES[codec.name], codes, code_stride, scales, scale_stride, rotation, levels
 
     def __call__(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_args, v_args = self.layer_args[layer]
@@ -182,7 +182,7 @@ def for_storage(storage: PagedKVStorage) -> NativePagedAttention | None:
     """The kernel for this storage, or None (not on CPU, a codec it does not know, no compiler)."""
     if storage not in _BY_STORAGE:
         kernel = None
-        codecs_known = all(c.name in KINDS for c in (storage.k_codec, storage.v_codec))
+        codecs_known = all(c.name in KV_KIND_CODES for c in (storage.k_codec, storage.v_codec))
         if storage.k[0][0].device.type == "cpu" and codecs_known:
             library = native.load("paged_attention")
             kernel = None if library is None else NativePagedAttention(storage, library)

@@ -44,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvserve import native
+    from kvserve.benchmark.bench_report import print_table, roofline, write_plot
     from kvserve.benchmark.measure import measured_bandwidth, median_row
     from kvserve.benchmark.ours import KVServeRunner
-    from kvserve.benchmark.report import print_table, roofline, write_plot
     from kvserve.models.loader import load_model
 
     if args.gen < 2 or args.repeats < 1:

@@ -115,8 +115,8 @@ def default_contexts(max_position_embeddings: int) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvserve.plan.plan_report import render, to_json
     from kvserve.plan.planner import PlanSettings, available_memory, make_plan
-    from kvserve.plan.report import render, to_json
     from kvserve.plan.source import resolve_model
 
     pairs = kv_type_pairs(args)  # check every flag before reading the model

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvserve.cli.options import add_engine_args, load_engine, parse_bytes
 from kvserve.models.registry import DEFAULT_MODEL, REGISTRY
-from kvserve.server.config import DEFAULT_MAX_BODY_BYTES
+from kvserve.server.server_config import DEFAULT_MAX_BODY_BYTES
 
 
 def add_parser(sub, name: str) -> None:

@@ -12,7 +12,7 @@ import sys
 import threading
 
 from kvserve.cli.options import engine_config
-from kvserve.server.config import ServerConfig
+from kvserve.server.server_config import ServerConfig
 
 APP_NAME = "kvserve"
 

@@ -26,20 +26,20 @@ from typing import Any
 import numpy as np
 import torch
 
-KINDS = ("json_object", "json_schema", "regex", "lark")
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark")
 
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """``kind`` in KINDS; ``spec`` the JSON schema (as JSON text), the regex or the Lark grammar
+    """``kind`` in CONSTRAINT_KINDS; ``spec`` the JSON schema (as JSON text), the regex or the Lark grammar
     (empty for json_object: any JSON object)."""
 
     kind: str
     spec: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> Constraint:

@@ -1,5 +1,5 @@
 /* What the KV kernels (paged_attention.c, kv_write.c) share: the KV types' numbers (as
- * attention/native_paged.py's KINDS), the q8_0/q4_0 group size, and f16 -> f32 (half.h). */
+ * attention/native_paged.py's KV_KIND_CODES), the q8_0/q4_0 group size, and f16 -> f32 (half.h). */
 #ifndef KVSERVE_KV_KINDS_H
 #define KVSERVE_KV_KINDS_H
 #include <stdint.h>

@@ -4,7 +4,7 @@ Both APIs map their requests onto one ``SamplingParams`` and read one ``RequestO
 server never touches the engine's internals except to read its bookkeeping for metrics.
 """
 
-from kvserve.server.config import ServerConfig
+from kvserve.server.server_config import ServerConfig
 
 __all__ = ["ServerConfig", "build_app"]
 

@@ -25,9 +25,8 @@ from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
 from kvserve.server import embeddings_api
 from kvserve.server.anthropic import anthropic_api
-from kvserve.server.config import ServerConfig
+from kvserve.server.api_errors import install_error_handlers
 from kvserve.server.engine_view import EngineSnapshot, EngineView
-from kvserve.server.errors import install_error_handlers
 from kvserve.server.llamacpp import llama_api
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import (
@@ -41,6 +40,7 @@ from kvserve.server.model_card import ModelCard
 from kvserve.server.ollama import ollama_api
 from kvserve.server.openai import openai_api, responses_api
 from kvserve.server.openapi_docs import ok, openapi_document
+from kvserve.server.server_config import ServerConfig
 from kvserve.server.serving import Serving
 from kvserve.server.web import web_ui
 

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.models.encoder import Encoder
-from kvserve.server.errors import APIError
+from kvserve.server.api_errors import APIError
 from kvserve.server.openapi_docs import ok, ollama_errors, openai_errors
 from kvserve.server.strict_schema import Strict
 

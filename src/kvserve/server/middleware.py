@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.host_memory import release_freed_memory
-from kvserve.server.errors import APIError, error_response
+from kvserve.server.api_errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/", "/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 OPEN_PREFIXES = ("/docs/assets/",)  # the API page's scripts and styles, served from the package

@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from kvserve.server.anthropic import anthropic_responses
-from kvserve.server.errors import is_anthropic_path, is_ollama_path
+from kvserve.server.api_errors import is_anthropic_path, is_ollama_path
 from kvserve.server.ollama import ollama_responses
 from kvserve.server.openai import openai_responses
 from kvserve.server.openai.responses_schemas import ResponseEvent

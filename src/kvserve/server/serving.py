@@ -22,11 +22,11 @@ from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.constraints import Constraint, compiled
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.server.api_errors import APIError, engine_error
 from kvserve.server.call_formats import CallFormat, call_format
-from kvserve.server.config import ServerConfig
-from kvserve.server.errors import APIError, engine_error
 from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
+from kvserve.server.server_config import ServerConfig
 from kvserve.server.streaming import cancel_on_disconnect
 from kvserve.server.thinking import Thinking, thinking_for
 from kvserve.server.tool_types import Tool, ToolChoice, check_tools

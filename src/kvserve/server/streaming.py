@@ -20,7 +20,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from kvserve.server.errors import ClientDisconnected
+from kvserve.server.api_errors import ClientDisconnected
 
 T = TypeVar("T")
 Cleanup = Callable[[], Awaitable[None]]

@@ -29,7 +29,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.anthropic import anthropic_responses as responses
 from kvserve.server.anthropic.anthropic_schemas import CountTokensRequest, MessagesRequest
-from kvserve.server.errors import APIError, anthropic_error_body, engine_error, generation_error
+from kvserve.server.api_errors import APIError, anthropic_error_body, engine_error, generation_error
 from kvserve.server.openapi_docs import anthropic_errors, ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server.errors import APIError, engine_error, generation_error
+from kvserve.server.api_errors import APIError, engine_error, generation_error
 from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_event, sse_response

@@ -25,7 +25,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.constraints import Constraint
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.fim import hole_indent
-from kvserve.server.errors import APIError, engine_error, prompt_too_long
+from kvserve.server.api_errors import APIError, engine_error, prompt_too_long
 from kvserve.server.ollama import ollama_responses as responses
 from kvserve.server.ollama.ollama_format import Reply, iso_stamp, now_stamp
 from kvserve.server.ollama.ollama_schemas import ChatRequest, GenerateRequest, Options, ShowRequest

@@ -16,7 +16,7 @@ from kvserve.engine.constraints import Constraint
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.fim import hole_indent
-from kvserve.server.errors import APIError, engine_error, openai_error_body
+from kvserve.server.api_errors import APIError, engine_error, openai_error_body
 from kvserve.server.openai import openai_responses as responses
 from kvserve.server.openai.openai_format import (
     ChunkMaker,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvserve import __version__
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
-from kvserve.server.errors import generation_error
+from kvserve.server.api_errors import generation_error
 
 SYSTEM_FINGERPRINT = f"kvserve-{__version__}"
 

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.reasoning import ThoughtState
-from kvserve.server.errors import APIError, engine_error, generation_error
+from kvserve.server.api_errors import APIError, engine_error, generation_error
 from kvserve.server.openai.responses_schemas import (
     ResponseEvent,
     ResponseObject,

@@ -19,9 +19,9 @@ import ray
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import PromptTooLongError
-from kvserve.server.config import ServerConfig
+from kvserve.server.api_errors import APIError
 from kvserve.server.engine_view import EngineSnapshot
-from kvserve.server.errors import APIError
+from kvserve.server.server_config import ServerConfig
 from kvserve.tokenizer import Tokenizer
 
 SERVED_BY_KEPT = 4096  # request ids remembered with their replica (/v1/kvserve/replicas)

@@ -29,10 +29,10 @@ from kvserve.config import EngineConfig
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kv.events import wire_hash
-from kvserve.server.config import ServerConfig
+from kvserve.server.api_errors import engine_error
 from kvserve.server.engine_view import EngineSnapshot, EngineView
-from kvserve.server.errors import engine_error
 from kvserve.server.replicas.ray_ingress import KVServeIngress, ReplicaRefusal
+from kvserve.server.server_config import ServerConfig
 
 # how stale the router's picture of a replica's cache may be (the chains it sent since fill the gap)
 ROUTING_STATS_PERIOD_S = 1.0

@@ -20,7 +20,7 @@ from importlib import resources
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
-from kvserve.server.errors import APIError
+from kvserve.server.api_errors import APIError
 from kvserve.server.openapi_docs import JSON, SSE, openai_errors, ref
 from kvserve.server.streaming import EngineStreamingResponse, sse_response
 from kvserve.server.web.pool_stream import PoolStream
