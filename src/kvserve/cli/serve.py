@@ -51,6 +51,13 @@ def add_parser(sub, name: str) -> None:
         "(all-minilm) or an HF folder of a BERT-family sentence-transformers model",
     )
     p.add_argument(
+        "--rerank-model",
+        default=None,
+        metavar="PATH",
+        help="also serve /v1/rerank from this cross-encoder: an HF folder of a BERT sequence-classification "
+        "reranker (e.g. ms-marco-MiniLM-L6-v2)",
+    )
+    p.add_argument(
         "--reasoning-budget",
         type=int,
         default=-1,
@@ -137,16 +144,9 @@ def run(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)
     engine = load_engine(args)
     async_engine = AsyncLLMEngine(engine)
-    encoder = None
-    if args.embedding_model:
-        from kvserve.models.encoder import Encoder, is_encoder_folder
-        from kvserve.models.registry import resolve
-
-        path = resolve(args.embedding_model, auto_pull=True)
-        if not (path.is_dir() and is_encoder_folder(path)):
-            raise ValueError(f"--embedding-model {args.embedding_model}: not a BERT-family encoder folder")
-        encoder = Encoder(path, args.embedding_model if "/" not in args.embedding_model else path.name)
-    app = build_app(async_engine, config, encoder=encoder)
+    encoder = _encoder(args.embedding_model, "--embedding-model", rerank=False)
+    reranker = _encoder(args.rerank_model, "--rerank-model", rerank=True)
+    app = build_app(async_engine, config, encoder=encoder, reranker=reranker)
     url = f"http://{args.host}:{args.port}"
     print(
         f"serving {config.model_name} on {url} (OpenAI: {url}/v1, Ollama: {url}/api, metrics: {url}/metrics; "
@@ -164,3 +164,22 @@ def run(args: argparse.Namespace) -> int:
     )
     EndingStreamsServer(server_config, async_engine).run()
     return 0
+
+
+def _encoder(name: str | None, flag: str, rerank: bool):
+    """The encoder a flag names (a registry name or an HF folder), or None; ValueError when it is not one
+    of the kind the flag serves (sentence embeddings, or a cross-encoder's relevance)."""
+    if not name:
+        return None
+    from kvserve.models.encoder import Encoder, is_encoder_folder
+    from kvserve.models.registry import resolve
+
+    path = resolve(name, auto_pull=True)
+    if not (path.is_dir() and is_encoder_folder(path)):
+        raise ValueError(f"{flag} {name}: not a BERT-family encoder folder")
+    encoder = Encoder(path, name if "/" not in name else path.name)
+    if bool(encoder.config.num_labels) != rerank:
+        kind = "a cross-encoder (sequence classification)" if rerank else "a sentence-embedding model"
+        raise ValueError(f"{flag} {name}: not {kind}")
+    return encoder
+

@@ -5,6 +5,7 @@
 /v1/messages   Anthropic (anthropic_api)
 /tokenize, /detokenize, /infill   llama.cpp's server (llama_api)
 /v1/embeddings, /api/embed, /api/embeddings   an encoder's sentence embeddings (embeddings_api)
+/v1/rerank     a cross-encoder's relevance of documents to a query (rerank_api)
 /health        200 while the engine runs    /metrics      Prometheus text format
 /v1/kvserve/cache   KV blocks: free, held, and each live request's block table
 /openapi.json  the OpenAPI spec (FastAPI), /docs its UI
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
-from kvserve.server import embeddings_api
+from kvserve.server import embeddings_api, rerank_api
 from kvserve.server.anthropic import anthropic_api
 from kvserve.server.api_errors import install_error_handlers
 from kvserve.server.engine_view import EngineSnapshot, EngineView
@@ -104,10 +105,12 @@ def build_app(
     card: ModelCard | None = None,
     view: EngineView | None = None,
     encoder=None,
+    reranker=None,
 ) -> FastAPI:
     """The app owns ``async_engine`` from now on: it shuts the engine down when the server stops.
     ``view`` replaces the engine's own for ``/metrics`` and ``/v1/kvserve/cache`` (replicas: their sum);
-    ``encoder`` (``models.encoder.Encoder``) answers the embeddings routes."""
+    ``encoder`` (``models.encoder.Encoder``) answers the embeddings routes, ``reranker`` (a cross-encoder's)
+    the rerank routes."""
     card = card or ModelCard.from_engine(async_engine.engine, config.model_name)
 
     @asynccontextmanager
@@ -144,6 +147,8 @@ def build_app(
     app.include_router(anthropic_api.router)
     app.include_router(llama_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(rerank_api.router)
+    app.state.reranker = reranker
     app.state.encoder = encoder
     app.include_router(web_ui.router)  # before ops: its / serves browsers the page
     app.include_router(ops)

@@ -331,11 +331,15 @@ def _encoder_object(encoder) -> dict:
 
 
 @router.get("/v1/models", response_model=None,
-            responses=ok(responses.ModelList, "The served model, and the embedding model beside it"))
+            responses=ok(responses.ModelList, "The served model, and the embedding and rerank models beside it"))
 async def list_models(request: Request) -> dict:
-    encoder = getattr(request.app.state, "encoder", None)
-    data = [_model_object(_serving(request))] + ([_encoder_object(encoder)] if encoder is not None else [])
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [_model_object(_serving(request))]
+            + [_encoder_object(e) for e in _encoders(request)]}
+
+
+def _encoders(request: Request) -> list:
+    state = request.app.state
+    return [e for e in (getattr(state, "encoder", None), getattr(state, "reranker", None)) if e is not None]
 
 
 @router.get(
@@ -345,8 +349,8 @@ async def list_models(request: Request) -> dict:
 )
 async def get_model(model: str, request: Request) -> dict:
     serving = _serving(request)
-    encoder = getattr(request.app.state, "encoder", None)
-    if encoder is not None and model in (encoder.name, f"{encoder.name}:latest"):
-        return _encoder_object(encoder)
+    for encoder in _encoders(request):
+        if model in (encoder.name, f"{encoder.name}:latest"):
+            return _encoder_object(encoder)
     serving.check_model(model)
     return _model_object(serving)
