@@ -71,12 +71,18 @@ class LegacyEmbeddingResponse(BaseModel):
 
 
 def _encoder(request: Request, model: str) -> Encoder:
-    encoder: Encoder | None = getattr(request.app.state, "encoder", None)
+    return served_encoder(request, model, "encoder", "embeds", "--embedding-model all-minilm")
+
+
+def served_encoder(request: Request, model: str, role: str, verb: str, flag: str) -> Encoder:
+    """The encoder the app holds as ``role`` ("encoder", "reranker") when ``model`` names it; a 404 saying
+    which one it holds (``verb``: what it does) or how to start one (``flag``) otherwise."""
+    encoder: Encoder | None = getattr(request.app.state, role, None)
     if encoder is None:
-        raise APIError(404, f"model '{model}' not found; this server has no embedding model (start it with "
-                            "--embedding-model all-minilm)", "model", "model_not_found")
+        raise APIError(404, f"model '{model}' not found; this server has no such model (start it with {flag})",
+                       "model", "model_not_found")
     if model not in (encoder.name, f"{encoder.name}:latest"):
-        raise APIError(404, f"model '{model}' not found; this server embeds with '{encoder.name}'", "model",
+        raise APIError(404, f"model '{model}' not found; this server {verb} with '{encoder.name}'", "model",
                        "model_not_found")
     return encoder
 

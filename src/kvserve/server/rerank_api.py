@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.models.encoder import Encoder
 from kvserve.server.api_errors import APIError
+from kvserve.server.embeddings_api import served_encoder
 from kvserve.server.openapi_docs import ok, openai_errors
 from kvserve.server.strict_schema import NonEmptyStr, Strict
 
@@ -48,14 +49,7 @@ class RerankResponse(BaseModel):
 
 
 def _reranker(request: Request, model: str) -> Encoder:
-    encoder: Encoder | None = getattr(request.app.state, "reranker", None)
-    if encoder is None:
-        raise APIError(404, f"model '{model}' not found; this server has no rerank model (start it with "
-                            "--rerank-model PATH, a cross-encoder's folder)", "model", "model_not_found")
-    if model not in (encoder.name, f"{encoder.name}:latest"):
-        raise APIError(404, f"model '{model}' not found; this server reranks with '{encoder.name}'", "model",
-                       "model_not_found")
-    return encoder
+    return served_encoder(request, model, "reranker", "reranks", "--rerank-model PATH, a cross-encoder's folder")
 
 
 @router.post("/v1/rerank", response_model=None,
