@@ -157,6 +157,25 @@ def test_gemma2_through_the_native_kernels_batched_and_chunked(gemma2_folder, mo
             assert_same_or_near_tie(lm, p, hf_greedy(hf, p, 16), own)
 
 
+def test_gemma2_capped_in_torch_without_native_attention(gemma2_folder, monkeypatch):
+    """Without native attention kernels (another device) the engine runs Gemma 2 through the paged
+    backend's torch path, chunked and batched, to transformers' greedy tokens. (This tiny random model's
+    answer hardly depends on the cap: the capped arithmetic itself is checked in
+    tests/attention/test_capped.py.)"""
+    hf, lm = gemma2_folder
+    monkeypatch.setattr(native_paged, "for_storage", lambda storage: None)
+    spy = _Spy(monkeypatch)
+    ps = [_prompt(n, seed) for n, seed in ((40, 4), (23, 5))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = make_engine(lm, budget=16, max_num_seqs=2, block_size=8)
+    assert engine.runner.native_decode is None
+    ids = [engine.add_request(p, params).request_id for p in ps]
+    final = engine.run_to_completion()
+    assert spy.calls == 0  # no native attention ran: the torch path did
+    for p, rid in zip(ps, ids):
+        assert_same_or_near_tie(lm, p, hf_greedy(hf, p, 12), final[rid].token_ids)
+
+
 @pytest.mark.parametrize("name,one_call", [("mistral", True), ("qwen3", True), ("gemma2", True), ("phi3", False),
                                            ("granite", False), ("qwen3moe", False)])
 def test_one_call_decode_step_only_where_its_kernels_cover_the_arch(q4_files, name, one_call):

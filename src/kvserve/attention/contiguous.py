@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.capped import sequence_capped
 from kvserve.attention.ops import sequence_attention
 
 
@@ -14,12 +15,14 @@ class ContiguousKVCache:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
 
-    def attend(self, layer, q, k, v, window, scale):
+    def attend(self, layer, q, k, v, window, scale, softcap: float | None = None):
         if self.keys[layer] is None:
             self.keys[layer], self.values[layer] = k, v
         else:
             self.keys[layer] = torch.cat([self.keys[layer], k])
             self.values[layer] = torch.cat([self.values[layer], v])
-        keys = self.keys[layer]
-        q_start = keys.shape[0] - q.shape[0]
-        return sequence_attention(q, keys.transpose(0, 1), self.values[layer].transpose(0, 1), q_start, window, scale)
+        keys, values = self.keys[layer].transpose(0, 1), self.values[layer].transpose(0, 1)
+        q_start = keys.shape[1] - q.shape[0]
+        if softcap:
+            return sequence_capped(q, keys, values, q_start, window, scale, softcap)
+        return sequence_attention(q, keys, values, q_start, window, scale)

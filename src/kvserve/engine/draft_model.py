@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.capped import sequence_capped
 from kvserve.attention.ops import sequence_attention
 from kvserve.config import SpeculativeConfig
 from kvserve.models.decoder import DecoderLM
@@ -32,7 +33,7 @@ class DraftKVCache:
         self.length = 0  # tokens held (every layer alike once a forward is done)
         self._layer_length = [0] * num_layers
 
-    def attend(self, layer, q, k, v, window, scale):
+    def attend(self, layer, q, k, v, window, scale, softcap: float | None = None):
         start, end = self._layer_length[layer], self._layer_length[layer] + k.shape[0]
         if self.keys[layer] is None or self.keys[layer].shape[0] < end:
             capacity = max(2 * end, 64)
@@ -44,6 +45,8 @@ class DraftKVCache:
         self._layer_length[layer] = end
         self.length = end
         keys, values = self.keys[layer][:end].transpose(0, 1), self.values[layer][:end].transpose(0, 1)
+        if softcap:  # a Gemma 2 draft
+            return sequence_capped(q, keys, values, start, window, scale, softcap)
         return sequence_attention(q, keys, values, start, window, scale)
 
     def truncate(self, length: int) -> None:

@@ -27,7 +27,6 @@ from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_int
 from kvserve.models.moe import MoE
 from kvserve.models.norms import add_rms_norm, rms_norm, rms_norm_heads
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding, rotate_heads
-from kvserve.models.softcap_attention import SoftcapAttention
 from kvserve.models.weight_grids import int8_groups16
 
 
@@ -35,10 +34,12 @@ class AttentionBackend(Protocol):
     """Stores k/v of this step's tokens in the cache and returns attention outputs."""
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
-        Returns [num_tokens, num_heads, head_dim]."""
+        Returns [num_tokens, num_heads, head_dim]. ``softcap``: scores s -> softcap * tanh(s / softcap)
+        before the softmax (Gemma 2); None or 0: none."""
         ...
 
 
@@ -220,8 +221,6 @@ class DecoderLM:
         rope_tables = self.rope.tables(positions, max_pos)
         local_tables = self.rope_local.tables(positions, max_pos) if self.rope_local is not self.rope else rope_tables
         eps = cfg.rms_norm_eps
-        if cfg.attn_logit_softcap:
-            attn = SoftcapAttention(attn, cfg.attn_logit_softcap)
         residual = cfg.residual_scale
         pending = None  # the last block's output, added to the residual stream by the next norm
         for i, layer in enumerate(self.layers):
@@ -237,7 +236,7 @@ class DecoderLM:
             cos, sin = local_tables if sliding else rope_tables
             q, k, v = rotate_heads(qkv, heads[0] + heads[1], cos, sin).split(heads, dim=1)  # q and k in one go
             window = cfg.sliding_window if sliding else None
-            o = attn.attend(i, q, k, v, window, self.scale)
+            o = attn.attend(i, q, k, v, window, self.scale, cfg.attn_logit_softcap or None)
             h = layer.o(o.reshape(n, self.q_dim))
             if layer.post_attn_norm is not None:
                 h = rms_norm(h, layer.post_attn_norm, eps)
