@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.capped import sequence_capped
 from kvserve.attention.ops import sequence_attention
 
 
@@ -22,7 +21,4 @@ class ContiguousKVCache:
             self.keys[layer] = torch.cat([self.keys[layer], k])
             self.values[layer] = torch.cat([self.values[layer], v])
         keys, values = self.keys[layer].transpose(0, 1), self.values[layer].transpose(0, 1)
-        q_start = keys.shape[1] - q.shape[0]
-        if softcap:
-            return sequence_capped(q, keys, values, q_start, window, scale, softcap)
-        return sequence_attention(q, keys, values, q_start, window, scale)
+        return sequence_attention(q, keys, values, keys.shape[1] - q.shape[0], window, scale, softcap)

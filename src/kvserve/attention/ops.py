@@ -5,7 +5,9 @@
       query at pos 6    x x x x x x x .    (and, in a sliding-window layer, to keys > pos - window)
 
 Queries are processed in tiles of ``QUERY_TILE`` so that a long prompt never builds a
-[seq, seq] score matrix; inside a tile torch's fused SDPA does the online softmax.
+[seq, seq] score matrix; inside a tile torch's fused SDPA does the online softmax. Soft-capped scores
+(Gemma 2: s -> cap * tanh(s / cap) before the softmax) are explicit instead (``capped_attention``), a tile
+of ``CAPPED_QUERY_TILE`` queries at a time: the path where no native kernel caps them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 QUERY_TILE = 1024
+CAPPED_QUERY_TILE = 256  # queries scored at a time: [heads, tile, keys] scores, never [heads, seq, seq]
 
 
 def _mask(q_positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
@@ -25,11 +28,15 @@ def _mask(q_positions: torch.Tensor, num_keys: int, window: int | None) -> torch
 
 
 def sequence_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None, scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [num_q, num_heads, head_dim] at positions q_start..q_start+num_q-1;
     k, v: head-major [num_kv_heads, num_keys, head_dim] at positions 0..num_keys-1
-    (num_keys = q_start + num_q). Returns [num_q, num_heads, head_dim]."""
+    (num_keys = q_start + num_q). Returns [num_q, num_heads, head_dim]. ``softcap``: scores capped
+    (None or 0: not)."""
+    if softcap:
+        return _sequence_capped(q, k, v, q_start, window, scale, softcap)
     num_q, num_keys = q.shape[0], k.shape[1]
     gqa = q.shape[1] != k.shape[0]
     out = torch.empty_like(q)
@@ -53,3 +60,31 @@ def sequence_attention(
         out[start:end] = o.transpose(0, 1)
     assert num_keys >= q_start + num_q
     return out
+
+
+def capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """q [n, heads, D]; k, v [n or 1, kv_heads, keys, D]; allowed [n or 1, 1 or n, keys] bool (True: attend).
+    Returns [n, heads, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # [., heads, keys, D]
+    scores = torch.einsum("nhd,nhkd->nhk", q.float(), k.float()) if k.shape[0] == q.shape[0] else \
+        torch.einsum("nhd,hkd->nhk", q.float(), k[0].float())
+    scores = torch.tanh(scores * (scale / cap)) * cap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, -1)
+    out = torch.einsum("nhk,nhkd->nhd", probs, v.float()) if v.shape[0] == q.shape[0] else \
+        torch.einsum("nhk,hkd->nhd", probs, v[0].float())
+    return out.to(q.dtype)
+
+
+def _sequence_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None,
+                     scale: float, cap: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], CAPPED_QUERY_TILE):
+        end = min(start + CAPPED_QUERY_TILE, q.shape[0])
+        allowed = _mask(torch.arange(q_start + start, q_start + end, device=k.device), k.shape[1], window)
+        out[start:end] = capped_attention(q[start:end], k[None], v[None], allowed[:, None, :], scale, cap)
+    return out
+

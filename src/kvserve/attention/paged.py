@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import native_paged
-from kvserve.attention.capped import capped_attention, sequence_capped
-from kvserve.attention.ops import sequence_attention
+from kvserve.attention.ops import capped_attention, sequence_attention
 from kvserve.kv.storage import PagedKVStorage
 
 
@@ -113,12 +112,10 @@ class PagedAttention:
 
     def attend(self, layer, q, k, v, window, scale, softcap: float | None = None):
         """``softcap``: scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2); the native
-        kernels cap each score themselves, without them the scores are capped in torch (``capped``)."""
+        kernels cap each score themselves, without them the scores are capped in torch (``ops``)."""
         storage = self.storage
         group = storage.group_of_layer[layer]
         self.write(layer, self.slot_rows[group], k, v)
-        if softcap and self.native is None:
-            return self._capped(layer, group, q, window, scale, softcap)
         d = self.metadata.decodes
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
             return self._decode_attention(layer, q, window, scale, softcap)
@@ -132,7 +129,7 @@ class PagedAttention:
                     o = self.native.prefill(layer, qs, q_start, s.table(group), window, scale, softcap)
                 else:
                     keys, values = storage.gather(layer, self.sequence_block_rows(i, group), s.context_len, q.dtype)
-                    o = sequence_attention(qs, keys, values, q_start, window, scale)
+                    o = sequence_attention(qs, keys, values, q_start, window, scale, softcap)
                 out[s.query_start : s.query_start + s.query_len] = o
             out = storage.v_codec.unrotate(out)  # values were summed in their rotated domain
         if d is not None:
@@ -159,25 +156,9 @@ class PagedAttention:
         q = self.storage.k_codec.rotate(q)
         keys, values = self.storage.read_blocks(layer, self.decode_rows[group], q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])
+        if softcap:
+            return self.storage.v_codec.unrotate(capped_attention(q, keys, values, mask[:, 0], scale, softcap))
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
         )
         return self.storage.v_codec.unrotate(o.squeeze(2))
-
-    def _capped(self, layer, group, q, window, scale, cap) -> torch.Tensor:
-        """Soft-capped attention in torch: the history read back through the storage (every KV type:
-        decoded rows, rotated codecs' rotations as the other paths do them), explicit capped scores."""
-        storage, meta = self.storage, self.metadata
-        rotated = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
-        out = torch.empty_like(q)
-        for i, s in enumerate(meta.sequences):
-            keys, values = storage.gather(layer, self.sequence_block_rows(i, group), s.context_len, q.dtype)
-            rows = slice(s.query_start, s.query_start + s.query_len)
-            out[rows] = sequence_capped(rotated[rows], keys, values, s.context_len - s.query_len, window, scale, cap)
-        d = meta.decodes
-        if d is not None:
-            keys, values = storage.read_blocks(layer, storage.block_rows(d.tables(group), group), q.dtype)
-            allowed = d.mask(window, keys.shape[2])[:, 0]  # [n, 1, keys]
-            out.index_copy_(0, d.token_rows, capped_attention(
-                rotated.index_select(0, d.token_rows), keys, values, allowed, scale, cap))
-        return storage.v_codec.unrotate(out)  # values were summed in their rotated domain

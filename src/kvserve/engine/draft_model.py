@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.capped import sequence_capped
 from kvserve.attention.ops import sequence_attention
 from kvserve.config import SpeculativeConfig
 from kvserve.models.decoder import DecoderLM
@@ -45,9 +44,7 @@ class DraftKVCache:
         self._layer_length[layer] = end
         self.length = end
         keys, values = self.keys[layer][:end].transpose(0, 1), self.values[layer][:end].transpose(0, 1)
-        if softcap:  # a Gemma 2 draft
-            return sequence_capped(q, keys, values, start, window, scale, softcap)
-        return sequence_attention(q, keys, values, start, window, scale)
+        return sequence_attention(q, keys, values, start, window, scale, softcap)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
