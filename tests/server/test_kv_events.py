@@ -191,6 +191,8 @@ def test_kvserve_serve_publishes_with_the_flag(tmp_path):
         sub.receive(1)
         first = sub.batches[0].events[0]
         assert isinstance(first, BlockStored) and first.token_ids[: 2 * BS] == prompt[: 2 * BS]
+        doc = httpx.get(f"{url}/openapi.json")  # a model without a tokenizer: no FIM, no thinking
+        assert doc.status_code == 200 and "/infill" not in doc.json()["paths"]
         text = httpx.get(f"{url}/metrics").text
         for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
             assert f"\n{name} " in text, name

@@ -161,12 +161,9 @@ def build_app(
     def openapi() -> dict:
         if app.openapi_schema is None:  # built on first use, as FastAPI's own
             serving = app.state.serving
-            tokenizer = serving.tokenizer
-            features = {name for name, has in (("fim", getattr(tokenizer, "fim", None) is not None),
-                                               ("thinking", getattr(tokenizer, "thinks", False))) if has}
             app.openapi_schema = openapi_document(app, OPEN_PATHS if config.api_key else None,
                                                   {"token_id": serving.vocab_size - 1, "n": config.max_n},
-                                                  frozenset(features))
+                                                  serving.features)
         return app.openapi_schema
 
     app.openapi = openapi

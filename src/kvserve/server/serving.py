@@ -106,6 +106,16 @@ class Serving:
         return self.async_engine.engine.model_config.vocab_size
 
     @property
+    def features(self) -> frozenset[str]:
+        """What the served model can do beyond text in and out: "fim" (fill-in-the-middle tokens),
+        "thinking" (a thought it writes first). None of them without a tokenizer (token ids only)."""
+        tokenizer = self.async_engine.engine.tokenizer
+        if tokenizer is None:
+            return frozenset()
+        return frozenset(name for name, has in (("fim", tokenizer.fim is not None), ("thinking", tokenizer.thinks))
+                         if has)
+
+    @property
     def tokenizer(self):
         tokenizer = self.async_engine.engine.tokenizer
         if tokenizer is None:
