@@ -39,13 +39,8 @@ def needs(feature: str, schema: dict, otherwise: dict | None = None) -> WithJson
 
 
 MAX_STOP = 16  # stop sequences a request may give
-
-
-def stop_list(max_items: int = MAX_STOP) -> WithJsonSchema:
-    return WithJsonSchema({"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": max_items})
-
-
-StopList = Annotated[list[NonEmptyStr], stop_list()]
+StopList = Annotated[list[NonEmptyStr], WithJsonSchema(
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP})]
 
 # A token id as a string (logit_bias' keys): published with the pattern of the served vocabulary's ids
 TOKEN_ID_KEY = "x-kvserve-token-id-key"
@@ -59,8 +54,6 @@ OptionalClientSchema = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf":
 
 # A tool's name as templates and call grammars take it (``tool_types.check_tools`` refuses others)
 ToolName = Annotated[str, WithJsonSchema({"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
-
-
 
 STREAM_OPTIONS_NEED_STREAM = {  # the published rule that stream_options go with stream: true
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
