@@ -103,7 +103,7 @@ def assert_same_or_near_tie(loaded, prompt: list[int], expected: list[int], got:
     assert gap < NEAR_TIE, f"token {i} differs ({expected[i]} vs {got[i]}) and it is no near-tie: top-2 gap {gap}"
 
 
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # models/block_layouts.py's
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")  # models/block_layouts.py's
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int):
@@ -117,8 +117,10 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int):
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * cols // per_block, size), dtype=np.uint8)
     halves = (rng.random((blocks.shape[0], 2)) * 0.02 + 1e-4).astype(np.float16).view(np.uint8)
-    if type_name == "Q6_K":  # d last
-        blocks[:, 208:210] = halves[:, :2]
+    if type_name in ("Q6_K", "Q3_K"):  # d last
+        blocks[:, -2:] = halves[:, :2]
+    elif type_name == "Q2_K":  # d and dmin last
+        blocks[:, -4:] = halves
     elif type_name in ("Q4_0", "Q5_0"):  # d first
         blocks[:, 0:2] = halves[:, :2]
     else:  # d and dmin (or m) first

@@ -1,6 +1,6 @@
 """GGUF block-quantized tensors packed, straight from the file's bytes, into the layouts
 ``native/int4_matmul.c`` reads (kernels.h's ``QL_*``): the file's codes and scales in the same number of
-bytes or within 3% of it, rearranged for the kernel's vector loads, never through f32 weights.
+bytes or within 4% of it, rearranged for the kernel's vector loads, never through f32 weights.
 
     type   file bytes / 32 weights   layout    packed bytes / 32 weights
     Q4_0   18                        Q4_0      18
@@ -10,6 +10,8 @@ bytes or within 3% of it, rearranged for the kernel's vector loads, never throug
     Q4_K   18   (144 / 256)          Q4_K      18.5  (6-bit scales and minimums widened to a byte)
     Q5_K   22   (176 / 256)          Q5_K      22.5
     Q6_K   26.25 (210 / 256)         Q6_K      26.25
+    Q2_K   10.5 (84 / 256)           Q2_K      10.5
+    Q3_K   13.75 (110 / 256)         Q3_K      14.25 (6-bit scales widened to a byte)
 
 Q8_0 stays with ``native/int8_matmul.c`` (its grid at its own 34 bytes per 32). ``unpack_weight`` turns a
 packed tensor back into f32 weights computed as the gguf library's dequantization computes them, which
@@ -28,13 +30,16 @@ from kvserve.models.layouts import (
     CODE_BITS,
     GGUF_LAYOUTS,
     GROUP_BYTES,
+    HALVES,
     QL_F16,
     QL_F32,
+    QL_Q2_K,
     QL_Q4_0,
     QL_Q4_K,
     QL_Q5_0,
     QL_Q5_1,
     QL_Q5_K,
+    QL_Q6_K,
     ROW_CHUNK,
     SUPER_BYTES,
     panel_bytes,
@@ -90,6 +95,25 @@ def _decode(type_name: str, blocks: np.ndarray):
         codes = (ql & np.uint8(0x0F)).reshape(-1, 256) | ((qh & np.uint8(3)).reshape(-1, 256) << np.uint8(4))
         scales = flat[:, 192:208].reshape(n, nb * 8, 2)  # int8 per 16: each group's two halves
         return codes.reshape(n, -1), [scales[..., :1], scales[..., 1:]], [_f16(blocks, 208)]
+    if type_name in ("Q2_K", "Q3_K"):  # weight 128 a + 32 b + l: bits 2b of qs byte 32 a + l
+        nb, q2 = blocks.shape[1], type_name == "Q2_K"
+        flat = blocks.reshape(n * nb, -1)
+        qs = flat[:, 16:80] if q2 else flat[:, 32:96]
+        codes = (qs.reshape(-1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & np.uint8(3)
+        codes = codes.reshape(-1, 256)
+        if q2:
+            scales = flat[:, :16]  # sc | m << 4, the file's bytes
+        else:  # hmask: bit b of byte l is weight 32 b + l's bit 2; 6-bit scales, low 4 bits then high 2
+            high = (flat[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+            codes |= high.reshape(-1, 256) << np.uint8(2)
+            s = flat[:, 96:108]
+            low = (s[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
+            top = (s[:, 8:].reshape(-1, 1, 4) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 4, 1)).reshape(-1, 16)
+            scales = ((low & np.uint8(0x0F)) | ((top & np.uint8(3)) << np.uint8(4))).astype(np.int16) - 32
+            scales = scales.astype(np.int8).view(np.uint8)
+        scales = scales.reshape(n, nb * 8, 2)
+        supers = [_f16(blocks, 80), _f16(blocks, 82)] if q2 else [_f16(blocks, 108)]
+        return codes.reshape(n, -1), [scales[..., :1], scales[..., 1:]], supers
     raise ValueError(f"no packed layout for {type_name}")
 
 
@@ -102,22 +126,32 @@ def _lanes(field: np.ndarray, panels: int) -> np.ndarray:
 
 
 def _code_planes(codes: np.ndarray, panels: int, bits: int) -> np.ndarray:
-    """codes [rows, cols] (0..63) -> [panels, groups, 256 (+64 or 128)]: the nibble chunks and the planes of
-    the fifth (and sixth) bits, int4_matmul.c's order."""
+    """codes [rows, cols] (0..63) -> [panels, groups, code bytes]: for 4 to 6 bits the nibble chunks and
+    the planes of the fifth (and sixth) bits; for 2 or 3 bits the planes of bits 0-1 (and of bit 2);
+    int4_matmul.c's order."""
     rows, cols = codes.shape
     groups = cols // 32
     padded = np.zeros((panels * 16, cols), dtype=np.uint8)
     padded[:rows] = codes
+    quads = padded.reshape(panels, 16, groups, 8, 4).transpose(0, 2, 1, 4, 3)  # P G lane i quad
+
+    def bit_plane(shift: int) -> np.ndarray:  # bit `shift` of each code, quad q at bit q
+        bit = (quads >> shift) & 1
+        return (bit << np.arange(8, dtype=np.uint8)).sum(-1, dtype=np.uint8).reshape(panels, groups, 64)
+
+    def crumb_planes(shift: int) -> np.ndarray:  # bits shift, shift + 1: plane p holds quads 4p .. 4p + 3
+        crumbs = ((quads >> shift) & 3).reshape(panels, groups, 16, 4, 2, 4)  # ... plane, quad in plane
+        shifted = crumbs << (2 * np.arange(4, dtype=np.uint8))
+        return shifted.sum(-1, dtype=np.uint8).transpose(0, 1, 4, 2, 3).reshape(panels, groups, 128)
+
+    if bits < 4:
+        return np.concatenate([crumb_planes(0)] + ([bit_plane(2)] if bits == 3 else []), axis=-1)
     q = padded.reshape(panels, 16, groups, 4, 2, 4).transpose(0, 2, 3, 4, 1, 5)  # P G chunk half lane i
     parts = [(q[:, :, :, 0] & 0x0F | (q[:, :, :, 1] & 0x0F) << 4).reshape(panels, groups, 256)]
-    quads = padded.reshape(panels, 16, groups, 8, 4).transpose(0, 2, 1, 4, 3)  # P G lane i quad
     if bits == 5:
-        bit = (quads >> 4) & 1
-        parts.append((bit << np.arange(8, dtype=np.uint8)).sum(-1, dtype=np.uint8).reshape(panels, groups, 64))
+        parts.append(bit_plane(4))
     elif bits == 6:
-        crumbs = ((quads >> 4) & 3).reshape(panels, groups, 16, 4, 2, 4)  # ... plane, quad in plane
-        shifted = crumbs << (2 * np.arange(4, dtype=np.uint8))
-        parts.append(shifted.sum(-1, dtype=np.uint8).transpose(0, 1, 4, 2, 3).reshape(panels, groups, 128))
+        parts.append(crumb_planes(4))
     return np.concatenate(parts, axis=-1)
 
 
@@ -195,20 +229,30 @@ def unpack_weight(packed: torch.Tensor, layout: int, rows: int, cols: int) -> to
         dmin = np.repeat(_unlanes(heads[..., 32:], rows, np.float16).astype(np.float32), 8, axis=1) if super_bytes == 64 else None
     else:
         blocks = data.reshape(panels, groups, block)
-    nib = blocks[..., :256].reshape(panels, groups, 4, 16, 4)  # P G chunk lane i
-    q = np.stack([nib & 0x0F, nib >> 4], axis=3)  # P G chunk half lane i
-    codes = q.transpose(0, 4, 1, 2, 3, 5).reshape(panels * 16, cols).astype(np.uint8)
     plane_lanes = lambda planes: planes.reshape(panels, groups, -1, 16, 4).transpose(0, 3, 1, 4, 2)  # P lane G i plane
-    if bits == 5:
-        high = plane_lanes(blocks[..., 256:320])[..., 0]  # P lane G i
-        fifth = (high[..., None] >> np.arange(8, dtype=np.uint8)) & 1  # P lane G i quad
-        codes |= (fifth.transpose(0, 1, 2, 4, 3).reshape(panels * 16, cols) << 4).astype(np.uint8)
-    elif bits == 6:
-        planes = plane_lanes(blocks[..., 256:384])  # P lane G i plane
+
+    def bit_plane(at: int, shift: int) -> np.ndarray:  # the 64-byte plane at `at` as bit `shift` of each code
+        bit = (plane_lanes(blocks[..., at : at + 64])[..., 0][..., None] >> np.arange(8, dtype=np.uint8)) & 1
+        return (bit.transpose(0, 1, 2, 4, 3).reshape(panels * 16, cols) << shift).astype(np.uint8)
+
+    def crumb_planes(at: int, shift: int) -> np.ndarray:  # the two 64-byte planes at `at` as bits shift, shift + 1
+        planes = plane_lanes(blocks[..., at : at + 128])  # P lane G i plane
         crumbs = (planes[..., None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # P lane G i plane q
-        codes |= (crumbs.transpose(0, 1, 2, 4, 5, 3).reshape(panels * 16, cols) << 4).astype(np.uint8)
+        return (crumbs.transpose(0, 1, 2, 4, 5, 3).reshape(panels * 16, cols) << shift).astype(np.uint8)
+
+    if bits < 4:
+        codes = crumb_planes(0, 0) | (bit_plane(128, 2) if bits == 3 else 0)
+        sp = blocks[..., 64 * bits :]
+    else:
+        nib = blocks[..., :256].reshape(panels, groups, 4, 16, 4)  # P G chunk lane i
+        q = np.stack([nib & 0x0F, nib >> 4], axis=3)  # P G chunk half lane i
+        codes = q.transpose(0, 4, 1, 2, 3, 5).reshape(panels * 16, cols).astype(np.uint8)
+        if bits == 5:
+            codes |= bit_plane(256, 4)
+        elif bits == 6:
+            codes |= crumb_planes(256, 4)
+        sp = blocks[..., 256 + 64 * (bits - 4) :]
     codes = codes[:rows].astype(np.float32).reshape(rows, groups, 32)
-    sp = blocks[..., 256 + 64 * (bits - 4) :]
     if layout == QL_F32:
         scale, lo = _unlanes(sp[..., :64], rows, np.float32), _unlanes(sp[..., 64:128], rows, np.float32)
     elif layout in (QL_F16, QL_Q5_1):
@@ -219,10 +263,16 @@ def unpack_weight(packed: torch.Tensor, layout: int, rows: int, cols: int) -> to
     elif layout in (QL_Q4_K, QL_Q5_K):
         scale = d * _unlanes(sp[..., :16], rows, np.uint8).astype(np.float32)
         lo = -dmin * _unlanes(sp[..., 16:32], rows, np.uint8).astype(np.float32)
-    else:  # Q6_K: two halves of 16 with a scale each
-        halves = [d * _unlanes(sp[..., 16 * h : 16 * h + 16], rows, np.int8).astype(np.float32) for h in (0, 1)]
-        scale = np.stack(halves, -1)[..., None]  # [rows, groups, 2, 1]
-        w = codes.reshape(rows, groups, 2, 16) * scale + scale * np.float32(-32.0)
-        return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols)))
+    elif layout in HALVES:  # two halves of 16 with a scale (and offset) each
+        fields = [_unlanes(sp[..., 16 * h : 16 * h + 16], rows, np.uint8 if layout == QL_Q2_K else np.int8)
+                  for h in (0, 1)]
+        if layout == QL_Q2_K:  # sc | m << 4
+            scale = np.stack([d * (f & 0x0F).astype(np.float32) for f in fields], -1)[..., None]
+            lo = np.stack([-dmin * (f >> 4).astype(np.float32) for f in fields], -1)[..., None]
+        else:
+            scale = np.stack([d * f.astype(np.float32) for f in fields], -1)[..., None]  # [rows, groups, 2, 1]
+            lo = scale * np.float32(-32.0 if layout == QL_Q6_K else -4.0)
+        w = codes.reshape(rows, groups, 2, 16) * scale + lo
+        return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32))
     w = codes * scale[..., None] + lo[..., None]
     return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32))

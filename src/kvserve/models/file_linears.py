@@ -1,12 +1,12 @@
 """Projections, the output head and the embedding table made straight from a GGUF file's blocks, never
-through f32 weights: a load then holds the file's bytes (within 3%) and spends its time rearranging
+through f32 weights: a load then holds the file's bytes (within 4%) and spends its time rearranging
 them, not dequantizing and re-fitting grids.
 
-    a block type with a layout (Q4_0 ... Q6_K)          Int4Linear.from_blocks: the file's codes and scales
+    a block type with a layout (Q2_K ... Q6_K)          Int4Linear.from_blocks: the file's codes and scales
     Q8_0 (or Q5_0 / Q4_0 as a tied head)                int8_groups: int8 codes, f16 scale per 32
     a stack of parts held differently (Q4_K q, k + a    StackedLinear: each run of parts in its own layout,
       Q6_K v; Q5_0 q, k + a Q8_0 v)                     writing its columns of one output
-    anything else (F16, BF16, Q2_K, ...)                None: the f32 path of models/linear.make_linear
+    anything else (F16, BF16, ...)                      None: the f32 path of models/linear.make_linear
 
 Only for the integer formats on the CPU in f32 (``--weights q4`` / ``q4-fast``); every part is held as the
 file states it, so the model's outputs are those of the f32 path's exact grids.

@@ -6,11 +6,12 @@ models/file_linears.py makes the projections; plan/source.py counts their bytes.
 from __future__ import annotations
 
 # kernels.h's QL_* enum
-QL_F16, QL_F32, QL_Q4_0, QL_Q5_0, QL_Q5_1, QL_Q4_K, QL_Q5_K, QL_Q6_K = range(8)
-LAYOUT_NAMES = ("F16", "F32", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-GROUP_BYTES = (320, 384, 288, 352, 384, 288, 352, 416)  # a panel's group of 32 inputs x 16 outputs
-SUPER_BYTES = (0, 0, 0, 0, 0, 64, 64, 32)  # the K-quants' d (and dmin) for 16 outputs, before each 8 groups
-CODE_BITS = (4, 4, 4, 5, 5, 4, 5, 6)
+QL_F16, QL_F32, QL_Q4_0, QL_Q5_0, QL_Q5_1, QL_Q4_K, QL_Q5_K, QL_Q6_K, QL_Q2_K, QL_Q3_K = range(10)
+LAYOUT_NAMES = ("F16", "F32", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+GROUP_BYTES = (320, 384, 288, 352, 384, 288, 352, 416, 160, 224)  # a panel's group of 32 inputs x 16 outputs
+SUPER_BYTES = (0, 0, 0, 0, 0, 64, 64, 32, 64, 32)  # the K-quants' d (and dmin) for 16 outputs, before each 8 groups
+CODE_BITS = (4, 4, 4, 5, 5, 4, 5, 6, 2, 3)
+HALVES = (QL_Q6_K, QL_Q2_K, QL_Q3_K)  # a scale (and offset) per 16 inputs, not per 32
 
 # GGUF type -> (layout, weights per file block, bytes per file block)
 GGUF_LAYOUTS = {
@@ -21,6 +22,8 @@ GGUF_LAYOUTS = {
     "Q4_K": (QL_Q4_K, 256, 144),
     "Q5_K": (QL_Q5_K, 256, 176),
     "Q6_K": (QL_Q6_K, 256, 210),
+    "Q2_K": (QL_Q2_K, 256, 84),
+    "Q3_K": (QL_Q3_K, 256, 110),
 }
 ROW_CHUNK = 1024  # rows decoded at a time (a multiple of 16): temporaries of a few MiB
 

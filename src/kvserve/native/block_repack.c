@@ -6,7 +6,9 @@
  * For each panel of 16 rows and group of 32 weights, each row (lane) is decoded into its 32 codes (0..63)
  * and its scale fields, then written to the group's block: the nibble chunks (chunk c, byte 4 * lane + i:
  * the codes of k-quads 2c and 2c + 1), the fifth (sixth) bits' planes, then each scale field for the 16
- * lanes side by side; the K-quants' d (and dmin) for 16 lanes open each run of 8 groups. Rows past the
+ * lanes side by side; the K-quants' d (and dmin) for 16 lanes open each run of 8 groups. Codes of 2 or 3
+ * bits (Q2_K, Q3_K) have no nibble chunks: their bits 0-1 go to the planes of crumbs, bit 2 to a plane
+ * of bits. Rows past the
  * tensor's end are zeros. Panels are independent: the threads split them.
  */
 #include <stdint.h>
@@ -24,24 +26,31 @@ typedef struct {
 } RowGroup;
 
 static int group_bytes(int layout) {
-    static const int bytes[] = {[QL_F16] = 320, [QL_F32] = 384, [QL_Q4_0] = 288, [QL_Q5_0] = 352,
-                                [QL_Q5_1] = 384, [QL_Q4_K] = 288, [QL_Q5_K] = 352, [QL_Q6_K] = 416};
+    static const int bytes[] = {[QL_F16] = 320,  [QL_F32] = 384,  [QL_Q4_0] = 288, [QL_Q5_0] = 352,
+                                [QL_Q5_1] = 384, [QL_Q4_K] = 288, [QL_Q5_K] = 352, [QL_Q6_K] = 416,
+                                [QL_Q2_K] = 160, [QL_Q3_K] = 224};
     return bytes[layout];
 }
-static int super_bytes(int layout) { return layout == QL_Q4_K || layout == QL_Q5_K ? 64 : layout == QL_Q6_K ? 32 : 0; }
+static int super_bytes(int layout) {
+    return layout == QL_Q4_K || layout == QL_Q5_K || layout == QL_Q2_K ? 64 : layout == QL_Q6_K || layout == QL_Q3_K ? 32 : 0;
+}
 static int code_bits(int layout) {
-    return layout == QL_Q6_K ? 6 : layout == QL_Q5_0 || layout == QL_Q5_1 || layout == QL_Q5_K ? 5 : 4;
+    static const int bits[] = {[QL_F16] = 4,  [QL_F32] = 4,  [QL_Q4_0] = 4, [QL_Q5_0] = 5, [QL_Q5_1] = 5,
+                               [QL_Q4_K] = 4, [QL_Q5_K] = 5, [QL_Q6_K] = 6, [QL_Q2_K] = 2, [QL_Q3_K] = 3};
+    return bits[layout];
 }
 /* The file's bytes per block and weights per block. */
 static int file_block_bytes(int layout) {
-    static const int bytes[] = {[QL_F16] = 20, [QL_Q4_0] = 18, [QL_Q5_0] = 22, [QL_Q5_1] = 24,
-                                [QL_Q4_K] = 144, [QL_Q5_K] = 176, [QL_Q6_K] = 210};
+    static const int bytes[] = {[QL_F16] = 20,   [QL_Q4_0] = 18,  [QL_Q5_0] = 22,  [QL_Q5_1] = 24, [QL_Q4_K] = 144,
+                                [QL_Q5_K] = 176, [QL_Q6_K] = 210, [QL_Q2_K] = 84, [QL_Q3_K] = 110};
     return bytes[layout];
 }
 static int file_block_weights(int layout) { return layout >= QL_Q4_K ? 256 : 32; }
 /* Bytes of each scale field. */
 static int field_width(int layout) { return layout >= QL_Q4_K ? 1 : 2; }
 static int field_count(int layout) { return layout == QL_Q4_0 || layout == QL_Q5_0 ? 1 : 2; }
+/* Where a K-quant block keeps d (then dmin, where it has one). */
+static int d_offset(int layout) { return layout == QL_Q6_K ? 208 : layout == QL_Q3_K ? 108 : layout == QL_Q2_K ? 80 : 0; }
 
 /* 6-bit scale and minimum j of a Q4_K / Q5_K block's 12 scale bytes. */
 static void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
@@ -82,6 +91,26 @@ static void decode_group(const uint8_t *row, int layout, int g, RowGroup *out) {
         out->field[1][0] = b[192 + 2 * sub + 1];
         return;
     }
+    if (layout == QL_Q2_K || layout == QL_Q3_K) { /* weight e: bits 2 (e % 128 / 32) of byte e / 128 * 32 + e % 32 */
+        const uint8_t *qs = layout == QL_Q2_K ? b + 16 : b + 32;
+        for (int i = 0; i < GROUP; i++) {
+            const int e = sub * GROUP + i;
+            int code = (qs[e / 128 * 32 + e % 32] >> (2 * (e % 128 / 32))) & 3;
+            if (layout == QL_Q3_K) code |= ((b[e % 32] >> (e / 32)) & 1) << 2; /* hmask: bit e / 32 of byte e % 32 */
+            out->codes[i] = (uint8_t)code;
+        }
+        for (int half = 0; half < 2; half++) {
+            const int j = 2 * sub + half; /* the block's 16-weight scale j */
+            if (layout == QL_Q2_K) {
+                out->field[half][0] = b[j];
+            } else { /* 6 bits: the low 4 from bytes 0-7, the high 2 from bytes 8-11 */
+                const uint8_t *s = b + 96;
+                const int low = j < 8 ? s[j] & 0x0F : s[j - 8] >> 4, high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+                out->field[half][0] = (uint8_t)(int8_t)((low | high << 4) - 32);
+            }
+        }
+        return;
+    }
     const uint8_t *qs = b + file_block_bytes(layout) - 128 + 32 * (sub / 2);
     for (int i = 0; i < GROUP; i++) {
         int code = sub % 2 ? qs[i] >> 4 : qs[i] & 0x0F;
@@ -95,7 +124,8 @@ static void decode_group(const uint8_t *row, int layout, int g, RowGroup *out) {
 static void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_t rows, int cols, int64_t p,
                        uint8_t *panel) {
     const int G = cols / GROUP, block = group_bytes(layout), super = super_bytes(layout), bits = code_bits(layout);
-    const int width = field_width(layout), fields = field_count(layout), scales_at = 256 + 64 * (bits - 4);
+    const int width = field_width(layout), fields = field_count(layout);
+    const int scales_at = bits >= 4 ? 256 + 64 * (bits - 4) : 64 * bits;
     for (int g = 0; g < G; g++) {
         uint8_t *head = panel + (int64_t)(g / 8) * (super + 8 * block) * (super > 0);
         uint8_t *blk = super ? head + super + (g % 8) * block : panel + (int64_t)g * block;
@@ -109,14 +139,19 @@ static void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_
             decode_group(row, layout, g, &rg);
             for (int k = 0; k < GROUP; k++) {
                 const int quad = k / 4, i = k % 4, c = rg.codes[k];
+                if (bits < 4) {
+                    blk[64 * (quad / 4) + 4 * lane + i] |= (uint8_t)((c & 3) << (2 * (quad % 4)));
+                    if (bits == 3) blk[128 + 4 * lane + i] |= (uint8_t)(((c >> 2) & 1) << quad);
+                    continue;
+                }
                 blk[(quad / 2) * 64 + 4 * lane + i] |= (uint8_t)((c & 0x0F) << (4 * (quad % 2)));
                 if (bits == 5) blk[256 + 4 * lane + i] |= (uint8_t)(((c >> 4) & 1) << quad);
                 if (bits == 6) blk[256 + 64 * (quad / 4) + 4 * lane + i] |= (uint8_t)(((c >> 4) & 3) << (2 * (quad % 4)));
             }
             for (int f = 0; f < fields; f++) memcpy(blk + scales_at + f * PANEL * width + lane * width, rg.field[f], (size_t)width);
-            if (super && g % 8 == 0) { /* d (f16, the Q6_K block's last two bytes), then dmin */
-                const uint8_t *b = row + (int64_t)(g / 8) * file_block_bytes(layout);
-                memcpy(head + 2 * lane, layout == QL_Q6_K ? b + 208 : b, 2);
+            if (super && g % 8 == 0) { /* d (f16), then dmin */
+                const uint8_t *b = row + (int64_t)(g / 8) * file_block_bytes(layout) + d_offset(layout);
+                memcpy(head + 2 * lane, b, 2);
                 if (super == 64) memcpy(head + 32 + 2 * lane, b + 2, 2);
             }
         }
@@ -124,7 +159,7 @@ static void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_
 }
 
 int pack_gguf_blocks(const uint8_t *raw, int layout, int64_t rows, int cols, uint8_t *out, int num_threads) {
-    if (layout < QL_F16 || layout > QL_Q6_K || layout == QL_F32 || cols % file_block_weights(layout)) return -1;
+    if (layout < QL_F16 || layout > QL_Q3_K || layout == QL_F32 || cols % file_block_weights(layout)) return -1;
     const int64_t row_bytes = (int64_t)cols / file_block_weights(layout) * file_block_bytes(layout);
     const int G = cols / GROUP;
     const int64_t panel_bytes = (int64_t)G * group_bytes(layout) + (int64_t)(G / 8) * super_bytes(layout);

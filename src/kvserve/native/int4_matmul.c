@@ -1,5 +1,6 @@
-/* y[m, n] = sum_k x[m, k] * w[n, k] for weights held in their GGUF file's bits: codes of 4, 5 or 6 bits
- * with the file's scales, w = scale * q + lo per group of 32 inputs (16 for Q6_K), f32 activations.
+/* y[m, n] = sum_k x[m, k] * w[n, k] for weights held in their GGUF file's bits: codes of 2 to 6 bits
+ * with the file's scales, w = scale * q + lo per group of 32 inputs (16 for Q6_K, Q3_K, Q2_K), f32
+ * activations.
  *
  * Each activation row is split into two int8 digits (as models/linear.py's int8 format does):
  *     u = x * 127 / max|x|,   d1 = round(u),   d2 = round((u - d1) * 254),   u ~ d1 + d2 / 254
@@ -15,13 +16,15 @@
  *     acc = fma(scale, a * S, acc);   acc = fma(lo, a * sum of q over the group, acc);   y = acc (+ bias)
  *
  * Packed weights: panels of 16 outputs, each panel's groups of 32 inputs in order (a decode step
- * streams the weights once, in address order). A group's block:
+ * streams the weights once, in address order). A group's block, for codes of 4 to 6 bits:
  *     256 bytes: the low 4 bits of the codes, 4 chunks of 64; chunk c holds k-quads 2c (low nibbles) and
  *                2c+1 (high nibbles), byte 4 * lane + i = code of output lane at k = 4 * quad + i (the VNNI
  *                operand layout)
  *     5-bit codes: 64 bytes, bit q of byte 4 * lane + i = bit 4 of the code at k = 4 q + i
  *     6-bit codes: 2 x 64 bytes, plane p's byte 4 * lane + i holds bits 4-5 of the codes at k = 4 q + i,
  *                q = 4 p .. 4 p + 3, at bits 2 (q - 4 p) and up
+ * and for codes of 2 or 3 bits (Q2_K, Q3_K), the 6-bit codes' planes holding bits 0-1 (128 bytes), then
+ * for 3 bits the 5-bit codes' plane holding bit 2 (64 bytes).
  *     then the scales, by layout (kernels.h's QL_*; 16 lanes each):
  *         F16    scale, offset f16                     Q4_1's grid          320 bytes a group
  *         F32    scale, offset f32                     any 4-bit grid       384
@@ -31,6 +34,10 @@
  *         Q4_K   sc, m u8 (6-bit); scale d sc, offset -dmin m               288 + 64 per 8 groups (144 per 256)
  *         Q5_K   as Q4_K                                                    352 + 64 per 8 groups (176 per 256)
  *         Q6_K   sc int8 of inputs 0-15, of 16-31; scale d sc, offset -32 d sc   416 + 32 per 8 (210 per 256)
+ *         Q2_K   sc | m << 4 u8 of inputs 0-15, of 16-31 (the file's bytes); scale d sc, offset -dmin m
+ *                                                                           160 + 64 per 8 (84 per 256)
+ *         Q3_K   sc - 32 int8 of inputs 0-15, of 16-31; scale d sc, offset -4 d sc   224 + 32 per 8 (114 per 256,
+ *                the file's 110 with its 6-bit scales widened to a byte)
  * The K-quants' super-block scales (d, then dmin, f16 for 16 lanes) open each run of 8 groups. Each
  * scale and offset is computed in f32 exactly as the gguf library's dequantization computes the weight
  * (an f16 times an integer of at most 8 bits is exact in f32), so the grid is the file's, bit for bit,
@@ -66,17 +73,27 @@
 SIMD_EXPORT_ISA
 
 static inline int code_bits(int layout) {
-    return layout == QL_Q6_K ? 6 : layout == QL_Q5_0 || layout == QL_Q5_1 || layout == QL_Q5_K ? 5 : 4;
+    static const int bits[] = {[QL_F16] = 4,  [QL_F32] = 4,  [QL_Q4_0] = 4, [QL_Q5_0] = 5, [QL_Q5_1] = 5,
+                               [QL_Q4_K] = 4, [QL_Q5_K] = 5, [QL_Q6_K] = 6, [QL_Q2_K] = 2, [QL_Q3_K] = 3};
+    return bits[layout];
 }
-/* Bytes of a group's block, and of the super-block scales before each run of 8 groups. */
+/* Bytes of a group's codes (where its scales start), of the whole block, and of the super-block scales
+ * before each run of 8 groups. */
+static inline int code_bytes(int layout) {
+    const int bits = code_bits(layout);
+    return bits >= 4 ? CODE_BYTES + 64 * (bits - 4) : 64 * bits;
+}
 static inline int group_bytes(int layout) {
-    static const int bytes[] = {[QL_F16] = 320, [QL_F32] = 384, [QL_Q4_0] = 288, [QL_Q5_0] = 352,
-                                [QL_Q5_1] = 384, [QL_Q4_K] = 288, [QL_Q5_K] = 352, [QL_Q6_K] = 416};
+    static const int bytes[] = {[QL_F16] = 320,  [QL_F32] = 384,  [QL_Q4_0] = 288, [QL_Q5_0] = 352,
+                                [QL_Q5_1] = 384, [QL_Q4_K] = 288, [QL_Q5_K] = 352, [QL_Q6_K] = 416,
+                                [QL_Q2_K] = 160, [QL_Q3_K] = 224};
     return bytes[layout];
 }
 static inline int super_bytes(int layout) {
-    return layout == QL_Q4_K || layout == QL_Q5_K ? 64 : layout == QL_Q6_K ? 32 : 0;
+    return layout == QL_Q4_K || layout == QL_Q5_K || layout == QL_Q2_K ? 64 : layout == QL_Q6_K || layout == QL_Q3_K ? 32 : 0;
 }
+/* Whether a layout scales each half of a group (16 inputs) on its own. */
+static inline int per_half(int layout) { return layout == QL_Q6_K || layout == QL_Q2_K || layout == QL_Q3_K; }
 static inline int64_t panel_bytes_of(int layout, int G) {
     return (int64_t)G * group_bytes(layout) + (int64_t)(G / 8) * super_bytes(layout);
 }
@@ -143,8 +160,8 @@ static void split_row(const float *x, int K, int8_t *d1, int8_t *d2, float *usum
     *row_scale = amax / 127.0f;
 }
 
-/* The scales of one group's VL lanes (lanes [h VL, h VL + VL)): the group's, or for Q6_K its two halves'
- * (scale[1], lo[1]). sd, smin: the super-block's d and -dmin (K-quants). */
+/* The scales of one group's VL lanes (lanes [h VL, h VL + VL)): the group's, or for the per-half layouts
+ * its two halves' (scale[1], lo[1]). sd, smin: the super-block's d and -dmin (K-quants). */
 static inline __attribute__((always_inline)) void group_scales(const uint8_t *sp, int h, int layout, vf sd, vf smin,
                                                                vf scale[2], vf lo[2]) {
     switch (layout) {
@@ -163,9 +180,17 @@ static inline __attribute__((always_inline)) void group_scales(const uint8_t *sp
         lo[0] = vf_mul(smin, vf_from_i8((const int8_t *)sp + 16 + VL * h));
         break;
     case QL_Q6_K:
+    case QL_Q3_K:
         for (int half = 0; half < 2; half++) {
             scale[half] = vf_mul(sd, vf_from_i8((const int8_t *)sp + 16 * half + VL * h));
-            lo[half] = vf_mul(scale[half], vf_set1(-32.0f));
+            lo[half] = vf_mul(scale[half], vf_set1(layout == QL_Q6_K ? -32.0f : -4.0f));
+        }
+        break;
+    case QL_Q2_K: /* each byte sc | m << 4; vf_from_nibbles gives a nibble less 8 */
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *b = sp + 16 * half + VL * h;
+            scale[half] = vf_mul(sd, vf_add(vf_from_nibbles(b, 0), vf_set1(8.0f)));
+            lo[half] = vf_mul(smin, vf_add(vf_from_nibbles(b, 1), vf_set1(8.0f)));
         }
         break;
     default: /* QL_F16, QL_Q5_1 */
@@ -201,11 +226,21 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
             if (h == 0)
                 for (int i = 0; i < block + super; i += 64) simd_prefetch(blk + PREFETCH + i);
             vb c[8];
-            for (int i = 0; i < 4; i++) {
-                const vb v = vb_load(blk + 64 * i + 4 * VL * h);
-                c[2 * i] = vb_low_nibbles(v);
-                c[2 * i + 1] = vb_high_nibbles(v);
-            }
+            if (bits < 4) { /* bits 0-1 in two planes of crumbs, bit 2 in a plane of bits */
+                for (int q = 0; q < 8; q++) {
+                    const vb plane = vb_load(blk + 64 * (q / 4) + 4 * VL * h);
+                    c[q] = vb_bits(plane, 3 << (2 * (q % 4)), -2 * (q % 4));
+                }
+                if (bits == 3) {
+                    const vb high = vb_load(blk + 128 + 4 * VL * h);
+                    for (int q = 0; q < 8; q++) c[q] = vb_or(c[q], vb_bits(high, 1 << q, 2 - q));
+                }
+            } else
+                for (int i = 0; i < 4; i++) {
+                    const vb v = vb_load(blk + 64 * i + 4 * VL * h);
+                    c[2 * i] = vb_low_nibbles(v);
+                    c[2 * i + 1] = vb_high_nibbles(v);
+                }
             if (bits == 5) {
                 const vb high = vb_load(blk + CODE_BYTES + 4 * VL * h);
                 for (int q = 0; q < 8; q++) c[q] = vb_or(c[q], vb_bits(high, 1 << q, 4 - q));
@@ -216,11 +251,11 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                 }
             }
             vf scale[2], lo[2];
-            group_scales(blk + CODE_BYTES + 64 * (bits - 4), h, layout, sd, smin, scale, lo);
+            group_scales(blk + code_bytes(layout), h, layout, sd, smin, scale, lo);
 #pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
                 const int64_t at = (int64_t)g * TILE_GROUP + r * GROUP;
-                if (layout == QL_Q6_K) { /* two halves of 16, each its own scale */
+                if (per_half(layout)) { /* two halves of 16, each its own scale */
                     for (int half = 0; half < 2; half++) {
                         const vf s1 = vf_from_vi(vi_dot4_u6s8(c + 4 * half, d1 + at + 16 * half));
                         const vf t = digits == 2
@@ -274,6 +309,8 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
     case QL_Q4_K: TILES(digits, QL_Q4_K) break;                                                          \
     case QL_Q5_K: TILES(digits, QL_Q5_K) break;                                                          \
     case QL_Q6_K: TILES(digits, QL_Q6_K) break;                                                          \
+    case QL_Q2_K: TILES(digits, QL_Q2_K) break;                                                          \
+    case QL_Q3_K: TILES(digits, QL_Q3_K) break;                                                          \
     default: TILES(digits, QL_F16) break;                                                                \
     }
     if (digits == 2) {
@@ -295,7 +332,7 @@ static void panel_rows(const uint8_t *panel, int G, const int8_t *d1, const int8
  * layout is unknown). */
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
                  int num_threads, int digits, int layout, int ldy) {
-    if (layout < QL_F16 || layout > QL_Q6_K) return -1;
+    if (layout < QL_F16 || layout > QL_Q3_K) return -1;
     const int64_t ld = ldy > 0 ? ldy : N; /* y's row stride */
     const int G = K / GROUP, panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_bytes = panel_bytes_of(layout, G);
@@ -303,8 +340,8 @@ int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int 
     int8_t *d1 = malloc(rows * K), *d2 = digits == 2 ? malloc(rows * K) : d1;
     float *usum = malloc(sizeof(float) * rows * G), *row_scale = malloc(sizeof(float) * (size_t)M);
     float *gscale = digits == 2 ? usum : malloc(sizeof(float) * rows * G);
-    float *usum16 = layout == QL_Q6_K ? malloc(sizeof(float) * rows * 2 * G) : NULL;
-    if (!d1 || !d2 || !usum || !row_scale || !gscale || (layout == QL_Q6_K && !usum16)) {
+    float *usum16 = per_half(layout) ? malloc(sizeof(float) * rows * 2 * G) : NULL;
+    if (!d1 || !d2 || !usum || !row_scale || !gscale || (per_half(layout) && !usum16)) {
         free(d1);
         if (d2 != d1) free(d2);
         free(usum);

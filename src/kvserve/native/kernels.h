@@ -39,7 +39,7 @@ void silu_mul(const float *gate_up, int n, int inter, float *out);
 /* gelu_mul.c: gate_up [n, 2 * inter] -> out [n, inter], GELU's tanh form. */
 void gelu_tanh_mul(const float *gate_up, int n, int inter, float *out);
 
-/* int4_matmul.c: y [M, N] = x [M, K] against packed weights of 4, 5 or 6 bits in one of the layouts
+/* int4_matmul.c: y [M, N] = x [M, K] against packed weights of 2 to 6 bits in one of the layouts
  * below (int4_matmul.c's top describes each); 0, or -1 without workspace. */
 enum {
     QL_F16 = 0,  /* 4-bit codes, f16 scale and offset per 32 (GGUF Q4_1) */
@@ -50,6 +50,8 @@ enum {
     QL_Q4_K = 5, /* 4-bit codes, 6-bit scale and minimum per 32, f16 d and dmin per 256 */
     QL_Q5_K = 6, /* 5-bit codes, as Q4_K */
     QL_Q6_K = 7, /* 6-bit codes, int8 scale per 16, f16 d per 256, offset -32 d sc */
+    QL_Q2_K = 8, /* 2-bit codes, 4-bit scale and minimum per 16, f16 d and dmin per 256 */
+    QL_Q3_K = 9, /* 3-bit codes, int8 (6-bit signed) scale per 16, f16 d per 256, offset -4 d sc */
 };
 int int4_matmul(const float *x, const uint8_t *w, const float *bias, int M, int N, int K, float *y,
                 int num_threads, int digits, int layout, int ldy);
