@@ -12,7 +12,7 @@ import torch
 from kvserve import native
 from kvserve.config import EngineConfig
 from kvserve.engine.constraints import GrammarError, GrammarTokenizer, TokenConstraint
-from kvserve.engine.malloc import keep_freed_pages
+from kvserve.engine.malloc import HeapWatch, keep_freed_pages
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import Request, RequestStatus
@@ -43,6 +43,7 @@ MAX_STEP_FAILURES = 3  # a request in this many failed steps fails, even when ne
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         keep_freed_pages()
+        self.heap = HeapWatch()
         self.config = config
         self.loaded = loaded
         self.model_config = loaded.config
@@ -207,6 +208,7 @@ class LLMEngine:
             return self._step_failed(out, e)
         self.scheduler.step_succeeded(out)
         self.scheduler.update_after_step(out)
+        self.heap.after_step(out.num_tokens)
         if self.offload is not None:
             self.offload.save_computed(self.kv, [s.request for s in out.scheduled])
         drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}

@@ -30,6 +30,8 @@ class ModelRunner:
         speculative drafts has one row more per draft, right after its own."""
         # every step, as engines of other contexts may share the model: a no-op unless LongRoPE switches
         self.model.rope.fit_context(self.num_ctx)
+        if self.model.rope_local is not self.model.rope:  # Gemma's sliding layers: their tables capped too
+            self.model.rope_local.fit_context(self.num_ctx)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
