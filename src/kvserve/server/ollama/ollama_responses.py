@@ -106,6 +106,12 @@ class Ps(Exact):
     models: list[RunningModel]
 
 
+class PullStatus(Exact):
+    status: str  # "pulling manifest", "installing ...", "writing FILE", "verifying ...", "success"
+    total: int | None = None  # bytes, while a file is written
+    completed: int | None = None
+
+
 class Show(Exact):
     modelfile: str
     parameters: str

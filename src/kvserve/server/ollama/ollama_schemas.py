@@ -198,12 +198,13 @@ class ChatRequest(GenerationFields):
     tools: list[ToolDefinition] | None = None  # OpenAI's shape; the model chooses (no tool_choice)
 
 
-class ShowRequest(Strict):
+class NamedModel(Strict):
+    """A request that names one model, as ``model`` or (older clients) ``name``."""
+
     schema_rules = ({"anyOf": [{"required": [key], "properties": {key: {"type": "string", "minLength": 1}}}
                                for key in ("model", "name")]},)
     model: str | None = None
     name: str | None = None  # the older spelling
-    verbose: bool | None = None
 
     @model_validator(mode="after")
     def names_a_model(self):
@@ -212,5 +213,18 @@ class ShowRequest(Strict):
         return self
 
     @property
-    def model_name(self) -> str | None:
-        return self.model or self.name
+    def model_name(self) -> str:
+        return self.model or self.name or ""
+
+
+class ShowRequest(NamedModel):
+    verbose: bool | None = None
+
+
+class PullRequest(NamedModel):
+    insecure: bool | None = None  # Ollama's registry option; packages come from PyPI here
+    stream: bool | None = None  # default true: NDJSON progress lines
+
+
+class DeleteRequest(NamedModel):
+    pass
