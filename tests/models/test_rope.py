@@ -60,3 +60,22 @@ def test_tables_grow_to_the_served_context_with_the_same_values():
     assert torch.equal(rope.cos, emb.cos().float()) and torch.equal(rope.sin, sin.float())
     rope.tables(torch.tensor([5]), ROPE_CHUNK + 5000)  # a position past it still gets its row
     assert rope.cos.shape[0] == ROPE_CHUNK + 5001
+
+
+@pytest.mark.parametrize("served", [None, 1000])
+def test_tables_grown_in_steps_are_the_tables_built_at_once(served):
+    """Rows filled a step at a time in the served context's buffer (or doubled past it) hold the same bits
+    as one table built for every position at once, and never more rows than the served context."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    grown, whole = RotaryEmbedding(inv_freq, torch.device("cpu"), torch.float32), None
+    if served is not None:
+        grown.fit_context(served)
+    for last in (3, 255, 256, 700, 999):
+        positions = torch.arange(0, last + 1)
+        cos, sin = grown.tables(positions, last)
+        assert grown.cos.shape[0] <= (served or 10**9)
+        whole = RotaryEmbedding(inv_freq, torch.device("cpu"), torch.float32)
+        whole._grow(last + 1)
+        assert torch.equal(cos, whole.cos[: last + 1].unsqueeze(1)) and torch.equal(sin, whole.sin[: last + 1].unsqueeze(1))
+    if served is not None:
+        assert grown.cos.data_ptr() == grown._buffer[0].data_ptr()  # filled in place, never copied

@@ -15,6 +15,7 @@ import torch
 
 from kvserve import native
 from kvserve.config import ModelConfig
+from kvserve.host_memory import zeroed_bytes
 
 
 def inverse_frequencies(
@@ -99,6 +100,7 @@ def _llama3_scale(inv_freq: torch.Tensor, s) -> torch.Tensor:
 
 
 ROPE_CHUNK = 4096  # positions whose tables are computed in float64 at a time
+ROPE_STEP = 256  # positions filled at least at a time in a served context's buffer
 
 
 class RotaryEmbedding:
@@ -123,6 +125,7 @@ class RotaryEmbedding:
         self.cos = torch.empty(0, device=device)
         self.sin = torch.empty(0, device=device)
         self.max_length: int | None = None  # the served context (fit_context): tables never grow past it
+        self._buffer: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of max_length positions
 
     def factors_for(self, num_ctx: int) -> str | None:
         """LongRoPE's factor set for a context of ``num_ctx``: "long" or "short"; None for other embeddings."""
@@ -144,20 +147,38 @@ class RotaryEmbedding:
             self.inv_freq = inv_freq
             self.cos = torch.empty(0, device=self.device)
             self.sin = torch.empty(0, device=self.device)
+            self._buffer = None
 
     def _grow(self, length: int) -> None:
-        """Tables of at least ``length`` positions: doubling (a step at a time would rebuild them every
-        step), but not past the served context, and built a chunk of positions at a time, so the float64
-        math never holds a whole table (at 32K positions of 256 dims that was ~200 MiB at once)."""
-        needed = length
-        length = max(needed, 2 * self.cos.shape[0], 256)
-        if self.max_length is not None:
-            length = max(needed, min(length, self.max_length))
-        width = 2 * self.inv_freq.shape[0]
-        cos = torch.empty(length, width, device=self.device, dtype=self.dtype)
-        sin = torch.empty(length, width, device=self.device, dtype=self.dtype)
-        for start in range(0, length, ROPE_CHUNK):
-            t = torch.arange(start, min(start + ROPE_CHUNK, length), dtype=torch.float64)
+        """Tables of at least ``length`` positions. Within the served context (``fit_context``): rows
+        filled in place in one buffer of the context's size, whose pages stay unmapped until written
+        (``host_memory.zeroed_bytes``), ROPE_STEP positions or more at a time: no copy and no old table
+        beside a new one, which doubling left behind as holes in the heap that a long prefill's
+        temporaries then wandered over (Gemma 3's two tables at 8K: 16 MiB held beside 8 MiB, twice).
+        Past it: just the rows asked for; without one: doubling; a copy each time. Rows are computed a chunk of positions at a
+        time, so the float64 math never holds a whole table (32K positions of 256 dims: ~200 MiB)."""
+        filled, width = self.cos.shape[0], 2 * self.inv_freq.shape[0]
+        if self.max_length is not None and length <= self.max_length:
+            end = min(self.max_length, max(length, filled + ROPE_STEP))
+            if self._buffer is None or self._buffer[0].shape[0] < self.max_length:
+                nbytes = self.max_length * width * torch.empty(0, dtype=self.dtype).element_size()
+                self._buffer = tuple(zeroed_bytes(nbytes, self.device).view(self.dtype).view(self.max_length, width)
+                                     for _ in range(2))
+                if filled:
+                    for old, new in zip((self.cos, self.sin), self._buffer):
+                        new[:filled] = old
+            cos, sin = self._buffer
+        else:
+            end = max(length, 2 * filled, 256)
+            if self.max_length is not None:  # a position past the served context: its row, no more
+                end = length
+            cos = torch.empty(end, width, device=self.device, dtype=self.dtype)
+            sin = torch.empty(end, width, device=self.device, dtype=self.dtype)
+            if filled:
+                cos[:filled], sin[:filled] = self.cos, self.sin
+            self._buffer = None
+        for start in range(filled, end, ROPE_CHUNK):
+            t = torch.arange(start, min(start + ROPE_CHUNK, end), dtype=torch.float64)
             freqs = torch.outer(t, self.inv_freq)  # [chunk, head_dim // 2]
             emb = torch.cat([freqs, freqs], dim=-1)
             c, s = emb.cos(), emb.sin()
@@ -166,7 +187,7 @@ class RotaryEmbedding:
             s[:, : width // 2].neg_()  # sign folded in: apply_rotary needs no negation
             cos[start : start + len(t)] = c.to(self.device, self.dtype)
             sin[start : start + len(t)] = s.to(self.device, self.dtype)
-        self.cos, self.sin = cos, sin
+        self.cos, self.sin = cos[:end], sin[:end]
 
     def tables(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each position: [num_tokens, 1, head_dim] (broadcast over heads)."""
