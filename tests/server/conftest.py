@@ -81,11 +81,13 @@ def server(tmp_path_factory) -> Server:
                      "--max-body-size", str(MAX_BODY), "--embedding-model", "all-minilm")
 
 
-def serve(tmp_path_factory, model: str, *args: str):
-    """A ``kvserve serve MODEL ARGS`` on a free port with the tests' API key, until the generator ends."""
+def serve(tmp_path_factory, model: str | list[str], *args: str):
+    """A ``kvserve serve MODEL ARGS`` (MODEL ... for a list) on a free port with the tests' API key, until
+    the generator ends."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "kvserve", "serve", model, "--host", "127.0.0.1", "--port", str(port), *args,
+    models = [model] if isinstance(model, str) else model
+    cmd = [sys.executable, "-m", "kvserve", "serve", *models, "--host", "127.0.0.1", "--port", str(port), *args,
            "--api-key", API_KEY, "--no-access-log"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(log, "wb") as out:

@@ -1,4 +1,5 @@
-"""``kvserve serve [MODEL]``: OpenAI- and Ollama-compatible HTTP APIs over one model."""
+"""``kvserve serve [MODEL ...]``: OpenAI- and Ollama-compatible HTTP APIs over one model, and more loaded
+on demand (server/model_slots.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,23 @@ from kvserve.server.server_config import DEFAULT_MAX_BODY_BYTES
 
 
 def add_parser(sub, name: str) -> None:
-    p = sub.add_parser(name, help="serve a model over OpenAI- and Ollama-compatible HTTP APIs")
+    p = sub.add_parser(name, help="serve models over OpenAI-, Ollama- and Anthropic-compatible HTTP APIs")
     p.add_argument(
-        "model", nargs="?", default=None, help="registry name, .gguf file or HF folder (default smollm2)"
+        "models", nargs="*", metavar="MODEL",
+        help="registry name, .gguf file or HF folder (default smollm2); the first is loaded at start and kept, "
+        "the others load when a request names them",
     )
+    p.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="also serve every .gguf file in DIR (named by its file name less .gguf), loaded on demand")
+    p.add_argument("--keep-alive", default="-1", metavar="DURATION",
+                   help="how long a model loaded on demand stays once idle: 5m, 1h, 30s, 0 (unload after each "
+                   "answer) or -1 (until evicted; default); a request's keep_alive overrides it")
+    p.add_argument("--max-loaded-models", type=int, default=0, metavar="N",
+                   help="models loaded at once, the first included (0: as many as --max-memory holds)")
+    p.add_argument("--max-memory", type=parse_bytes, default=None, metavar="SIZE",
+                   help="memory the server may take with all its loaded models, as kvserve plan counts each (default: "
+                   "the first model's plan and what this machine has available after loading it); the least "
+                   "recently used idle model is unloaded to make room")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -124,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be between 1 and 65535, got {args.port}")
+    args.model = args.models[0] if args.models else None
+    others = other_models(args)
     config = ServerConfig(
         model_name=served_name(args.model, args.served_model_name),
         host=args.host,
@@ -138,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         from kvserve.cli.serve_replicas import run_replicas
 
+        if others:
+            raise ValueError("--replicas serves one model; give one MODEL")
         return run_replicas(args, config)
     if args.ray_address is not None:
         raise ValueError("--ray-address needs --replicas N")
@@ -146,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     async_engine = AsyncLLMEngine(engine)
     encoder = _encoder(args.embedding_model, "--embedding-model", rerank=False)
     reranker = _encoder(args.rerank_model, "--rerank-model", rerank=True)
-    app = build_app(async_engine, config, encoder=encoder, reranker=reranker)
+    models = _served_models(args, others, config) if others else None
+    app = build_app(async_engine, config, encoder=encoder, reranker=reranker, models=models)
     url = f"http://{args.host}:{args.port}"
     print(
         f"serving {config.model_name} on {url} (OpenAI: {url}/v1, Ollama: {url}/api, metrics: {url}/metrics; "
@@ -183,3 +202,71 @@ def _encoder(name: str | None, flag: str, rerank: bool):
         raise ValueError(f"{flag} {name}: not {kind}")
     return encoder
 
+
+
+def other_models(args: argparse.Namespace) -> list[str]:
+    """The models after the first, and the .gguf files of --models-dir, each once."""
+    found = list(args.models[1:])
+    if args.models_dir:
+        folder = Path(args.models_dir).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"--models-dir {args.models_dir}: no such folder")
+        found += [str(p) for p in sorted(folder.glob("*.gguf"))]
+    if args.max_loaded_models < 0:
+        raise ValueError(f"--max-loaded-models must be >= 0, got {args.max_loaded_models}")
+    return list(dict.fromkeys(m for m in found if m != args.model))
+
+
+def planned_bytes(args: argparse.Namespace, source: str, with_runtime: bool = False) -> int:
+    """What ``kvserve plan`` says the engine takes for ``source`` at this server's settings: its weights,
+    pool, activations and tokenizer, and (``with_runtime``) the Python runtime every model shares."""
+    from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, PlanSettings, make_plan
+    from kvserve.plan.source import resolve_model
+
+    spec = resolve_model(source)
+    k, v = args.cache_type_k or args.cache_type, args.cache_type_v or args.cache_type
+    settings = PlanSettings(contexts=(min(args.num_ctx, spec.config.max_position_embeddings),), kv_types=((k, v),),
+                            memory=1 << 60, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                            weights=args.weights, window_kv=not args.no_window_kv)
+    total = make_plan(spec, settings).kv[0].contexts[0].engine_total
+    return total if with_runtime else total - RUNTIME_OVERHEAD_BYTES
+
+
+def _served_models(args: argparse.Namespace, others: list[str], config):
+    """The factory build_app calls with the first model's Serving: every other model a slot, sized by the
+    planner, loaded by ``load_engine`` with this server's settings."""
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.models.registry import resolve
+    from kvserve.plan.planner import available_memory
+    from kvserve.server.model_card import ModelCard
+    from kvserve.server.model_slots import ServedModels, keep_alive_seconds
+    from kvserve.server.ollama.ollama_schemas import DURATION
+    from kvserve.server.serving import Serving
+
+    if not DURATION.match(args.keep_alive.strip()):
+        raise ValueError(f"--keep-alive {args.keep_alive}: not a duration (use e.g. 5m, 1h, 30s, 0 or -1)")
+    keep_alive = keep_alive_seconds(args.keep_alive, None)
+    slots = {}
+    for source in others:
+        resolve(source)  # a missing file or an unknown name: said now, not at the first request
+        name = served_name(source, None)
+        if name in slots or name == config.model_name:
+            raise ValueError(f"two models would be served as '{name}': rename a file")
+        slots[name] = (source, planned_bytes(args, source), ModelCard.from_file(source, name, args.num_ctx))
+    first = planned_bytes(args, args.model or DEFAULT_MODEL, with_runtime=True)
+    # the first model (and the runtime) are loaded already: what is available now is what the others may take
+    budget = args.max_memory - first if isinstance(args.max_memory, int) else available_memory()[0]
+    if budget <= 0:
+        raise ValueError(f"--max-memory leaves nothing beside the first model and the runtime: {first / 2**20:.0f} "
+                         "MiB (kvserve plan)")
+
+    def make(primary: Serving) -> ServedModels:
+        def load(source: str, name: str) -> Serving:
+            engine = load_engine(argparse.Namespace(**{**vars(args), "model": source}))
+            return Serving(AsyncLLMEngine(engine), ModelCard.from_engine(engine, name), primary.metrics, primary.config)
+
+        return ServedModels(primary, slots, load, budget=budget, max_loaded=args.max_loaded_models,
+                            keep_alive=keep_alive)
+
+    return make

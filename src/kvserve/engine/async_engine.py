@@ -103,6 +103,11 @@ class AsyncLLMEngine:
         """Requests accepted by ``generate`` that the engine thread has not taken in yet."""
         return sum(1 for kind, _ in list(self._pending) if kind == "add")
 
+    @property
+    def num_open_streams(self) -> int:
+        """``generate`` calls under way (their callers still reading): 0 when the engine is idle."""
+        return len(self._streams)
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream (if still read) ends with finish_reason "abort"."""
         self._pending.append(("abort", request_id))

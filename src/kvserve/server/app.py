@@ -38,6 +38,7 @@ from kvserve.server.middleware import (
     JSONBodyMiddleware,
 )
 from kvserve.server.model_card import ModelCard
+from kvserve.server.model_slots import ServedModels
 from kvserve.server.ollama import ollama_api
 from kvserve.server.openai import openai_api, responses_api
 from kvserve.server.openapi_docs import ok, openapi_document
@@ -106,11 +107,13 @@ def build_app(
     view: EngineView | None = None,
     encoder=None,
     reranker=None,
+    models=None,
 ) -> FastAPI:
     """The app owns ``async_engine`` from now on: it shuts the engine down when the server stops.
     ``view`` replaces the engine's own for ``/metrics`` and ``/v1/kvserve/cache`` (replicas: their sum);
     ``encoder`` (``models.encoder.Encoder``) answers the embeddings routes, ``reranker`` (a cross-encoder's)
-    the rerank routes."""
+    the rerank routes; ``models(serving)`` makes the ``ServedModels`` beside the engine's own model (by
+    default it alone)."""
     card = card or ModelCard.from_engine(async_engine.engine, config.model_name)
 
     @asynccontextmanager
@@ -122,7 +125,9 @@ def build_app(
             publisher = KVEventPublisher(config.kv_events)
             await asyncio.to_thread(_publish_kv_events, async_engine, publisher)
         app.state.kv_events = publisher
+        app.state.models.start()
         yield
+        await app.state.models.stop()
         await asyncio.to_thread(async_engine.shutdown)
         if publisher is not None:  # after the engine's last step, so its events go out too
             await asyncio.to_thread(publisher.close)
@@ -140,6 +145,7 @@ def build_app(
     app.state.view = view
     app.state.metrics = ServerMetrics(view)
     app.state.serving = Serving(async_engine, card, app.state.metrics, config)
+    app.state.models = models(app.state.serving) if models is not None else ServedModels(app.state.serving)
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)

@@ -1,5 +1,5 @@
-"""What the server says about its one model: names, size, digest, details (``/v1/models``, ``/api/tags``,
-``/api/show``, ``/api/ps``)."""
+"""What the server says about a model: names, size, digest, details (``/v1/models``, ``/api/tags``,
+``/api/show``, ``/api/ps``), from its loaded engine or, before it loads, from its file's header."""
 
 from __future__ import annotations
 
@@ -63,6 +63,21 @@ class ModelCard:
             modified=path.stat().st_mtime,
             chat_template=(tokenizer.chat_template or "") if tokenizer else "",
         )
+
+    @classmethod
+    def from_file(cls, source: str, name: str, context_length: int) -> ModelCard:
+        """A model not loaded yet, described from its header (``kvserve plan``'s reading): no KV pool yet."""
+        from kvserve.models.registry import resolve
+        from kvserve.plan.source import resolve_model
+
+        path = resolve(source)
+        spec = resolve_model(source)
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+        types = spec.stored_by_type or {"unknown": 0}
+        return cls(name=name, path=path, architecture=spec.config.architecture, num_parameters=spec.num_params,
+                   quantization=max(types, key=types.get), size_bytes=sum(f.stat().st_size for f in files),
+                   context_length=min(context_length, spec.config.max_position_embeddings), kv_pool_bytes=0,
+                   device="cpu", modified=path.stat().st_mtime, chat_template="")
 
     @property
     def ollama_name(self) -> str:

@@ -30,6 +30,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.server.anthropic import anthropic_responses as responses
 from kvserve.server.anthropic.anthropic_schemas import CountTokensRequest, MessagesRequest
 from kvserve.server.api_errors import APIError, anthropic_error_body, engine_error, generation_error
+from kvserve.server.model_slots import served
 from kvserve.server.openapi_docs import anthropic_errors, ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event
@@ -42,16 +43,11 @@ router = APIRouter(tags=["Anthropic"])
 PARAM_NAMES = {"stop": "stop_sequences"}
 
 
-def _serving(request: Request) -> Serving:
-    return request.app.state.serving
-
-
 
 
 async def _prompt(
     serving: Serving, body: CountTokensRequest
 ) -> tuple[list[int], list[Tool], ToolChoice, Thinking | None]:
-    serving.check_model(body.model)
     try:
         tools, choice = body.tool_rules()
         check_tools(tools, choice)
@@ -77,7 +73,7 @@ async def _prompt(
     | anthropic_errors(400, 404, 429, 503),
 )
 async def messages(body: MessagesRequest, request: Request):
-    serving = _serving(request)
+    serving = await served(request, body.model)
     prompt, tools, choice, thinking = await _prompt(serving, body)
     answer_format = body.output_config.constraint() if body.output_config else None
     params = sampling_params(
@@ -106,7 +102,7 @@ async def messages(body: MessagesRequest, request: Request):
     responses=ok(responses.TokenCount, "The prompt's tokens, tools included") | anthropic_errors(400, 404),
 )
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
-    prompt, *_ = await _prompt(_serving(request), body)
+    prompt, *_ = await _prompt(await served(request, body.model), body)
     return {"input_tokens": len(prompt)}
 
 

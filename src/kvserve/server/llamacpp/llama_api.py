@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.api_errors import APIError, engine_error, generation_error
+from kvserve.server.model_slots import served
 from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_event, sse_response
@@ -110,9 +111,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
 @documented(router.post, "/infill", InfillResponse, "The middle; with stream: true, server-sent events of its pieces",
             sse_stream(InfillResponse), openai_errors(400, 404, 429, 503))
 async def infill(body: InfillRequest, request: Request):
-    serving = _serving(request)
-    if body.model:
-        serving.check_model(body.model)
+    serving = await served(request, body.model) if body.model else _serving(request)
     ids = await serving.encode_fim(body.input_prefix, body.input_suffix,
                                    [(f.filename, f.text) for f in body.input_extra], body.prompt)
     room = serving.max_model_len - len(ids)

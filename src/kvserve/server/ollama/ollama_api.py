@@ -28,6 +28,8 @@ from kvserve.errors import ModelLoadError, ModelNotFoundError
 from kvserve.fim import hole_indent
 from kvserve.models import registry
 from kvserve.server.api_errors import APIError, engine_error, prompt_too_long
+from kvserve.server.model_card import ModelCard
+from kvserve.server.model_slots import keep_alive_seconds, served
 from kvserve.server.ollama import ollama_responses as responses
 from kvserve.server.ollama.ollama_format import Reply, iso_stamp, now_stamp
 from kvserve.server.ollama.ollama_schemas import (
@@ -50,10 +52,6 @@ router = APIRouter(tags=["Ollama"])
 
 NEVER = "9999-12-31T23:59:59Z"  # expires_at of a model that stays loaded
 PARAM_NAMES = {"repetition_penalty": "repeat_penalty", "logprobs": "top_logprobs"}
-
-
-def _serving(request: Request) -> Serving:
-    return request.app.state.serving
 
 
 def ollama_params(
@@ -121,10 +119,15 @@ async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
         yield ndjson_line({"error": (engine_error(e) or APIError(503, f"the engine failed: {e}")).message})
 
 
-def _load_reply(model: str, chat: bool) -> dict:
-    """What Ollama answers to an empty prompt: the model is loaded (it always is here)."""
-    obj: dict = {"model": model, "created_at": now_stamp()}
+async def _load_reply(request: Request, body, chat: bool) -> dict:
+    """What Ollama answers to an empty prompt: the model is loaded (``done_reason: "load"``), or with
+    ``keep_alive`` 0 unloaded (``"unload"``; the server's own model stays)."""
+    obj: dict = {"model": body.model, "created_at": now_stamp()}
     obj |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    models = request.app.state.models
+    if keep_alive_seconds(body.keep_alive, None) == 0 and await models.release(body.model):
+        return obj | {"done": True, "done_reason": "unload"}
+    await models.serving(body.model, body.keep_alive)
     return obj | {"done": True, "done_reason": "load"}
 
 
@@ -135,10 +138,9 @@ STREAMED = "NDJSON lines as the answer is generated (the default), or one object
             ndjson_stream(responses.GenerateResponse), ollama_errors(400, 404, 503))
 async def generate(body: GenerateRequest, request: Request):
     received = time.perf_counter()
-    serving = _serving(request)
-    serving.check_model(body.model)
     if not body.prompt and not body.context:
-        return _load_reply(body.model, chat=False)
+        return await _load_reply(request, body, chat=False)
+    serving = await served(request, body.model, body.keep_alive)
     if body.raw and body.system:
         raise APIError(400, "system has no effect with raw: true; put it in the prompt")
     context = list(body.context or [])
@@ -160,10 +162,9 @@ async def generate(body: GenerateRequest, request: Request):
             ollama_errors(400, 404, 503))
 async def chat(body: ChatRequest, request: Request):
     received = time.perf_counter()
-    serving = _serving(request)
-    serving.check_model(body.model)
     if not body.messages:
-        return _load_reply(body.model, chat=True)
+        return await _load_reply(request, body, chat=True)
+    serving = await served(request, body.model, body.keep_alive)
     tools = [t.tool() for t in body.tools or []]
     try:
         check_tools(tools, ToolChoice())
@@ -220,8 +221,7 @@ async def _run(
 
 
 # --- models -----------------------------------------------------------------------------------------
-async def _model_entry(serving: Serving) -> dict:
-    card = serving.card
+async def _model_entry(card: ModelCard) -> dict:
     digest = await asyncio.to_thread(card.digest)
     return {
         "name": card.ollama_name,
@@ -233,25 +233,30 @@ async def _model_entry(serving: Serving) -> dict:
     }
 
 
-@router.get("/api/tags", response_model=None, responses=ok(responses.Tags, "The served model"))
+@router.get("/api/tags", response_model=None, responses=ok(responses.Tags, "The models this server serves, loaded or not"))
 async def tags(request: Request) -> dict:
-    return {"models": [await _model_entry(_serving(request))]}
+    return {"models": [await _model_entry(slot.card) for slot in request.app.state.models.slots]}
 
 
-@router.get("/api/ps", response_model=None, responses=ok(responses.Ps, "The served model, always loaded"))
+@router.get("/api/ps", response_model=None, responses=ok(responses.Ps, "The loaded models, each with when it unloads"))
 async def ps(request: Request) -> dict:
-    serving = _serving(request)
-    card = serving.card
-    entry = await _model_entry(serving)
+    models = []
+    for slot in request.app.state.models.loaded():
+        models.append(await _running_entry(slot.card, slot.expires_at()))
+    return {"models": models}
+
+
+async def _running_entry(card: ModelCard, expires: float | None) -> dict:
+    entry = await _model_entry(card)
     size = card.size_bytes + card.kv_pool_bytes
     entry |= {
-        "expires_at": NEVER,
+        "expires_at": NEVER if expires is None else iso_stamp(expires),
         "size": size,
         "size_vram": size if card.device.startswith("cuda") else 0,
         "context_length": card.context_length,
     }
     del entry["modified_at"]
-    return {"models": [entry]}
+    return entry
 
 
 @router.post(
@@ -260,8 +265,7 @@ async def ps(request: Request) -> dict:
     responses=ok(responses.Show, "The model's details") | ollama_errors(400, 404),
 )
 async def show(body: ShowRequest, request: Request) -> dict:
-    serving = _serving(request)
-    serving.check_model(body.model_name)
+    serving = await served(request, body.model_name)
     card = serving.card
     c = serving.async_engine.engine.model_config
     arch = card.architecture
@@ -347,7 +351,7 @@ async def pull(body: PullRequest, request: Request):
 async def delete(body: DeleteRequest, request: Request) -> Response:
     """A registry model removed from this machine (its joined file and its packages); not the one this
     server serves (409)."""
-    if _serving(request).card.matches(body.model_name):
+    if any(slot.matches(body.model_name) for slot in request.app.state.models.slots):
         raise APIError(409, f"model '{body.model_name}' is the one this server serves: stop it first", "model")
     try:
         await asyncio.to_thread(registry.delete, body.model_name)

@@ -17,6 +17,8 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.fim import hole_indent
 from kvserve.server.api_errors import APIError, engine_error, openai_error_body
+from kvserve.server.model_card import ModelCard
+from kvserve.server.model_slots import served
 from kvserve.server.openai import openai_responses as responses
 from kvserve.server.openai.openai_format import (
     ChunkMaker,
@@ -37,10 +39,6 @@ from kvserve.server.tools import Calls, parse_calls, text_to_stream
 router = APIRouter(tags=["OpenAI"])
 
 PARAM_NAMES = {"repetition_penalty": "repetition_penalty", "logprobs": "top_logprobs"}
-
-
-def _serving(request: Request) -> Serving:
-    return request.app.state.serving
 
 
 def _params(
@@ -69,7 +67,6 @@ def _params(
 
 
 def _check_common(body: SamplingFields, serving: Serving) -> int:
-    serving.check_model(body.model)
     if body.logit_bias and any(int(t) >= serving.vocab_size for t in body.logit_bias):
         raise APIError(400, f"logit_bias names a token id beyond the vocabulary of {serving.vocab_size}",
                        "logit_bias")
@@ -120,7 +117,7 @@ STREAMED = "The completion; with stream: true, chunks as server-sent events"
 @documented(router.post, "/v1/chat/completions", responses.ChatCompletion, STREAMED,
             sse_stream(responses.ChatCompletionChunk), openai_errors(400, 404, 429, 503))
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    serving = _serving(request)
+    serving = await served(request, body.model)
     n = _check_common(body, serving)
     if body.max_tokens is not None and body.max_completion_tokens not in (None, body.max_tokens):
         raise APIError(400, "give max_completion_tokens or max_tokens, not both", "max_tokens")
@@ -214,7 +211,7 @@ async def _chat_events(
 @documented(router.post, "/v1/completions", responses.Completion, STREAMED, sse_stream(responses.CompletionChunk),
             openai_errors(400, 404, 429, 503))
 async def completions(body: CompletionRequest, request: Request):
-    serving = _serving(request)
+    serving = await served(request, body.model)
     n = _check_common(body, serving)
     if body.best_of not in (None, 1, n):
         raise APIError(400, "best_of other than n is not supported", "best_of")
@@ -314,8 +311,7 @@ def _closer(streams: list[EngineStream]):
 
 
 # --- /v1/models -------------------------------------------------------------------------------------
-def _model_object(serving: Serving) -> dict:
-    card = serving.card
+def _model_object(card: ModelCard) -> dict:
     return {
         "id": card.name,
         "object": "model",
@@ -333,7 +329,7 @@ def _encoder_object(encoder) -> dict:
 @router.get("/v1/models", response_model=None,
             responses=ok(responses.ModelList, "The served model, and the embedding and rerank models beside it"))
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_object(_serving(request))]
+    return {"object": "list", "data": [_model_object(slot.card) for slot in request.app.state.models.slots]
             + [_encoder_object(e) for e in _encoders(request)]}
 
 
@@ -348,9 +344,7 @@ def _encoders(request: Request) -> list:
     responses=ok(responses.Model, "The model") | openai_errors(404),
 )
 async def get_model(model: str, request: Request) -> dict:
-    serving = _serving(request)
     for encoder in _encoders(request):
         if model in (encoder.name, f"{encoder.name}:latest"):
             return _encoder_object(encoder)
-    serving.check_model(model)
-    return _model_object(serving)
+    return _model_object(request.app.state.models.find(model).card)

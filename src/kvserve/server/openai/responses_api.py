@@ -23,6 +23,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.reasoning import ThoughtState
 from kvserve.server.api_errors import APIError, engine_error, generation_error
+from kvserve.server.model_slots import served
 from kvserve.server.openai.responses_schemas import (
     ResponseEvent,
     ResponseObject,
@@ -30,7 +31,7 @@ from kvserve.server.openai.responses_schemas import (
     input_messages,
 )
 from kvserve.server.openapi_docs import documented, ok, openai_errors, typed_sse_stream
-from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
+from kvserve.server.serving import EngineStream, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tool_types import ToolCall
@@ -156,16 +157,11 @@ class Reply:
         return sse_typed_event(kind, {"sequence_number": self.sequence - 1, **data})
 
 
-def _serving(request: Request) -> Serving:
-    return request.app.state.serving
-
-
 @documented(router.post, "/v1/responses", ResponseObject,
             "The response; with stream: true, its events as server-sent events", typed_sse_stream(ResponseEvent),
             openai_errors(400, 404, 429, 503))
 async def create_response(body: ResponsesRequest, request: Request):
-    serving = _serving(request)
-    serving.check_model(body.model)
+    serving = await served(request, body.model)
     store = _store(request)
     try:
         messages = input_messages(body.input)

@@ -1,0 +1,171 @@
+"""Several models behind one server (server/model_slots.py): a model named by a request loads then, its
+keep_alive unloads it, a model that does not fit the memory budget or the count evicts the least recently
+used idle one, one that cannot fit alone is a 503 with the planner's numbers; /api/ps and /api/tags tell
+the truth. A fake loader drives the rules; a live server with the ollama client shows them end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import ollama
+import pytest
+
+from kvserve.server import model_slots
+from kvserve.server.api_errors import APIError
+from kvserve.server.model_card import ModelCard
+from kvserve.server.model_slots import ServedModels, keep_alive_seconds
+from tests.server.conftest import serve
+
+
+@pytest.mark.parametrize("value, seconds", [
+    (None, 60.0), (0, 0.0), ("0", 0.0), (-1, None), ("-1", None), ("-5m", None), ("5m", 300.0), ("1h30m", 5400.0),
+    ("10s", 10.0), ("1.5s", 1.5), (30, 30.0), ("250ms", 0.25), ("300", 300.0)])
+def test_keep_alive_reads_ollamas_forms(value, seconds):
+    assert keep_alive_seconds(value, 60.0) == seconds
+
+
+def card(name: str) -> ModelCard:
+    return ModelCard(name, Path(f"{name}.gguf"), "llama", 1, "Q4_0", 1, 64, 1, "cpu", 0.0, "")
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.num_open_streams = 0
+        self.shut = False
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def fake_serving(name: str) -> SimpleNamespace:
+    return SimpleNamespace(card=card(name), async_engine=FakeEngine())
+
+
+def models(budget=None, max_loaded=0, keep_alive=None, sizes=None) -> tuple[ServedModels, list[str]]:
+    loads: list[str] = []
+
+    def load(source: str, name: str):
+        loads.append(name)
+        if source == "broken":
+            raise ValueError("not a GGUF file")
+        return fake_serving(name)
+
+    sizes = sizes or {"a": 100, "b": 100, "c": 100}
+    others = {n: (n if n != "x" else "broken", size, card(n)) for n, size in sizes.items()}
+    return ServedModels(fake_serving("main"), others, load, budget, max_loaded, keep_alive), loads
+
+
+def test_models_load_when_named_and_evict_the_least_recently_used(monkeypatch):
+    monkeypatch.setattr(model_slots, "GRACE", 0.0)
+    served, loads = models(budget=250)
+
+    async def go():
+        assert (await served.serving("main")).card.name == "main" and loads == []  # the server's own
+        a = await served.serving("a:latest")
+        await served.serving("b")
+        assert loads == ["a", "b"] and {s.name for s in served.loaded()} == {"main", "a", "b"}
+        await served.serving("a")  # a is now the more recently used
+        await served.serving("c")  # 300 > 250: b goes, not a
+        assert {s.name for s in served.loaded()} == {"main", "a", "c"} and loads == ["a", "b", "c"]
+        assert not a.async_engine.shut
+        with pytest.raises(APIError) as unknown:
+            await served.serving("nope")
+        assert unknown.value.status == 404 and "'main', 'a', 'b', 'c'" in unknown.value.message
+        await served.stop()
+        assert [s.name for s in served.loaded()] == ["main"]
+
+    asyncio.run(go())
+
+
+def test_a_busy_model_is_not_evicted_and_the_count_is_kept(monkeypatch):
+    monkeypatch.setattr(model_slots, "GRACE", 0.0)
+    monkeypatch.setattr(model_slots, "TICK", 0.01)
+    served, loads = models(max_loaded=2)
+
+    async def go():
+        a = await served.serving("a")
+        a.async_engine.num_open_streams = 1  # a stream is open on it
+        waiting = asyncio.ensure_future(served.serving("b"))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and loads == ["a"]  # main + a loaded: b waits for a to be idle
+        a.async_engine.num_open_streams = 0
+        await asyncio.wait_for(waiting, 5)
+        assert a.async_engine.shut and {s.name for s in served.loaded()} == {"main", "b"}
+
+    asyncio.run(go())
+
+
+def test_keep_alive_unloads_an_idle_model(monkeypatch):
+    monkeypatch.setattr(model_slots, "GRACE", 0.0)
+    monkeypatch.setattr(model_slots, "TICK", 0.01)
+    served, _ = models(keep_alive=None)
+
+    async def go():
+        served.start()
+        await served.serving("a", keep_alive="50ms")
+        await served.serving("b")  # the server's default: never
+        assert served.find("a").expires_at() is not None and served.find("b").expires_at() is None
+        await asyncio.sleep(0.3)
+        assert {s.name for s in served.loaded()} == {"main", "b"}
+        assert await served.release("b") and {s.name for s in served.loaded()} == {"main"}
+        assert not await served.release("main")  # the server's own stays
+        await served.stop()
+
+    asyncio.run(go())
+
+
+def test_too_big_or_broken_models_are_clear_errors():
+    mib = 1 << 20
+    served, _ = models(budget=150 * mib, sizes={"a": 100 * mib, "big": 200 * mib, "x": 10 * mib})
+
+    async def go():
+        with pytest.raises(APIError) as big:
+            await served.serving("big")
+        assert big.value.status == 503 and "needs 200 MiB" in big.value.message and "of 150 MiB" in big.value.message
+        with pytest.raises(APIError) as broken:
+            await served.serving("x")
+        assert broken.value.status == 503 and "not a GGUF file" in broken.value.message
+        assert served.find("x").serving is None
+
+    asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """smollm2 (kept), Gemma 3 and Qwen2.5-Coder on demand, at most two loaded at once."""
+    yield from serve(tmp_path_factory, ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"], "-c", "512",
+                     "--max-num-seqs", "2", "--max-loaded-models", "2", "--weights", "q4")
+
+
+def loaded(client: ollama.Client) -> list[str]:
+    return sorted(m.model for m in client.ps().models)
+
+
+def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
+    client = ollama.Client(host=three.url, headers=three.headers)
+    assert sorted(m.model for m in client.list().models) == ["gemma3-270m:latest", "qwen2.5-coder-0.5b:latest",
+                                                             "smollm2:latest"]
+    assert loaded(client) == ["smollm2:latest"]
+    for model in ("gemma3-270m", "smollm2", "qwen2.5-coder-0.5b", "gemma3-270m"):  # qwen evicts gemma, and back
+        reply = client.chat(model, [{"role": "user", "content": "Say hi."}], options={"num_predict": 3})
+        assert reply.model == model and reply.message.content
+        assert model.split(":")[0] in " ".join(loaded(client)) and len(loaded(client)) <= 2
+    assert loaded(client) == ["gemma3-270m:latest", "smollm2:latest"]
+    forever = next(m for m in client.ps().models if m.model == "smollm2:latest")
+    assert forever.expires_at.year == 9999 and forever.size > 0
+    client.generate("gemma3-270m", "Hi", options={"num_predict": 2}, keep_alive=0)
+    deadline = time.monotonic() + 10
+    while loaded(client) != ["smollm2:latest"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert loaded(client) == ["smollm2:latest"]
+    ids = [m["id"] for m in httpx.get(f"{three.url}/v1/models", headers=three.headers).json()["data"]]
+    assert ids[:3] == ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"]
+    r = httpx.post(f"{three.url}/v1/chat/completions", headers=three.headers,
+                   json={"model": "qwen2.5-coder-0.5b", "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == "qwen2.5-coder-0.5b"
+    unloaded = client.generate("qwen2.5-coder-0.5b", "", keep_alive=0)
+    assert unloaded.done_reason == "unload" and loaded(client) == ["smollm2:latest"]
