@@ -136,8 +136,9 @@ def test_too_big_or_broken_models_are_clear_errors():
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    """smollm2 (kept), Gemma 3 and Qwen2.5-Coder on demand, at most two loaded at once."""
-    yield from serve(tmp_path_factory, ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"], "-c", "512",
+    """smollm2 (kept), Gemma 3 and Qwen2.5-Coder on demand, at most two loaded at once; all-minilm's
+    embeddings beside them."""
+    yield from serve(tmp_path_factory, ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "all-minilm"], "-c", "512",
                      "--max-num-seqs", "2", "--max-loaded-models", "2", "--weights", "q4")
 
 
@@ -169,3 +170,5 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
     assert r.status_code == 200 and r.json()["model"] == "qwen2.5-coder-0.5b"
     unloaded = client.generate("qwen2.5-coder-0.5b", "", keep_alive=0)
     assert unloaded.done_reason == "unload" and loaded(client) == ["smollm2:latest"]
+    vectors = client.embed("all-minilm", ["a red apple", "a green pear"]).embeddings  # named among the models
+    assert len(vectors) == 2 and len(vectors[0]) == 384

@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be between 1 and 65535, got {args.port}")
+    _encoders_among_models(args)
     args.model = args.models[0] if args.models else None
     others = other_models(args)
     config = ServerConfig(
@@ -183,6 +184,25 @@ def run(args: argparse.Namespace) -> int:
     )
     EndingStreamsServer(server_config, async_engine).run()
     return 0
+
+
+def _encoders_among_models(args: argparse.Namespace) -> None:
+    """An encoder named among the models (``kvserve serve smollm2 all-minilm``) is served as
+    --embedding-model (or, a cross-encoder, --rerank-model) would serve it."""
+    from kvserve.models.encoder import is_encoder_folder, read_encoder_config
+
+    chat = []
+    for model in args.models:
+        path = Path(model).expanduser()
+        entry = REGISTRY.get(model)
+        if not (entry is not None and entry.kind == "embedding" or path.is_dir() and is_encoder_folder(path)):
+            chat.append(model)
+            continue
+        flag = "rerank_model" if path.is_dir() and read_encoder_config(path).num_labels else "embedding_model"
+        if getattr(args, flag):
+            raise ValueError(f"{model}: a second {flag.replace('_', ' ')} beside --{flag.replace('_', '-')}")
+        setattr(args, flag, model)
+    args.models = chat
 
 
 def _encoder(name: str | None, flag: str, rerank: bool):

