@@ -90,3 +90,32 @@ def test_an_encoder_is_not_a_model_to_chat_with():
 
     with pytest.raises(ModelLoadError, match="--embedding-model all-minilm"):
         load_model("all-minilm")
+
+
+MIXED = ["Hi.", *(" ".join(["word"] * n) + "." for n in (90, 3, 40, 7, 150)), SENTENCES[5], "ok"] * 5
+
+
+def test_inputs_of_mixed_lengths_come_back_in_order(idle, reference):
+    """One request of short and long inputs: batched by length (real tokens alone through the
+    projections, padding only in attention), each vector back at its input's index."""
+    client = openai.OpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key, max_retries=0)
+    ours = np.array([d.embedding for d in client.embeddings.create(model="all-minilm", input=MIXED).data])
+    theirs = reference.encode(MIXED, normalize_embeddings=False)
+    cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+    assert cosine.min() >= 0.9999, cosine.min()
+
+
+def test_int8_projections_stay_close(reference):
+    """--embedding-weights int8: the projections' weights rounded to int8 per 32 (measured cosine >= 0.99973
+    on bench/embed_throughput.py's sentences)."""
+    from kvserve.models.encoder import Encoder, length_batches
+    from kvserve.models.registry import resolve
+
+    encoder = Encoder(resolve("all-minilm"), "all-minilm", "int8")
+    ids = encoder.tokenize(MIXED)
+    ours = np.zeros((len(ids), 384), dtype=np.float32)
+    for batch in length_batches(ids, 32):
+        ours[batch] = encoder.embed([ids[i] for i in batch]).numpy()
+    theirs = reference.encode(MIXED, normalize_embeddings=False)
+    cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+    assert 0.999 <= cosine.min() < 0.99999, cosine.min()  # close, and not the f32 path by mistake

@@ -17,7 +17,7 @@ import torch
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.models.encoder import Encoder
+from kvserve.models.encoder import Encoder, length_batches
 from kvserve.server.api_errors import APIError
 from kvserve.server.openapi_docs import ok, ollama_errors, openai_errors
 from kvserve.server.strict_schema import Strict
@@ -88,14 +88,15 @@ def served_encoder(request: Request, model: str, role: str, verb: str, flag: str
 
 
 async def _vectors(encoder: Encoder, inputs: list[list[int]], dimensions: int | None) -> torch.Tensor:
-    """The inputs' embeddings, ``BATCH`` at a time in a worker thread; cut to ``dimensions`` (and normalized
-    again where the model normalizes)."""
+    """The inputs' embeddings, ``BATCH`` of similar lengths at a time in a worker thread (``length_batches``);
+    cut to ``dimensions`` (and normalized again where the model normalizes)."""
     if not inputs or len(inputs) > MAX_INPUTS:
         raise APIError(400, f"input must hold 1 to {MAX_INPUTS} items", "input")
     if dimensions is not None and dimensions > encoder.config.dimensions:
         raise APIError(400, f"dimensions must be at most {encoder.config.dimensions}", "dimensions")
-    parts = [await asyncio.to_thread(encoder.embed, inputs[i : i + BATCH]) for i in range(0, len(inputs), BATCH)]
-    vectors = torch.cat(parts)
+    vectors = torch.empty(len(inputs), encoder.config.dimensions)
+    for batch in length_batches(inputs, BATCH):
+        vectors[batch] = await asyncio.to_thread(encoder.embed, [inputs[i] for i in batch])
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
         if encoder.config.normalize:
