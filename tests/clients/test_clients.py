@@ -194,3 +194,27 @@ def test_litellm_openai_and_ollama_chat(live):
     again = litellm.completion(model=f"ollama_chat/{model}", api_base=idle.url, messages=follow, tools=tools,
                                temperature=0, max_tokens=40, extra_headers=idle.headers)
     assert again.choices[0].message.content or again.choices[0].message.tool_calls
+
+
+def test_embeddings_through_litellm_and_langchain(idle):
+    """The clients RAG pipelines embed through: litellm's openai/ and ollama/ providers, langchain's
+    OpenAIEmbeddings and OllamaEmbeddings: the same vectors for the same texts."""
+    import litellm
+    import numpy as np
+    from langchain_ollama import OllamaEmbeddings
+    from langchain_openai import OpenAIEmbeddings
+
+    texts = ["a red apple", "the first snow of winter"]
+    via_openai = litellm.embedding(model="openai/all-minilm", api_base=f"{idle.url}/v1", api_key=idle.api_key,
+                                   input=texts)
+    via_ollama = litellm.embedding(model="ollama/all-minilm", api_base=idle.url, input=texts,
+                                   extra_headers=idle.headers)
+    vectors = [np.array([d["embedding"] for d in r.data]) for r in (via_openai, via_ollama)]
+    chain_openai = OpenAIEmbeddings(model="all-minilm", base_url=f"{idle.url}/v1", api_key=idle.api_key,
+                                    check_embedding_ctx_length=False)  # no tiktoken: the texts go as text
+    chain_ollama = OllamaEmbeddings(model="all-minilm", base_url=idle.url, client_kwargs={"headers": idle.headers})
+    vectors += [np.array(chain_openai.embed_documents(texts)), np.array(chain_ollama.embed_documents(texts))]
+    vectors.append(np.array([chain_ollama.embed_query(texts[0])]))
+    for v in vectors:
+        assert v.shape[1] == 384
+        assert np.allclose(v, vectors[0][: len(v)], atol=1e-5)
