@@ -196,13 +196,13 @@ def run(args: argparse.Namespace) -> int:
 def _encoders_among_models(args: argparse.Namespace) -> None:
     """An encoder named among the models (``kvserve serve smollm2 all-minilm``) is served as
     --embedding-model (or, a cross-encoder, --rerank-model) would serve it."""
-    from kvserve.models.encoder import is_encoder_folder, read_encoder_config
+    from kvserve.models.encoder import is_encoder, read_encoder_config
 
     chat = []
     for model in args.models:
         path = Path(model).expanduser()
         entry = REGISTRY.get(model)
-        if not (entry is not None and entry.kind == "embedding" or path.is_dir() and is_encoder_folder(path)):
+        if not (entry is not None and entry.kind == "embedding" or path.exists() and is_encoder(path)):
             chat.append(model)
             continue
         flag = "rerank_model" if path.is_dir() and read_encoder_config(path).num_labels else "embedding_model"
@@ -217,13 +217,13 @@ def _encoder(name: str | None, flag: str, rerank: bool, weights: str = "f32"):
     of the kind the flag serves (sentence embeddings, or a cross-encoder's relevance)."""
     if not name:
         return None
-    from kvserve.models.encoder import Encoder, is_encoder_folder
+    from kvserve.models.encoder import Encoder, is_encoder
     from kvserve.models.registry import resolve
 
     path = resolve(name, auto_pull=True)
-    if not (path.is_dir() and is_encoder_folder(path)):
-        raise ValueError(f"{flag} {name}: not a BERT-family encoder folder")
-    encoder = Encoder(path, name if "/" not in name else path.name, weights)
+    if not is_encoder(path):
+        raise ValueError(f"{flag} {name}: not a BERT-family encoder (an HF folder or a bert GGUF file)")
+    encoder = Encoder(path, served_name(name, None), weights)
     if bool(encoder.config.num_labels) != rerank:
         kind = "a cross-encoder (sequence classification)" if rerank else "a sentence-embedding model"
         raise ValueError(f"{flag} {name}: not {kind}")

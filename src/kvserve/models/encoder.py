@@ -101,23 +101,40 @@ def _json(path: Path, default):
     return json.loads(path.read_text()) if path.is_file() else default
 
 
+def _read_folder(path: Path):
+    """(EncoderConfig, weights by name, tokenizers.Tokenizer) of a Hugging Face folder."""
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update({k.removeprefix("bert."): v.float() for k, v in load_file(str(f)).items()})
+    return read_encoder_config(path), weights, Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def is_encoder(path: Path) -> bool:
+    """A BERT-family encoder: an HF folder (``is_encoder_folder``) or a ``bert`` GGUF file."""
+    from kvserve.models.gguf_encoder import is_gguf_encoder
+
+    return is_encoder_folder(path) if path.is_dir() else is_gguf_encoder(path)
+
+
 class Encoder:
     """The model and its tokenizer: ``embed(texts)`` -> (vectors [n, dimensions], tokens per text)."""
 
     def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
         """weight_format: "f32", or "int8" (the projections' weights rounded to int8 per 32, the native
         kernels' exact integer sums over them: faster, a little further from sentence-transformers)."""
-        from safetensors.torch import load_file
-        from tokenizers import Tokenizer
+        from kvserve.models.gguf_encoder import read_gguf_encoder
 
         self.path, self.name = path, name
-        self.config = read_encoder_config(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"{path}: no safetensors weights")
-        weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            weights.update({k.removeprefix("bert."): v.float() for k, v in load_file(str(f)).items()})
+        if path.suffix == ".gguf":
+            self.config, weights, self.tokenizer = read_gguf_encoder(path)
+        else:
+            self.config, weights, self.tokenizer = _read_folder(path)
         self.w = weights
         needed = ["embeddings.word_embeddings.weight", "encoder.layer.0.attention.self.query.weight"]
         if self.config.num_labels:
@@ -128,7 +145,6 @@ class Encoder:
         self.weights = _weight_format(weight_format)
         self.linears = self._projections()
         # no truncation or padding set on the shared tokenizer: requests in other threads use it at once
-        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
 

@@ -52,13 +52,13 @@ def load_model(
     start = time.perf_counter()
     path = resolve(model, auto_pull=auto_pull)
     dev = pick_device(device)
-    if path.is_dir():
-        from kvserve.models.encoder import is_encoder_folder
-        from kvserve.models.hf_folder import load_hf_weights, read_hf_config
+    from kvserve.models.encoder import is_encoder
 
-        if is_encoder_folder(path):
-            raise ModelLoadError(f"{model} is an encoder for sentence embeddings, not a model to generate with; "
-                                 f"serve it beside one: kvserve serve MODEL --embedding-model {model}")
+    if is_encoder(path):
+        raise ModelLoadError(f"{model} is an encoder for sentence embeddings, not a model to generate with; "
+                             f"serve it beside one: kvserve serve MODEL {model}")
+    if path.is_dir():
+        from kvserve.models.hf_folder import load_hf_weights, read_hf_config
 
         config = read_hf_config(path)
         weights = load_hf_weights(path, config)
