@@ -88,7 +88,7 @@ def test_an_encoder_is_not_a_model_to_chat_with():
     from kvserve.errors import ModelLoadError
     from kvserve.models.loader import load_model
 
-    with pytest.raises(ModelLoadError, match="--embedding-model all-minilm"):
+    with pytest.raises(ModelLoadError, match="kvserve serve MODEL all-minilm"):
         load_model("all-minilm")
 
 
