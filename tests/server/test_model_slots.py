@@ -170,5 +170,10 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
     assert r.status_code == 200 and r.json()["model"] == "qwen2.5-coder-0.5b"
     unloaded = client.generate("qwen2.5-coder-0.5b", "", keep_alive=0)
     assert unloaded.done_reason == "unload" and loaded(client) == ["smollm2:latest"]
+    metrics = httpx.get(f"{three.url}/metrics", headers=three.headers).text
+    assert 'kvserve_model_loads_total{model="gemma3-270m"} 2.0' in metrics
+    assert 'kvserve_model_unloads_total{model="gemma3-270m",reason="evicted"} 1.0' in metrics
+    assert 'kvserve_model_unloads_total{model="qwen2.5-coder-0.5b",reason="asked"} 1.0' in metrics
+    assert 'kvserve_model_loaded{model="smollm2"} 1.0' in metrics and 'kvserve_model_loaded{model="gemma3-270m"} 0.0' in metrics
     vectors = client.embed("all-minilm", ["a red apple", "a green pear"]).embeddings  # named among the models
     assert len(vectors) == 2 and len(vectors[0]) == 384

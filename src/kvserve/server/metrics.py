@@ -11,7 +11,14 @@ cache utilization from them, so its endpoint picker balances kvserve like a vLLM
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -137,6 +144,11 @@ class ServerMetrics:
         self.constrained = counter("kvserve_constrained_requests", "Finished requests whose output followed a grammar")
         self.mask_time = histogram("kvserve_constraint_mask_seconds", "Time to compute one grammar token mask",
                                    MASK_BUCKETS)
+        # the models a server holds (server/model_slots.py): which are loaded, and each load and unload
+        self.model_loaded = Gauge("kvserve_model_loaded", "1 while the model is loaded", ["model"], registry=r)
+        self.model_loads = counter("kvserve_model_loads", "Models loaded on demand", "model")
+        self.model_unloads = counter("kvserve_model_unloads", "Models unloaded, by why: keep_alive, evicted, "
+                                     "asked (keep_alive 0 on an empty request), stopping", "model", "reason")
         r.register(EngineCollector(view))
 
     def exposition(self) -> bytes:

@@ -87,6 +87,10 @@ class ServedModels:
         for name, (source, planned, card) in (others or {}).items():
             self.slots.append(Slot(name, source, planned, card))
         self.load, self.budget, self.max_loaded, self.keep_alive = load, budget, max_loaded, keep_alive
+        self.metrics = getattr(primary, "metrics", None)
+        if self.metrics is not None:
+            for slot in self.slots:
+                self.metrics.model_loaded.labels(model=slot.name).set(slot.serving is not None)
         self._room = asyncio.Lock()  # one load (and its evictions) at a time
         self._reaper: asyncio.Task | None = None
 
@@ -125,7 +129,7 @@ class ServedModels:
         slot = self.find(name)
         if slot.pinned or slot.serving is not None and slot.serving.async_engine.num_open_streams:
             return slot.serving is None
-        await self.unload(slot, "as asked (keep_alive 0)")
+        await self.unload(slot, "asked")
         return True
 
     async def _load(self, slot: Slot) -> None:
@@ -136,6 +140,9 @@ class ServedModels:
             try:
                 slot.serving = await asyncio.to_thread(self.load, slot.source, slot.name)
                 slot.card = slot.serving.card
+                if self.metrics is not None:
+                    self.metrics.model_loads.labels(model=slot.name).inc()
+                    self.metrics.model_loaded.labels(model=slot.name).set(1)
             except Exception as e:
                 log.exception("model '%s' did not load", slot.name)
                 raise APIError(503, f"model '{slot.name}' could not be loaded: {e}", "model", "load_failed") from None
@@ -151,7 +158,7 @@ class ServedModels:
         while not self._fits(slot):
             idle = sorted((s for s in self.loaded() if not s.pinned and not self.busy(s)), key=lambda s: s.last_used)
             if idle:
-                await self.unload(idle[0], f"to make room for '{slot.name}'")
+                await self.unload(idle[0], "evicted", f"to make room for '{slot.name}'")
                 continue
             if time.monotonic() > deadline:
                 raise APIError(503, f"model '{slot.name}' waited {WAIT_FOR_ROOM:.0f} s for a loaded model to become "
@@ -174,12 +181,16 @@ class ServedModels:
         engine = slot.serving.async_engine
         return time.monotonic() - slot.last_used < GRACE or engine.num_open_streams > 0
 
-    async def unload(self, slot: Slot, why: str) -> None:
+    async def unload(self, slot: Slot, reason: str, why: str = "") -> None:
+        """reason: keep_alive, evicted, asked or stopping (the metrics' label); why: the log's words."""
         serving, slot.serving = slot.serving, None
         if serving is None or slot.pinned:
             slot.serving = serving
             return
-        log.info("unloading model '%s' %s", slot.name, why)
+        log.info("unloading model '%s' (%s) %s", slot.name, reason, why)
+        if self.metrics is not None:
+            self.metrics.model_unloads.labels(model=slot.name, reason=reason).inc()
+            self.metrics.model_loaded.labels(model=slot.name).set(0)
         await asyncio.to_thread(serving.async_engine.shutdown)
         del serving
         await asyncio.to_thread(_collect)
@@ -192,7 +203,7 @@ class ServedModels:
                 if slot.pinned or slot.keep_alive is None or self.busy(slot):
                     continue
                 if now - slot.last_used >= slot.keep_alive:
-                    await self.unload(slot, f"after {slot.keep_alive:g} s idle (keep_alive)")
+                    await self.unload(slot, "keep_alive", f"after {slot.keep_alive:g} s idle")
 
     def start(self) -> None:
         """Begins unloading expired models (from the server's event loop)."""
@@ -205,7 +216,7 @@ class ServedModels:
             self._reaper.cancel()
         for slot in self.loaded():
             if not slot.pinned:
-                await self.unload(slot, "as the server stops")
+                await self.unload(slot, "stopping")
 
 
 def _collect() -> None:
