@@ -1,23 +1,26 @@
-"""Errors as each API shapes them, with real status codes.
+"""Errors with real status codes, each in the shape of the API its path belongs to.
 
-    OpenAI     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
-    Ollama     {"error": "..."}
-    Anthropic  {"type": "error", "error": {"type": ..., "message": ...}}
+    OpenAI     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}   (the default)
+    Ollama     {"error": "..."}                                          (server/ollama/ollama_errors.py)
+    Anthropic  {"type": "error", "error": {"type": ..., "message": ...}}  (server/anthropic/anthropic_errors.py)
 
-Which shape a request gets depends on its path: ``/api/...`` is Ollama, ``/v1/messages...`` Anthropic,
-everything else OpenAI.
-Ollama answers 503 where OpenAI answers 429 (a full queue), as Ollama itself does. Error responses are
-counted (``kvserve_request_errors_total``) by ``middleware.ErrorCountMiddleware``, by the status sent.
+Each API package registers its ``ErrorShape`` (the paths it owns, an error's body, the status it sends,
+the body's OpenAPI model) when imported; a path no package owns (kvserve's own routes, llama.cpp's, the
+OpenAI ones) gets OpenAI's, defined here. Error responses are counted (``kvserve_request_errors_total``)
+by ``middleware.ErrorCountMiddleware``, by the status sent.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from kvserve.engine.async_engine import EngineDeadError, EngineShutdownError
@@ -79,29 +82,22 @@ class ClientDisconnected(Exception):
     """The client went away before its response was ready; its engine requests were aborted."""
 
 
-ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-}
 
 
-def is_ollama_path(path: str) -> bool:
-    return path.startswith("/api/")
+class OpenAIErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    message: str
+    type: str
+    param: str | None
+    code: str | None
 
 
-def is_anthropic_path(path: str) -> bool:
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
+class OpenAIError(BaseModel):
+    """Every error of a path no API package owns, and an SSE stream's last event when the engine fails
+    mid-stream."""
 
-
-def anthropic_error_body(error: APIError) -> dict:
-    kind = ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    model_config = ConfigDict(extra="forbid")
+    error: OpenAIErrorDetail
 
 
 def openai_error_body(error: APIError) -> dict:
@@ -109,16 +105,46 @@ def openai_error_body(error: APIError) -> dict:
     return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
 
 
+def _same(status: int) -> int:
+    return status
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """How one API words an error. ``owns``: whether a path is its; ``body``: an error's JSON; ``status``:
+    the status it sends for one (Ollama answers a full queue with 503, not 429); ``model``: the body's
+    OpenAPI model; ``descriptions``: what each status means on its paths (openapi_docs' common ones where
+    None)."""
+
+    name: str
+    owns: Callable[[str], bool]
+    body: Callable[[APIError], dict]
+    model: type
+    status: Callable[[int], int] = _same
+    descriptions: dict[int, str] | None = None
+
+
+OPENAI_SHAPE = ErrorShape("openai", lambda path: True, openai_error_body, OpenAIError)
+_SHAPES: list[ErrorShape] = []
+
+
+def register_shape(shape: ErrorShape) -> ErrorShape:
+    """An API package's shape, for the paths it owns (once per name: a module imported twice adds nothing)."""
+    if all(s.name != shape.name for s in _SHAPES):
+        _SHAPES.append(shape)
+    return shape
+
+
+def shape_for(path: str) -> ErrorShape:
+    return next((s for s in _SHAPES if s.owns(path)), OPENAI_SHAPE)
+
+
 def error_response(path: str, error: APIError) -> JSONResponse:
     headers = dict(error.headers or {})
     if error.status in (429, 503):
         headers.setdefault("Retry-After", "1")
-    if is_ollama_path(path):
-        status = 503 if error.status == 429 else error.status
-        return JSONResponse({"error": error.message}, status_code=status, headers=headers)
-    if is_anthropic_path(path):
-        return JSONResponse(anthropic_error_body(error), status_code=error.status, headers=headers)
-    return JSONResponse(openai_error_body(error), status_code=error.status, headers=headers)
+    shape = shape_for(path)
+    return JSONResponse(shape.body(error), status_code=shape.status(error.status), headers=headers)
 
 
 def engine_error(e: Exception, param: str | None = None) -> APIError | None:

@@ -39,7 +39,7 @@ from kvserve.server.middleware import (
 )
 from kvserve.server.model_card import ModelCard
 from kvserve.server.model_slots import ServedModels
-from kvserve.server.ollama import ollama_api
+from kvserve.server.ollama import ollama_api, ollama_embed
 from kvserve.server.openai import openai_api, responses_api
 from kvserve.server.openapi_docs import ok, openapi_document
 from kvserve.server.server_config import ServerConfig
@@ -153,6 +153,7 @@ def build_app(
     app.include_router(anthropic_api.router)
     app.include_router(llama_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(ollama_embed.router)
     app.include_router(rerank_api.router)
     app.state.reranker = reranker
     app.state.encoder = encoder

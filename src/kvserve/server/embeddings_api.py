@@ -1,6 +1,6 @@
-"""Sentence embeddings beside the chat model: OpenAI's ``/v1/embeddings``, Ollama's ``/api/embed`` and its
-older ``/api/embeddings``, from the encoder ``kvserve serve --embedding-model NAME`` loads
-(``models.encoder``; ``all-minilm`` in the registry).
+"""Sentence embeddings beside the chat models: OpenAI's ``/v1/embeddings`` here, and what Ollama's routes
+(``ollama/ollama_embed.py``) share with it, from the encoder ``kvserve serve --embedding-model NAME`` (or an
+encoder among its models) loads (``models.encoder``; ``all-minilm`` in the registry).
 
 The encoder runs in a worker thread (torch computes without the GIL), a batch of inputs at a time, never
 on the event loop nor in the engine's steps.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
 from typing import Literal
 
 import torch
@@ -19,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.models.encoder import Encoder, length_batches
 from kvserve.server.api_errors import APIError
-from kvserve.server.openapi_docs import ok, ollama_errors, openai_errors
+from kvserve.server.openapi_docs import ok, openai_errors
 from kvserve.server.strict_schema import Strict
 
 router = APIRouter(tags=["Embeddings"])
@@ -36,22 +35,6 @@ class EmbeddingsRequest(Strict):
     user: str | None = None  # ignored
 
 
-class EmbedRequest(Strict):
-    model: str
-    input: str | list[str]
-    truncate: bool = True
-    dimensions: int | None = Field(None, ge=1)
-    keep_alive: str | float | None = None  # the embedding model stays loaded
-    options: dict | None = None  # sampling options mean nothing to an encoder
-
-
-class LegacyEmbeddingsRequest(Strict):
-    model: str
-    prompt: str
-    keep_alive: str | float | None = None
-    options: dict | None = None
-
-
 class EmbeddingsResponse(BaseModel):
     model_config = ConfigDict(extra="allow")
     object: Literal["list"]
@@ -60,17 +43,7 @@ class EmbeddingsResponse(BaseModel):
     usage: dict
 
 
-class EmbedResponse(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
-    embeddings: list[list[float]]
-
-
-class LegacyEmbeddingResponse(BaseModel):
-    embedding: list[float]
-
-
-def _encoder(request: Request, model: str) -> Encoder:
+def encoder_for(request: Request, model: str) -> Encoder:
     return served_encoder(request, model, "encoder", "embeds", "--embedding-model all-minilm")
 
 
@@ -87,7 +60,7 @@ def served_encoder(request: Request, model: str, role: str, verb: str, flag: str
     return encoder
 
 
-async def _vectors(encoder: Encoder, inputs: list[list[int]], dimensions: int | None) -> torch.Tensor:
+async def vectors_of(encoder: Encoder, inputs: list[list[int]], dimensions: int | None) -> torch.Tensor:
     """The inputs' embeddings, ``BATCH`` of similar lengths at a time in a worker thread (``length_batches``);
     cut to ``dimensions`` (and normalized again where the model normalizes)."""
     if not inputs or len(inputs) > MAX_INPUTS:
@@ -104,7 +77,7 @@ async def _vectors(encoder: Encoder, inputs: list[list[int]], dimensions: int | 
     return vectors
 
 
-async def _tokens(encoder: Encoder, texts: list[str], truncate: bool = True) -> list[list[int]]:
+async def tokens_of(encoder: Encoder, texts: list[str], truncate: bool = True) -> list[list[int]]:
     if any(not t for t in texts):
         raise APIError(400, "input must not hold an empty string", "input")
     try:
@@ -116,7 +89,7 @@ async def _tokens(encoder: Encoder, texts: list[str], truncate: bool = True) -> 
 @router.post("/v1/embeddings", response_model=None,
              responses=ok(EmbeddingsResponse, "The inputs' embeddings, in order") | openai_errors(400, 404))
 async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
-    encoder = _encoder(request, body.model)
+    encoder = encoder_for(request, body.model)
     given = body.input
     if isinstance(given, str) or given and isinstance(given[0], int):
         given = [given]
@@ -128,8 +101,8 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
                                 f"[0, {vocab})", "input")
         tokens = [list(ids) for ids in given]
     else:
-        tokens = await _tokens(encoder, list(given))
-    vectors = await _vectors(encoder, tokens, body.dimensions)
+        tokens = await tokens_of(encoder, list(given))
+    vectors = await vectors_of(encoder, tokens, body.dimensions)
     data = []
     for i, v in enumerate(vectors):
         value = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if body.encoding_format == "base64" \
@@ -138,25 +111,3 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
     used = sum(len(t) for t in tokens)
     return {"object": "list", "data": data, "model": body.model,
             "usage": {"prompt_tokens": used, "total_tokens": used}}
-
-
-@router.post("/api/embed", response_model=None,
-             responses=ok(EmbedResponse, "The inputs' embeddings, in order") | ollama_errors(400, 404))
-async def embed(body: EmbedRequest, request: Request) -> dict:
-    start = time.perf_counter()
-    encoder = _encoder(request, body.model)
-    tokens = await _tokens(encoder, [body.input] if isinstance(body.input, str) else list(body.input), body.truncate)
-    vectors = await _vectors(encoder, tokens, body.dimensions)
-    return {"model": body.model, "embeddings": vectors.tolist(),
-            "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": 0,
-            "prompt_eval_count": sum(len(t) for t in tokens)}
-
-
-@router.post("/api/embeddings", response_model=None,
-             responses=ok(LegacyEmbeddingResponse, "The prompt's embedding") | ollama_errors(400, 404))
-async def legacy_embeddings(body: LegacyEmbeddingsRequest, request: Request) -> dict:
-    encoder = _encoder(request, body.model)
-    if not body.prompt:
-        return {"embedding": []}  # what Ollama answers to an empty prompt
-    vectors = await _vectors(encoder, await _tokens(encoder, [body.prompt]), None)
-    return {"embedding": vectors[0].tolist()}

@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from kvserve.server.anthropic import anthropic_responses
-from kvserve.server.api_errors import is_anthropic_path, is_ollama_path
+from kvserve.server.api_errors import OPENAI_SHAPE, ErrorShape, shape_for
 from kvserve.server.ollama import ollama_responses
 from kvserve.server.openai import openai_responses
 from kvserve.server.openai.responses_schemas import ResponseEvent
@@ -40,14 +40,8 @@ ERROR_DESCRIPTIONS = {
     429: "Too many requests waiting: retry after Retry-After seconds",
     500: "Internal error; the server log has the details",
     501: "Not available on this server's setup (one engine's view, behind --replicas)",
-    503: "The server is shutting down, or its engine stopped after an internal error",
-}
-OLLAMA_DESCRIPTIONS = ERROR_DESCRIPTIONS | {
-    404: "Unknown model, or (/api/delete) one not installed",
-    409: "The model is the one this server serves",
-    502: "pip could not install the model's packages (no network, no such release)",
-    503: "Too many requests waiting (retry after Retry-After seconds), the server is shutting down, "
-    "or its engine stopped after an internal error",
+    503: "The server is shutting down, its engine stopped after an internal error, or a model could not be "
+    "loaded or fit in memory",
 }
 RETRY_AFTER = {
     "Retry-After": {"description": "Seconds to wait", "schema": {"type": "string"}, "required": True}
@@ -121,35 +115,20 @@ def documented(route: Callable, path: str, model: type, description: str, stream
     return route(path, response_model=None, responses=ok(model, description, stream) | (errors or {}))
 
 
-def _errors(
-    error_model: type, statuses: tuple[int, ...], descriptions: dict[int, str]
-) -> dict[int | str, dict[str, Any]]:
+def error_responses(shape: ErrorShape, statuses: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    """A route's documented errors in its API's shape (each package's helper: ``ollama_errors``, ...)."""
+    descriptions = shape.descriptions or ERROR_DESCRIPTIONS
     responses: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        responses[status] = {"model": error_model, "description": descriptions[status]}
+        responses[status] = {"model": shape.model, "description": descriptions[status]}
         if status in (429, 503):
             responses[status]["headers"] = RETRY_AFTER
     return responses
 
 
 def openai_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return _errors(openai_responses.OpenAIError, statuses, ERROR_DESCRIPTIONS)
-
-
-def ollama_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return _errors(ollama_responses.OllamaError, statuses, OLLAMA_DESCRIPTIONS)
-
-
-def anthropic_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return _errors(anthropic_responses.AnthropicError, statuses, ERROR_DESCRIPTIONS)
-
-
-def error_model(path: str) -> type:
-    if is_ollama_path(path):
-        return ollama_responses.OllamaError
-    if is_anthropic_path(path):
-        return anthropic_responses.AnthropicError
-    return openai_responses.OpenAIError
+    """The documented errors of a route no API package owns (OpenAI's shape)."""
+    return error_responses(OPENAI_SHAPE, statuses)
 
 
 def openapi_document(app: FastAPI, open_paths: frozenset[str] | None, limits: dict[str, int] | None = None,
@@ -175,7 +154,7 @@ def openapi_document(app: FastAPI, open_paths: frozenset[str] | None, limits: di
             "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"},
         }
     for path, operations in doc["paths"].items():
-        error = ref(error_model(path))
+        error = ref(shape_for(path).model)
         needs_key = open_paths is not None and path not in open_paths
         for operation in operations.values():
             _add_shared_responses(operation, error, needs_key)

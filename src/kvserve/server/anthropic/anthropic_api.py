@@ -28,10 +28,11 @@ from fastapi import APIRouter, Request
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.anthropic import anthropic_responses as responses
+from kvserve.server.anthropic.anthropic_errors import anthropic_error_body, anthropic_errors
 from kvserve.server.anthropic.anthropic_schemas import CountTokensRequest, MessagesRequest
-from kvserve.server.api_errors import APIError, anthropic_error_body, engine_error, generation_error
+from kvserve.server.api_errors import APIError, engine_error, generation_error
 from kvserve.server.model_slots import served
-from kvserve.server.openapi_docs import anthropic_errors, ok, typed_sse_stream
+from kvserve.server.openapi_docs import ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch

@@ -31,6 +31,7 @@ from kvserve.server.api_errors import APIError, engine_error, prompt_too_long
 from kvserve.server.model_card import ModelCard
 from kvserve.server.model_slots import keep_alive_seconds, served
 from kvserve.server.ollama import ollama_responses as responses
+from kvserve.server.ollama.ollama_errors import ollama_errors
 from kvserve.server.ollama.ollama_format import Reply, iso_stamp, now_stamp
 from kvserve.server.ollama.ollama_schemas import (
     ChatRequest,
@@ -40,7 +41,7 @@ from kvserve.server.ollama.ollama_schemas import (
     PullRequest,
     ShowRequest,
 )
-from kvserve.server.openapi_docs import documented, ndjson_stream, ok, ollama_errors
+from kvserve.server.openapi_docs import documented, ndjson_stream, ok
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import ndjson_line, ndjson_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch

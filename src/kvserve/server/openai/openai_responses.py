@@ -11,6 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+# the OpenAI API's error body is the core's (api_errors): its shape is every unowned path's
+from kvserve.server.api_errors import OpenAIError, OpenAIErrorDetail  # noqa: F401
+
 FinishReason = Literal["stop", "length"]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -156,14 +159,3 @@ class ModelList(Exact):
     data: list[Model]
 
 
-class OpenAIErrorDetail(Exact):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class OpenAIError(Exact):
-    """Every OpenAI-path error, and an SSE stream's last event when the engine fails mid-stream."""
-
-    error: OpenAIErrorDetail
