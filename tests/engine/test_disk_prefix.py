@@ -141,40 +141,40 @@ def test_prompt_cache_file_round_trip_and_refusals(tiny_llama_hd64, tmp_path, ch
     a = make_engine(tiny_llama_hd64)
     out_a = _run(a, prompt)
     path = tmp_path / "s.kvc"
-    saved = save_prompt_cache(a, prompt + out_a.token_ids, path, {"history": [{"role": "user", "content": "x"}]})
+    saved = save_prompt_cache(a.cache, prompt + out_a.token_ids, path, {"history": [{"role": "user", "content": "x"}]})
     assert saved == (len(prompt) + len(out_a.token_ids)) // 16 * 16
 
     b = make_engine(tiny_llama_hd64)
     check_no_leaks.append(b)
-    tokens, extra = load_prompt_cache(b, path)
+    tokens, extra = load_prompt_cache(b.cache, path)
     assert tokens == saved and extra["history"][0]["content"] == "x"
     out_b = _run(b, prompt)
     assert out_b.metrics.num_cached_tokens == (len(prompt) - 1) // 16 * 16
     assert out_b.token_ids == out_a.token_ids
 
     with pytest.raises(PromptCacheError, match="layout"):
-        load_prompt_cache(make_engine(tiny_llama_hd64, cache_type_k="q8_0"), path)
+        load_prompt_cache(make_engine(tiny_llama_hd64, cache_type_k="q8_0").cache, path)
     with pytest.raises(PromptCacheError, match="prefix caching"):
-        load_prompt_cache(make_engine(tiny_llama_hd64, prefix_caching=False), path)
+        load_prompt_cache(make_engine(tiny_llama_hd64, prefix_caching=False).cache, path)
     damaged = bytearray(path.read_bytes())
     damaged[-40] ^= 1
     (tmp_path / "bad.kvc").write_bytes(bytes(damaged))
     with pytest.raises(PromptCacheError, match="CRC mismatch"):
-        load_prompt_cache(b, tmp_path / "bad.kvc")
+        load_prompt_cache(b.cache, tmp_path / "bad.kvc")
     with pytest.raises(PromptCacheError, match="cannot read"):
-        load_prompt_cache(b, tmp_path / "missing.kvc")
+        load_prompt_cache(b.cache, tmp_path / "missing.kvc")
     with pytest.raises(PromptCacheError, match="cached"):
-        save_prompt_cache(make_engine(tiny_llama_hd64), prompt, tmp_path / "none.kvc")
+        save_prompt_cache(make_engine(tiny_llama_hd64).cache, prompt, tmp_path / "none.kvc")
 
 
 def test_a_prompt_cache_larger_than_the_pool_loads_what_fits(tiny_llama_hd64, tmp_path):
     prompt = _prompt(200, seed=6)
     a = make_engine(tiny_llama_hd64)
     _run(a, prompt)
-    save_prompt_cache(a, prompt, tmp_path / "s.kvc")
+    save_prompt_cache(a.cache, prompt, tmp_path / "s.kvc")
     per_block = 16 * tiny_llama_hd64.config.kv_size_per_token * 4
     small = make_engine(tiny_llama_hd64, kv_cache_memory=5 * per_block)
-    tokens, _ = load_prompt_cache(small, tmp_path / "s.kvc")
+    tokens, _ = load_prompt_cache(small.cache, tmp_path / "s.kvc")
     assert tokens == 5 * 16
 
 

@@ -71,7 +71,7 @@ def computed(gemma, prompts, tmp_path_factory):
     files_written = engine.disk.stats.blocks_written
     other = gemma.tokenizer.encode(default_text()[20000:26000])[: engine.kv.window.pool.num_blocks * BLOCK]
     _run(engine, other, SamplingParams(temperature=0, max_tokens=1))
-    assert save_prompt_cache(engine, prompts[0], root / "prompt.kvc") == PROMPT_TOKENS
+    assert save_prompt_cache(engine.cache, prompts[0], root / "prompt.kvc") == PROMPT_TOKENS
     again = _run(engine, prompts[1])
     engine.close()
     return Computed(root, files_written, again)
@@ -109,7 +109,7 @@ def test_a_prompt_cache_file_carries_the_window(gemma, prompts, expected, comput
     last_window = range(engine.kv.window.first_live(PROMPT_TOKENS), PROMPT_TOKENS // BLOCK)
     assert set(last_window) <= set(header["window_blocks"])
     check_no_leaks.append(engine)
-    installed, _ = load_prompt_cache(engine, computed.root / "prompt.kvc")
+    installed, _ = load_prompt_cache(engine.cache, computed.root / "prompt.kvc")
     assert installed == PROMPT_TOKENS
     out = _run(engine, prompts[1])
     assert out.metrics.num_cached_tokens == PROMPT_TOKENS

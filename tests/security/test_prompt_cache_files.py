@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -39,7 +40,7 @@ def saved(tiny_llama_hd64, tmp_path_factory):
     prompt = [(7 * i + 3) % 80 + 10 for i in range(64)]
     _run(engine, prompt)
     path = tmp_path_factory.mktemp("kvc") / "genuine.kvc"
-    save_prompt_cache(engine, prompt, path)
+    save_prompt_cache(engine.cache, prompt, path)
     header, payload = read_prompt_cache(path)
     return path, header, bytes(payload), prompt
 
@@ -52,12 +53,12 @@ def test_a_forged_file_is_refused_and_poisons_nothing(tiny_llama_hd64, saved, tm
     write_atomically(forged, pack(MAGIC, {**header, "tokens": victim}, payload, b"x" * 32))
     engine = make_engine(tiny_llama_hd64)
     with pytest.raises(PromptCacheError, match="secret"):
-        load_prompt_cache(engine, forged)
+        load_prompt_cache(engine.cache, forged)
     assert _run(engine, victim).metrics.num_cached_tokens == 0  # nothing of the victim's prompt was cached
     unkeyed = tmp_path / "old.kvc"
     write_atomically(unkeyed, pack(b"KVSPC01\n", {**header, "tokens": victim}, payload))
     with pytest.raises(PromptCacheError, match="older kvserve"):
-        load_prompt_cache(engine, unkeyed)
+        load_prompt_cache(engine.cache, unkeyed)
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -76,7 +77,7 @@ def test_crafted_fields_are_one_line_refusals(tiny_llama_hd64, saved, tmp_path_f
     write_atomically(path, pack(MAGIC, {**header, field: value}, payload, prompt_cache._key()))
     engine = make_engine(tiny_llama_hd64, num_ctx=256)
     try:
-        load_prompt_cache(engine, path)
+        load_prompt_cache(engine.cache, path)
     except PromptCacheError as e:
         assert "\n" not in str(e)
 
@@ -93,12 +94,13 @@ def test_the_cli_and_the_chat_refuse_crafted_files(saved, tmp_path):
     class Chat:
         history, tokens, system = [], [], None
 
-    _save_or_load("/load", crafted, None, Chat())  # prints the error; the chat goes on
+    # prints the error; the chat goes on (the file is refused before its cache is touched)
+    _save_or_load("/load", crafted, SimpleNamespace(cache=None), Chat())
 
 
 def test_a_genuine_file_still_loads(tiny_llama_hd64, saved):
     path, header, _, prompt = saved
     engine = make_engine(tiny_llama_hd64)
-    tokens, _ = load_prompt_cache(engine, path)
+    tokens, _ = load_prompt_cache(engine.cache, path)
     assert tokens == 64 and _run(engine, prompt).metrics.num_cached_tokens == 48  # the last block is recomputed
     assert json.loads(json.dumps(unpack(path.read_bytes(), MAGIC, prompt_cache._key())[0])) == header

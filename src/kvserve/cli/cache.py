@@ -44,7 +44,7 @@ def run_save(args: argparse.Namespace) -> int:
     # one token past the prompt: the prompt's blocks are then all computed and cached
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     engine.run_to_completion()
-    tokens = save_prompt_cache(engine, prompt, args.output)
+    tokens = save_prompt_cache(engine.cache, prompt, args.output)
     size = os.path.getsize(args.output)
     print(f"saved {tokens} of the prompt's {len(prompt)} tokens (whole blocks of {engine.kv.block_size}) to "
           f"{args.output}: {size / 2**20:.1f} MiB", file=sys.stderr)

@@ -117,11 +117,11 @@ def _save_or_load(cmd: str, path: Path, engine, chat: ChatSession) -> None:
                 return
             path.parent.mkdir(parents=True, exist_ok=True)
             extra = {"system": chat.system, "history": chat.history}
-            tokens = save_prompt_cache(engine, chat.tokens, path, extra)
+            tokens = save_prompt_cache(engine.cache, chat.tokens, path, extra)
             print(f"saved the conversation ({len(chat.history)} messages, {tokens} tokens of KV) to {path}",
                   file=sys.stderr)
             return
-        tokens, extra = load_prompt_cache(engine, path)
+        tokens, extra = load_prompt_cache(engine.cache, path)
         history = extra.get("history")
         if not isinstance(history, list):
             print(f"{path} holds a prompt cache but no conversation; {tokens} tokens cached", file=sys.stderr)

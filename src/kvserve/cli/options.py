@@ -127,7 +127,7 @@ def load_engine(args: argparse.Namespace):
     if args.prompt_cache:
         from kvserve.kv.prompt_cache import load_prompt_cache
 
-        tokens, _ = load_prompt_cache(engine, args.prompt_cache)
+        tokens, _ = load_prompt_cache(engine.cache, args.prompt_cache)
         print(f"prompt cache {args.prompt_cache}: {tokens} tokens in the prefix cache", file=sys.stderr)
     return engine
 

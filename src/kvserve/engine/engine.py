@@ -26,6 +26,7 @@ from kvserve.kv.auto_type import context_advice
 from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.hashing import PROCESS_KEY, cache_key
+from kvserve.kv.kv_cache import KVCache
 from kvserve.kv.kv_types import kv_bytes_per_token
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import DiskOffload
@@ -72,6 +73,9 @@ class LLMEngine:
                                   config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  hash_key, self.offload, window)
+        # the cache as one typed object, for what reads and writes its blocks outside the engine (prompt-cache files)
+        self.cache = KVCache(self.kv, self.storage, lambda: self.cache_identity, loaded.config.vocab_size,
+                             self.offload)
         self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len, self._proposer(config, loaded))
         self.num_draft_tokens = 0  # speculative tokens proposed, verified and kept (all requests)
         self.num_accepted_tokens = 0

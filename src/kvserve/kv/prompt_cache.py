@@ -29,6 +29,7 @@ import torch
 from kvserve.errors import KVServeError
 from kvserve.kv.disk_tier import BlockKey
 from kvserve.kv.hashing import window_part_hash
+from kvserve.kv.kv_cache import KVCache
 from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
 from kvserve.kv.window_blocks import WINDOW_GROUP
 
@@ -49,23 +50,23 @@ class PromptCacheError(KVServeError):
     """A prompt-cache file that cannot be used by this engine."""
 
 
-def save_prompt_cache(engine, token_ids: list[int], path: str | os.PathLike, extra: dict | None = None) -> int:
+def save_prompt_cache(cache: KVCache, token_ids: list[int], path: str | os.PathLike, extra: dict | None = None) -> int:
     """Write the cached blocks of ``token_ids`` (as far as the pool or the disk tier hold them, and
     with a window group as far as their window parts make them a hit) to ``path``, atomically.
     Returns the number of tokens saved (whole blocks)."""
-    blocks, parts = _cached_blocks(engine.kv, token_ids)
+    blocks, parts = _cached_blocks(cache.manager, token_ids)
     if not blocks:
-        window = " with the window parts a query after them reads" if engine.kv.window.enabled else ""
+        window = " with the window parts a query after them reads" if cache.manager.window.enabled else ""
         raise PromptCacheError(
             f"none of the {len(token_ids)} tokens' blocks are cached{window} (a prompt needs at least "
-            f"{engine.kv.block_size} tokens, and prefix caching must be on)")
-    data = engine.storage.export_blocks([b.block_id for b in blocks])
-    num_tokens = len(blocks) * engine.kv.block_size
-    header = {"identity": engine.cache_identity, "tokens": list(token_ids[:num_tokens]), "blocks": len(blocks),
+            f"{cache.manager.block_size} tokens, and prefix caching must be on)")
+    data = cache.storage.export_blocks([b.block_id for b in blocks])
+    num_tokens = len(blocks) * cache.manager.block_size
+    header = {"identity": cache.identity(), "tokens": list(token_ids[:num_tokens]), "blocks": len(blocks),
               "extra": extra or {}}
     if parts:
         header["window_blocks"] = [i for i, _ in parts]
-        window_data = engine.storage.export_blocks([b.block_id for _, b in parts], WINDOW_GROUP)
+        window_data = cache.storage.export_blocks([b.block_id for _, b in parts], WINDOW_GROUP)
         data = torch.cat([data.view(-1), window_data.view(-1)])
     write_atomically(Path(path), pack(MAGIC, header, memoryview(data.numpy()).cast("B"), _key()))
     return num_tokens
@@ -148,33 +149,33 @@ def _check(header: dict) -> str | None:
     return None
 
 
-def load_prompt_cache(engine, path: str | os.PathLike) -> tuple[int, dict]:
+def load_prompt_cache(cache: KVCache, path: str | os.PathLike) -> tuple[int, dict]:
     """Put the file's blocks into the engine's prefix cache. Returns (tokens now cached of the file's
     prefix, the file's ``extra``)."""
     header, payload = read_prompt_cache(path)
-    identity = header.get("identity")
-    if identity != engine.cache_identity:
+    identity, ours = header.get("identity"), cache.identity()
+    if identity != ours:
         # only our own field names are printed: the file's keys are whatever its writer chose
-        differs = [k for k in sorted(engine.cache_identity) if identity.get(k) != engine.cache_identity[k]]
-        if any(k not in engine.cache_identity for k in identity):
+        differs = [k for k in sorted(ours) if identity.get(k) != ours[k]]
+        if any(k not in ours for k in identity):
             differs.append("fields this version does not know")
         raise PromptCacheError(f"{path} was saved by another engine setup (differs in: {', '.join(differs)}); "
                                f"load it with the same model file, --weights, KV types and block size")
-    if not engine.config.cache.enable_prefix_caching:
+    if not cache.prefix_caching:
         raise PromptCacheError("a prompt cache needs prefix caching (drop --no-prefix-caching)")
     tokens, num_blocks = header.get("tokens"), header.get("blocks")
     window_blocks = header.get("window_blocks", [])  # absent: a file without window parts
-    bs = engine.kv.block_size
-    if any(t >= engine.model_config.vocab_size for t in tokens):
+    bs = cache.manager.block_size
+    if any(t >= cache.vocab_size for t in tokens):
         raise PromptCacheError(f"{path}: its tokens are not all of this model's vocabulary")
     if (len(tokens) != num_blocks * bs
-            or not _valid_window_blocks(window_blocks, num_blocks, engine.storage)
-            or len(payload) != _payload_bytes(engine.storage, num_blocks, window_blocks)):
+            or not _valid_window_blocks(window_blocks, num_blocks, cache.storage)
+            or len(payload) != _payload_bytes(cache.storage, num_blocks, window_blocks)):
         raise PromptCacheError(f"{path}: its header does not match its payload")
-    blocks = _FileBlocks(engine.storage, payload, engine.kv.block_hashes_of(tokens), window_blocks)
-    installed = engine.kv.install_prefix(tokens, blocks)
-    if engine.offload is not None:
-        engine.offload.save_prefix(engine.kv, tokens[: installed * bs])
+    blocks = _FileBlocks(cache.storage, payload, cache.manager.block_hashes_of(tokens), window_blocks)
+    installed = cache.manager.install_prefix(tokens, blocks)
+    if cache.offload is not None:
+        cache.offload.save_prefix(cache.manager, tokens[: installed * bs])
     return installed * bs, header.get("extra") or {}
 
 

@@ -50,7 +50,7 @@ class EngineReplica:
         if prompt_cache:
             from kvserve.kv.prompt_cache import load_prompt_cache
 
-            load_prompt_cache(engine, prompt_cache)
+            load_prompt_cache(engine.cache, prompt_cache)
         self.async_engine = AsyncLLMEngine(engine)
         self.card = ModelCard.from_engine(engine, model_name)
         self.card.digest()  # here, where the file is: the ingress may run on a node without it
