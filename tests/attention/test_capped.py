@@ -42,16 +42,16 @@ def test_paged_capped_prefill_and_decode_match_float64(cache_type):
     for layer, window in ((0, None), (1, 100)):
         keys, values = stored_rows(storage, layer, tables[1], 300)
         chunk = q[200:]  # a later chunk of the 300-token sequence
-        seq = SequenceSlice(0, 100, 300, torch.tensor(tables[1]))
-        attn = torch_attention(storage, PagedAttentionMetadata(torch.zeros(0, dtype=torch.long), [seq]))
+        seq = SequenceSlice(0, 100, 300, (torch.tensor(tables[1]),))
+        attn = torch_attention(storage, PagedAttentionMetadata((torch.zeros(0, dtype=torch.long),), [seq]))
         ours = attn.attend(layer, chunk, zeros[:100], zeros[:100], window, SCALE, CAP)
         reference = reference_of(storage, chunk, keys, values, torch.arange(200, 300), window)
         torch.testing.assert_close(ours.double(), reference, rtol=1e-4, atol=1e-4)
         uncapped = attn.attend(layer, chunk, zeros[:100], zeros[:100], window, SCALE)
         assert (uncapped.double() - reference).abs().max() > 0.1  # the cap changed the answer
 
-        batch = build_decode_batch([0, 1], tables, lens, torch.device("cpu"), 2)
-        attn = torch_attention(storage, PagedAttentionMetadata(torch.zeros(0, dtype=torch.long), [], batch))
+        batch = build_decode_batch([0, 1], [tables], lens, torch.device("cpu"), 2)
+        attn = torch_attention(storage, PagedAttentionMetadata((torch.zeros(0, dtype=torch.long),), [], batch))
         last = torch.stack([q[39], q[299]])
         ours = attn.attend(layer, last, zeros[:2], zeros[:2], window, SCALE, CAP)
         for i, n in enumerate(lens):

@@ -51,11 +51,11 @@ def filled_storage(cfg, cache_type, context_lens, seed=0, block=BLOCK):
 
 
 def decode(storage, tables, lens, q, layer, window, use_native):
-    batch = build_decode_batch(list(range(len(lens))), tables, lens, torch.device("cpu"), len(lens))
+    batch = build_decode_batch(list(range(len(lens))), [tables], lens, torch.device("cpu"), len(lens))
     native_paged._BY_STORAGE.pop(storage, None)
     if not use_native:
         native_paged._BY_STORAGE[storage] = None
-    attn = PagedAttention(storage, PagedAttentionMetadata(torch.zeros(0, dtype=torch.long), [], batch))
+    attn = PagedAttention(storage, PagedAttentionMetadata((torch.zeros(0, dtype=torch.long),), [], batch))
     assert (attn.native is not None) == use_native
     return attn._decode_attention(layer, q, window, 0.125)
 
@@ -160,11 +160,11 @@ def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f3
 
 def prefill(storage, table, context_len, q, layer, window, use_native):
     """q: the last len(q) queries of a sequence of context_len tokens whose k/v are stored."""
-    seq = SequenceSlice(0, q.shape[0], context_len, torch.tensor(table))
+    seq = SequenceSlice(0, q.shape[0], context_len, (torch.tensor(table),))
     native_paged._BY_STORAGE.pop(storage, None)
     if not use_native:
         native_paged._BY_STORAGE[storage] = None
-    attn = PagedAttention(storage, PagedAttentionMetadata(torch.zeros(0, dtype=torch.long), [seq]))
+    attn = PagedAttention(storage, PagedAttentionMetadata((torch.zeros(0, dtype=torch.long),), [seq]))
     assert (attn.native is not None) == use_native
     attn.write = lambda *args: None  # the k/v are in the storage already
     k = v = torch.zeros(q.shape[0], storage.num_kv_heads, q.shape[2])

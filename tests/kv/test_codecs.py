@@ -90,9 +90,9 @@ def test_attention_from_codes_equals_attention_on_dequantized(name):
     table = torch.tensor([5, 1, 6, 2])
     slots = torch.tensor([int(table[p // 4]) * 4 + p % 4 for p in range(n)])
     # prefill of 12 tokens, then one decode token
-    pre = PagedAttentionMetadata(slots[:12], [SequenceSlice(0, 12, 12, table[:3])])
+    pre = PagedAttentionMetadata((slots[:12],), [SequenceSlice(0, 12, 12, (table[:3],))])
     out_pre = PagedAttention(storage, pre).attend(0, q[:12], k[:12], v[:12], None, 0.125)
-    dec = PagedAttentionMetadata(slots[12:], [], build_decode_batch([0], [table.tolist()], [13], torch.device("cpu")))
+    dec = PagedAttentionMetadata((slots[12:],), [], build_decode_batch([0], [[table.tolist()]], [13], torch.device("cpu")))
     out_dec = PagedAttention(storage, dec).attend(0, q[12:], k[12:], v[12:], None, 0.125)
     codec_k, codec_v = storage.k_codec, storage.v_codec
     kd = codec_k.unrotate(codec_k.decode(codec_k.encode(k), torch.float32))

@@ -33,11 +33,12 @@ class SequenceSlice:
     query_start: int
     query_len: int
     context_len: int  # tokens in the cache for this sequence after this step's writes
-    block_table: torch.Tensor  # [num_blocks_used] int64, enough blocks to hold context_len
-    window_table: torch.Tensor | None = None  # the same positions' blocks in the window group
+    # per KV group (storage.group_blocks' order: every layer's, then the sliding layers'), the blocks of
+    # positions [0, context_len): [num_blocks_used] int64
+    group_tables: tuple[torch.Tensor, ...]
 
     def table(self, group: int) -> torch.Tensor:
-        return self.window_table if group else self.block_table
+        return self.group_tables[group]
 
 
 @dataclass(slots=True)
@@ -45,14 +46,13 @@ class DecodeBatch:
     """The single-token sequences of a step, attended in one call."""
 
     token_rows: torch.Tensor  # [num_decodes] row of each decode token in the flat batch
-    block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    group_tables: tuple[torch.Tensor, ...]  # per KV group, [num_decodes, max_blocks] padded with block 0
     context_lens: torch.Tensor  # [num_decodes]
     only_decodes: bool = False  # the step's tokens are exactly these, in order (rows 0..n-1)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [num_decodes, 1, 1, keys]
-    window_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] in the window group
 
     def tables(self, group: int) -> torch.Tensor:
-        return self.window_tables if group else self.block_tables
+        return self.group_tables[group]
 
     def mask(self, window: int | None, num_keys: int) -> torch.Tensor:
         if window not in self.masks:
@@ -67,13 +67,15 @@ class DecodeBatch:
 
 @dataclass(slots=True)
 class PagedAttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] flat slot of each token
+    """One step's batch as every attention backend reads it: per KV group, each token's slot and each
+    sequence's block table (``slots(g)``, ``SequenceSlice.table(g)``, ``DecodeBatch.tables(g)``)."""
+
+    group_slots: tuple[torch.Tensor, ...]  # per KV group, [num_tokens] flat slot of each token
     sequences: list[SequenceSlice]  # sequences attended one by one (prefill chunks)
     decodes: DecodeBatch | None = None  # single-token sequences attended together
-    window_slot_mapping: torch.Tensor | None = None  # [num_tokens] in the window group
 
     def slots(self, group: int) -> torch.Tensor:
-        return self.window_slot_mapping if group else self.slot_mapping
+        return self.group_slots[group]
 
 
 def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -82,15 +84,15 @@ def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def build_decode_batch(
-    token_rows: list[int], tables: list[list[int]], context_lens: list[int], device: torch.device,
-    num_tokens: int | None = None, window_tables: list[list[int]] | None = None,
+    token_rows: list[int], group_tables: list[list[list[int]]], context_lens: list[int], device: torch.device,
+    num_tokens: int | None = None,
 ) -> DecodeBatch:
+    """group_tables: per KV group, each decode's block table."""
     return DecodeBatch(
         torch.tensor(token_rows, dtype=torch.long, device=device),
-        _padded(tables, device),
+        tuple(_padded(tables, device) for tables in group_tables),
         torch.tensor(context_lens, dtype=torch.long, device=device),
         only_decodes=num_tokens == len(token_rows) and token_rows == list(range(len(token_rows))),
-        window_tables=None if window_tables is None else _padded(window_tables, device),
     )
 
 

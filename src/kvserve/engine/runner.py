@@ -34,70 +34,60 @@ class ModelRunner:
             self.model.rope_local.fit_context(self.num_ctx)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        window_slots: list[int] = []  # the sliding layers' slots, with a window group
+        groups = range(len(self.storage.group_blocks))  # every layer's blocks, then the sliding layers'
+        slots: list[list[int]] = [[] for _ in groups]  # per group, each token's slot
         sequences: list[SequenceSlice] = []
         logit_rows: list[int] = []
         ready: list[Request] = []
         bs = self.block_size
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_window_tables: list[list[int]] = []
+        decode_tables: list[list[list[int]]] = [[] for _ in groups]  # per group, each decode's table
         decode_lens: list[int] = []
+
+        def decode(row: int, blocks: int, context: int) -> None:
+            decode_rows.append(row)
+            for g in groups:
+                decode_tables[g].append(tables[g][:blocks])
+            decode_lens.append(context)
+
         for s in out.scheduled:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            table = self.kv.block_ids(r.request_id)
-            window_table = self.kv.window_block_ids(r.request_id)
+            tables = self.kv.group_block_ids(r.request_id)
             end = start + n
             num_blocks = -(-end // bs)
             input_ids.extend(r.all_token_ids[start:end] + s.draft_token_ids if s.draft_token_ids
                              else r.all_token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if window_table is not None:
-                window_slots.extend(window_table[p // bs] * bs + p % bs for p in range(start, end))
+            for g in groups:
+                slots[g].extend(tables[g][p // bs] * bs + p % bs for p in range(start, end))
             if s.draft_token_ids:  # each a decode row of its own: the bits decoding one at a time gives
                 for p in range(start, end):
-                    decode_rows.append(len(input_ids) - end + p)
-                    decode_tables.append(table[: p // bs + 1])
-                    if window_table is not None:
-                        decode_window_tables.append(window_table[: p // bs + 1])
-                    decode_lens.append(p + 1)
+                    decode(len(input_ids) - end + p, p // bs + 1, p + 1)
                     logit_rows.append(len(input_ids) - end + p)
                 ready.append(r)
                 continue
             # generated tokens are attended together in one padded call (the decode kernel); a prompt
             # chunk of one token goes with the prompts, so that it gets the bits a whole prefill gives
             if n == 1 and end > r.num_prompt_tokens:
-                decode_rows.append(len(input_ids) - 1)
-                decode_tables.append(table[:num_blocks])
-                decode_lens.append(end)
-                if window_table is not None:
-                    decode_window_tables.append(window_table[:num_blocks])
+                decode(len(input_ids) - 1, num_blocks, end)
             else:
-                block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
-                window_block_table = None if window_table is None else torch.tensor(
-                    window_table[:num_blocks], dtype=torch.long, device=self.device)
-                sequences.append(SequenceSlice(len(input_ids) - n, n, end, block_table, window_block_table))
+                sequences.append(SequenceSlice(len(input_ids) - n, n, end, tuple(
+                    torch.tensor(tables[g][:num_blocks], dtype=torch.long, device=self.device) for g in groups)))
             if end == r.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
                 ready.append(r)
         device = self.device
         decodes = None
         if decode_rows:
-            decodes = build_decode_batch(decode_rows, decode_tables, decode_lens, device, len(input_ids),
-                                         decode_window_tables or None)
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        window_slot_mapping = torch.tensor(window_slots, dtype=torch.long, device=device) if window_slots else None
+            decodes = build_decode_batch(decode_rows, decode_tables, decode_lens, device, len(input_ids))
+        group_slots = tuple(torch.tensor(slots[g], dtype=torch.long, device=device) for g in groups)
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         if decodes is not None and decodes.only_decodes and self.native_decode is not None:
-            groups = range(len(self.storage.group_blocks))
-            mappings = (slot_mapping, window_slot_mapping)
             hidden = self.native_decode(ids, pos, [decodes.tables(g) for g in groups], decodes.context_lens,
-                                        [self.storage.slot_rows(mappings[g], g) for g in groups])
+                                        [self.storage.slot_rows(group_slots[g], g) for g in groups])
         else:
-            metadata = PagedAttentionMetadata(slot_mapping, sequences, decodes, window_slot_mapping)
+            metadata = PagedAttentionMetadata(group_slots, sequences, decodes)
             hidden = self.model.forward(ids, pos, PagedAttention(self.storage, metadata))
         if not ready:
             return [], hidden.new_empty((0, 0))

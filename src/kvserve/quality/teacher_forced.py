@@ -29,7 +29,7 @@ def chunk_logprobs(model: DecoderLM, token_ids: list[int], cache_type_k: str, ca
     for start in range(0, len(token_ids) - 1, chunk):
         end = min(start + chunk, len(token_ids) - 1)
         positions = torch.arange(start, end, device=model.device)
-        metadata = PagedAttentionMetadata(positions.clone(), [SequenceSlice(0, end - start, end, table)])
+        metadata = PagedAttentionMetadata((positions.clone(),), [SequenceSlice(0, end - start, end, (table,))])
         hidden = model.forward(ids[start:end], positions, PagedAttention(storage, metadata))
         yield start, model.compute_logits(hidden).log_softmax(-1)
 
