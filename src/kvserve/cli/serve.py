@@ -14,10 +14,18 @@ from kvserve.models.registry import DEFAULT_MODEL, REGISTRY
 from kvserve.server.server_config import DEFAULT_MAX_BODY_BYTES
 
 
+class _Models(argparse.Action):
+    """MODEL ...: also ``model``, the first (what the engine options read, as other commands' MODEL)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.models = list(values or [])
+        namespace.model = namespace.models[0] if namespace.models else None
+
+
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="serve models over OpenAI-, Ollama- and Anthropic-compatible HTTP APIs")
     p.add_argument(
-        "models", nargs="*", metavar="MODEL",
+        "models", nargs="*", metavar="MODEL", action=_Models,
         help="registry name, .gguf file or HF folder (default smollm2); the first is loaded at start and kept, "
         "the others load when a request names them",
     )

@@ -65,6 +65,10 @@ class LayerWeights:
         return [lin for lin in (self.qkv, self.o, self.gate_up, self.down) if lin is not None] + experts
 
 
+# the steps that name a layer (``DecoderLM.steps``)
+LAYER_STEPS = frozenset({"qkv", "qk_norm", "rope", "attend", "o", "mlp", "moe"})
+
+
 class DecoderLM:
     def __init__(
         self,
@@ -207,6 +211,38 @@ class DecoderLM:
         rows = self.lm_head.rows(input_ids).to(self.dtype)
         return rows if out is None else out.copy_(rows)
 
+    def steps(self) -> list[tuple]:
+        """The decoder's operations in order (built once), the one place the order is written: ``forward`` runs them
+        in torch, ``native_decode.NativeDecodeStep`` as native kernel calls. A block's output is held
+        apart ("pending") until the next norm adds it to the residual stream:
+
+            ("norm", w, last)      add the pending output (if any) to the residual stream, RMS-normalize
+                                   it by w (``last``: the final norm, whose result the model returns)
+            ("qkv", i)             layer i's fused q, k, v projection of the normalized stream
+            ("qk_norm", i)         RMSNorm of q and k (per head, or over all heads)
+            ("rope", i)            q and k rotated (a sliding layer's with the local table)
+            ("attend", i)          attention over the cache (a sliding layer within its window)
+            ("o", i)               the output projection: the pending output
+            ("pending_norm", w)    RMSNorm of the pending output (Gemma's post-norms)
+            ("scale",)             the pending output times ``residual_scale`` (Granite)
+            ("mlp", i)             gate_up, the gate, down of the normalized stream: the pending output
+            ("moe", i)             the experts instead
+        """
+        if getattr(self, "_steps", None) is not None:
+            return self._steps
+        cfg, steps = self.config, []
+        scale = [("scale",)] if cfg.residual_scale != 1.0 else []
+        for i, layer in enumerate(self.layers):
+            steps += [("norm", layer.attn_norm, False), ("qkv", i)]
+            steps += [("qk_norm", i)] if layer.q_norm is not None else []
+            steps += [("rope", i), ("attend", i), ("o", i)]
+            steps += [("pending_norm", layer.post_attn_norm)] if layer.post_attn_norm is not None else []
+            steps += scale + [("norm", layer.ffn_norm, False), ("moe" if layer.moe is not None else "mlp", i)]
+            steps += [("pending_norm", layer.post_ffn_norm)] if layer.post_ffn_norm is not None else []
+            steps += scale
+        self._steps = steps + [("norm", self.final_norm, True)]
+        return self._steps
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -221,39 +257,40 @@ class DecoderLM:
         rope_tables = self.rope.tables(positions, max_pos)
         local_tables = self.rope_local.tables(positions, max_pos) if self.rope_local is not self.rope else rope_tables
         eps = cfg.rms_norm_eps
-        residual = cfg.residual_scale
+        heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
+        h = qkv = q = k = v = o = None
         pending = None  # the last block's output, added to the residual stream by the next norm
-        for i, layer in enumerate(self.layers):
-            sliding = cfg.is_sliding(i)
-            if pending is None:
-                h = rms_norm(x, layer.attn_norm, eps)
-            else:
-                x, h = add_rms_norm(x, pending, layer.attn_norm, eps)
-            qkv = layer.qkv(h).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-            heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
-            if layer.q_norm is not None:
+        for kind, *args in self.steps():
+            layer = self.layers[args[0]] if kind in LAYER_STEPS else None
+            if kind == "norm":
+                if pending is None:
+                    h = rms_norm(x, args[0], eps)
+                else:
+                    x, h = add_rms_norm(x, pending, args[0], eps)
+                    pending = None
+                if args[1]:
+                    return h
+            elif kind == "qkv":
+                qkv = layer.qkv(h).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            elif kind == "qk_norm":
                 qkv = self._qk_norm(layer, qkv, heads)
-            cos, sin = local_tables if sliding else rope_tables
-            q, k, v = rotate_heads(qkv, heads[0] + heads[1], cos, sin).split(heads, dim=1)  # q and k in one go
-            window = cfg.sliding_window if sliding else None
-            o = attn.attend(i, q, k, v, window, self.scale, cfg.attn_logit_softcap or None)
-            h = layer.o(o.reshape(n, self.q_dim))
-            if layer.post_attn_norm is not None:
-                h = rms_norm(h, layer.post_attn_norm, eps)
-            if residual != 1.0:
-                h = h * residual
-            x, h = add_rms_norm(x, h, layer.ffn_norm, eps)
-            if layer.moe is not None:
-                pending = layer.moe(h)
-            else:
+            elif kind == "rope":
+                cos, sin = local_tables if cfg.is_sliding(args[0]) else rope_tables
+                q, k, v = rotate_heads(qkv, heads[0] + heads[1], cos, sin).split(heads, dim=1)  # q and k in one go
+            elif kind == "attend":
+                window = cfg.sliding_window if cfg.is_sliding(args[0]) else None
+                o = attn.attend(args[0], q, k, v, window, self.scale, cfg.attn_logit_softcap or None)
+            elif kind == "o":
+                pending = layer.o(o.reshape(n, self.q_dim))
+            elif kind == "pending_norm":
+                pending = rms_norm(pending, args[0], eps)
+            elif kind == "scale":
+                pending = pending * cfg.residual_scale
+            elif kind == "mlp":
                 pending = layer.down(gated(layer.gate_up(h), cfg.hidden_act))
-            if layer.post_ffn_norm is not None:
-                pending = rms_norm(pending, layer.post_ffn_norm, eps)
-            if residual != 1.0:
-                pending = pending * residual
-        if pending is None:
-            return rms_norm(x, self.final_norm, eps)
-        return add_rms_norm(x, pending, self.final_norm, eps)[1]
+            else:  # "moe"
+                pending = layer.moe(h)
+        raise AssertionError("steps() ends with the final norm")
 
     def _qk_norm(self, layer: LayerWeights, qkv: torch.Tensor, heads: list[int]) -> torch.Tensor:
         """RMSNorm of q and k per head (head_dim weights; in place where the kernel runs), or over all

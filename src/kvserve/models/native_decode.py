@@ -25,7 +25,7 @@ from kvserve import native
 from kvserve.attention import native_paged
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.models import activations
-from kvserve.models.decoder import DecoderLM
+from kvserve.models.decoder import LAYER_STEPS, DecoderLM
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, StackedLinear
 from kvserve.native.decode_ops import kernel_addresses, operation
 
@@ -100,8 +100,8 @@ class NativeDecodeStep:
         self.capacity, self.threads = capacity, threads
 
     def _operations(self, threads: int) -> list[list[int]]:
-        """The step's kernel calls over ``self.buffers``, each parameter named as kernels.h names it, in
-        ``DecoderLM.forward``'s order."""
+        """The step's kernel calls over ``self.buffers``, each parameter named as kernels.h names it:
+        ``DecoderLM.steps``, the list ``forward`` runs, each step as the kernels that do it."""
         model, cfg, b = self.model, self.model.config, self.buffers
         heads, kv_heads, d, hidden = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         ptr = {name: t.data_ptr() for name, t in b.items()}
@@ -135,54 +135,63 @@ class NativeDecodeStep:
 
         gate = activations.GATE_KERNELS[cfg.hidden_act][1]
         pending = None  # the buffer holding the last block's output, added by the next norm
-        for i, layer in enumerate(model.layers):
-            if pending is None:
-                norm("x", layer.attn_norm, "h")
-            else:
-                add_norm(pending, layer.attn_norm, "h")
-            matmul(layer.qkv, "h", "qkv")
-            if layer.q_norm is not None:
+        for kind, *args in model.steps():  # DecoderLM.forward's steps, as kernel calls
+            i = args[0] if kind in LAYER_STEPS else None
+            layer = model.layers[i] if i is not None else None
+            if kind == "norm":
+                out = "out" if args[1] else "h"
+                if pending is None:
+                    norm("x", args[0], out)
+                else:
+                    add_norm(pending, args[0], out)
+                    pending = None
+            elif kind == "qkv":
+                matmul(layer.qkv, "h", "qkv")
+            elif kind == "qk_norm":
                 head_norm(0, heads, layer.q_norm)
                 head_norm(heads, kv_heads, layer.k_norm)
-            sliding = cfg.is_sliding(i)
-            table = "_local" if sliding and model.rope_local is not model.rope else ""
-            op("rope_in_place", x=qkv, heads=heads + kv_heads, token_stride=qkv_dim, D=d, cos=ptr["cos" + table],
-               sin=ptr["sin" + table])
-            offset = 0
-            for name in ("q", "k", "v"):
-                width = b[name].shape[1]
-                op("copy_rows", src=qkv + 4 * offset, src_stride=qkv_dim, dst=ptr[name], dst_stride=width,
-                   width=width)
-                offset += width
-            group = self.groups[i]
-            for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
-                    ("k", "v"), self.writer.layer_args[i]):
-                op("kv_write", group, kind=kind, x=ptr[name], kv_heads=kv_heads, D=d, codes=codes,
-                   code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
-                   levels=levels)
-            window = cfg.sliding_window if sliding else None
-            op("paged_decode_attention", group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=ptr["q"],
-               out=ptr["attn"], window=window or 0, scale=model.scale, softcap=cfg.attn_logit_softcap or 0.0,
-               num_threads=threads,
-               **self._attention_cache_args(i))
-            matmul(layer.o, "attn", "o")
-            attn_out = "o"
-            if layer.post_attn_norm is not None:
-                norm("o", layer.post_attn_norm, "o_normed")
-                attn_out = "o_normed"
-            add_norm(attn_out, layer.ffn_norm, "h")
-            matmul(layer.gate_up, "h", "gate_up")
-            op(gate, gate_up=ptr["gate_up"], inter=b["act"].shape[1], out=ptr["act"])
-            matmul(layer.down, "act", "down")
-            pending = "down"
-            if layer.post_ffn_norm is not None:
-                norm("down", layer.post_ffn_norm, "down_normed")
-                pending = "down_normed"
-        if pending is None:
-            norm("x", model.final_norm, "out")
-        else:
-            add_norm(pending, model.final_norm, "out")
+            elif kind == "rope":
+                table = "_local" if cfg.is_sliding(i) and model.rope_local is not model.rope else ""
+                op("rope_in_place", x=qkv, heads=heads + kv_heads, token_stride=qkv_dim, D=d, cos=ptr["cos" + table],
+                   sin=ptr["sin" + table])
+            elif kind == "attend":
+                self._attend(op, i, threads)
+            elif kind == "o":
+                matmul(layer.o, "attn", "o")
+                pending = "o"
+            elif kind == "pending_norm":
+                norm(pending, args[0], pending + "_normed")
+                pending += "_normed"
+            elif kind == "mlp":
+                matmul(layer.gate_up, "h", "gate_up")
+                op(gate, gate_up=ptr["gate_up"], inter=b["act"].shape[1], out=ptr["act"])
+                matmul(layer.down, "act", "down")
+                pending = "down"
+            else:  # "scale", "moe": ``supports`` refuses such models
+                raise ValueError(f"no native decode step for {kind!r}")
         return ops
+
+    def _attend(self, op, i: int, threads: int) -> None:
+        """Layer i's attention: q, k, v copied out of qkv, k and v written to the cache, the decode kernel."""
+        model, cfg, b = self.model, self.model.config, self.buffers
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv, qkv_dim = b["qkv"].data_ptr(), b["qkv"].shape[1]
+        offset = 0
+        for name in ("q", "k", "v"):
+            width = b[name].shape[1]
+            op("copy_rows", src=qkv + 4 * offset, src_stride=qkv_dim, dst=b[name].data_ptr(), dst_stride=width,
+               width=width)
+            offset += width
+        group = self.groups[i]
+        for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
+                ("k", "v"), self.writer.layer_args[i]):
+            op("kv_write", group, kind=kind, x=b[name].data_ptr(), kv_heads=kv_heads, D=d, codes=codes,
+               code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
+               levels=levels)
+        window = cfg.sliding_window if cfg.is_sliding(i) else None
+        op("paged_decode_attention", group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=b["q"].data_ptr(),
+           out=b["attn"].data_ptr(), window=window or 0, scale=model.scale, softcap=cfg.attn_logit_softcap or 0.0,
+           num_threads=threads, **self._attention_cache_args(i))
 
     def _attention_cache_args(self, layer: int) -> dict[str, int]:
         """paged_decode_attention's arguments that describe the KV cache of ``layer``, by name."""
