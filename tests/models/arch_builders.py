@@ -144,9 +144,12 @@ def _tensors(hf, name: str) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path: Path, hf, name: str, quantized: bool = False, extra_tokens: tuple[tuple[str, int], ...] = (),
-               chat_template: str | None = None, eos_token_id: int = 2) -> Path:
+               chat_template: str | None = None, eos_token_id: int = 2,
+               pooling: gguf.PoolingType | None = None) -> Path:
     """quantized: every projection (experts included) stored as Q4_1, as a 4-bit file stores them.
-    extra_tokens: (text, GGUF token type) after the 256 byte symbols (the HF model's vocab must count them)."""
+    extra_tokens: (text, GGUF token type) after the 256 byte symbols (the HF model's vocab must count them).
+    pooling: an embedding model's pooling type (and its tokenizer adds the end-of-text token), as
+    llama.cpp's converter writes Qwen3-Embedding."""
     spec = SPECS[name]
     arch, cfg = spec["arch"], hf.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -195,6 +198,9 @@ def write_gguf(path: Path, hf, name: str, quantized: bool = False, extra_tokens:
     w.add_eos_token_id(eos_token_id)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    if pooling is not None:
+        w.add_pooling_type(pooling)
+        w.add_add_eos_token(True)
     for tensor_name, t in _tensors(hf, name).items():
         projection = t.ndim >= 2 and tensor_name.startswith("blk.") and "ffn_gate_inp" not in tensor_name
         if quantized and projection:

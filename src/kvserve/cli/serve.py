@@ -225,13 +225,13 @@ def _encoder(name: str | None, flag: str, rerank: bool, weights: str = "f32"):
     of the kind the flag serves (sentence embeddings, or a cross-encoder's relevance)."""
     if not name:
         return None
-    from kvserve.models.encoder import Encoder, is_encoder
+    from kvserve.models.encoder import is_encoder, open_encoder
     from kvserve.models.registry import resolve
 
     path = resolve(name, auto_pull=True)
     if not is_encoder(path):
         raise ValueError(f"{flag} {name}: not a BERT-family encoder (an HF folder or a bert GGUF file)")
-    encoder = Encoder(path, served_name(name, None), weights)
+    encoder = open_encoder(path, served_name(name, None), weights)
     if bool(encoder.config.num_labels) != rerank:
         kind = "a cross-encoder (sequence classification)" if rerank else "a sentence-embedding model"
         raise ValueError(f"{flag} {name}: not {kind}")

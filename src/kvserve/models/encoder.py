@@ -115,6 +115,17 @@ def _read_folder(path: Path):
     return read_encoder_config(path), weights, Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
+def open_encoder(path: Path, name: str, weight_format: str = "f32"):
+    """The sentence encoder at ``path``: a BERT (``Encoder``: an HF folder or a bert GGUF) or a decoder
+    GGUF that names a pooling (``decoder_encoder.DecoderEncoder``; weight_format "int8" is the engine's
+    "q4" there: its file's bits)."""
+    from kvserve.models.decoder_encoder import DecoderEncoder, decoder_pooling
+
+    if path.suffix == ".gguf" and decoder_pooling(path) is not None:
+        return DecoderEncoder(path, name, "q4" if weight_format == "int8" else "f32")
+    return Encoder(path, name, weight_format)
+
+
 def is_encoder(path: Path) -> bool:
     """A BERT-family encoder: an HF folder (``is_encoder_folder``) or a ``bert`` GGUF file."""
     from kvserve.models.gguf_encoder import is_gguf_encoder

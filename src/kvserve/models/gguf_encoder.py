@@ -20,12 +20,15 @@ PHANTOM = "\u2581"
 
 
 def is_gguf_encoder(path: Path) -> bool:
+    """A GGUF of sentence embeddings: a BERT, or a decoder whose metadata names a pooling
+    (``decoder_encoder``)."""
     if path.suffix != ".gguf" or not path.is_file():
         return False
+    from kvserve.models.decoder_encoder import decoder_pooling
     from kvserve.models.gguf_header import read_gguf_header
 
     try:
-        return read_gguf_header(path).architecture == "bert"
+        return read_gguf_header(path).architecture == "bert" or decoder_pooling(path) is not None
     except Exception:  # noqa: BLE001 - not a GGUF file we can read: not an encoder either
         return False
 

@@ -46,6 +46,7 @@ def load_model(
     progress: Progress | None = None,
     auto_pull: bool = False,
     weight_format: str = "f32",
+    embedding: bool = False,
 ) -> LoadedModel:
     """weight_format: one of ``models.linear.WEIGHT_FORMATS``, or "auto": ``models.weight_choice.choose``'s
     (q4 or q4-fast for a GGUF file on the CPU, f32 otherwise), its reason kept as ``weights_why``."""
@@ -54,7 +55,7 @@ def load_model(
     dev = pick_device(device)
     from kvserve.models.encoder import is_encoder
 
-    if is_encoder(path):
+    if is_encoder(path) and not embedding:
         raise ModelLoadError(f"{model} is an encoder for sentence embeddings, not a model to generate with; "
                              f"serve it beside one: kvserve serve MODEL {model}")
     if path.is_dir():

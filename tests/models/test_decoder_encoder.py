@@ -1,0 +1,62 @@
+"""Sentence embeddings from a decoder GGUF that names a pooling (Qwen3-Embedding's form): a tiny random
+Qwen3 written as llama.cpp's converter writes an embedding model embeds as transformers' Qwen3Model
+computes (its final-normed last hidden state, or their mean, normalized), the end-of-text token appended
+as the file says; it is an encoder to ``kvserve serve`` and not a model to chat with."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from kvserve.errors import ModelLoadError
+from kvserve.models.encoder import is_encoder, length_batches, open_encoder
+from tests.models.arch_builders import build_hf_model, write_gguf
+
+TEXTS = ["Hello, world!", "a", "The first snow of winter fell on the mountains.", "x" * 60]
+
+
+@pytest.mark.parametrize("pooling", [gguf.PoolingType.LAST, gguf.PoolingType.MEAN])
+def test_a_decoder_embeds_as_transformers(tmp_path, pooling):
+    hf = build_hf_model("qwen3")
+    path = write_gguf(tmp_path / "embed.gguf", hf, "qwen3", pooling=pooling)
+    assert is_encoder(path)
+    encoder = open_encoder(path, "embed")
+    ids = encoder.tokenize(TEXTS)
+    assert all(row[-1] == 2 for row in ids)  # the end-of-text token the file adds
+    ours = torch.zeros(len(ids), encoder.config.dimensions)
+    for batch in length_batches(ids, 2):
+        ours[batch] = encoder.embed([ids[i] for i in batch])
+    with torch.no_grad():
+        for i, row in enumerate(ids):
+            hidden = hf.model(torch.tensor([row])).last_hidden_state[0]
+            pooled = hidden[-1] if pooling == gguf.PoolingType.LAST else hidden.mean(0)
+            expected = torch.nn.functional.normalize(pooled, dim=-1)
+            assert float(torch.dot(ours[i], expected)) >= 0.99999, TEXTS[i]
+    with pytest.raises(ValueError, match="at most"):
+        encoder.tokenize(["y" * 600], truncate=False)
+    assert len(encoder.tokenize(["y" * 600])[0]) == encoder.config.max_seq_length
+
+
+def test_an_embedding_decoder_is_not_a_chat_model(tmp_path):
+    from kvserve.models.loader import load_model
+
+    path = write_gguf(tmp_path / "embed.gguf", build_hf_model("qwen3"), "qwen3", pooling=gguf.PoolingType.LAST)
+    with pytest.raises(ModelLoadError, match="sentence embeddings"):
+        load_model(str(path))
+    plain = write_gguf(tmp_path / "chat.gguf", build_hf_model("qwen3"), "qwen3")
+    assert not is_encoder(plain)
+
+
+def test_serve_takes_it_as_the_embedding_model(tmp_path):
+    from types import SimpleNamespace
+
+    from kvserve.cli.serve import _encoder, _encoders_among_models
+    from kvserve.models.decoder_encoder import DecoderEncoder
+
+    path = write_gguf(tmp_path / "qwen3-embed.gguf", build_hf_model("qwen3"), "qwen3", pooling=gguf.PoolingType.LAST)
+    args = SimpleNamespace(models=["smollm2", str(path)], embedding_model=None, rerank_model=None)
+    _encoders_among_models(args)
+    assert args.models == ["smollm2"] and args.embedding_model == str(path)
+    encoder = _encoder(args.embedding_model, "--embedding-model", False)
+    assert isinstance(encoder, DecoderEncoder) and encoder.name == "qwen3-embed"
