@@ -60,3 +60,24 @@ def test_serve_takes_it_as_the_embedding_model(tmp_path):
     assert args.models == ["smollm2"] and args.embedding_model == str(path)
     encoder = _encoder(args.embedding_model, "--embedding-model", False)
     assert isinstance(encoder, DecoderEncoder) and encoder.name == "qwen3-embed"
+
+
+def test_a_decoder_reranks_by_its_yes_and_no_logits(tmp_path):
+    """--rerank-model a decoder GGUF: each document in Qwen3-Reranker's judging prompt, the relevance the
+    softmax of the 'yes' and 'no' logits at the answer's first token, as transformers' logits give it."""
+    from kvserve.models.decoder_encoder import DecoderReranker
+
+    hf = build_hf_model("qwen3")
+    path = write_gguf(tmp_path / "judge.gguf", hf, "qwen3")
+    reranker = open_encoder(path, "judge", rerank=True)
+    assert isinstance(reranker, DecoderReranker) and reranker.config.num_labels
+    documents = ["Paris is the capital of France.", "Bananas are yellow.", "d" * 900]
+    pairs = reranker.tokenize_pairs("capital of France?", documents)
+    assert len(pairs[2][0]) == reranker.config.max_seq_length  # cut to the context, the prompt's end kept
+    ours = reranker.score(pairs)
+    with torch.no_grad():
+        for i, (ids, _) in enumerate(pairs):
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+            expected = torch.stack([logits[reranker.no], logits[reranker.yes]]).softmax(0)[1]
+            assert abs(float(ours[i]) - float(expected)) < 1e-5
+    assert 0 <= float(ours.min()) and float(ours.max()) <= 1

@@ -83,8 +83,8 @@ def add_parser(sub, name: str) -> None:
         "--rerank-model",
         default=None,
         metavar="PATH",
-        help="also serve /v1/rerank from this cross-encoder: an HF folder of a BERT sequence-classification "
-        "reranker (e.g. ms-marco-MiniLM-L6-v2)",
+        help="also serve /v1/rerank from this reranker: an HF folder of a BERT sequence-classification "
+        "cross-encoder (e.g. ms-marco-MiniLM-L6-v2), or a decoder GGUF judging yes/no (Qwen3-Reranker)",
     )
     p.add_argument(
         "--reasoning-budget",
@@ -229,9 +229,10 @@ def _encoder(name: str | None, flag: str, rerank: bool, weights: str = "f32"):
     from kvserve.models.registry import resolve
 
     path = resolve(name, auto_pull=True)
-    if not is_encoder(path):
-        raise ValueError(f"{flag} {name}: not a BERT-family encoder (an HF folder or a bert GGUF file)")
-    encoder = open_encoder(path, served_name(name, None), weights)
+    if not (is_encoder(path) or rerank and path.suffix == ".gguf"):
+        raise ValueError(f"{flag} {name}: not an encoder (a BERT folder or GGUF, an embedding GGUF"
+                         f"{', or a decoder GGUF to rerank with' if rerank else ''})")
+    encoder = open_encoder(path, served_name(name, None), weights, rerank)
     if bool(encoder.config.num_labels) != rerank:
         kind = "a cross-encoder (sequence classification)" if rerank else "a sentence-embedding model"
         raise ValueError(f"{flag} {name}: not {kind}")

@@ -79,3 +79,62 @@ class DecoderEncoder:
                                    ContiguousKVCache(len(model.layers))).float()
             pooled.append(hidden[-1] if self.config.pooling == "last" else hidden.mean(0))
         return torch.nn.functional.normalize(torch.stack(pooled).cpu(), dim=-1)
+
+
+# Qwen3-Reranker's prompt (its model card's): the query and document judged, the answer "yes" or "no"
+RERANK_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+                 'Note that the answer can only be "yes" or "no".')
+RERANK_INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
+RERANK_PROMPT = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<Instruct>: {instruct}\n<Query>: {query}\n"
+                 "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+class DecoderReranker:
+    """An LLM-style reranker (Qwen3-Reranker): a decoder reads the query and a document in its judging
+    prompt, and the relevance is P(yes) against P(no) at the answer's first token, the softmax of those
+    two logits (as vLLM and the model card compute it). Any decoder GGUF works the same way; those trained
+    for it answer meaningfully. Same interface as a cross-encoder ``Encoder``: ``tokenize_pairs``,
+    ``score``, ``config``."""
+
+    def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
+        from kvserve.models.encoder import EncoderConfig
+        from kvserve.models.loader import load_model
+
+        self.path, self.name = path, name
+        self.loaded = load_model(str(path), weight_format=weight_format, embedding=True)
+        tokenizer = self.loaded.tokenizer
+        if tokenizer is None:
+            raise ModelLoadError(f"{path}: a reranker needs its tokenizer")
+        self.yes, self.no = (tokenizer.encode(word, add_special=False)[0] for word in ("yes", "no"))
+        c = self.loaded.config
+        self.config = EncoderConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_heads,
+            intermediate_size=c.intermediate_size, max_positions=c.max_position_embeddings, type_vocab_size=0,
+            eps=c.rms_norm_eps, max_seq_length=c.max_position_embeddings, pooling="last", normalize=False,
+            num_labels=2)
+
+    def tokenize_pairs(self, query: str, documents: list[str]) -> list[tuple[list[int], list[int]]]:
+        """(ids, []) of each document in the judging prompt; a prompt over the model's context loses the end
+        of its document (the prompt's closing kept)."""
+        tokenizer, most = self.loaded.tokenizer, self.config.max_seq_length
+        head, tail = RERANK_PROMPT.split("{document}")
+        before = tokenizer.encode(head.format(system=RERANK_SYSTEM, instruct=RERANK_INSTRUCT, query=query))
+        after = tokenizer.encode(tail, add_special=False)
+        room = most - len(before) - len(after)
+        if room < 1:
+            raise ValueError(f"the query is {len(before)} tokens in its prompt; this model reads at most {most}")
+        return [(before + tokenizer.encode(d, add_special=False)[:room] + after, []) for d in documents]
+
+    @torch.inference_mode()
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+        """[len(pairs)] P(yes) of each prompt against P(no), in [0, 1]."""
+        from kvserve.attention.contiguous import ContiguousKVCache
+
+        model, scores = self.loaded.model, []
+        for ids, _ in pairs:
+            n = len(ids)
+            hidden = model.forward(torch.tensor(ids, device=model.device), torch.arange(n, device=model.device),
+                                   ContiguousKVCache(len(model.layers)))
+            logits = model.compute_logits(hidden[-1:])[0]
+            scores.append(torch.stack([logits[self.no], logits[self.yes]]).softmax(0)[1])
+        return torch.stack(scores).cpu()

@@ -115,14 +115,18 @@ def _read_folder(path: Path):
     return read_encoder_config(path), weights, Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
-def open_encoder(path: Path, name: str, weight_format: str = "f32"):
-    """The sentence encoder at ``path``: a BERT (``Encoder``: an HF folder or a bert GGUF) or a decoder
-    GGUF that names a pooling (``decoder_encoder.DecoderEncoder``; weight_format "int8" is the engine's
-    "q4" there: its file's bits)."""
-    from kvserve.models.decoder_encoder import DecoderEncoder, decoder_pooling
+def open_encoder(path: Path, name: str, weight_format: str = "f32", rerank: bool = False):
+    """The encoder at ``path``: a BERT (``Encoder``: an HF folder or a bert GGUF), a decoder GGUF that names
+    a pooling (``decoder_encoder.DecoderEncoder``), or with ``rerank`` any other decoder GGUF as an LLM-style
+    reranker (``decoder_encoder.DecoderReranker``). For the decoders weight_format "int8" is the engine's
+    "q4": their file's bits."""
+    from kvserve.models.decoder_encoder import DecoderEncoder, DecoderReranker, decoder_pooling
 
+    decoder_format = "q4" if weight_format == "int8" else "f32"
     if path.suffix == ".gguf" and decoder_pooling(path) is not None:
-        return DecoderEncoder(path, name, "q4" if weight_format == "int8" else "f32")
+        return DecoderEncoder(path, name, decoder_format)
+    if rerank and path.suffix == ".gguf" and not is_encoder(path):
+        return DecoderReranker(path, name, decoder_format)
     return Encoder(path, name, weight_format)
 
 
