@@ -113,3 +113,78 @@ def test_serve_takes_a_bert_gguf_among_its_models_as_the_embedding_model(tmp_pat
     _encoders_among_models(args)
     assert args.models == ["smollm2", "gemma3-270m"] and args.embedding_model == str(path)
     assert Encoder(path, "embed").tokenize(["hellos"]) == [[2, 4, 5, 3]]
+
+
+def write_nomic_gguf(path, vocab: list[str], hidden=32, layers=2, heads=4, ff=48, seed=0) -> None:
+    """A random nomic-bert as llama.cpp's converter writes nomic-embed-text: fused q/k/v, a SwiGLU
+    feed-forward, rotary positions, no biases in the projections."""
+    g = np.random.default_rng(seed)
+
+    def rnd(*shape, scale=0.2):
+        return (g.standard_normal(shape) * scale).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), "nomic-bert")
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ff)
+    w.add_block_count(layers)
+    w.add_head_count(heads)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_rope_freq_base(1000.0)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_tokenizer_model("bert")
+    w.add_token_list([phantom(t) for t in vocab])
+    w.add_token_types([3 if t.startswith("[") and t.endswith("]") else 1 for t in vocab])
+    w.add_token_type_count(2)
+    w.add_sep_token_id(vocab.index("[SEP]"))
+    w.add_unk_token_id(vocab.index("[UNK]"))
+    w.add_pad_token_id(vocab.index("[PAD]"))
+    w.add_tensor("token_embd.weight", rnd(len(vocab), hidden, scale=1.0))
+    w.add_tensor("token_types.weight", rnd(2, hidden))
+    w.add_tensor("token_embd_norm.weight", 1 + rnd(hidden))
+    w.add_tensor("token_embd_norm.bias", rnd(hidden))
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_qkv.weight", rnd(3 * hidden, hidden))
+        w.add_tensor(p + "attn_output.weight", rnd(hidden, hidden))
+        w.add_tensor(p + "attn_output_norm.weight", 1 + rnd(hidden))
+        w.add_tensor(p + "attn_output_norm.bias", rnd(hidden))
+        w.add_tensor(p + "ffn_up.weight", rnd(ff, hidden))
+        w.add_tensor(p + "ffn_gate.weight", rnd(ff, hidden))
+        w.add_tensor(p + "ffn_down.weight", rnd(hidden, ff))
+        w.add_tensor(p + "layer_output_norm.weight", 1 + rnd(hidden))
+        w.add_tensor(p + "layer_output_norm.bias", rnd(hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["bert", "nomic-bert"])
+def test_a_gguf_encoder_embeds_as_llama_cpp(tmp_path, folder, arch):
+    """llama.cpp itself (llama-cpp-python, the same file): the same token ids and vectors (cosine >= 0.99999)
+    for BERT and for nomic-bert (nomic-embed-text's form: rotary positions, SwiGLU), which transformers has
+    no class for."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import BertConfig, BertModel
+
+    vocab_map = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    vocab = sorted(vocab_map, key=vocab_map.get)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    if arch == "bert":
+        torch.manual_seed(0)
+        model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=128), add_pooling_layer=False)
+        write_bert_gguf(path, model.eval(), vocab, gguf.PoolingType.MEAN)
+    else:
+        write_nomic_gguf(path, vocab)
+    ours = Encoder(path, arch)
+    assert ours.config.gated == (arch == "nomic-bert")
+    theirs = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=int(gguf.PoolingType.MEAN),
+                             n_ctx=128, verbose=False)
+    for text in TEXTS[:5]:
+        ids = ours.tokenize([text])[0]
+        assert ids == theirs.tokenize(text.encode(), add_bos=True, special=False), text
+        cosine = torch.nn.functional.cosine_similarity(ours.embed([ids])[0], torch.tensor(theirs.embed(text)), dim=0)
+        assert float(cosine) >= 0.99999, (text, float(cosine))

@@ -23,7 +23,11 @@ def decoder_pooling(path: Path) -> str | None:
     """The pooling a decoder GGUF declares ("last" or "mean"), or None: not an embedding model."""
     from kvserve.models.gguf_header import read_gguf_header
 
+    from kvserve.models.gguf_encoder import ARCHITECTURES
+
     header = read_gguf_header(path)
+    if header.architecture in ARCHITECTURES:  # an encoder's pooling, not a decoder's
+        return None
     kind = header.get(f"{header.architecture}.pooling_type")
     return POOLINGS.get(int(kind)) if kind is not None else None
 

@@ -42,6 +42,8 @@ class EncoderConfig:
     pooling: str  # "mean" or "cls"
     normalize: bool
     num_labels: int = 0  # a cross-encoder's classes (a reranker); 0: a sentence-embedding model
+    rotary_base: float | None = None  # nomic-bert: rotary positions (half-split) instead of position embeddings
+    gated: bool = False  # nomic-bert: a SwiGLU feed-forward (down(silu(gate) * up)) instead of GELU
 
     @property
     def dimensions(self) -> int:
@@ -115,6 +117,21 @@ def _read_folder(path: Path):
     return read_encoder_config(path), weights, Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
+def _rotary(positions: torch.Tensor, head_dim: int, base: float):
+    """A function rotating [tokens, heads * head_dim] by each token's position, half-split (NeoX's,
+    llama.cpp's for nomic-bert)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions.double()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        heads = t.view(t.shape[0], -1, head_dim)
+        a, b = heads[..., : head_dim // 2], heads[..., head_dim // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).view(t.shape)
+
+    return rotate
+
+
 def open_encoder(path: Path, name: str, weight_format: str = "f32", rerank: bool = False):
     """The encoder at ``path``: a BERT (``Encoder``: an HF folder or a bert GGUF), a decoder GGUF that names
     a pooling (``decoder_encoder.DecoderEncoder``), or with ``rerank`` any other decoder GGUF as an LLM-style
@@ -166,19 +183,26 @@ class Encoder:
     def _projections(self) -> dict:
         """Every projection as ``models.linear`` holds it in ``self.weights``'s format: int8 groups (exact
         integer sums over the weights rounded to int8 per 32, our native kernels) or f32. A layer's query,
-        key and value are one projection."""
+        key and value are one projection; so are a gated feed-forward's gate and up."""
         from kvserve.models.linear import make_linear
 
         w, cpu = self.w, torch.device("cpu")
+
+        def fused(names: list[str]):
+            biases = [w.get(n + ".bias") for n in names]
+            bias = torch.cat(biases) if all(b is not None for b in biases) else None
+            return make_linear(torch.cat([w[n + ".weight"] for n in names]), bias, self.weights, cpu, torch.float32)
+
         names = ["pooler.dense", "classifier"] if self.config.num_labels else []
         linears = {}
         for i in range(self.config.num_layers):
             p = f"encoder.layer.{i}."
-            parts = [p + f"attention.self.{n}" for n in ("query", "key", "value")]
-            linears[p + "attention.self.qkv"] = make_linear(
-                torch.cat([w[q + ".weight"] for q in parts]), torch.cat([w[q + ".bias"] for q in parts]),
-                self.weights, cpu, torch.float32)
-            names += [p + "attention.output.dense", p + "intermediate.dense", p + "output.dense"]
+            linears[p + "attention.self.qkv"] = fused([p + f"attention.self.{n}" for n in ("query", "key", "value")])
+            if self.config.gated:
+                linears[p + "intermediate.dense"] = fused([p + "intermediate.gate", p + "intermediate.dense"])
+            else:
+                names.append(p + "intermediate.dense")
+            names += [p + "attention.output.dense", p + "output.dense"]
         for name in names:
             linears[name] = make_linear(w[name + ".weight"], w.get(name + ".bias"), self.weights, cpu, torch.float32)
         return linears
@@ -244,8 +268,12 @@ class Encoder:
         real = mask.view(-1).nonzero().squeeze(1)  # the real tokens' places in the padded [n * length]
         positions = torch.arange(length).repeat(n)[real]
         flat_ids, flat_kinds = ids.view(-1)[real], kinds.view(-1)[real]
-        x = (w["embeddings.word_embeddings.weight"][flat_ids] + w["embeddings.position_embeddings.weight"][positions]
-             + w["embeddings.token_type_embeddings.weight"][flat_kinds])  # [tokens, hidden]
+        x = w["embeddings.word_embeddings.weight"][flat_ids] + w["embeddings.token_type_embeddings.weight"][flat_kinds]
+        if c.rotary_base is None:
+            x = x + w["embeddings.position_embeddings.weight"][positions]  # [tokens, hidden]
+            rotate = None
+        else:
+            rotate = _rotary(positions, c.hidden_size // c.num_heads, c.rotary_base)
         x = self._norm(x, "embeddings.LayerNorm")
         keys = mask[:, None, None, :]  # each query attends to its input's real tokens
         heads, head_dim = c.num_heads, c.hidden_size // c.num_heads
@@ -257,11 +285,18 @@ class Encoder:
 
         for i in range(c.num_layers):
             p = f"encoder.layer.{i}."
-            q, k, v = (padded(t) for t in self._linear(x, p + "attention.self.qkv").split(c.hidden_size, dim=-1))
+            q, k, v = self._linear(x, p + "attention.self.qkv").split(c.hidden_size, dim=-1)
+            if rotate is not None:
+                q, k = rotate(q), rotate(k)
+            q, k, v = padded(q), padded(k), padded(v)
             attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys)
             attended = attended.transpose(1, 2).reshape(n * length, c.hidden_size)[real]
             x = self._norm(x + self._linear(attended, p + "attention.output.dense"), p + "attention.output.LayerNorm")
-            inner = torch.nn.functional.gelu(self._linear(x, p + "intermediate.dense"))  # BERT's exact (erf) GELU
+            if c.gated:  # nomic-bert: down(silu(gate) * up)
+                gate, up = self._linear(x, p + "intermediate.dense").chunk(2, dim=-1)
+                inner = torch.nn.functional.silu(gate) * up
+            else:
+                inner = torch.nn.functional.gelu(self._linear(x, p + "intermediate.dense"))  # BERT's exact (erf) GELU
             x = self._norm(x + self._linear(inner, p + "output.dense"), p + "output.LayerNorm")
         out = x.new_zeros(n * length, c.hidden_size)
         out[real] = x

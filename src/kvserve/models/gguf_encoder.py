@@ -1,5 +1,5 @@
-"""A BERT sentence encoder from a GGUF file: llama.cpp's ``bert`` architecture, the form Ollama's
-``all-minilm`` and its other BERT embedding models ship in. The config comes from the file's metadata, the
+"""A BERT sentence encoder from a GGUF file: llama.cpp's ``bert`` and ``nomic-bert`` architectures, the forms
+Ollama's ``all-minilm`` and ``nomic-embed-text`` ship in. The config comes from the file's metadata, the
 weights under their Hugging Face names (the gguf library's tensor-name map, read backwards), the WordPiece
 vocabulary back from llama.cpp's spelling of it: a word-initial piece carries a leading U+2581, a
 continuation loses its ``##``, bracketed specials stay as they are.
@@ -28,51 +28,72 @@ def is_gguf_encoder(path: Path) -> bool:
     from kvserve.models.gguf_header import read_gguf_header
 
     try:
-        return read_gguf_header(path).architecture == "bert" or decoder_pooling(path) is not None
+        return read_gguf_header(path).architecture in ARCHITECTURES or decoder_pooling(path) is not None
     except Exception:  # noqa: BLE001 - not a GGUF file we can read: not an encoder either
         return False
 
 
+ARCHITECTURES = ("bert", "nomic-bert")
+# nomic-bert's own tensors (beside BERT's token_embd, token_types, token_embd_norm, attn_output(_norm),
+# ffn_up, ffn_down, layer_output_norm): the fused q, k, v and the SwiGLU gate, by Hugging Face name
+_NOMIC = {"attention.self.qkv": "attn_qkv", "intermediate.gate": "ffn_gate"}
+
+
 def read_gguf_encoder(path: Path):
-    """(EncoderConfig, weights by Hugging Face name, tokenizers.Tokenizer) of a ``bert`` GGUF file."""
+    """(EncoderConfig, weights by Hugging Face name, tokenizers.Tokenizer) of a ``bert`` or ``nomic-bert``
+    GGUF file (nomic-bert: rotary positions, fused q/k/v, a SwiGLU feed-forward, biases optional)."""
     import gguf
 
     from kvserve.models.encoder import EncoderConfig
     from kvserve.models.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
-    if gf.architecture != "bert":
-        raise ModelLoadError(f"{path}: a '{gf.architecture}' GGUF, not a BERT encoder")
-    layers = int(gf.require("bert.block_count"))
+    arch = gf.architecture
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: a '{arch}' GGUF, not a BERT encoder")
+    nomic = arch == "nomic-bert"
+    layers = int(gf.require(f"{arch}.block_count"))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, layers)
-    hf = ["embeddings.word_embeddings", "embeddings.position_embeddings", "embeddings.token_type_embeddings",
-          "embeddings.LayerNorm"]
-    for i in range(layers):
-        p = f"encoder.layer.{i}."
-        hf += [p + n for n in ("attention.self.query", "attention.self.key", "attention.self.value",
-                               "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
-                               "output.dense", "output.LayerNorm")]
+    hf = ["embeddings.word_embeddings", "embeddings.token_type_embeddings", "embeddings.LayerNorm"]
+    hf += [] if nomic else ["embeddings.position_embeddings"]
+    per_layer = ["attention.output.dense", "attention.output.LayerNorm", "intermediate.dense", "output.dense",
+                 "output.LayerNorm"]
+    per_layer += list(_NOMIC) if nomic else ["attention.self.query", "attention.self.key", "attention.self.value"]
+    hf += [f"encoder.layer.{i}.{n}" for i in range(layers) for n in per_layer]
+
+    def gguf_name(name: str) -> str:
+        tail = name.split(".", 3)[-1] if name.startswith("encoder.layer.") else ""
+        if tail in _NOMIC:
+            return f"blk.{name.split('.')[2]}.{_NOMIC[tail]}"
+        return names.get_name(name)
+
     weights: dict[str, torch.Tensor] = {}
     for name in hf:
-        base = names.get_name(name)
         for suffix in (".weight", ".bias"):
-            if base + suffix in gf.tensors:
-                weights[name + suffix] = gf.load_tensor(base + suffix).float()
+            if gguf_name(name) + suffix in gf.tensors:
+                weights[name + suffix] = gf.load_tensor(gguf_name(name) + suffix).float()
     missing = [n for n in hf if n + ".weight" not in weights]
     if missing:
-        raise ModelLoadError(f"{path}: not a BERT encoder's weights (no {names.get_name(missing[0])}.weight)")
-    pooling = int(gf.get("bert.pooling_type", gguf.PoolingType.MEAN))
+        raise ModelLoadError(f"{path}: not a {arch} encoder's weights (no {gguf_name(missing[0])}.weight)")
+    hidden = int(gf.require(f"{arch}.embedding_length"))
+    for i in range(layers if nomic else 0):  # q, k, v under BERT's names
+        p = f"encoder.layer.{i}.attention.self."
+        for suffix in (".weight", ".bias"):
+            if p + "qkv" + suffix in weights:
+                for part, t in zip(("query", "key", "value"), weights.pop(p + "qkv" + suffix).split(hidden)):
+                    weights[p + part + suffix] = t
+    pooling = int(gf.get(f"{arch}.pooling_type", gguf.PoolingType.MEAN))
     if pooling not in (gguf.PoolingType.MEAN, gguf.PoolingType.CLS):
         raise ModelLoadError(f"{path}: pooling type {pooling}; only mean and [CLS] pooling are supported")
-    hidden = int(gf.require("bert.embedding_length"))
-    context = int(gf.require("bert.context_length"))
+    context = int(gf.require(f"{arch}.context_length"))
     config = EncoderConfig(
         vocab_size=weights["embeddings.word_embeddings.weight"].shape[0], hidden_size=hidden, num_layers=layers,
-        num_heads=int(gf.require("bert.attention.head_count")),
-        intermediate_size=int(gf.require("bert.feed_forward_length")), max_positions=context,
+        num_heads=int(gf.require(f"{arch}.attention.head_count")),
+        intermediate_size=int(gf.require(f"{arch}.feed_forward_length")), max_positions=context,
         type_vocab_size=weights["embeddings.token_type_embeddings.weight"].shape[0],
-        eps=float(gf.get("bert.attention.layer_norm_epsilon", 1e-12)), max_seq_length=context,
+        eps=float(gf.get(f"{arch}.attention.layer_norm_epsilon", 1e-12)), max_seq_length=context,
         pooling="cls" if pooling == gguf.PoolingType.CLS else "mean", normalize=True,
+        rotary_base=float(gf.get(f"{arch}.rope.freq_base", 10000.0)) if nomic else None, gated=nomic,
     )
     return config, weights, wordpiece_tokenizer(gf)
 
