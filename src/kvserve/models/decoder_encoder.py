@@ -21,9 +21,8 @@ POOLINGS = {1: "mean", 3: "last"}  # gguf.PoolingType's MEAN and LAST
 
 def decoder_pooling(path: Path) -> str | None:
     """The pooling a decoder GGUF declares ("last" or "mean"), or None: not an embedding model."""
-    from kvserve.models.gguf_header import read_gguf_header
-
     from kvserve.models.gguf_encoder import ARCHITECTURES
+    from kvserve.models.gguf_header import read_gguf_header
 
     header = read_gguf_header(path)
     if header.architecture in ARCHITECTURES:  # an encoder's pooling, not a decoder's
