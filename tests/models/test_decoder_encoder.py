@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kvserve.errors import ModelLoadError
-from kvserve.models.encoder import is_encoder, length_batches, open_encoder
+from kvserve.models.encoder import length_batches
+from kvserve.models.encoders import open_encoder
+from kvserve.models.gguf_encoder import is_encoder
 from tests.models.arch_builders import build_hf_model, write_gguf
 
 TEXTS = ["Hello, world!", "a", "The first snow of winter fell on the mountains.", "x" * 60]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.models.encoder import Encoder, is_encoder, length_batches
+from kvserve.models.encoder import Encoder, length_batches
+from kvserve.models.gguf_encoder import is_encoder
 from kvserve.models.registry import resolve
 
 TEXTS = ["Hello, World!", "The café's naïve résumé costs $3.50.", "tokenization of unbelievably long words",

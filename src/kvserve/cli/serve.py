@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
 def _encoders_among_models(args: argparse.Namespace) -> None:
     """An encoder named among the models (``kvserve serve smollm2 all-minilm``) is served as
     --embedding-model (or, a cross-encoder, --rerank-model) would serve it."""
-    from kvserve.models.encoder import is_encoder, read_encoder_config
+    from kvserve.models.encoder_config import read_encoder_config
+    from kvserve.models.gguf_encoder import is_encoder
 
     chat = []
     for model in args.models:
@@ -225,7 +226,8 @@ def _encoder(name: str | None, flag: str, rerank: bool, weights: str = "f32"):
     of the kind the flag serves (sentence embeddings, or a cross-encoder's relevance)."""
     if not name:
         return None
-    from kvserve.models.encoder import is_encoder, open_encoder
+    from kvserve.models.encoders import open_encoder
+    from kvserve.models.gguf_encoder import is_encoder
     from kvserve.models.registry import resolve
 
     path = resolve(name, auto_pull=True)

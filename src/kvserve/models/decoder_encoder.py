@@ -15,27 +15,14 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import ModelLoadError
-
-POOLINGS = {1: "mean", 3: "last"}  # gguf.PoolingType's MEAN and LAST
-
-
-def decoder_pooling(path: Path) -> str | None:
-    """The pooling a decoder GGUF declares ("last" or "mean"), or None: not an embedding model."""
-    from kvserve.models.gguf_encoder import ARCHITECTURES
-    from kvserve.models.gguf_header import read_gguf_header
-
-    header = read_gguf_header(path)
-    if header.architecture in ARCHITECTURES:  # an encoder's pooling, not a decoder's
-        return None
-    kind = header.get(f"{header.architecture}.pooling_type")
-    return POOLINGS.get(int(kind)) if kind is not None else None
+from kvserve.models.encoder_config import EncoderConfig
+from kvserve.models.gguf_encoder import decoder_pooling
 
 
 class DecoderEncoder:
     def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
         """weight_format: the engine's (``models.linear.WEIGHT_FORMATS``): "f32" holds the file's weights
         as they are, "q4" in their file's bits."""
-        from kvserve.models.encoder import EncoderConfig
         from kvserve.models.gguf_file import GGUFFile
         from kvserve.models.loader import load_model
 
@@ -100,7 +87,6 @@ class DecoderReranker:
     ``score``, ``config``."""
 
     def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
-        from kvserve.models.encoder import EncoderConfig
         from kvserve.models.loader import load_model
 
         self.path, self.name = path, name

@@ -17,38 +17,12 @@ and masked only for attention (torch's fused ``scaled_dot_product_attention``, f
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvserve.errors import ModelLoadError
-
-ENCODER_TYPES = ("bert",)
-
-
-@dataclass(frozen=True, slots=True)
-class EncoderConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_positions: int
-    type_vocab_size: int
-    eps: float
-    max_seq_length: int  # longer inputs are cut here (sentence-transformers' truncation)
-    pooling: str  # "mean" or "cls"
-    normalize: bool
-    num_labels: int = 0  # a cross-encoder's classes (a reranker); 0: a sentence-embedding model
-    rotary_base: float | None = None  # nomic-bert: rotary positions (half-split) instead of position embeddings
-    gated: bool = False  # nomic-bert: a SwiGLU feed-forward (down(silu(gate) * up)) instead of GELU
-
-    @property
-    def dimensions(self) -> int:
-        return self.hidden_size
-
+from kvserve.models.encoder_config import read_encoder_config
 
 # f32: sentence-transformers' vectors (cosine 1.000000 on bench/embed_throughput.py's 512 sentences);
 # int8: ~1.9x faster again, cosine down to 0.99973 there (the weights rounded to int8 per 32)
@@ -66,41 +40,6 @@ def length_batches(inputs: list[list[int]], size: int) -> list[list[int]]:
     like lengths together pad least (sentence-transformers sorts ``encode``'s inputs the same way)."""
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
     return [order[i : i + size] for i in range(0, len(order), size)]
-
-
-def is_encoder_folder(path: Path) -> bool:
-    """An HF folder holding a BERT-family encoder (sentence embeddings), not a decoder to chat with."""
-    try:
-        return json.loads((path / "config.json").read_text()).get("model_type") in ENCODER_TYPES
-    except (OSError, ValueError):
-        return False
-
-
-def read_encoder_config(path: Path) -> EncoderConfig:
-    c = json.loads((path / "config.json").read_text())
-    modules = _json(path / "modules.json", [])
-    pooling_dir = next((m["path"] for m in modules if m.get("type", "").endswith("Pooling")), "1_Pooling")
-    pooling = _json(path / pooling_dir / "config.json", {"pooling_mode_mean_tokens": True})
-    if pooling.get("pooling_mode_cls_token"):
-        mode = "cls"
-    elif pooling.get("pooling_mode_mean_tokens", True):
-        mode = "mean"
-    else:
-        raise ModelLoadError(f"{path}: only mean and [CLS] pooling are supported, not {pooling}")
-    st = _json(path / "sentence_bert_config.json", {})
-    return EncoderConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
-        num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
-        max_positions=c["max_position_embeddings"], type_vocab_size=c.get("type_vocab_size", 2),
-        eps=c.get("layer_norm_eps", 1e-12), max_seq_length=min(st.get("max_seq_length", 512), c["max_position_embeddings"]),
-        pooling=mode, normalize=any(m.get("type", "").endswith("Normalize") for m in modules),
-        num_labels=len(c.get("id2label", {0: ""})) if any(
-            a.endswith("ForSequenceClassification") for a in c.get("architectures", [])) else 0,
-    )
-
-
-def _json(path: Path, default):
-    return json.loads(path.read_text()) if path.is_file() else default
 
 
 def _read_folder(path: Path):
@@ -130,28 +69,6 @@ def _rotary(positions: torch.Tensor, head_dim: int, base: float):
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).view(t.shape)
 
     return rotate
-
-
-def open_encoder(path: Path, name: str, weight_format: str = "f32", rerank: bool = False):
-    """The encoder at ``path``: a BERT (``Encoder``: an HF folder or a bert GGUF), a decoder GGUF that names
-    a pooling (``decoder_encoder.DecoderEncoder``), or with ``rerank`` any other decoder GGUF as an LLM-style
-    reranker (``decoder_encoder.DecoderReranker``). For the decoders weight_format "int8" is the engine's
-    "q4": their file's bits."""
-    from kvserve.models.decoder_encoder import DecoderEncoder, DecoderReranker, decoder_pooling
-
-    decoder_format = "q4" if weight_format == "int8" else "f32"
-    if path.suffix == ".gguf" and decoder_pooling(path) is not None:
-        return DecoderEncoder(path, name, decoder_format)
-    if rerank and path.suffix == ".gguf" and not is_encoder(path):
-        return DecoderReranker(path, name, decoder_format)
-    return Encoder(path, name, weight_format)
-
-
-def is_encoder(path: Path) -> bool:
-    """A BERT-family encoder: an HF folder (``is_encoder_folder``) or a ``bert`` GGUF file."""
-    from kvserve.models.gguf_encoder import is_gguf_encoder
-
-    return is_encoder_folder(path) if path.is_dir() else is_gguf_encoder(path)
 
 
 class Encoder:

@@ -15,8 +15,30 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.models.encoder_config import EncoderConfig, is_encoder_folder
 
 PHANTOM = "\u2581"
+
+
+ARCHITECTURES = ("bert", "nomic-bert")
+POOLINGS = {1: "mean", 3: "last"}  # gguf.PoolingType's MEAN and LAST
+
+
+def decoder_pooling(path: Path) -> str | None:
+    """The pooling a decoder GGUF declares ("last" or "mean"), or None: not an embedding model."""
+    from kvserve.models.gguf_encoder import ARCHITECTURES
+    from kvserve.models.gguf_header import read_gguf_header
+
+    header = read_gguf_header(path)
+    if header.architecture in ARCHITECTURES:  # an encoder's pooling, not a decoder's
+        return None
+    kind = header.get(f"{header.architecture}.pooling_type")
+    return POOLINGS.get(int(kind)) if kind is not None else None
+
+
+def is_encoder(path: Path) -> bool:
+    """A sentence encoder: an HF folder of a BERT-family model, or an encoder GGUF (``is_gguf_encoder``)."""
+    return is_encoder_folder(path) if path.is_dir() else is_gguf_encoder(path)
 
 
 def is_gguf_encoder(path: Path) -> bool:
@@ -24,7 +46,6 @@ def is_gguf_encoder(path: Path) -> bool:
     (``decoder_encoder``)."""
     if path.suffix != ".gguf" or not path.is_file():
         return False
-    from kvserve.models.decoder_encoder import decoder_pooling
     from kvserve.models.gguf_header import read_gguf_header
 
     try:
@@ -33,7 +54,6 @@ def is_gguf_encoder(path: Path) -> bool:
         return False
 
 
-ARCHITECTURES = ("bert", "nomic-bert")
 # nomic-bert's own tensors (beside BERT's token_embd, token_types, token_embd_norm, attn_output(_norm),
 # ffn_up, ffn_down, layer_output_norm): the fused q, k, v and the SwiGLU gate, by Hugging Face name
 _NOMIC = {"attention.self.qkv": "attn_qkv", "intermediate.gate": "ffn_gate"}
@@ -44,7 +64,6 @@ def read_gguf_encoder(path: Path):
     GGUF file (nomic-bert: rotary positions, fused q/k/v, a SwiGLU feed-forward, biases optional)."""
     import gguf
 
-    from kvserve.models.encoder import EncoderConfig
     from kvserve.models.gguf_file import GGUFFile
 
     gf = GGUFFile(path)

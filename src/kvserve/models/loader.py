@@ -53,7 +53,7 @@ def load_model(
     start = time.perf_counter()
     path = resolve(model, auto_pull=auto_pull)
     dev = pick_device(device)
-    from kvserve.models.encoder import is_encoder
+    from kvserve.models.gguf_encoder import is_encoder
 
     if is_encoder(path) and not embedding:
         raise ModelLoadError(f"{model} is an encoder for sentence embeddings, not a model to generate with; "
