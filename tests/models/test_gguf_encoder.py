@@ -27,34 +27,41 @@ def phantom(token: str) -> str:
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
-def write_bert_gguf(path, model, vocab: list[str], pooling: gguf.PoolingType) -> None:
-    c = model.config
-    w = gguf.GGUFWriter(str(path), "bert")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_head_count(c.num_attention_heads)
-    w.add_layer_norm_eps(c.layer_norm_eps)
-    w.add_causal_attention(False)
-    w.add_pooling_type(pooling)
+def bert_writer(path, arch: str, vocab: list[str], pooling: gguf.PoolingType, context: int, hidden: int, ff: int,
+                layers: int, heads: int, eps: float) -> gguf.GGUFWriter:
+    """A GGUF writer holding an encoder's metadata and WordPiece vocabulary as llama.cpp's converter writes
+    them; the caller adds the tensors."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((w.add_context_length, context), (w.add_embedding_length, hidden), (w.add_block_count, layers),
+                       (w.add_feed_forward_length, ff), (w.add_head_count, heads), (w.add_layer_norm_eps, eps),
+                       (w.add_causal_attention, False), (w.add_pooling_type, pooling), (w.add_token_type_count, 2)):
+        add(value)
     w.add_tokenizer_model("bert")
     w.add_token_list([phantom(t) for t in vocab])
     w.add_token_types([3 if t.startswith("[") and t.endswith("]") else 1 for t in vocab])
-    w.add_token_type_count(c.type_vocab_size)
-    w.add_sep_token_id(vocab.index("[SEP]"))
-    w.add_unk_token_id(vocab.index("[UNK]"))
-    w.add_pad_token_id(vocab.index("[PAD]"))
+    for add, token in ((w.add_sep_token_id, "[SEP]"), (w.add_unk_token_id, "[UNK]"), (w.add_pad_token_id, "[PAD]")):
+        add(vocab.index(token))
+    return w
+
+
+def finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_bert_gguf(path, model, vocab: list[str], pooling: gguf.PoolingType) -> None:
+    c = model.config
+    w = bert_writer(path, "bert", vocab, pooling, c.max_position_embeddings, c.hidden_size, c.intermediate_size,
+                    c.num_hidden_layers, c.num_attention_heads, c.layer_norm_eps)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, c.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name.startswith("pooler.") or name.endswith("position_ids"):
             continue
         base, suffix = name.rsplit(".", 1)
         w.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.fixture(scope="module")
@@ -124,23 +131,8 @@ def write_nomic_gguf(path, vocab: list[str], hidden=32, layers=2, heads=4, ff=48
     def rnd(*shape, scale=0.2):
         return (g.standard_normal(shape) * scale).astype(np.float32)
 
-    w = gguf.GGUFWriter(str(path), "nomic-bert")
-    w.add_context_length(128)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ff)
-    w.add_block_count(layers)
-    w.add_head_count(heads)
-    w.add_layer_norm_eps(1e-12)
-    w.add_causal_attention(False)
+    w = bert_writer(path, "nomic-bert", vocab, gguf.PoolingType.MEAN, 128, hidden, ff, layers, heads, 1e-12)
     w.add_rope_freq_base(1000.0)
-    w.add_pooling_type(gguf.PoolingType.MEAN)
-    w.add_tokenizer_model("bert")
-    w.add_token_list([phantom(t) for t in vocab])
-    w.add_token_types([3 if t.startswith("[") and t.endswith("]") else 1 for t in vocab])
-    w.add_token_type_count(2)
-    w.add_sep_token_id(vocab.index("[SEP]"))
-    w.add_unk_token_id(vocab.index("[UNK]"))
-    w.add_pad_token_id(vocab.index("[PAD]"))
     w.add_tensor("token_embd.weight", rnd(len(vocab), hidden, scale=1.0))
     w.add_tensor("token_types.weight", rnd(2, hidden))
     w.add_tensor("token_embd_norm.weight", 1 + rnd(hidden))
@@ -156,10 +148,7 @@ def write_nomic_gguf(path, vocab: list[str], hidden=32, layers=2, heads=4, ff=48
         w.add_tensor(p + "ffn_down.weight", rnd(hidden, ff))
         w.add_tensor(p + "layer_output_norm.weight", 1 + rnd(hidden))
         w.add_tensor(p + "layer_output_norm.bias", rnd(hidden))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.mark.parametrize("arch", ["bert", "nomic-bert"])

@@ -24,7 +24,3 @@ class KVCache:
     @property
     def prefix_caching(self) -> bool:
         return self.manager.enable_caching
-
-    @property
-    def block_size(self) -> int:
-        return self.manager.block_size
