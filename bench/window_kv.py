@@ -56,11 +56,11 @@ def run(loaded, prompt: list[int], generate: int, window_kv: bool) -> dict:
                     "window_blocks": sum(1 for b in engine.kv.window_block_ids(request.request_id) or [] if b),
                     "computed": request.num_computed_tokens}
     storage = engine.storage
-    held_bytes = held["full_blocks"] * storage.group_bytes_per_block(0) + (
-        held["window_blocks"] * storage.group_bytes_per_block(1) if storage.windowed else 0)
+    held_bytes = held["full_blocks"] * storage.kv_group_bytes_per_block(0) + (
+        held["window_blocks"] * storage.kv_group_bytes_per_block(1) if storage.windowed else 0)
     return {"window_kv": window_kv, "seconds": round(time.perf_counter() - start, 1), "tokens": request.output_token_ids,
             "held_bytes": held_bytes, "pool_bytes": storage.nbytes, **held,
-            "window_pool_blocks": storage.group_blocks[1] if storage.windowed else 0}
+            "window_pool_blocks": storage.kv_group_blocks[1] if storage.windowed else 0}
 
 
 def main() -> None:

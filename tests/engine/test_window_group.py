@@ -132,8 +132,8 @@ def test_the_pool_frame_shows_the_window_pool(gemma3, prompts, check_no_leaks):
     assert request.window_blocks == engine.kv.window_block_ids("r0") and request.window_blocks[0] == 0
     held = sum(1 for b in request.window_blocks if b)
     assert frame.window_blocks.count("1") == held
-    assert request.kv_bytes == (len(request.blocks) * storage.group_bytes_per_block(0)
-                                + held * storage.group_bytes_per_block(1))
+    assert request.kv_bytes == (len(request.blocks) * storage.kv_group_bytes_per_block(0)
+                                + held * storage.kv_group_bytes_per_block(1))
     assert request.kv_bytes < 0.6 * len(request.blocks) * 16 * frame.kv_bytes_per_token  # 1,114 tokens, window 512
     assert frame.kv_pool_bytes == storage.nbytes
     engine.run_to_completion()

@@ -38,7 +38,7 @@ class NativePagedAttention:
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
         self.num_kv_heads, self.block_size = storage.num_kv_heads, storage.block_size
         # per layer, the blocks of its group (a head's rows start at head * num_blocks)
-        self.layer_num_blocks = [storage.group_blocks[g] for g in storage.group_of_layer]
+        self.layer_num_blocks = [storage.kv_group_blocks[g] for g in storage.kv_group_of_layer]
         self.decode_kernel = abi.bind(library, "paged_decode_attention")
         self.prefill_kernel = abi.bind(library, "paged_prefill_attention")
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive

@@ -13,7 +13,7 @@ to the longest context, with a length mask:
     mask         key index < context_len (and > position - window in sliding-window layers)
 
 With a window group (``kv.window_blocks``), the sliding layers write and read through the window
-tables and slots beside the block tables and slots; ``group`` picks them for a layer.
+tables and slots beside the block tables and slots; ``kv_group`` picks them for a layer.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ class SequenceSlice:
     query_start: int
     query_len: int
     context_len: int  # tokens in the cache for this sequence after this step's writes
-    # per KV group (storage.group_blocks' order: every layer's, then the sliding layers'), the blocks of
+    # per KV group (storage.kv_group_blocks' order: every layer's, then the sliding layers'), the blocks of
     # positions [0, context_len): [num_blocks_used] int64
-    group_tables: tuple[torch.Tensor, ...]
+    kv_group_tables: tuple[torch.Tensor, ...]
 
-    def table(self, group: int) -> torch.Tensor:
-        return self.group_tables[group]
+    def table(self, kv_group: int) -> torch.Tensor:
+        return self.kv_group_tables[kv_group]
 
 
 @dataclass(slots=True)
@@ -46,13 +46,13 @@ class DecodeBatch:
     """The single-token sequences of a step, attended in one call."""
 
     token_rows: torch.Tensor  # [num_decodes] row of each decode token in the flat batch
-    group_tables: tuple[torch.Tensor, ...]  # per KV group, [num_decodes, max_blocks] padded with block 0
+    kv_group_tables: tuple[torch.Tensor, ...]  # per KV group, [num_decodes, max_blocks] padded with block 0
     context_lens: torch.Tensor  # [num_decodes]
     only_decodes: bool = False  # the step's tokens are exactly these, in order (rows 0..n-1)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [num_decodes, 1, 1, keys]
 
-    def tables(self, group: int) -> torch.Tensor:
-        return self.group_tables[group]
+    def tables(self, kv_group: int) -> torch.Tensor:
+        return self.kv_group_tables[kv_group]
 
     def mask(self, window: int | None, num_keys: int) -> torch.Tensor:
         if window not in self.masks:
@@ -70,12 +70,12 @@ class PagedAttentionMetadata:
     """One step's batch as every attention backend reads it: per KV group, each token's slot and each
     sequence's block table (``slots(g)``, ``SequenceSlice.table(g)``, ``DecodeBatch.tables(g)``)."""
 
-    group_slots: tuple[torch.Tensor, ...]  # per KV group, [num_tokens] flat slot of each token
+    kv_group_slots: tuple[torch.Tensor, ...]  # per KV group, [num_tokens] flat slot of each token
     sequences: list[SequenceSlice]  # sequences attended one by one (prefill chunks)
     decodes: DecodeBatch | None = None  # single-token sequences attended together
 
-    def slots(self, group: int) -> torch.Tensor:
-        return self.group_slots[group]
+    def slots(self, kv_group: int) -> torch.Tensor:
+        return self.kv_group_slots[kv_group]
 
 
 def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -84,13 +84,13 @@ def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def build_decode_batch(
-    token_rows: list[int], group_tables: list[list[list[int]]], context_lens: list[int], device: torch.device,
+    token_rows: list[int], kv_group_tables: list[list[list[int]]], context_lens: list[int], device: torch.device,
     num_tokens: int | None = None,
 ) -> DecodeBatch:
-    """group_tables: per KV group, each decode's block table."""
+    """kv_group_tables: per KV group, each decode's block table."""
     return DecodeBatch(
         torch.tensor(token_rows, dtype=torch.long, device=device),
-        tuple(_padded(tables, device) for tables in group_tables),
+        tuple(_padded(tables, device) for tables in kv_group_tables),
         torch.tensor(context_lens, dtype=torch.long, device=device),
         only_decodes=num_tokens == len(token_rows) and token_rows == list(range(len(token_rows))),
     )
@@ -102,22 +102,22 @@ class PagedAttention:
     def __init__(self, storage: PagedKVStorage, metadata: PagedAttentionMetadata) -> None:
         self.storage = storage
         self.metadata = metadata
-        groups = range(len(storage.group_blocks))
+        kv_groups = range(len(storage.kv_group_blocks))
         # index rows shared by every layer of a group in this forward
-        self.slot_rows = [storage.slot_rows(metadata.slots(g), g) for g in groups]
+        self.slot_rows = [storage.slot_rows(metadata.slots(g), g) for g in kv_groups]
         self.sequence_rows: dict[tuple[int, int], torch.Tensor] = {}
         self.write = native_paged.writer_for_storage(storage)
         self.native = native_paged.for_storage(storage)
         self.decode_rows = None
         if metadata.decodes is not None and self.native is None:
-            self.decode_rows = [storage.block_rows(metadata.decodes.tables(g), g) for g in groups]
+            self.decode_rows = [storage.block_rows(metadata.decodes.tables(g), g) for g in kv_groups]
 
     def attend(self, layer, q, k, v, window, scale, softcap: float | None = None):
         """``softcap``: scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2); the native
         kernels cap each score themselves, without them the scores are capped in torch (``ops``)."""
         storage = self.storage
-        group = storage.group_of_layer[layer]
-        self.write(layer, self.slot_rows[group], k, v)
+        kv_group = storage.kv_group_of_layer[layer]
+        self.write(layer, self.slot_rows[kv_group], k, v)
         d = self.metadata.decodes
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
             return self._decode_attention(layer, q, window, scale, softcap)
@@ -128,9 +128,9 @@ class PagedAttention:
                 qs = rotated[s.query_start : s.query_start + s.query_len]
                 q_start = s.context_len - s.query_len
                 if self.native is not None:  # reads the blocks in place, quantized or not
-                    o = self.native.prefill(layer, qs, q_start, s.table(group), window, scale, softcap)
+                    o = self.native.prefill(layer, qs, q_start, s.table(kv_group), window, scale, softcap)
                 else:
-                    keys, values = storage.gather(layer, self.sequence_block_rows(i, group), s.context_len, q.dtype)
+                    keys, values = storage.gather(layer, self.sequence_block_rows(i, kv_group), s.context_len, q.dtype)
                     o = sequence_attention(qs, keys, values, q_start, window, scale, softcap)
                 out[s.query_start : s.query_start + s.query_len] = o
             out = storage.v_codec.unrotate(out)  # values were summed in their rotated domain
@@ -139,24 +139,24 @@ class PagedAttention:
             out.index_copy_(0, d.token_rows, decoded)
         return out
 
-    def sequence_block_rows(self, i: int, group: int) -> torch.Tensor:
-        """Storage rows of prefill sequence i's blocks in ``group``, computed once per forward (shared by
+    def sequence_block_rows(self, i: int, kv_group: int) -> torch.Tensor:
+        """Storage rows of prefill sequence i's blocks in ``kv_group``, computed once per forward (shared by
         every layer of the group)."""
-        if (i, group) not in self.sequence_rows:
-            table = self.metadata.sequences[i].table(group)
-            self.sequence_rows[i, group] = self.storage.block_rows(table, group)
-        return self.sequence_rows[i, group]
+        if (i, kv_group) not in self.sequence_rows:
+            table = self.metadata.sequences[i].table(kv_group)
+            self.sequence_rows[i, kv_group] = self.storage.block_rows(table, kv_group)
+        return self.sequence_rows[i, kv_group]
 
     def _decode_attention(self, layer, q, window, scale, softcap=None) -> torch.Tensor:
         """q: [n, heads, head_dim], one query per decoding sequence -> [n, heads, head_dim]. Rotated
         codecs' rotations happen here (in the C kernel when there is one), so a sequence's decode is the
         same arithmetic in a pure decode step and in a step mixed with prefills."""
         d = self.metadata.decodes
-        group = self.storage.group_of_layer[layer]
+        kv_group = self.storage.kv_group_of_layer[layer]
         if self.native is not None:  # reads the blocks in place, quantized or not
-            return self.native.decode(layer, q, d.tables(group), d.context_lens, window, scale, softcap)
+            return self.native.decode(layer, q, d.tables(kv_group), d.context_lens, window, scale, softcap)
         q = self.storage.k_codec.rotate(q)
-        keys, values = self.storage.read_blocks(layer, self.decode_rows[group], q.dtype)  # [n, kv_heads, keys, head_dim]
+        keys, values = self.storage.read_blocks(layer, self.decode_rows[kv_group], q.dtype)  # [n, kv_heads, keys, head_dim]
         mask = d.mask(window, keys.shape[2])
         if softcap:
             return self.storage.v_codec.unrotate(capped_attention(q, keys, values, mask[:, 0], scale, softcap))

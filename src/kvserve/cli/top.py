@@ -70,12 +70,12 @@ def pool_grid(frame: dict, width: int):
     from rich.text import Text
 
     codes = frame["blocks"]
-    group = max(1, -(-len(codes) // (width * MAX_ROWS)))
+    per_cell = max(1, -(-len(codes) // (width * MAX_ROWS)))
     grid = Text()
-    for i, start in enumerate(range(0, len(codes), group)):
+    for i, start in enumerate(range(0, len(codes), per_cell)):
         if i and i % width == 0:
             grid.append("\n")
-        grid.append(*_cell(codes[start : start + group]))
+        grid.append(*_cell(codes[start : start + per_cell]))
     return grid
 
 

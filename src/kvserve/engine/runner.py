@@ -34,31 +34,31 @@ class ModelRunner:
             self.model.rope_local.fit_context(self.num_ctx)
         input_ids: list[int] = []
         positions: list[int] = []
-        groups = range(len(self.storage.group_blocks))  # every layer's blocks, then the sliding layers'
-        slots: list[list[int]] = [[] for _ in groups]  # per group, each token's slot
+        kv_groups = range(len(self.storage.kv_group_blocks))  # every layer's blocks, then the sliding layers'
+        slots: list[list[int]] = [[] for _ in kv_groups]  # per group, each token's slot
         sequences: list[SequenceSlice] = []
         logit_rows: list[int] = []
         ready: list[Request] = []
         bs = self.block_size
         decode_rows: list[int] = []
-        decode_tables: list[list[list[int]]] = [[] for _ in groups]  # per group, each decode's table
+        decode_tables: list[list[list[int]]] = [[] for _ in kv_groups]  # per group, each decode's table
         decode_lens: list[int] = []
 
         def decode(row: int, blocks: int, context: int) -> None:
             decode_rows.append(row)
-            for g in groups:
+            for g in kv_groups:
                 decode_tables[g].append(tables[g][:blocks])
             decode_lens.append(context)
 
         for s in out.scheduled:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            tables = self.kv.group_block_ids(r.request_id)
+            tables = self.kv.kv_group_block_ids(r.request_id)
             end = start + n
             num_blocks = -(-end // bs)
             input_ids.extend(r.all_token_ids[start:end] + s.draft_token_ids if s.draft_token_ids
                              else r.all_token_ids[start:end])
             positions.extend(range(start, end))
-            for g in groups:
+            for g in kv_groups:
                 slots[g].extend(tables[g][p // bs] * bs + p % bs for p in range(start, end))
             if s.draft_token_ids:  # each a decode row of its own: the bits decoding one at a time gives
                 for p in range(start, end):
@@ -72,7 +72,7 @@ class ModelRunner:
                 decode(len(input_ids) - 1, num_blocks, end)
             else:
                 sequences.append(SequenceSlice(len(input_ids) - n, n, end, tuple(
-                    torch.tensor(tables[g][:num_blocks], dtype=torch.long, device=self.device) for g in groups)))
+                    torch.tensor(tables[g][:num_blocks], dtype=torch.long, device=self.device) for g in kv_groups)))
             if end == r.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
                 ready.append(r)
@@ -80,14 +80,14 @@ class ModelRunner:
         decodes = None
         if decode_rows:
             decodes = build_decode_batch(decode_rows, decode_tables, decode_lens, device, len(input_ids))
-        group_slots = tuple(torch.tensor(slots[g], dtype=torch.long, device=device) for g in groups)
+        kv_group_slots = tuple(torch.tensor(slots[g], dtype=torch.long, device=device) for g in kv_groups)
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         if decodes is not None and decodes.only_decodes and self.native_decode is not None:
-            hidden = self.native_decode(ids, pos, [decodes.tables(g) for g in groups], decodes.context_lens,
-                                        [self.storage.slot_rows(group_slots[g], g) for g in groups])
+            hidden = self.native_decode(ids, pos, [decodes.tables(g) for g in kv_groups], decodes.context_lens,
+                                        [self.storage.slot_rows(kv_group_slots[g], g) for g in kv_groups])
         else:
-            metadata = PagedAttentionMetadata(group_slots, sequences, decodes)
+            metadata = PagedAttentionMetadata(kv_group_slots, sequences, decodes)
             hidden = self.model.forward(ids, pos, PagedAttention(self.storage, metadata))
         if not ready:
             return [], hidden.new_empty((0, 0))

@@ -16,7 +16,7 @@ from typing import Protocol
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.disk_tier import BlockKey
 from kvserve.kv.hashing import salt_digest, window_part_hash
-from kvserve.kv.window_blocks import WINDOW_GROUP, NoWindow, WindowBlocks
+from kvserve.kv.window_blocks import WINDOW_KV_GROUP, NoWindow, WindowBlocks
 
 
 class CacheableRequest(Protocol):
@@ -44,9 +44,9 @@ class BlockSource(Protocol):
         """Whether it holds the block (or window part, see ``hashing.window_part_hash``) of that hash."""
         ...
 
-    def load(self, block_ids: list[int], keys: list[BlockKey], group: int = 0) -> int:
+    def load(self, block_ids: list[int], keys: list[BlockKey], kv_group: int = 0) -> int:
         """Fill the pool's blocks ``block_ids`` with the blocks ``keys``; how many, from the first, it did.
-        ``group`` 1: the window group's blocks, ``keys`` their ``BlockKey.window_part``s."""
+        ``kv_group`` 1: the window group's blocks, ``keys`` their ``BlockKey.window_part``s."""
         ...
 
 
@@ -148,7 +148,7 @@ class BlockLoader:
         try:
             blocks = pool.allocate(len(indices))
             keys = [self.block_key(request, i).window_part() for i in indices]
-            loaded = source.load([b.block_id for b in blocks], keys, WINDOW_GROUP)
+            loaded = source.load([b.block_id for b in blocks], keys, WINDOW_KV_GROUP)
             cached = 0
             for block, key in zip(blocks[:loaded], keys):
                 full_ref = hits[key.index].ref

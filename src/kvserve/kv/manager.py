@@ -244,7 +244,7 @@ class KVCacheManager:
         """The request's window table (the null block where blocks fell out), or None without a window group."""
         return self.window.block_ids(request_id)
 
-    def group_block_ids(self, request_id: str) -> list[list[int]]:
+    def kv_group_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table in each KV group: every layer's, then (with one) the window group's."""
         window = self.window.block_ids(request_id)
         return [self.block_ids(request_id)] + ([] if window is None else [window])

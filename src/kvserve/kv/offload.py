@@ -20,7 +20,7 @@ import torch
 from kvserve.kv.disk_tier import BlockKey, DiskTier
 from kvserve.kv.hashing import salt_digest
 from kvserve.kv.storage import PagedKVStorage
-from kvserve.kv.window_blocks import WINDOW_GROUP
+from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 
 
 class DiskOffload:
@@ -35,8 +35,8 @@ class DiskOffload:
     def touch(self, block_hashes: list[int], first_index: int = 0) -> None:
         self.tier.touch(block_hashes, first_index)
 
-    def load(self, block_ids: list[int], keys: list[BlockKey], group: int = 0) -> int:
-        size = self.storage.group_bytes_per_block(group)
+    def load(self, block_ids: list[int], keys: list[BlockKey], kv_group: int = 0) -> int:
+        size = self.storage.kv_group_bytes_per_block(kv_group)
         payloads = []
         for key in keys:
             payload = self.tier.read(key, size)
@@ -45,7 +45,7 @@ class DiskOffload:
             payloads.append(payload)
         if payloads:
             data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), size)
-            self.storage.import_blocks(block_ids[: len(payloads)], data, group)
+            self.storage.import_blocks(block_ids[: len(payloads)], data, kv_group)
         return len(payloads)
 
     # --- write-through --------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ class DiskOffload:
                     window_blocks.append(window_block)
                     window_keys.append(keys[-1].window_part())
         self._save(blocks, keys)
-        self._save(window_blocks, window_keys, WINDOW_GROUP)
+        self._save(window_blocks, window_keys, WINDOW_KV_GROUP)
 
     def save_prefix(self, kv, token_ids: list[int]) -> None:
         """Queue the cached blocks of ``token_ids`` (unsalted), as far as the pool holds them, and the
@@ -77,12 +77,12 @@ class DiskOffload:
         keys = [BlockKey.in_chain(hashes, i, b.token_ids, None) for i, b in enumerate(blocks)]
         parts = kv.cached_window_parts(token_ids, blocks)
         self._save(blocks, keys)
-        self._save([b for _, b in parts], [keys[i].window_part() for i, _ in parts], WINDOW_GROUP)
+        self._save([b for _, b in parts], [keys[i].window_part() for i, _ in parts], WINDOW_KV_GROUP)
 
-    def _save(self, blocks: list, keys: list[BlockKey], group: int = 0) -> None:
+    def _save(self, blocks: list, keys: list[BlockKey], kv_group: int = 0) -> None:
         todo = [(b, k) for b, k in zip(blocks, keys) if not self.tier.contains(k.block_hash)]
         if not todo:
             return
-        data = self.storage.export_blocks([b.block_id for b, _ in todo], group)
+        data = self.storage.export_blocks([b.block_id for b, _ in todo], kv_group)
         for (_, key), row in zip(todo, data.numpy()):
             self.tier.put(key, memoryview(row), owner=data)

@@ -31,7 +31,7 @@ from kvserve.kv.disk_tier import BlockKey
 from kvserve.kv.hashing import window_part_hash
 from kvserve.kv.kv_cache import KVCache
 from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
-from kvserve.kv.window_blocks import WINDOW_GROUP
+from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 
 MAGIC = b"KVSPC02\n"
 UNKEYED = b"KVSPC01\n"  # before files were keyed: refused
@@ -66,7 +66,7 @@ def save_prompt_cache(cache: KVCache, token_ids: list[int], path: str | os.PathL
               "extra": extra or {}}
     if parts:
         header["window_blocks"] = [i for i, _ in parts]
-        window_data = cache.storage.export_blocks([b.block_id for _, b in parts], WINDOW_GROUP)
+        window_data = cache.storage.export_blocks([b.block_id for _, b in parts], WINDOW_KV_GROUP)
         data = torch.cat([data.view(-1), window_data.view(-1)])
     write_atomically(Path(path), pack(MAGIC, header, memoryview(data.numpy()).cast("B"), _key()))
     return num_tokens
@@ -100,8 +100,8 @@ class _FileBlocks:
     def contains(self, block_hash: int) -> bool:
         return block_hash in self.hashes
 
-    def load(self, block_ids: list[int], keys: list[BlockKey], group: int = 0) -> int:
-        if group == 0:
+    def load(self, block_ids: list[int], keys: list[BlockKey], kv_group: int = 0) -> int:
+        if kv_group == 0:
             self.storage.import_blocks(block_ids, self.rows[[k.index for k in keys]])
             return len(block_ids)
         rows = []
@@ -110,7 +110,7 @@ class _FileBlocks:
                 break
             rows.append(self.window_row_of[key.index])
         if rows:
-            self.storage.import_blocks(block_ids[: len(rows)], self.window_rows[rows], group)
+            self.storage.import_blocks(block_ids[: len(rows)], self.window_rows[rows], kv_group)
         return len(rows)
 
 
@@ -190,5 +190,5 @@ def _valid_window_blocks(window_blocks, num_blocks: int, storage) -> bool:
 
 
 def _payload_bytes(storage, num_blocks: int, window_blocks: list[int]) -> int:
-    window = len(window_blocks) * storage.group_bytes_per_block(WINDOW_GROUP) if window_blocks else 0
+    window = len(window_blocks) * storage.kv_group_bytes_per_block(WINDOW_KV_GROUP) if window_blocks else 0
     return num_blocks * storage.bytes_per_block + window

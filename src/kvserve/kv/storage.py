@@ -23,7 +23,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.host_memory import arena
 from kvserve.kv.codecs import KVCodec, make_codec
-from kvserve.kv.window_blocks import WINDOW_GROUP
+from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +54,15 @@ class PagedKVStorage:
         if window_layers and num_window_blocks < 1:
             raise ValueError("a window group needs at least one block")
         self.window_layers = frozenset(window_layers)
-        self.group_of_layer = [int(i in self.window_layers) for i in range(config.num_layers)]
-        self.group_blocks = [num_blocks, num_window_blocks] if window_layers else [num_blocks]
+        self.kv_group_of_layer = [int(i in self.window_layers) for i in range(config.num_layers)]
+        self.kv_group_blocks = [num_blocks, num_window_blocks] if window_layers else [num_blocks]
 
         # every part of every layer in one arena (2 MiB pages on a Linux CPU: kvserve.host_memory)
         def specs(codec: KVCodec, blocks: int) -> list:
             return [((heads, blocks, block_size, w), d) for w, d in codec.part_specs()]
 
-        layer_specs = [specs(self.k_codec, self.group_blocks[g]) + specs(self.v_codec, self.group_blocks[g])
-                       for g in self.group_of_layer]
+        layer_specs = [specs(self.k_codec, self.kv_group_blocks[g]) + specs(self.v_codec, self.kv_group_blocks[g])
+                       for g in self.kv_group_of_layer]
         parts = iter(arena([spec for layer in layer_specs for spec in layer], device))
         num_k = len(self.k_codec.part_specs())
         self.k, self.v = [], []
@@ -71,12 +71,12 @@ class PagedKVStorage:
             self.k.append(mine[:num_k])
             self.v.append(mine[num_k:])
         # per group, [heads, 1]: the first row of each head's blocks
-        self._group_offsets = [torch.arange(heads, device=device)[:, None] * n for n in self.group_blocks]
-        self._head_offsets = self._group_offsets[0]
+        self._kv_group_offsets = [torch.arange(heads, device=device)[:, None] * n for n in self.kv_group_blocks]
+        self._head_offsets = self._kv_group_offsets[0]
 
     @property
     def windowed(self) -> bool:
-        return len(self.group_blocks) > 1
+        return len(self.kv_group_blocks) > 1
 
     @property
     def nbytes(self) -> int:
@@ -85,14 +85,14 @@ class PagedKVStorage:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block of group 0 (every layer without a window group)."""
-        return self.group_bytes_per_block(0)
+        return self.kv_group_bytes_per_block(0)
 
-    def group_bytes_per_block(self, group: int) -> int:
-        return sum(p.numel() * p.element_size() // self.group_blocks[group]
-                   for layer in self.group_layers(group) for p in self.k[layer] + self.v[layer])
+    def kv_group_bytes_per_block(self, kv_group: int) -> int:
+        return sum(p.numel() * p.element_size() // self.kv_group_blocks[kv_group]
+                   for layer in self.kv_group_layers(kv_group) for p in self.k[layer] + self.v[layer])
 
-    def group_layers(self, group: int) -> list[int]:
-        return [i for i, g in enumerate(self.group_of_layer) if g == group]
+    def kv_group_layers(self, kv_group: int) -> list[int]:
+        return [i for i, g in enumerate(self.kv_group_of_layer) if g == kv_group]
 
     def layout(self) -> dict[str, object]:
         """What a block's bytes (``export_blocks``) mean: the stored parts' shapes and types, in order."""
@@ -105,45 +105,45 @@ class PagedKVStorage:
             "parts": [[p.shape[-1], str(p.dtype).removeprefix("torch.")] for p in self.k[0] + self.v[0]],
             "bytes_per_block": self.bytes_per_block,
         } | ({"window_layers": sorted(self.window_layers),
-              "window_bytes_per_block": self.group_bytes_per_block(WINDOW_GROUP)} if self.windowed else {})
+              "window_bytes_per_block": self.kv_group_bytes_per_block(WINDOW_KV_GROUP)} if self.windowed else {})
 
-    def _group_parts(self, group: int) -> list[torch.Tensor]:
-        return [p for layer in self.group_layers(group) for p in self.k[layer] + self.v[layer]]
+    def _kv_group_parts(self, kv_group: int) -> list[torch.Tensor]:
+        return [p for layer in self.kv_group_layers(kv_group) for p in self.k[layer] + self.v[layer]]
 
-    def export_blocks(self, block_ids: list[int], group: int = 0) -> torch.Tensor:
-        """The stored bytes of whole blocks of ``group``, as they are held (a q8_0 block stays q8_0): a
-        CPU ``[len(block_ids), group_bytes_per_block(group)]`` uint8 copy, layer by layer, K's parts then
+    def export_blocks(self, block_ids: list[int], kv_group: int = 0) -> torch.Tensor:
+        """The stored bytes of whole blocks of ``kv_group``, as they are held (a q8_0 block stays q8_0): a
+        CPU ``[len(block_ids), kv_group_bytes_per_block(group)]`` uint8 copy, layer by layer, K's parts then
         V's, each part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of blocks."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self._head_offsets.device)
         # gathering from the transposed view writes each block's heads in order: one pass, no reorder copy
-        rows = [p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1) for p in self._group_parts(group)]
+        rows = [p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1) for p in self._kv_group_parts(kv_group)]
         return torch.cat(rows, dim=1).cpu()
 
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor, group: int = 0) -> None:
-        """Store ``export_blocks``' bytes ``data`` [len(block_ids), group_bytes_per_block(group)] into
-        the given blocks of ``group``."""
-        size = self.group_bytes_per_block(group)
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor, kv_group: int = 0) -> None:
+        """Store ``export_blocks``' bytes ``data`` [len(block_ids), kv_group_bytes_per_block(group)] into
+        the given blocks of ``kv_group``."""
+        size = self.kv_group_bytes_per_block(kv_group)
         if data.shape != (len(block_ids), size):
             raise ValueError(f"expected {len(block_ids)} blocks of {size} bytes, got {tuple(data.shape)}")
         device = self._head_offsets.device
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
         data = data.to(device)
         offset = 0
-        for p in self._group_parts(group):
+        for p in self._kv_group_parts(kv_group):
             heads, _, bs, width = p.shape
             size = heads * bs * width * p.element_size()
             chunk = data[:, offset : offset + size].contiguous().view(p.dtype).view(len(block_ids), heads, bs, width)
             p.index_copy_(1, ids, chunk.transpose(0, 1))
             offset += size
 
-    def slot_rows(self, slot_mapping: torch.Tensor, group: int = 0) -> torch.Tensor:
-        """The flat row of each (head, token) slot of ``group``: computed once per forward, used by
+    def slot_rows(self, slot_mapping: torch.Tensor, kv_group: int = 0) -> torch.Tensor:
+        """The flat row of each (head, token) slot of ``kv_group``: computed once per forward, used by
         every layer of the group."""
-        return (self._group_offsets[group] * self.block_size + slot_mapping[None, :]).flatten()  # [heads * tokens]
+        return (self._kv_group_offsets[kv_group] * self.block_size + slot_mapping[None, :]).flatten()  # [heads * tokens]
 
-    def block_rows(self, block_tables: torch.Tensor, group: int = 0) -> BlockRows:
-        """The head-major block rows of ``group``'s block_tables [..., n]: computed once per forward."""
-        rows = (self._group_offsets[group] + block_tables.unsqueeze(-2)).flatten()  # [..., heads, n] -> block rows
+    def block_rows(self, block_tables: torch.Tensor, kv_group: int = 0) -> BlockRows:
+        """The head-major block rows of ``kv_group``'s block_tables [..., n]: computed once per forward."""
+        rows = (self._kv_group_offsets[kv_group] + block_tables.unsqueeze(-2)).flatten()  # [..., heads, n] -> block rows
         shape = (*block_tables.shape[:-1], self.num_kv_heads, block_tables.shape[-1] * self.block_size, -1)
         return BlockRows(rows, shape)
 

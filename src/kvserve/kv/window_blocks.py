@@ -25,7 +25,7 @@ from __future__ import annotations
 from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
 
 NULL_BLOCK = 0
-WINDOW_GROUP = 1  # the storage's KV group of the sliding-window layers (0: every other layer)
+WINDOW_KV_GROUP = 1  # the storage's KV group of the sliding-window layers (0: every other layer)
 
 
 def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:

@@ -69,7 +69,7 @@ def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeDecodeStep | N
         return None
     if any(part is None for layer in writer.layer_args for part in layer):
         return None  # a codec the C writer does not take (fp8)
-    return NativeDecodeStep(model, attention, writer, storage.group_of_layer)
+    return NativeDecodeStep(model, attention, writer, storage.kv_group_of_layer)
 
 
 class NativeDecodeStep:
@@ -78,9 +78,9 @@ class NativeDecodeStep:
     its owner keeps both alive together."""
 
     def __init__(self, model: DecoderLM, attention: native_paged.NativePagedAttention,
-                 writer: native_paged.NativeKVWrite, groups: list[int] | None = None) -> None:
+                 writer: native_paged.NativeKVWrite, kv_groups: list[int] | None = None) -> None:
         self.model, self.attention, self.writer = model, attention, writer
-        self.groups = groups or [0] * len(model.layers)  # per layer, its KV group
+        self.kv_groups = kv_groups or [0] * len(model.layers)  # per layer, its KV group
         self.capacity = 0
         self.threads = -1
         self.calls = 0  # steps run (tests check the path was taken)
@@ -108,8 +108,8 @@ class NativeDecodeStep:
         fn, eps, qkv, qkv_dim = kernel_addresses(), cfg.rms_norm_eps, ptr["qkv"], b["qkv"].shape[1]
         ops: list[list[int]] = []
 
-        def op(kernel: str, group: int = 0, **args) -> None:
-            ops.append(operation(kernel, fn[kernel], group, **args))
+        def op(kernel: str, kv_group: int = 0, **args) -> None:
+            ops.append(operation(kernel, fn[kernel], kv_group, **args))
 
         def matmul(lin, x: str, y: str) -> None:
             """One operation a projection; a stacked one's parts each write their columns of y."""
@@ -182,14 +182,14 @@ class NativeDecodeStep:
             op("copy_rows", src=qkv + 4 * offset, src_stride=qkv_dim, dst=b[name].data_ptr(), dst_stride=width,
                width=width)
             offset += width
-        group = self.groups[i]
+        kv_group = self.kv_groups[i]
         for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
                 ("k", "v"), self.writer.layer_args[i]):
-            op("kv_write", group, kind=kind, x=b[name].data_ptr(), kv_heads=kv_heads, D=d, codes=codes,
+            op("kv_write", kv_group, kind=kind, x=b[name].data_ptr(), kv_heads=kv_heads, D=d, codes=codes,
                code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
                levels=levels)
         window = cfg.sliding_window if cfg.is_sliding(i) else None
-        op("paged_decode_attention", group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=b["q"].data_ptr(),
+        op("paged_decode_attention", kv_group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=b["q"].data_ptr(),
            out=b["attn"].data_ptr(), window=window or 0, scale=model.scale, softcap=cfg.attn_logit_softcap or 0.0,
            num_threads=threads, **self._attention_cache_args(i))
 

@@ -45,12 +45,12 @@ def op_fields() -> int:
 
 
 # The step's arrays with one part per KV group: an operation's word for them holds its group.
-GROUPED = ("block_tables", "slot_rows")
+PER_KV_GROUP = ("block_tables", "slot_rows")
 
 
-def operation(kernel: str, address: int, group: int = 0, **args: float | None) -> list[int]:
+def operation(kernel: str, address: int, kv_group: int = 0, **args: float | None) -> list[int]:
     """The words of one operation calling ``kernel`` at ``address``, padded to OP_FIELDS. ``args``:
-    every parameter of ``kernel`` but STEP_ARGS[kernel]'s, by name; ``group``: the KV group whose
+    every parameter of ``kernel`` but STEP_ARGS[kernel]'s, by name; ``kv_group``: the KV group whose
     block tables and slot rows it takes (see decode_step.c)."""
     proto, step = abi.prototype(kernel), STEP_ARGS[kernel]
     wanted = [p.name for p in proto.params if p.name not in step]
@@ -59,7 +59,7 @@ def operation(kernel: str, address: int, group: int = 0, **args: float | None) -
         raise TypeError(f"decode operation {kernel}: kernels.h's parameters are {wanted} "
                         f"(missing {sorted(missing)}, not parameters {sorted(unknown)})")
     words = [abi.header().constants[f"OP_{kernel.upper()}"], address]
-    words += [(group if step[p.name] in GROUPED else 0) if p.name in step else _word(kernel, p, args[p.name])
+    words += [(kv_group if step[p.name] in PER_KV_GROUP else 0) if p.name in step else _word(kernel, p, args[p.name])
               for p in proto.params]
     if len(words) > op_fields():
         raise ValueError(f"decode operation {kernel}: {len(words)} words, OP_FIELDS is {op_fields()}")

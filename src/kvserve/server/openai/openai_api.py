@@ -245,8 +245,8 @@ async def completions(body: CompletionRequest, request: Request):
         }
         for i, out in enumerate(finals)
     ]
-    groups = [finals[p * n : (p + 1) * n] for p in range(len(prompts))]
-    return maker.final("text_completion", choices, usage(*prompt_usage(groups), finals))
+    per_prompt = [finals[p * n : (p + 1) * n] for p in range(len(prompts))]
+    return maker.final("text_completion", choices, usage(*prompt_usage(per_prompt), finals))
 
 
 async def _completion_prompts(body: CompletionRequest, serving: Serving) -> list[list[int]]:
@@ -296,8 +296,8 @@ async def _completion_events(
         yield SSE_DONE
         return
     if maker.include_usage:
-        groups = [finals[p * n : (p + 1) * n] for p in range(len(finals) // n)]
-        yield sse_event(maker.chunk([], usage(*prompt_usage(groups), finals)))
+        per_prompt = [finals[p * n : (p + 1) * n] for p in range(len(finals) // n)]
+        yield sse_event(maker.chunk([], usage(*prompt_usage(per_prompt), finals)))
     yield SSE_DONE
 
 

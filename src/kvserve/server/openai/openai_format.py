@@ -26,12 +26,12 @@ def usage(num_prompt_tokens: int, num_cached_tokens: int, finals: list[RequestOu
     }
 
 
-def prompt_usage(groups: list[list[RequestOutput]]) -> tuple[int, int]:
-    """(prompt tokens, cached prompt tokens) over prompts, each prompt's outputs in one group. A
+def prompt_usage(per_prompt: list[list[RequestOutput]]) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) over prompts, each prompt's outputs in one list. A
     prompt's cached count is the least any of its choices got: that much was served from cache
     for every choice."""
-    prompt = sum(len(g[0].prompt_token_ids) for g in groups if g)
-    cached = sum(min(out.metrics.num_cached_tokens for out in g) for g in groups if g)
+    prompt = sum(len(g[0].prompt_token_ids) for g in per_prompt if g)
+    cached = sum(min(out.metrics.num_cached_tokens for out in g) for g in per_prompt if g)
     return prompt, cached
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from pydantic import ConfigDict, TypeAdapter
 from pydantic.dataclasses import dataclass
 
-from kvserve.kv.window_blocks import WINDOW_GROUP
+from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncLLMEngine
@@ -144,7 +144,7 @@ class PoolView:
         bytes_per_token = engine.kv_bytes_per_token
         storage = engine.storage
         block_bytes = storage.bytes_per_block
-        window_block_bytes = storage.group_bytes_per_block(WINDOW_GROUP) if storage.windowed else 0
+        window_block_bytes = storage.kv_group_bytes_per_block(WINDOW_KV_GROUP) if storage.windowed else 0
         num_blocks = len(values)
         num_free = values.count(0)
         num_cached_free = values.count(-1)
