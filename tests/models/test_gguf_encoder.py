@@ -178,3 +178,56 @@ def test_a_gguf_encoder_embeds_as_llama_cpp(tmp_path, folder, arch):
         assert ids == theirs.tokenize(text.encode(), add_bos=True, special=False), text
         cosine = torch.nn.functional.cosine_similarity(ours.embed([ids])[0], torch.tensor(theirs.embed(text)), dim=0)
         assert float(cosine) >= 0.99999, (text, float(cosine))
+
+
+def nomic_reference(path, ids: list[int]) -> torch.Tensor:
+    """nomic-bert's forward for one input, written out from llama.cpp's graph (bert.cpp) with the gguf
+    library reading the file: rotary positions as complex rotations of each head's halves, q/k/v from the
+    fused tensor, SwiGLU, post-norms; mean pooling, normalized."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    t = {x.name: torch.from_numpy(np.array(x.data, dtype=np.float32)) for x in reader.tensors}
+
+    def field(key: str):
+        return reader.fields[key].parts[reader.fields[key].data[0]][0]
+
+    hidden, heads = int(field("nomic-bert.embedding_length")), int(field("nomic-bert.attention.head_count"))
+    layers, base, eps = int(field("nomic-bert.block_count")), float(field("nomic-bert.rope.freq_base")), 1e-12
+    d = hidden // heads
+
+    def norm(x, name):
+        return torch.nn.functional.layer_norm(x, (hidden,), t[name + ".weight"], t[name + ".bias"], eps)
+
+    x = norm(t["token_embd.weight"][ids] + t["token_types.weight"][0], "token_embd_norm")
+    n = len(ids)
+    angles = torch.arange(n, dtype=torch.float64)[:, None] / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    turn = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)[:, None, :]  # [n, 1, d / 2]
+
+    def rope(v):  # [n, heads, d]: pairs (i, i + d/2) rotated as complex numbers
+        z = torch.complex(v[..., : d // 2], v[..., d // 2 :]) * turn
+        return torch.cat([z.real, z.imag], -1)
+
+    for i in range(layers):
+        p = f"blk.{i}."
+        q, k, v = (x @ t[p + "attn_qkv.weight"].T).view(n, 3, heads, d).unbind(1)
+        q, k = rope(q), rope(k)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d**0.5, -1)
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(n, hidden) @ t[p + "attn_output.weight"].T
+        x = norm(x + o, p + "attn_output_norm")
+        f = torch.nn.functional.silu(x @ t[p + "ffn_gate.weight"].T) * (x @ t[p + "ffn_up.weight"].T)
+        x = norm(x + f @ t[p + "ffn_down.weight"].T, p + "layer_output_norm")
+    return torch.nn.functional.normalize(x.mean(0), dim=0)
+
+
+def test_nomic_bert_matches_its_graph_written_out(tmp_path, folder):
+    """Without llama.cpp at hand (the test above needs the peer): the same vectors as nomic-bert's graph
+    written out independently of models/encoder.py (a batch of mixed lengths, so padding is exercised)."""
+    vocab_map = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    path = tmp_path / "tiny-nomic.gguf"
+    write_nomic_gguf(path, sorted(vocab_map, key=vocab_map.get))
+    ours = Encoder(path, "nomic")
+    ids = ours.tokenize(TEXTS)
+    vectors = ours.embed(ids)
+    for i, row in enumerate(ids):
+        assert float(torch.dot(vectors[i], nomic_reference(path, row))) >= 0.99999, TEXTS[i]
