@@ -292,12 +292,14 @@ def _served_models(args: argparse.Namespace, others: list[str], config):
         if name in slots or name == config.model_name:
             raise ValueError(f"two models would be served as '{name}': rename a file")
         slots[name] = (source, planned_bytes(args, source), ModelCard.from_file(source, name, args.num_ctx))
-    first = planned_bytes(args, args.model or DEFAULT_MODEL, with_runtime=True)
     # the first model (and the runtime) are loaded already: what is available now is what the others may take
-    budget = args.max_memory - first if isinstance(args.max_memory, int) else available_memory()[0]
-    if budget <= 0:
-        raise ValueError(f"--max-memory leaves nothing beside the first model and the runtime: {first / 2**20:.0f} "
-                         "MiB (kvserve plan)")
+    budget = available_memory()[0]
+    if isinstance(args.max_memory, int):
+        first = planned_bytes(args, args.model or DEFAULT_MODEL, with_runtime=True)
+        budget = args.max_memory - first
+        if budget <= 0:
+            raise ValueError(f"--max-memory leaves nothing beside the first model and the runtime: "
+                             f"{first / 2**20:.0f} MiB (kvserve plan)")
 
     def make(primary: Serving) -> ServedModels:
         def load(source: str, name: str) -> Serving:

@@ -14,6 +14,7 @@ each sequence's history. The model itself holds no per-request state.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -211,8 +212,9 @@ class DecoderLM:
         rows = self.lm_head.rows(input_ids).to(self.dtype)
         return rows if out is None else out.copy_(rows)
 
+    @functools.cached_property
     def steps(self) -> list[tuple]:
-        """The decoder's operations in order (built once), the one place the order is written: ``forward`` runs them
+        """The decoder's operations in order, the one place the order is written: ``forward`` runs them
         in torch, ``native_decode.NativeDecodeStep`` as native kernel calls. A block's output is held
         apart ("pending") until the next norm adds it to the residual stream:
 
@@ -228,8 +230,6 @@ class DecoderLM:
             ("mlp", i)             gate_up, the gate, down of the normalized stream: the pending output
             ("moe", i)             the experts instead
         """
-        if getattr(self, "_steps", None) is not None:
-            return self._steps
         cfg, steps = self.config, []
         scale = [("scale",)] if cfg.residual_scale != 1.0 else []
         for i, layer in enumerate(self.layers):
@@ -240,8 +240,7 @@ class DecoderLM:
             steps += scale + [("norm", layer.ffn_norm, False), ("moe" if layer.moe is not None else "mlp", i)]
             steps += [("pending_norm", layer.post_ffn_norm)] if layer.post_ffn_norm is not None else []
             steps += scale
-        self._steps = steps + [("norm", self.final_norm, True)]
-        return self._steps
+        return steps + [("norm", self.final_norm, True)]
 
     @torch.inference_mode()
     def forward(
@@ -260,7 +259,7 @@ class DecoderLM:
         heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
         h = qkv = q = k = v = o = None
         pending = None  # the last block's output, added to the residual stream by the next norm
-        for kind, *args in self.steps():
+        for kind, *args in self.steps:
             layer = self.layers[args[0]] if kind in LAYER_STEPS else None
             if kind == "norm":
                 if pending is None:
@@ -290,7 +289,7 @@ class DecoderLM:
                 pending = layer.down(gated(layer.gate_up(h), cfg.hidden_act))
             else:  # "moe"
                 pending = layer.moe(h)
-        raise AssertionError("steps() ends with the final norm")
+        raise AssertionError("steps ends with the final norm")
 
     def _qk_norm(self, layer: LayerWeights, qkv: torch.Tensor, heads: list[int]) -> torch.Tensor:
         """RMSNorm of q and k per head (head_dim weights; in place where the kernel runs), or over all

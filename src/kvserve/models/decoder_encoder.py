@@ -19,26 +19,45 @@ from kvserve.models.encoder_config import EncoderConfig
 from kvserve.models.gguf_encoder import decoder_pooling
 
 
-class DecoderEncoder:
-    def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
+class _Decoder:
+    """A decoder GGUF read for what its last hidden states say, not to chat with: the engine's loader and
+    tokenizer, one forward per input over a throwaway contiguous KV cache."""
+
+    def __init__(self, path: Path, name: str, weight_format: str, what: str, pooling: str, normalize: bool,
+                 num_labels: int) -> None:
         """weight_format: the engine's (``models.linear.WEIGHT_FORMATS``): "f32" holds the file's weights
-        as they are, "q4" in their file's bits."""
-        from kvserve.models.gguf_file import GGUFFile
+        as they are, "q4" in their file's bits. ``what`` names the model in an error."""
         from kvserve.models.loader import load_model
+
+        self.path, self.name = path, name
+        self.loaded = load_model(str(path), weight_format=weight_format, embedding=True)
+        if self.loaded.tokenizer is None:
+            raise ModelLoadError(f"{path}: {what} needs its tokenizer")
+        c = self.loaded.config
+        self.config = EncoderConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_heads,
+            intermediate_size=c.intermediate_size, max_positions=c.max_position_embeddings, type_vocab_size=0,
+            eps=c.rms_norm_eps, max_seq_length=c.max_position_embeddings, pooling=pooling, normalize=normalize,
+            num_labels=num_labels)
+
+    def _hidden(self, ids: list[int]) -> torch.Tensor:
+        """The final-normed hidden states [len(ids), hidden] of one input."""
+        from kvserve.attention.contiguous import ContiguousKVCache
+
+        model, n = self.loaded.model, len(ids)
+        return model.forward(torch.tensor(ids, device=model.device), torch.arange(n, device=model.device),
+                             ContiguousKVCache(len(model.layers)))
+
+
+class DecoderEncoder(_Decoder):
+    def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
+        from kvserve.models.gguf_header import read_gguf_header
 
         pooling = decoder_pooling(path)
         if pooling is None:
             raise ModelLoadError(f"{path}: a decoder without a pooling type is not an embedding model")
-        self.path, self.name = path, name
-        self.loaded = load_model(str(path), weight_format=weight_format, embedding=True)
-        if self.loaded.tokenizer is None:
-            raise ModelLoadError(f"{path}: an embedding model needs its tokenizer")
-        c = self.loaded.config
-        self.add_eos = bool(GGUFFile(path).get("tokenizer.ggml.add_eos_token", False))
-        self.config = EncoderConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_heads,
-            intermediate_size=c.intermediate_size, max_positions=c.max_position_embeddings, type_vocab_size=0,
-            eps=c.rms_norm_eps, max_seq_length=c.max_position_embeddings, pooling=pooling, normalize=True)
+        super().__init__(path, name, weight_format, "an embedding model", pooling, True, 0)
+        self.add_eos = bool(read_gguf_header(path).get("tokenizer.ggml.add_eos_token", False))
 
     def tokenize(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Each text's ids (with BOS and EOS as the file's tokenizer adds them); ValueError for one over the
@@ -59,14 +78,9 @@ class DecoderEncoder:
     @torch.inference_mode()
     def embed(self, batch: list[list[int]]) -> torch.Tensor:
         """[len(batch), hidden] float32: each input's pooled final hidden state, normalized."""
-        from kvserve.attention.contiguous import ContiguousKVCache
-
-        model = self.loaded.model
         pooled = []
         for ids in batch:
-            n = len(ids)
-            hidden = model.forward(torch.tensor(ids, device=model.device), torch.arange(n, device=model.device),
-                                   ContiguousKVCache(len(model.layers))).float()
+            hidden = self._hidden(ids).float()
             pooled.append(hidden[-1] if self.config.pooling == "last" else hidden.mean(0))
         return torch.nn.functional.normalize(torch.stack(pooled).cpu(), dim=-1)
 
@@ -79,7 +93,7 @@ RERANK_PROMPT = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<Ins
                  "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-class DecoderReranker:
+class DecoderReranker(_Decoder):
     """An LLM-style reranker (Qwen3-Reranker): a decoder reads the query and a document in its judging
     prompt, and the relevance is P(yes) against P(no) at the answer's first token, the softmax of those
     two logits (as vLLM and the model card compute it). Any decoder GGUF works the same way; those trained
@@ -87,20 +101,8 @@ class DecoderReranker:
     ``score``, ``config``."""
 
     def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
-        from kvserve.models.loader import load_model
-
-        self.path, self.name = path, name
-        self.loaded = load_model(str(path), weight_format=weight_format, embedding=True)
-        tokenizer = self.loaded.tokenizer
-        if tokenizer is None:
-            raise ModelLoadError(f"{path}: a reranker needs its tokenizer")
-        self.yes, self.no = (tokenizer.encode(word, add_special=False)[0] for word in ("yes", "no"))
-        c = self.loaded.config
-        self.config = EncoderConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_heads,
-            intermediate_size=c.intermediate_size, max_positions=c.max_position_embeddings, type_vocab_size=0,
-            eps=c.rms_norm_eps, max_seq_length=c.max_position_embeddings, pooling="last", normalize=False,
-            num_labels=2)
+        super().__init__(path, name, weight_format, "a reranker", "last", False, 2)
+        self.yes, self.no = (self.loaded.tokenizer.encode(w, add_special=False)[0] for w in ("yes", "no"))
 
     def tokenize_pairs(self, query: str, documents: list[str]) -> list[tuple[list[int], list[int]]]:
         """(ids, []) of each document in the judging prompt; a prompt over the model's context loses the end
@@ -117,13 +119,8 @@ class DecoderReranker:
     @torch.inference_mode()
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
         """[len(pairs)] P(yes) of each prompt against P(no), in [0, 1]."""
-        from kvserve.attention.contiguous import ContiguousKVCache
-
-        model, scores = self.loaded.model, []
+        scores = []
         for ids, _ in pairs:
-            n = len(ids)
-            hidden = model.forward(torch.tensor(ids, device=model.device), torch.arange(n, device=model.device),
-                                   ContiguousKVCache(len(model.layers)))
-            logits = model.compute_logits(hidden[-1:])[0]
+            logits = self.loaded.model.compute_logits(self._hidden(ids)[-1:])[0]
             scores.append(torch.stack([logits[self.no], logits[self.yes]]).softmax(0)[1])
         return torch.stack(scores).cpu()

@@ -26,10 +26,12 @@ POOLINGS = {1: "mean", 3: "last"}  # gguf.PoolingType's MEAN and LAST
 
 def decoder_pooling(path: Path) -> str | None:
     """The pooling a decoder GGUF declares ("last" or "mean"), or None: not an embedding model."""
-    from kvserve.models.gguf_encoder import ARCHITECTURES
     from kvserve.models.gguf_header import read_gguf_header
 
-    header = read_gguf_header(path)
+    return _decoder_pooling(read_gguf_header(path))
+
+
+def _decoder_pooling(header) -> str | None:
     if header.architecture in ARCHITECTURES:  # an encoder's pooling, not a decoder's
         return None
     kind = header.get(f"{header.architecture}.pooling_type")
@@ -49,9 +51,10 @@ def is_gguf_encoder(path: Path) -> bool:
     from kvserve.models.gguf_header import read_gguf_header
 
     try:
-        return read_gguf_header(path).architecture in ARCHITECTURES or decoder_pooling(path) is not None
+        header = read_gguf_header(path)
     except Exception:  # noqa: BLE001 - not a GGUF file we can read: not an encoder either
         return False
+    return header.architecture in ARCHITECTURES or _decoder_pooling(header) is not None
 
 
 # nomic-bert's own tensors (beside BERT's token_embd, token_types, token_embd_norm, attn_output(_norm),

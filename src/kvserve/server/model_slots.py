@@ -66,7 +66,7 @@ class Slot:
     loading: asyncio.Future | None = None
 
     def matches(self, name: str | None) -> bool:
-        return name in (self.name, f"{self.name}:latest") if ":" not in self.name else name == self.name
+        return self.card.matches(name)  # the card holds this slot's name
 
     def expires_at(self) -> float | None:
         """Unix time it will be unloaded if no request names it again; None: never."""
