@@ -176,7 +176,7 @@ def test_blocks_shared_by_two_requests_are_drawn_shared(page, idle: Server):
 
 
 def test_the_stop_button_aborts_the_request_and_frees_its_blocks(page, idle: Server):
-    aborted_key = 'kvserve_requests_total{finish_reason="abort"}'
+    aborted_key = 'kvserve_requests_total{finish_reason="abort",model="smollm2"}'
     aborted = idle.metrics().get(aborted_key, 0)
     live(page)
     settings(page, max_tokens=400)

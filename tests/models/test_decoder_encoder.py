@@ -83,3 +83,35 @@ def test_a_decoder_reranks_by_its_yes_and_no_logits(tmp_path):
             expected = torch.stack([logits[reranker.no], logits[reranker.yes]]).softmax(0)[1]
             assert abs(float(ours[i]) - float(expected)) < 1e-5
     assert 0 <= float(ours.min()) and float(ours.max()) <= 1
+
+
+def test_inputs_of_many_callers_share_the_engines_steps(tmp_path):
+    """Each input is a pooling request to the encoder's engine: callers' inputs are prefilled in the same
+    steps, each gets what it gets alone, and no KV block stays held."""
+    import asyncio
+
+    path = write_gguf(tmp_path / "embed.gguf", build_hf_model("qwen3"), "qwen3", pooling=gguf.PoolingType.MEAN)
+    encoder = open_encoder(path, "embed")
+    engine = encoder.engine.engine
+    scheduled: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        scheduled.append(len(out.scheduled))
+        return out
+
+    engine.scheduler.schedule = counting
+    batches = [encoder.tokenize(TEXTS[i:] + TEXTS[:i]) for i in range(3)]
+    alone = [encoder.embed(batch) for batch in batches]
+    assert max(scheduled) == len(TEXTS)
+    scheduled.clear()
+
+    async def together():
+        return await asyncio.gather(*(encoder.aembed(batch) for batch in batches))
+
+    for got, expected in zip(asyncio.run(together()), alone):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert max(scheduled) > len(TEXTS)  # several callers' inputs in one step
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+    encoder.close()

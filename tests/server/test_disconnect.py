@@ -67,10 +67,10 @@ class SSEReader:
 
 
 def test_dropped_streams_free_their_blocks_and_the_rest_finish(idle):
-    before = idle.metrics().get('kvserve_requests_total{finish_reason="abort"}', 0)
+    before = idle.metrics().get('kvserve_requests_total{finish_reason="abort",model="smollm2"}', 0)
     survivors = asyncio.run(_drop_half(idle))
     after = idle.metrics()
-    assert after['kvserve_requests_total{finish_reason="abort"}'] - before == NUM_DROPPED
+    assert after['kvserve_requests_total{finish_reason="abort",model="smollm2"}'] - before == NUM_DROPPED
     # the survivors completed exactly as the same requests do undisturbed
     references = asyncio.run(_references(idle, list(survivors)))
     for i, reader in survivors.items():

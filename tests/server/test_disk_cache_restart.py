@@ -64,8 +64,8 @@ def test_a_restarted_server_answers_from_the_disk_cache(tmp_path):
         cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == (prompt_tokens - 1) // 16 * 16
         assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
-        assert _metric(url, "kvserve_prefix_cache_disk_hits_total") == cached
-        assert _metric(url, "kvserve_disk_cache_read_bytes_total") > 0
+        assert _metric(url, 'kvserve_prefix_cache_disk_hits_total{model="smollm2"}') == cached
+        assert _metric(url, 'kvserve_disk_cache_read_bytes_total{model="smollm2"}') > 0
         snap = httpx.get(f"{url}/v1/kvserve/cache").json()
         assert snap["prefix_cache_disk_hits"] == cached and snap["disk_cache"]["blocks_read"] == cached // 16
         assert snap["disk_cache"]["rejected_files"] == 0

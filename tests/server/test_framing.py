@@ -140,7 +140,7 @@ def test_ndjson_framing_streams_by_default(idle, path, body, key):
 def test_openapi_spec_and_health(server):
     with server.client() as c:
         spec = c.get("/openapi.json").json()
-        assert c.get("/health").json() == {"status": "ok", "model": "smollm2"}
+        assert c.get("/health").json() == {"status": "ok", "model": "smollm2", "loaded": ["smollm2"]}
         assert c.get("/api/version").json()["version"]
     for path in (
         "/v1/chat/completions",

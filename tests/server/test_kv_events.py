@@ -195,7 +195,7 @@ def test_kvserve_serve_publishes_with_the_flag(tmp_path):
         assert doc.status_code == 200 and "/infill" not in doc.json()["paths"]
         text = httpx.get(f"{url}/metrics").text
         for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
-            assert f"\n{name} " in text, name
+            assert f'\n{name}{{model_name="tiny"}} ' in text, name
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

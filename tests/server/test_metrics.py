@@ -58,17 +58,20 @@ def test_metrics_follow_requests(idle):
     def grew(key: str) -> float:
         return after.get(key, 0) - before.get(key, 0)
 
-    assert grew("kvserve_time_to_first_token_seconds_count") == 2
-    assert grew("kvserve_inter_token_latency_seconds_count") == 2 * 4  # 5 tokens: 4 gaps each
-    assert grew("kvserve_e2e_request_latency_seconds_count") == 2
-    assert grew("kvserve_generation_tokens_total") == 10
-    assert grew("kvserve_prompt_tokens_total") == 2 * first["usage"]["prompt_tokens"]
-    assert grew('kvserve_requests_total{finish_reason="length"}') == 2
+    m = '{model="smollm2"}'  # request and engine samples carry the model's name
+
+    assert grew("kvserve_time_to_first_token_seconds_count" + m) == 2
+    assert grew("kvserve_inter_token_latency_seconds_count" + m) == 2 * 4  # 5 tokens: 4 gaps each
+    assert grew("kvserve_e2e_request_latency_seconds_count" + m) == 2
+    assert grew("kvserve_generation_tokens_total" + m) == 10
+    assert grew("kvserve_prompt_tokens_total" + m) == 2 * first["usage"]["prompt_tokens"]
+    assert grew('kvserve_requests_total{finish_reason="length",model="smollm2"}') == 2
     assert grew('kvserve_request_errors_total{status="404"}') == 1
-    assert grew("kvserve_prefix_cache_hits_total") >= 16
-    assert grew("kvserve_prefix_cache_queries_total") == 2 * first["usage"]["prompt_tokens"]
-    assert after["kvserve_kv_cache_blocks"] == 256 and after["kvserve_kv_cache_usage_ratio"] == 0
-    assert after["kvserve_num_requests_running"] == 0 and after["kvserve_num_requests_waiting"] == 0
+    assert grew("kvserve_prefix_cache_hits_total" + m) >= 16
+    assert grew("kvserve_prefix_cache_queries_total" + m) == 2 * first["usage"]["prompt_tokens"]
+    assert after["kvserve_kv_cache_blocks" + m] == 256 and after["kvserve_kv_cache_usage_ratio" + m] == 0
+    assert after["kvserve_num_requests_running" + m] == 0 and after["kvserve_num_requests_waiting" + m] == 0
+    assert after['vllm:num_requests_running{model_name="smollm2"}'] == 0
 
 
 def test_constrained_requests_and_their_mask_times_are_counted(idle):
@@ -79,6 +82,7 @@ def test_constrained_requests_and_their_mask_times_are_counted(idle):
         answer = c.post("/v1/chat/completions", json=body).json()
         c.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
     after = idle.metrics()
-    assert after["kvserve_constrained_requests_total"] - before.get("kvserve_constrained_requests_total", 0) == 1
-    masks = after["kvserve_constraint_mask_seconds_count"] - before.get("kvserve_constraint_mask_seconds_count", 0)
+    constrained, count = 'kvserve_constrained_requests_total{model="smollm2"}', 'kvserve_constraint_mask_seconds_count{model="smollm2"}'
+    assert after[constrained] - before.get(constrained, 0) == 1
+    masks = after[count] - before.get(count, 0)
     assert masks == answer["usage"]["completion_tokens"]  # one mask a sampled token

@@ -6,6 +6,10 @@ the truth. A fake loader drives the rules; a live server with the ollama client 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,7 +49,7 @@ def fake_serving(name: str) -> SimpleNamespace:
     return SimpleNamespace(card=card(name), async_engine=FakeEngine())
 
 
-def models(budget=None, max_loaded=0, keep_alive=None, sizes=None) -> tuple[ServedModels, list[str]]:
+def models(budget=None, max_loaded=0, keep_alive=None, sizes=None, first=0) -> tuple[ServedModels, list[str]]:
     loads: list[str] = []
 
     def load(source: str, name: str):
@@ -56,27 +60,29 @@ def models(budget=None, max_loaded=0, keep_alive=None, sizes=None) -> tuple[Serv
 
     sizes = sizes or {"a": 100, "b": 100, "c": 100}
     others = {n: (n if n != "x" else "broken", size, card(n)) for n, size in sizes.items()}
-    return ServedModels(fake_serving("main"), others, load, budget, max_loaded, keep_alive), loads
+    return ServedModels(fake_serving("main"), others, load, budget, max_loaded, keep_alive, first_planned=first), loads
 
 
 def test_models_load_when_named_and_evict_the_least_recently_used(monkeypatch):
     monkeypatch.setattr(model_slots, "GRACE", 0.0)
-    served, loads = models(budget=250)
+    served, loads = models(budget=350, first=100)
 
     async def go():
-        assert (await served.serving("main")).card.name == "main" and loads == []  # the server's own
+        assert (await served.serving("main")).card.name == "main" and loads == []  # loaded at start
+        assert (await served.serving(None)).card.name == "main"  # no name: the default
         a = await served.serving("a:latest")
         await served.serving("b")
         assert loads == ["a", "b"] and {s.name for s in served.loaded()} == {"main", "a", "b"}
-        await served.serving("a")  # a is now the more recently used
-        await served.serving("c")  # 300 > 250: b goes, not a
+        await served.serving("a")
+        await served.serving("main")  # b is now the least recently used
+        await served.serving("c")  # 400 > 350: b goes, not a or main
         assert {s.name for s in served.loaded()} == {"main", "a", "c"} and loads == ["a", "b", "c"]
         assert not a.async_engine.shut
         with pytest.raises(APIError) as unknown:
             await served.serving("nope")
         assert unknown.value.status == 404 and "'main', 'a', 'b', 'c'" in unknown.value.message
         await served.stop()
-        assert [s.name for s in served.loaded()] == ["main"]
+        assert served.loaded() == [] and a.async_engine.shut
 
     asyncio.run(go())
 
@@ -88,10 +94,11 @@ def test_a_busy_model_is_not_evicted_and_the_count_is_kept(monkeypatch):
 
     async def go():
         a = await served.serving("a")
-        a.async_engine.num_open_streams = 1  # a stream is open on it
+        main = await served.serving("main")
+        a.async_engine.num_open_streams = main.async_engine.num_open_streams = 1  # a stream open on each
         waiting = asyncio.ensure_future(served.serving("b"))
         await asyncio.sleep(0.1)
-        assert not waiting.done() and loads == ["a"]  # main + a loaded: b waits for a to be idle
+        assert not waiting.done() and loads == ["a"]  # main + a loaded: b waits for one to be idle
         a.async_engine.num_open_streams = 0
         await asyncio.wait_for(waiting, 5)
         assert a.async_engine.shut and {s.name for s in served.loaded()} == {"main", "b"}
@@ -112,7 +119,17 @@ def test_keep_alive_unloads_an_idle_model(monkeypatch):
         await asyncio.sleep(0.3)
         assert {s.name for s in served.loaded()} == {"main", "b"}
         assert await served.release("b") and {s.name for s in served.loaded()} == {"main"}
-        assert not await served.release("main")  # the server's own stays
+        first = served.find("main").serving
+        assert await served.release("main") and served.loaded() == [] and first.async_engine.shut  # the first too
+        with pytest.raises(APIError) as none:
+            served.shown(None)  # a view never loads a model
+        assert none.value.status == 409
+        assert (await served.serving(None)).card.name == "main" and served.shown(None).card.name == "main"
+        assert [(e.model, e.event) for e in served.recent()] == [
+            ("a", "loaded"), ("b", "loaded"), ("a", "unloaded"), ("b", "unloaded"), ("main", "unloaded"),
+            ("main", "loaded")]
+        assert {m.name: m.state for m in served.states()} == {"main": "loaded", "a": "unloaded", "b": "unloaded",
+                                                             "c": "unloaded"}
         await served.stop()
 
     asyncio.run(go())
@@ -136,7 +153,7 @@ def test_too_big_or_broken_models_are_clear_errors():
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    """smollm2 (kept), Gemma 3 and Qwen2.5-Coder on demand, at most two loaded at once; all-minilm's
+    """smollm2 (loaded at start), Gemma 3 and Qwen2.5-Coder on demand, at most two loaded at once; all-minilm's
     embeddings beside them."""
     yield from serve(tmp_path_factory, ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "all-minilm"], "-c", "512",
                      "--max-num-seqs", "2", "--max-loaded-models", "2", "--weights", "q4")
@@ -146,33 +163,72 @@ def loaded(client: ollama.Client) -> list[str]:
     return sorted(m.model for m in client.ps().models)
 
 
+def frames_of(c: httpx.Client, model: str):
+    with c.stream("GET", "/v1/kvserve/cache/stream", params={"model": model, "max_events": 1}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
+
+
 def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
     client = ollama.Client(host=three.url, headers=three.headers)
     assert sorted(m.model for m in client.list().models) == ["gemma3-270m:latest", "qwen2.5-coder-0.5b:latest",
                                                              "smollm2:latest"]
     assert loaded(client) == ["smollm2:latest"]
-    for model in ("gemma3-270m", "smollm2", "qwen2.5-coder-0.5b", "gemma3-270m"):  # qwen evicts gemma, and back
+    # at most two: qwen evicts gemma, then gemma the least recently used, smollm2 (the first is a model like any)
+    for model in ("gemma3-270m", "smollm2", "qwen2.5-coder-0.5b", "gemma3-270m"):
         reply = client.chat(model, [{"role": "user", "content": "Say hi."}], options={"num_predict": 3})
         assert reply.model == model and reply.message.content
         assert model.split(":")[0] in " ".join(loaded(client)) and len(loaded(client)) <= 2
-    assert loaded(client) == ["gemma3-270m:latest", "smollm2:latest"]
-    forever = next(m for m in client.ps().models if m.model == "smollm2:latest")
+    assert loaded(client) == ["gemma3-270m:latest", "qwen2.5-coder-0.5b:latest"]
+    forever = next(m for m in client.ps().models if m.model == "qwen2.5-coder-0.5b:latest")
     assert forever.expires_at.year == 9999 and forever.size > 0
+    with three.client() as c:
+        samples = three.metrics()
+        # each model's requests under its name; each loaded model's pool, and no pool of an unloaded one
+        assert samples['kvserve_generation_tokens_total{model="smollm2"}'] == 3
+        assert samples['kvserve_generation_tokens_total{model="gemma3-270m"}'] == 6
+        assert samples['kvserve_requests_total{finish_reason="length",model="qwen2.5-coder-0.5b"}'] == 1
+        assert 'kvserve_kv_cache_blocks{model="qwen2.5-coder-0.5b"}' in samples
+        assert 'vllm:num_requests_running{model_name="gemma3-270m"}' in samples
+        assert not any('model="smollm2"' in k for k in samples if k.startswith("kvserve_kv_cache"))
+        assert c.get("/v1/kvserve/cache", params={"model": "qwen2.5-coder-0.5b"}).status_code == 200
+        gone = c.get("/v1/kvserve/cache", params={"model": "smollm2"})
+        assert gone.status_code == 409 and "not loaded" in gone.json()["error"]["message"]
+        assert c.get("/v1/kvserve/cache", params={"model": "nope"}).status_code == 404
+        frame = next(frames_of(c, "gemma3-270m"))
+        assert frame["model"] == "gemma3-270m" and frame["num_blocks"] == c.get(
+            "/v1/kvserve/cache", params={"model": "gemma3-270m"}).json()["num_blocks"]
+        assert {m["name"]: m["state"] for m in frame["models"]} == {
+            "smollm2": "unloaded", "gemma3-270m": "loaded", "qwen2.5-coder-0.5b": "loaded"}
+        assert [(e["model"], e["event"]) for e in frame["model_events"]][-3:] == [
+            ("qwen2.5-coder-0.5b", "loaded"), ("smollm2", "unloaded"), ("gemma3-270m", "loaded")]
+        assert c.get("/health").json() == {"status": "ok", "model": "smollm2",
+                                           "loaded": ["gemma3-270m", "qwen2.5-coder-0.5b"]}
+    top = subprocess.run([sys.executable, "-m", "kvserve", "top", three.url, "--api-key", three.api_key, "--once",
+                          "--model", "qwen2.5-coder-0.5b"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLUMNS": "160"}, check=False)
+    assert top.returncode == 0, top.stderr
+    assert "○ smollm2 (unloaded" in top.stdout and "● qwen2.5-coder-0.5b (loaded" in top.stdout
+    assert "smollm2 unloaded evicted to make room for 'gemma3-270m'" in top.stdout
     client.generate("gemma3-270m", "Hi", options={"num_predict": 2}, keep_alive=0)
     deadline = time.monotonic() + 10
-    while loaded(client) != ["smollm2:latest"] and time.monotonic() < deadline:
+    while loaded(client) != ["qwen2.5-coder-0.5b:latest"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert loaded(client) == ["smollm2:latest"]
+    assert loaded(client) == ["qwen2.5-coder-0.5b:latest"]
     ids = [m["id"] for m in httpx.get(f"{three.url}/v1/models", headers=three.headers).json()["data"]]
     assert ids[:3] == ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"]
-    r = httpx.post(f"{three.url}/v1/chat/completions", headers=three.headers,
-                   json={"model": "qwen2.5-coder-0.5b", "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2})
-    assert r.status_code == 200 and r.json()["model"] == "qwen2.5-coder-0.5b"
+    r = httpx.post(f"{three.url}/v1/chat/completions", headers=three.headers,  # the first, loaded again
+                   json={"model": "smollm2", "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == "smollm2"
     unloaded = client.generate("qwen2.5-coder-0.5b", "", keep_alive=0)
     assert unloaded.done_reason == "unload" and loaded(client) == ["smollm2:latest"]
     metrics = httpx.get(f"{three.url}/metrics", headers=three.headers).text
     assert 'kvserve_model_loads_total{model="gemma3-270m"} 2.0' in metrics
+    assert 'kvserve_model_loads_total{model="smollm2"} 1.0' in metrics  # loaded again (at start is not counted)
     assert 'kvserve_model_unloads_total{model="gemma3-270m",reason="evicted"} 1.0' in metrics
+    assert 'kvserve_model_unloads_total{model="smollm2",reason="evicted"} 1.0' in metrics
     assert 'kvserve_model_unloads_total{model="qwen2.5-coder-0.5b",reason="asked"} 1.0' in metrics
     assert 'kvserve_model_loaded{model="smollm2"} 1.0' in metrics and 'kvserve_model_loaded{model="gemma3-270m"} 0.0' in metrics
     vectors = client.embed("all-minilm", ["a red apple", "a green pear"]).embeddings  # named among the models

@@ -76,6 +76,15 @@ def test_render_draws_each_block_and_the_numbers():
     assert "r1" in out and "6 / 64" in out
 
 
+def test_render_lists_every_model_and_the_last_loads():
+    models = [{"name": "m", "state": "loaded", "planned_bytes": 300 << 20, "expires_at": 130.0},
+              {"name": "other", "state": "unloaded", "planned_bytes": 0, "expires_at": None}]
+    events = [{"time": 100.0, "model": "other", "event": "unloaded", "detail": "evicted to make room for 'm'"}]
+    out = text(render({**frame("..", time=100.0), "models": models, "model_events": events}, [], width=20), 120)
+    assert "● m (loaded 300 MiB, unloads in 30 s)" in out and "○ other (unloaded)" in out
+    assert "other unloaded evicted to make room for 'm'" in out
+
+
 def test_a_large_pool_draws_the_busiest_block_of_each_cell():
     # 16 rows of one cell hold 32 blocks: two blocks a cell
     grid = text(pool_grid(frame(".." + "c." + "1c" + "3." + "." * 24), width=1), 20).split()

@@ -26,14 +26,14 @@ def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="serve models over OpenAI-, Ollama- and Anthropic-compatible HTTP APIs")
     p.add_argument(
         "models", nargs="*", metavar="MODEL", action=_Models,
-        help="registry name, .gguf file or HF folder (default smollm2); the first is loaded at start and kept, "
-        "the others load when a request names them",
+        help="registry name, .gguf file or HF folder (default smollm2); the first is loaded at start and answers "
+        "requests that name no model, the others load when a request names them",
     )
-    p.add_argument("--models-dir", default=None, metavar="DIR",
+    p.add_argument("--models-dir", "--models", dest="models_dir", default=None, metavar="DIR",
                    help="also serve every .gguf file in DIR (named by its file name less .gguf), loaded on demand")
     p.add_argument("--keep-alive", default="-1", metavar="DURATION",
-                   help="how long a model loaded on demand stays once idle: 5m, 1h, 30s, 0 (unload after each "
-                   "answer) or -1 (until evicted; default); a request's keep_alive overrides it")
+                   help="how long a model stays loaded once idle, the first too: 5m, 1h, 30s, 0 (unload after "
+                   "each answer) or -1 (until evicted; default); a request's keep_alive overrides it")
     p.add_argument("--max-loaded-models", type=int, default=0, metavar="N",
                    help="models loaded at once, the first included (0: as many as --max-memory holds)")
     p.add_argument("--max-memory", type=parse_bytes, default=None, metavar="SIZE",
@@ -177,15 +177,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ray-address needs --replicas N")
     check_port_free(args.host, args.port)
     engine = load_engine(args)
+    max_model_len = engine.max_model_len
     async_engine = AsyncLLMEngine(engine)
     encoder = _encoder(args.embedding_model, "--embedding-model", False, args.embedding_weights)
     reranker = _encoder(args.rerank_model, "--rerank-model", True, args.embedding_weights)
-    models = _served_models(args, others, config) if others else None
+    models = _served_models(args, others, config)
     app = build_app(async_engine, config, encoder=encoder, reranker=reranker, models=models)
+    del async_engine, engine  # the app's models hold it now: unloading it frees it
     url = f"http://{args.host}:{args.port}"
     print(
         f"serving {config.model_name} on {url} (OpenAI: {url}/v1, Ollama: {url}/api, metrics: {url}/metrics; "
-        f"context {engine.max_model_len} tokens, {args.max_num_seqs} at once)",
+        f"context {max_model_len} tokens, {args.max_num_seqs} at once)",
         file=sys.stderr,
         flush=True,
     )
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=5,
     )
-    EndingStreamsServer(server_config, async_engine).run()
+    EndingStreamsServer(server_config, app.state.models.end_streams).run()
     return 0
 
 
@@ -272,11 +274,11 @@ def planned_bytes(args: argparse.Namespace, source: str, with_runtime: bool = Fa
 
 
 def _served_models(args: argparse.Namespace, others: list[str], config):
-    """The factory build_app calls with the first model's Serving: every other model a slot, sized by the
-    planner, loaded by ``load_engine`` with this server's settings."""
+    """The factory build_app calls with the first model's Serving: every model a slot, sized by the planner
+    (when there are several), loaded (again) by ``load_engine`` with this server's settings."""
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.models.registry import resolve
-    from kvserve.plan.planner import available_memory
+    from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, available_memory
     from kvserve.server.model_card import ModelCard
     from kvserve.server.model_slots import ServedModels, keep_alive_seconds
     from kvserve.server.ollama.ollama_schemas import DURATION
@@ -292,14 +294,15 @@ def _served_models(args: argparse.Namespace, others: list[str], config):
         if name in slots or name == config.model_name:
             raise ValueError(f"two models would be served as '{name}': rename a file")
         slots[name] = (source, planned_bytes(args, source), ModelCard.from_file(source, name, args.num_ctx))
-    # the first model (and the runtime) are loaded already: what is available now is what the others may take
-    budget = available_memory()[0]
+    first_source = args.model or DEFAULT_MODEL
+    first = planned_bytes(args, first_source) if slots else 0  # alone, no budget to keep
+    # the first model and the runtime are loaded already: the models may take what they hold and what is left
+    budget = available_memory()[0] + first
     if isinstance(args.max_memory, int):
-        first = planned_bytes(args, args.model or DEFAULT_MODEL, with_runtime=True)
-        budget = args.max_memory - first
-        if budget <= 0:
-            raise ValueError(f"--max-memory leaves nothing beside the first model and the runtime: "
-                             f"{first / 2**20:.0f} MiB (kvserve plan)")
+        budget = args.max_memory - RUNTIME_OVERHEAD_BYTES
+        if budget < first:
+            raise ValueError(f"--max-memory holds less than the first model and the runtime: "
+                             f"{(first + RUNTIME_OVERHEAD_BYTES) / 2**20:.0f} MiB (kvserve plan)")
 
     def make(primary: Serving) -> ServedModels:
         def load(source: str, name: str) -> Serving:
@@ -307,6 +310,6 @@ def _served_models(args: argparse.Namespace, others: list[str], config):
             return Serving(AsyncLLMEngine(engine), ModelCard.from_engine(engine, name), primary.metrics, primary.config)
 
         return ServedModels(primary, slots, load, budget=budget, max_loaded=args.max_loaded_models,
-                            keep_alive=keep_alive)
+                            keep_alive=keep_alive, first_source=first_source, first_planned=first)
 
     return make

@@ -1,7 +1,9 @@
 """``kvserve top [URL]``: a running server's KV pool live in the terminal, the numbers of its web page.
 
-Reads ``/v1/kvserve/cache/stream`` (four frames a second) and redraws: totals, every block as one coloured
-cell (free, cached, in use, shared by n), the live requests, and tokens generated per second.
+Reads ``/v1/kvserve/cache/stream`` (four frames a second) and redraws: every model the server holds (loaded,
+loading or not, and its last loads and unloads), then one loaded model's totals, every block of its pool as
+one coloured cell (free, cached, in use, shared by n), its live requests, and tokens generated per second.
+When that model unloads, top follows whichever the server shows next.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -29,15 +32,23 @@ def add_parser(sub, name: str) -> None:
         default=os.environ.get("KVSERVE_API_KEY"),
         help="the server's --api-key (default: $KVSERVE_API_KEY)",
     )
+    p.add_argument("--model", default=None, help="the loaded model whose pool to show (default: the server's first, "
+                   "else the last used)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.set_defaults(handler=run)
 
 
-def frames(url: str, api_key: str | None, max_events: int | None = None) -> Iterator[dict]:
+class NotLoaded(ValueError):
+    """The server runs, but not the model asked for (or none): it may load later."""
+
+
+def frames(url: str, api_key: str | None, max_events: int | None = None, model: str | None = None) -> Iterator[dict]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     params = {"max_events": max_events} if max_events else {}
+    if model:
+        params["model"] = model
     try:
         with httpx.stream(
             "GET",
@@ -48,6 +59,8 @@ def frames(url: str, api_key: str | None, max_events: int | None = None) -> Iter
         ) as r:
             if r.status_code == 401:
                 raise ValueError(f"{url} needs its API key: give --api-key or set $KVSERVE_API_KEY")
+            if r.status_code == 409:
+                raise NotLoaded(json.loads(r.read())["error"]["message"])
             if r.status_code != 200:
                 raise ValueError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:200]}")
             for line in r.iter_lines():
@@ -82,6 +95,27 @@ def pool_grid(frame: dict, width: int):
 def sparkline(rates: list[float]) -> str:
     top = max(rates, default=0) or 1
     return "".join(SPARKS[min(len(SPARKS) - 1, int(r / top * len(SPARKS)))] for r in rates)
+
+
+STATE = {"loaded": ("●", "green"), "loading": ("◐", "yellow"), "unloaded": ("○", "grey50")}
+
+
+def models_line(frame: dict):
+    """Every model the server holds, the one shown in bold, and its last load or unload events."""
+    from rich.text import Text
+
+    line = Text("models ")
+    for m in frame.get("models", []):
+        mark, style = STATE.get(m["state"], ("?", ""))
+        line.append(f"{mark} ", style)
+        line.append(m["name"], "bold" if m["name"] == frame["model"] else "")
+        size = f" {m['planned_bytes'] / 2**20:.0f} MiB" if m["planned_bytes"] else ""
+        expiry = f", unloads in {max(0, m['expires_at'] - frame['time']):.0f} s" if m["expires_at"] else ""
+        line.append(f" ({m['state']}{size}{expiry})  ", "dim")
+    for e in frame.get("model_events", [])[-3:]:
+        line.append(f"\n  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['model']} {e['event']} "
+                    f"{e['detail']}", "dim")
+    return line
 
 
 def render(frame: dict, rates: list[float], width: int = 80):
@@ -131,7 +165,7 @@ def render(frame: dict, rates: list[float], width: int = 80):
         ("2 ", f"black on {SHARED}"),
         (" shared by n", SHARED),
     )
-    return Group(head, legend, pool_grid(frame, width), table)
+    return Group(models_line(frame), head, legend, pool_grid(frame, width), table)
 
 
 class Rates:
@@ -160,14 +194,23 @@ def run(args: argparse.Namespace) -> int:
     width = max(20, console.width - 2)
     rates = Rates()
     if args.once:
-        for frame in frames(args.url, args.api_key, max_events=1):
+        for frame in frames(args.url, args.api_key, max_events=1, model=args.model):
             console.print(render(frame, rates.add(frame), width))
         return 0
     try:
         with Live(console=console, auto_refresh=False, screen=console.is_terminal) as live:
-            for frame in frames(args.url, args.api_key):
-                live.update(render(frame, rates.add(frame), width), refresh=True)
+            while True:  # a stream ends when its model unloads: then the one the server shows next
+                try:
+                    for frame in frames(args.url, args.api_key, model=args.model):
+                        live.update(render(frame, rates.add(frame), width), refresh=True)
+                except NotLoaded as e:
+                    live.update(f"{e}; waiting", refresh=True)
+                time.sleep(1)
+                rates = Rates()
     except KeyboardInterrupt:
         return 0
+    except ValueError as e:
+        if "cannot reach" not in str(e):
+            raise
     console.print("the server stopped", style="dim")
     return 0

@@ -239,6 +239,14 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 self.scheduler.finish(request, request.status)
             results.append(output)
+        for s in out.scheduled:  # pooling requests whose whole prompt is read: their embedding ends them
+            request = s.request
+            if request.embedding is not None and not request.is_finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.metrics.first_token_time = request.metrics.finished_time = now
+                self.num_prompt_tokens += request.num_prompt_tokens
+                results.append(self.outputs.process(request))
+                self.scheduler.finish(request, request.status)
         return results
 
     def _take_token(self, request: Request, token: int, logprob, now: float) -> None:

@@ -89,6 +89,7 @@ class OutputProcessor:
             new_logprobs=logprobs[-len(new_ids):] if logprobs and new_ids else ([] if logprobs is not None else None),
             error=request.error,
             error_status=request.error_status,
+            embedding=request.embedding,
         )
 
     def _advance_text(self, request: Request, state: RequestTextState, new_ids: list[int]) -> None:

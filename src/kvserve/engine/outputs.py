@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -90,3 +94,4 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_status: int = 500  # 400: the request's own grammar could not be followed (its fault, not ours)
+    embedding: torch.Tensor | None = None  # a pooling request's pooled final hidden state ([hidden] float32, CPU)

@@ -73,6 +73,9 @@ class Request:
         self.generator: torch.Generator | None = None  # created by the sampler on first use
         self.constraint: TokenConstraint | None = None  # params.constraint's state, set by the engine
         self.thought = ThoughtState(params.reasoning) if params.reasoning is not None else None
+        # a pooling request (params.pooling): the mean's final hidden states so far, a tensor a chunk, then the result
+        self.pooled_rows: list[torch.Tensor] = []
+        self.embedding: torch.Tensor | None = None  # [hidden] float32, once the whole prompt is read
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run one forward over every scheduled token. Returns the requests whose known tokens are now
         all computed, with their last-position logits ([len(ready), vocab] float32); a request with
-        speculative drafts has one row more per draft, right after its own."""
+        speculative drafts has one row more per draft, right after its own. A pooling request
+        (``params.pooling``) is not among them: its final hidden states are pooled into it, and once its
+        prompt is read its ``embedding`` is set."""
         # every step, as engines of other contexts may share the model: a no-op unless LongRoPE switches
         self.model.rope.fit_context(self.num_ctx)
         if self.model.rope_local is not self.model.rope:  # Gemma's sliding layers: their tables capped too
@@ -43,6 +45,7 @@ class ModelRunner:
         decode_rows: list[int] = []
         decode_tables: list[list[list[int]]] = [[] for _ in kv_groups]  # per group, each decode's table
         decode_lens: list[int] = []
+        pooling: list[tuple[Request, int, int]] = []  # (request, its first row, rows)
 
         def decode(row: int, blocks: int, context: int) -> None:
             decode_rows.append(row)
@@ -73,7 +76,9 @@ class ModelRunner:
             else:
                 sequences.append(SequenceSlice(len(input_ids) - n, n, end, tuple(
                     torch.tensor(tables[g][:num_blocks], dtype=torch.long, device=self.device) for g in kv_groups)))
-            if end == r.num_tokens:
+            if r.params.pooling is not None:
+                pooling.append((r, len(input_ids) - n, n))
+            elif end == r.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
                 ready.append(r)
         device = self.device
@@ -89,7 +94,30 @@ class ModelRunner:
         else:
             metadata = PagedAttentionMetadata(kv_group_slots, sequences, decodes)
             hidden = self.model.forward(ids, pos, PagedAttention(self.storage, metadata))
+        for r, row, n in pooling:
+            pooled = _pool(r, hidden[row : row + n])
+            if pooled is not None:
+                if r.params.pooling == "logits":
+                    pooled = self.model.compute_logits(pooled[None])[0]
+                r.embedding = pooled.float().cpu()
         if not ready:
             return [], hidden.new_empty((0, 0))
         rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
         return ready, self.model.compute_logits(hidden.index_select(0, rows))
+
+
+def _pool(request: Request, hidden: torch.Tensor) -> torch.Tensor | None:
+    """Fold one chunk's final hidden states ([n, hidden], the chunk ending at the request's computed count
+    plus n) into a pooling request; after the prompt's last chunk, the pooled state (the last one for
+    "last" and "logits")."""
+    start = request.num_computed_tokens  # not advanced yet: the scheduler does after the step
+    if request.params.pooling == "mean":
+        # the chunks' rows are summed together at the end, not chunk by chunk: the same sum, in the same
+        # order, whichever chunks the scheduler cut (a recompute after a preemption starts over)
+        request.pooled_rows = [hidden.float()] if start == 0 else [*request.pooled_rows, hidden.float()]
+    if start + len(hidden) < request.num_prompt_tokens:
+        return None
+    if request.params.pooling != "mean":
+        return hidden[-1]
+    rows, request.pooled_rows = request.pooled_rows, []
+    return (rows[0] if len(rows) == 1 else torch.cat(rows)).sum(0) / request.num_prompt_tokens

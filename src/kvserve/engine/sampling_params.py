@@ -11,6 +11,7 @@ MAX_LOGPROBS = 20
 # Temperatures below this sample greedily: dividing logits by a temperature near float32's smallest
 # values overflows to inf, and a distribution that sharp is the argmax anyway (vLLM's cut-off too).
 GREEDY_BELOW_TEMPERATURE = 1e-5
+POOLINGS = (None, "last", "mean", "logits")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,10 @@ class SamplingParams:
     # code completion: the text ends before its first line (after the first) indented less than this
     # many spaces or tabs (llama.cpp's n_indent: the middle has left the hole); 0: off
     stop_at_dedent: int = 0
+    # an embedding request: no token is generated; the prompt's final hidden states pooled ("last": the last
+    # token's, "mean": their mean, "logits": the last token's logits) finish it, in RequestOutput.embedding.
+    # "mean" reads no prefix cache (it needs every position's state)
+    pooling: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +72,7 @@ class SamplingParams:
             (self.num_keep is None or self.num_keep >= 0, f"num_keep must be >= 0, got {self.num_keep}"),
             (self.stop_at_dedent >= 0, f"stop_at_dedent must be >= 0, got {self.stop_at_dedent}"),
             (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
+            (self.pooling in POOLINGS, f"pooling must be one of {', '.join(map(str, POOLINGS))}, got {self.pooling!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -79,7 +79,7 @@ class Scheduler:
     def check_prompt(self, request: Request) -> None:
         """Raise unless the request's prompt can ever be served."""
         limit = self.max_model_len
-        if request.num_prompt_tokens >= limit:
+        if request.num_prompt_tokens > limit or request.num_prompt_tokens == limit and request.params.pooling is None:
             raise PromptTooLongError(
                 f"the prompt is {request.num_prompt_tokens} tokens but the context limit is {limit} "
                 f"(room is needed for at least one new token)",
@@ -166,7 +166,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(out.scheduled) < cap):
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            # a mean pools every position's state: none of them may come from the cache
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request) if request.params.pooling != "mean" else ([], 0)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break

@@ -1,52 +1,86 @@
 """Sentence embeddings from a decoder (Qwen3-Embedding and the like): a GGUF of a decoder architecture
 whose metadata names a pooling (``{arch}.pooling_type``, as llama.cpp's converter writes it for embedding
-models: last token or mean). Each input is read in one forward of the model (``DecoderLM.forward``, the
-engine's own kernels) over a throwaway contiguous KV cache, its final-normed hidden states pooled and
-normalized, as llama.cpp's embedding endpoint computes them. The input gets the file's end-of-text token
+models: last token or mean). The inputs are the prompts of pooling requests (``SamplingParams.pooling``) to
+an engine of their own: its scheduler batches the inputs of every caller into the same chunked prefill a chat
+model's prompts get, and each request ends, its KV freed, with its final-normed hidden states pooled, then
+normalized here, as llama.cpp's embedding endpoint computes them. The input gets the file's end-of-text token
 when its tokenizer adds one (``tokenizer.ggml.add_eos_token``: Qwen3-Embedding reads its last state there).
 
-The same interface as ``encoder.Encoder``: ``tokenize``, ``embed``, ``config``; no reranking.
+The same interface as ``encoder.Encoder``: ``tokenize``, ``embed``, ``config``, and ``aembed`` for callers on
+an event loop; no reranking.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
 
+from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import ModelLoadError
 from kvserve.models.encoder_config import EncoderConfig
 from kvserve.models.gguf_encoder import decoder_pooling
 
+NUM_CTX = 2048  # tokens an input may have (less where the model has fewer positions): Ollama's default context
+MAX_NUM_SEQS = 32  # inputs prefilled together
+CHUNK = 512  # tokens a step reads
+
 
 class _Decoder:
-    """A decoder GGUF read for what its last hidden states say, not to chat with: the engine's loader and
-    tokenizer, one forward per input over a throwaway contiguous KV cache."""
+    """A decoder GGUF read for what its last hidden states say, not to chat with: the engine's loader,
+    tokenizer and scheduler, each input a pooling request. The KV pool holds one input of the whole
+    context and a step's chunk beside it, in f32 (each request's KV is freed when it ends)."""
 
     def __init__(self, path: Path, name: str, weight_format: str, what: str, pooling: str, normalize: bool,
-                 num_labels: int) -> None:
+                 num_labels: int, num_ctx: int = NUM_CTX) -> None:
         """weight_format: the engine's (``models.linear.WEIGHT_FORMATS``): "f32" holds the file's weights
         as they are, "q4" in their file's bits. ``what`` names the model in an error."""
+        from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+        from kvserve.engine.async_engine import AsyncLLMEngine
+        from kvserve.engine.engine import LLMEngine
+        from kvserve.kv.kv_types import kv_bytes_per_token_per_layer
         from kvserve.models.loader import load_model
 
         self.path, self.name = path, name
-        self.loaded = load_model(str(path), weight_format=weight_format, embedding=True)
-        if self.loaded.tokenizer is None:
+        loaded = load_model(str(path), weight_format=weight_format, embedding=True)
+        if loaded.tokenizer is None:
             raise ModelLoadError(f"{path}: {what} needs its tokenizer")
-        c = self.loaded.config
+        c = loaded.config
+        ctx = min(num_ctx, c.max_position_embeddings)
+        per_token = c.num_layers * kv_bytes_per_token_per_layer(c, "f32", None)
+        cache = CacheConfig(num_ctx=ctx, kv_cache_memory=(ctx + CHUNK + 16) * per_token, cache_type_k="f32")
+        engine = LLMEngine(EngineConfig(model=str(path), cache=cache, weights=weight_format,
+                                        scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
+                                                                  max_num_batched_tokens=CHUNK)), loaded)
+        self.engine = AsyncLLMEngine(engine)
+        self.loaded, self.pooling = loaded, pooling
         self.config = EncoderConfig(
             vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_heads,
             intermediate_size=c.intermediate_size, max_positions=c.max_position_embeddings, type_vocab_size=0,
-            eps=c.rms_norm_eps, max_seq_length=c.max_position_embeddings, pooling=pooling, normalize=normalize,
+            eps=c.rms_norm_eps, max_seq_length=engine.max_model_len, pooling=pooling, normalize=normalize,
             num_labels=num_labels)
 
-    def _hidden(self, ids: list[int]) -> torch.Tensor:
-        """The final-normed hidden states [len(ids), hidden] of one input."""
-        from kvserve.attention.contiguous import ContiguousKVCache
+    async def _pooled(self, batch: list[list[int]], pooling: str) -> torch.Tensor:
+        """[len(batch), ...] each input's pooled final state (or last logits), all in the engine at once."""
+        params = SamplingParams(pooling=pooling, max_tokens=1)
 
-        model, n = self.loaded.model, len(ids)
-        return model.forward(torch.tensor(ids, device=model.device), torch.arange(n, device=model.device),
-                             ContiguousKVCache(len(model.layers)))
+        async def one(ids: list[int]) -> torch.Tensor:
+            async for out in self.engine.generate(ids, params):
+                if out.finished:
+                    if out.error is not None or out.embedding is None:
+                        raise RuntimeError(out.error or f"the request ended ({out.finish_reason}) unread")
+                    return out.embedding
+            raise RuntimeError("the engine ended the request unread")
+
+        return torch.stack(await asyncio.gather(*(one(ids) for ids in batch)))
+
+    def _run(self, batch: list[list[int]], pooling: str) -> torch.Tensor:
+        """``_pooled`` from a thread without an event loop (a worker thread, a script)."""
+        return asyncio.run(self._pooled(batch, pooling))
+
+    def close(self) -> None:
+        self.engine.shutdown()
 
 
 class DecoderEncoder(_Decoder):
@@ -75,14 +109,12 @@ class DecoderEncoder(_Decoder):
             out.append(ids)
         return out
 
-    @torch.inference_mode()
-    def embed(self, batch: list[list[int]]) -> torch.Tensor:
+    async def aembed(self, batch: list[list[int]]) -> torch.Tensor:
         """[len(batch), hidden] float32: each input's pooled final hidden state, normalized."""
-        pooled = []
-        for ids in batch:
-            hidden = self._hidden(ids).float()
-            pooled.append(hidden[-1] if self.config.pooling == "last" else hidden.mean(0))
-        return torch.nn.functional.normalize(torch.stack(pooled).cpu(), dim=-1)
+        return torch.nn.functional.normalize(await self._pooled(batch, self.pooling), dim=-1)
+
+    def embed(self, batch: list[list[int]]) -> torch.Tensor:
+        return torch.nn.functional.normalize(self._run(batch, self.pooling), dim=-1)
 
 
 # Qwen3-Reranker's prompt (its model card's): the query and document judged, the answer "yes" or "no"
@@ -116,11 +148,12 @@ class DecoderReranker(_Decoder):
             raise ValueError(f"the query is {len(before)} tokens in its prompt; this model reads at most {most}")
         return [(before + tokenizer.encode(d, add_special=False)[:room] + after, []) for d in documents]
 
-    @torch.inference_mode()
-    def score(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, [self.no, self.yes]].softmax(-1)[:, 1]
+
+    async def ascore(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
         """[len(pairs)] P(yes) of each prompt against P(no), in [0, 1]."""
-        scores = []
-        for ids, _ in pairs:
-            logits = self.loaded.model.compute_logits(self._hidden(ids)[-1:])[0]
-            scores.append(torch.stack([logits[self.no], logits[self.yes]]).softmax(0)[1])
-        return torch.stack(scores).cpu()
+        return self._scores(await self._pooled([ids for ids, _ in pairs], "logits"))
+
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+        return self._scores(self._run([ids for ids, _ in pairs], "logits"))

@@ -1,4 +1,5 @@
-"""``build_app``: the FastAPI app over one ``AsyncLLMEngine``, plus the operational endpoints.
+"""``build_app``: the FastAPI app over the models a server holds (``model_slots``), each its own
+``AsyncLLMEngine``, plus the operational endpoints.
 
 /v1/...        OpenAI (openai_api)          /api/...      Ollama (ollama_api)
 /v1/responses  OpenAI's Responses API (responses_api)
@@ -6,8 +7,8 @@
 /tokenize, /detokenize, /infill   llama.cpp's server (llama_api)
 /v1/embeddings, /api/embed, /api/embeddings   an encoder's sentence embeddings (embeddings_api)
 /v1/rerank     a cross-encoder's relevance of documents to a query (rerank_api)
-/health        200 while the engine runs    /metrics      Prometheus text format
-/v1/kvserve/cache   KV blocks: free, held, and each live request's block table
+/health        200 while every loaded engine runs    /metrics      Prometheus text format, every model
+/v1/kvserve/cache   KV blocks: free, held, and each live request's block table (?model=: which model's)
 /openapi.json  the OpenAPI spec (FastAPI), /docs its UI
 """
 
@@ -17,7 +18,7 @@ import asyncio
 from contextlib import asynccontextmanager
 from typing import Literal
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
@@ -41,7 +42,7 @@ from kvserve.server.model_card import ModelCard
 from kvserve.server.model_slots import ServedModels
 from kvserve.server.ollama import ollama_api, ollama_embed
 from kvserve.server.openai import openai_api, responses_api
-from kvserve.server.openapi_docs import ok, openapi_document
+from kvserve.server.openapi_docs import ok, openai_errors, openapi_document
 from kvserve.server.server_config import ServerConfig
 from kvserve.server.serving import Serving
 from kvserve.server.web import web_ui
@@ -57,23 +58,26 @@ async def root() -> str:
 class Health(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: Literal["ok", "error"]
-    model: str | None = None  # when ok
+    model: str | None = None  # the default model
+    loaded: list[str] | None = None  # the models loaded now, when ok
     error: str | None = None  # when not
 
 
 @ops.get(
     "/health",
     response_model=None,
-    responses=ok(Health, "The engine runs") | {503: {"model": Health, "description": "The engine stopped"}},
+    responses=ok(Health, "Every loaded engine runs") | {503: {"model": Health, "description": "An engine stopped"}},
 )
 async def health(request: Request) -> JSONResponse:
-    serving: Serving = request.app.state.serving
-    dead = serving.async_engine.dead_error
-    if isinstance(dead, EngineShutdownError):
-        return JSONResponse({"status": "error", "error": str(dead)}, 503)
-    if dead is not None:
-        return JSONResponse({"status": "error", "error": "the engine stopped after an internal error"}, 503)
-    return JSONResponse({"status": "ok", "model": serving.card.name})
+    models: ServedModels = request.app.state.models
+    for slot in models.loaded():
+        dead = slot.serving.async_engine.dead_error
+        if isinstance(dead, EngineShutdownError):
+            return JSONResponse({"status": "error", "model": slot.name, "error": str(dead)}, 503)
+        if dead is not None:
+            return JSONResponse({"status": "error", "model": slot.name,
+                                 "error": f"model '{slot.name}''s engine stopped after an internal error"}, 503)
+    return JSONResponse({"status": "ok", "model": models.slots[0].name, "loaded": [s.name for s in models.loaded()]})
 
 
 @ops.get(
@@ -85,12 +89,15 @@ async def metrics(request: Request) -> Response:
 
 
 @ops.get(
-    "/v1/kvserve/cache", response_model=None, responses=ok(EngineSnapshot, "The KV cache's block accounting")
+    "/v1/kvserve/cache", response_model=None,
+    responses=ok(EngineSnapshot, "The KV cache's block accounting") | openai_errors(404, 409),
 )
-async def cache(request: Request) -> dict:
+async def cache(request: Request, model: str | None = Query(
+        None, description="the loaded model whose pool to show (default: the first model, else the last used)")
+) -> dict:
     """Exact block accounting, taken between engine steps: ``held_blocks`` is the union of the
     live requests' block tables, and every other block is free."""
-    view: EngineView = request.app.state.view
+    view: EngineView = request.app.state.models.shown(model).view
     snapshot = await asyncio.to_thread(view.snapshot)
     return snapshot.to_json()
 
@@ -112,8 +119,8 @@ def build_app(
     """The app owns ``async_engine`` from now on: it shuts the engine down when the server stops.
     ``view`` replaces the engine's own for ``/metrics`` and ``/v1/kvserve/cache`` (replicas: their sum);
     ``encoder`` (``models.encoder.Encoder``) answers the embeddings routes, ``reranker`` (a cross-encoder's)
-    the rerank routes; ``models(serving)`` makes the ``ServedModels`` beside the engine's own model (by
-    default it alone)."""
+    the rerank routes; ``models(serving)`` makes the ``ServedModels`` from the engine's own model, the
+    default (by default it alone, never unloaded)."""
     card = card or ModelCard.from_engine(async_engine.engine, config.model_name)
 
     @asynccontextmanager
@@ -123,12 +130,16 @@ def build_app(
             from kvserve.server.replicas.kv_events import KVEventPublisher
 
             publisher = KVEventPublisher(config.kv_events)
-            await asyncio.to_thread(_publish_kv_events, async_engine, publisher)
+            first = app.state.models.slots[0]
+            first.pinned = True  # a router follows this engine's blocks: it stays
+            await asyncio.to_thread(_publish_kv_events, first.serving.async_engine, publisher)
         app.state.kv_events = publisher
         app.state.models.start()
         yield
-        await app.state.models.stop()
-        await asyncio.to_thread(async_engine.shutdown)
+        await app.state.models.stop()  # every engine: the first too
+        for encoder_engine in (app.state.encoder, app.state.reranker):  # a decoder's engine
+            if hasattr(encoder_engine, "close"):
+                await asyncio.to_thread(encoder_engine.close)
         if publisher is not None:  # after the engine's last step, so its events go out too
             await asyncio.to_thread(publisher.close)
 
@@ -141,11 +152,12 @@ def build_app(
         redoc_url=None,
     )
     _api_page(app)
-    view = view or EngineView(async_engine)
-    app.state.view = view
-    app.state.metrics = ServerMetrics(view)
-    app.state.serving = Serving(async_engine, card, app.state.metrics, config)
-    app.state.models = models(app.state.serving) if models is not None else ServedModels(app.state.serving)
+    app.state.metrics = ServerMetrics(lambda: app.state.models.views())
+    first = Serving(async_engine, card, app.state.metrics, config, view)
+    app.state.models = models(first) if models is not None else ServedModels(first)
+    # what the OpenAPI document's examples read, kept apart from the model (which may be unloaded)
+    examples = {"token_id": first.vocab_size - 1, "n": config.max_n}, first.features
+    del first
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
@@ -167,10 +179,7 @@ def build_app(
 
     def openapi() -> dict:
         if app.openapi_schema is None:  # built on first use, as FastAPI's own
-            serving = app.state.serving
-            app.openapi_schema = openapi_document(app, OPEN_PATHS if config.api_key else None,
-                                                  {"token_id": serving.vocab_size - 1, "n": config.max_n},
-                                                  serving.features)
+            app.openapi_schema = openapi_document(app, OPEN_PATHS if config.api_key else None, *examples)
         return app.openapi_schema
 
     app.openapi = openapi

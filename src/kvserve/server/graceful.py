@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import uvicorn
+from collections.abc import Callable
 
-from kvserve.engine.async_engine import AsyncLLMEngine
+import uvicorn
 
 SHUTDOWN_REASON = "the server is shutting down; retry once it is back"
 
@@ -14,10 +14,10 @@ class EndingStreamsServer(uvicorn.Server):
     object and ``[DONE]``; NDJSON: an ``error`` line) and refuses new requests with 503, so the
     connections close within the graceful timeout instead of being cut mid-answer."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncLLMEngine) -> None:
+    def __init__(self, config: uvicorn.Config, end_streams: Callable[[str], None]) -> None:
         super().__init__(config)
-        self.async_engine = async_engine
+        self.end_streams = end_streams  # every loaded engine's (``ServedModels.end_streams``)
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
-        self.async_engine.end_streams(SHUTDOWN_REASON)
+        self.end_streams(SHUTDOWN_REASON)

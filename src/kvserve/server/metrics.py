@@ -2,7 +2,9 @@
 engine state (queues, KV blocks, prefix cache, preemptions) read at scrape time.
 
 Names follow vLLM's where one exists, with a ``kvserve_`` prefix. Everything lives in one registry
-per app, so tests can build several apps in one process.
+per app, so tests can build several apps in one process. A server holds several models
+(``server.model_slots``): every request and engine sample carries its model's name (``model``; the router
+gauges ``model_name``, as vLLM labels them), and an unloaded model's engine samples go with it.
 
 Beside them, the gauges a router scrapes under vLLM's own names (``ROUTER_GAUGES``): the model-server
 protocol of the Kubernetes Gateway API Inference Extension reads queue length, running requests and KV
@@ -10,6 +12,8 @@ cache utilization from them, so its endpoint picker balances kvserve like a vLLM
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -34,19 +38,22 @@ ROUTER_GAUGES = {
 }
 
 
-def router_families(s: EngineSnapshot):
-    values = {
-        "vllm:num_requests_waiting": s.num_waiting,
-        "vllm:num_requests_running": s.num_running,
-        "vllm:kv_cache_usage_perc": s.usage,
-        "vllm:gpu_cache_usage_perc": s.usage,
-    }
-    for name, doc in ROUTER_GAUGES.items():
-        yield GaugeMetricFamily(name, doc, value=values[name])
+def router_families(snapshots: list[tuple[str, EngineSnapshot]]):
+    families = {name: GaugeMetricFamily(name, doc, labels=["model_name"]) for name, doc in ROUTER_GAUGES.items()}
     # the pool's shape, as labels: what a prefix-aware picker needs to mirror the cache (value 1)
     info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",
-                             labels=["block_size", "num_gpu_blocks"])
-    info.add_metric([str(s.block_size), str(s.num_blocks)], 1)
+                             labels=["model_name", "block_size", "num_gpu_blocks"])
+    for model, s in snapshots:
+        values = {
+            "vllm:num_requests_waiting": s.num_waiting,
+            "vllm:num_requests_running": s.num_running,
+            "vllm:kv_cache_usage_perc": s.usage,
+            "vllm:gpu_cache_usage_perc": s.usage,
+        }
+        for name, family in families.items():
+            family.add_metric([model], values[name])
+        info.add_metric([model, str(s.block_size), str(s.num_blocks)], 1)
+    yield from families.values()
     yield info
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -56,18 +63,26 @@ MASK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2
 
 
 class EngineCollector(Collector):
-    """Engine state as of the scrape. The numbers come from one ``EngineView.snapshot`` (taken under
-    the engine lock), so they are consistent with each other."""
+    """Engine state as of the scrape, of each loaded model (``engines()``: (name, ``EngineView``) pairs).
+    A model's numbers come from one ``EngineView.snapshot`` (taken under its engine's lock), so they are
+    consistent with each other."""
 
-    def __init__(self, view: EngineView) -> None:
-        self.view = view
+    def __init__(self, engines: Callable[[], list[tuple[str, EngineView]]]) -> None:
+        self.engines = engines
 
     def collect(self):
-        s = self.view.snapshot(with_blocks=False)  # one snapshot per scrape: the numbers agree
-        yield from self._kvserve(s)
-        yield from router_families(s)
+        snapshots = [(model, view.snapshot(with_blocks=False)) for model, view in self.engines()]
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for model, s in snapshots:
+            for kind, name, doc, value in self._kvserve(s):
+                if name not in families:
+                    families[name] = kind(name, doc, labels=["model"])
+                families[name].add_metric([model], value)
+        yield from families.values()
+        yield from router_families(snapshots)
 
-    def _kvserve(self, s: EngineSnapshot):
+    @staticmethod
+    def _kvserve(s: EngineSnapshot):
         gauges = [
             ("kvserve_num_requests_running", "Requests in the running batch", s.num_running),
             ("kvserve_num_requests_waiting", "Requests waiting for a slot", s.num_waiting),
@@ -89,7 +104,7 @@ class EngineCollector(Collector):
                 ("kvserve_disk_cache_max_bytes", "Bytes the disk cache may hold", disk.max_bytes),
             ]
         for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
+            yield GaugeMetricFamily, name, doc, value
         counters = [
             (
                 "kvserve_prefix_cache_queries",
@@ -117,17 +132,19 @@ class EngineCollector(Collector):
                  disk.dropped_writes),
             ]
         for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+            yield CounterMetricFamily, name, doc, value
 
 
 class ServerMetrics:
-    def __init__(self, view: EngineView) -> None:
+    """``engines()``: (model name, ``EngineView``) of each loaded model, read at each scrape."""
+
+    def __init__(self, engines: Callable[[], list[tuple[str, EngineView]]]) -> None:
         disable_created_metrics()  # no *_created samples: they double the exposition for nothing
         self.registry = CollectorRegistry()
         r = self.registry
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, buckets=buckets, registry=r)
+            return Histogram(name, doc, ["model"], buckets=buckets, registry=r)
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(name, doc, labels, registry=r)
@@ -137,11 +154,12 @@ class ServerMetrics:
                              ITL_BUCKETS)
         self.e2e = histogram("kvserve_e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS)
         self.queue = histogram("kvserve_request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS)
-        self.prompt_tokens = counter("kvserve_prompt_tokens", "Prompt tokens of requests that started")
-        self.generation_tokens = counter("kvserve_generation_tokens", "Tokens generated")
-        self.requests = counter("kvserve_requests", "Finished requests by finish reason", "finish_reason")
+        self.prompt_tokens = counter("kvserve_prompt_tokens", "Prompt tokens of requests that started", "model")
+        self.generation_tokens = counter("kvserve_generation_tokens", "Tokens generated", "model")
+        self.requests = counter("kvserve_requests", "Finished requests by finish reason", "model", "finish_reason")
         self.errors = counter("kvserve_request_errors", "Error responses by status code", "status")
-        self.constrained = counter("kvserve_constrained_requests", "Finished requests whose output followed a grammar")
+        self.constrained = counter("kvserve_constrained_requests", "Finished requests whose output followed a grammar",
+                                   "model")
         self.mask_time = histogram("kvserve_constraint_mask_seconds", "Time to compute one grammar token mask",
                                    MASK_BUCKETS)
         # the models a server holds (server/model_slots.py): which are loaded, and each load and unload
@@ -149,7 +167,7 @@ class ServerMetrics:
         self.model_loads = counter("kvserve_model_loads", "Models loaded on demand", "model")
         self.model_unloads = counter("kvserve_model_unloads", "Models unloaded, by why: keep_alive, evicted, "
                                      "asked (keep_alive 0 on an empty request), stopping", "model", "reason")
-        r.register(EngineCollector(view))
+        r.register(EngineCollector(engines))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -157,25 +175,26 @@ class ServerMetrics:
     def record_error(self, status: int) -> None:
         self.errors.labels(status=str(status)).inc()
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, model: str) -> RequestTracker:
+        return RequestTracker(self, model)
 
 
 class RequestTracker:
-    """Feeds one request's outputs into the metrics: tokens as they come, latencies at the end
-    (aborted requests included, with finish reason "abort")."""
+    """Feeds one request's outputs into the metrics, under its model's label: tokens as they come,
+    latencies at the end (aborted requests included, with finish reason "abort")."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, model: str) -> None:
         self.m = metrics
+        self.model = model
         self.last: RequestOutput | None = None
         self.done = False
 
     def observe(self, out: RequestOutput) -> None:
         if self.last is None:
-            self.m.prompt_tokens.inc(out.metrics.num_prompt_tokens)
+            self.m.prompt_tokens.labels(model=self.model).inc(out.metrics.num_prompt_tokens)
             if out.metrics.ttft is not None:
-                self.m.ttft.observe(out.metrics.ttft)
-        self.m.generation_tokens.inc(len(out.new_token_ids))
+                self.m.ttft.labels(model=self.model).observe(out.metrics.ttft)
+        self.m.generation_tokens.labels(model=self.model).inc(len(out.new_token_ids))
         self.last = out
         if out.finished:
             self.close()
@@ -185,22 +204,25 @@ class RequestTracker:
         if self.done:
             return
         self.done = True
+        model = self.model
         if self.last is None:  # aborted before its first token
-            self.m.requests.labels(finish_reason="abort").inc()
+            self.m.requests.labels(model=model, finish_reason="abort").inc()
             return
         m = self.last.metrics
-        for itl in m.itls:
-            self.m.itl.observe(itl)
+        itl = self.m.itl.labels(model=model)
+        for seconds in m.itls:
+            itl.observe(seconds)
         if m.constrained:
-            self.m.constrained.inc()
+            self.m.constrained.labels(model=model).inc()
+            mask_time = self.m.mask_time.labels(model=model)
             for seconds in m.mask_times:
-                self.m.mask_time.observe(seconds)
+                mask_time.observe(seconds)
         if m.queue_time is not None:
-            self.m.queue.observe(m.queue_time)
+            self.m.queue.labels(model=model).observe(m.queue_time)
         e2e = (
             m.e2e_latency
             if m.e2e_latency is not None
             else (m.last_token_time or m.arrival_time) - m.arrival_time
         )
-        self.m.e2e.observe(e2e)
-        self.m.requests.labels(finish_reason=self.last.finish_reason or "abort").inc()
+        self.m.e2e.labels(model=model).observe(e2e)
+        self.m.requests.labels(model=model, finish_reason=self.last.finish_reason or "abort").inc()

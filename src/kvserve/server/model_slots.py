@@ -1,13 +1,16 @@
 """Several models behind one server, loaded when asked for: Ollama's scheduler, in the server.
 
-The first model (``kvserve serve MODEL ...``'s first) is the server's own: loaded at start and kept, as it
-backs the web page, ``/metrics`` and ``/v1/kvserve/cache``. Every other one is a slot: loaded by the
+The first model (``kvserve serve MODEL ...``'s first) is the default: loaded at start (so a bad file is said
+at once) and answering requests that name no model. After that every model is a slot alike: loaded by the
 first request that names it (the requests behind it wait for that one load), unloaded when idle for its
 ``keep_alive`` (Ollama's forms: ``"5m"``, seconds, 0 = after the answer, negative = never; default
 ``--keep-alive``), and evicted least recently used first when a new one would not fit the memory budget
 (``--max-memory``) or the count (``--max-loaded-models``). A model is sized before it loads by the planner's
 engine total less the runtime both share; one that cannot fit even alone is a 503 with those numbers, never
-an out-of-memory kill.
+an out-of-memory kill. Only a model there is no loader for (the replicas' engine) is never unloaded.
+
+``/metrics``, ``/v1/kvserve/cache``, the web page and ``kvserve top`` read every loaded model through its
+``Serving``'s view; ``states`` and ``events`` tell them which models are loaded and what loaded or unloaded.
 
 Idle means no stream open on its engine and no request named it for GRACE seconds (a request tokenizes
 before its stream opens). Each loaded model keeps its own engine thread, KV pool and prefix cache: engines
@@ -21,6 +24,7 @@ import gc
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +35,7 @@ from kvserve.server.serving import Serving
 
 log = logging.getLogger(__name__)
 
+EVENTS = 20  # load and unload events kept for the web page and kvserve top
 GRACE = 2.0  # seconds after a request names a model during which it counts as busy
 TICK = 0.25  # seconds between two looks for expired models
 WAIT_FOR_ROOM = 600.0  # seconds a load may wait for busy models to become idle
@@ -60,7 +65,7 @@ class Slot:
     planned: int  # bytes the planner says it takes, beside the runtime all share
     card: ModelCard  # from its header until it loads, then its engine's
     serving: Serving | None = None
-    pinned: bool = False  # the server's own model: never unloaded
+    pinned: bool = False  # no loader could load it again: never unloaded
     last_used: float = 0.0  # time.monotonic() of the last request naming it
     keep_alive: float | None = None  # seconds idle before unloading; None: never
     loading: asyncio.Future | None = None
@@ -75,19 +80,42 @@ class Slot:
         return time.time() + max(0.0, self.last_used + self.keep_alive - time.monotonic())
 
 
+@dataclass(slots=True)
+class ModelEvent:
+    """A load or unload, for the web page and ``kvserve top``."""
+
+    time: float  # Unix time
+    model: str
+    event: str  # loaded, unloaded, load_failed
+    detail: str  # "in 2.1 s", the unload's reason, the failure
+
+
+@dataclass(slots=True)
+class ModelState:
+    """One model as the web page and ``kvserve top`` list it."""
+
+    name: str
+    state: str  # loaded, loading, unloaded
+    planned_bytes: int  # what the planner says it takes (0: not planned, a lone model)
+    expires_at: float | None  # Unix time it unloads if idle; None: never, or not loaded
+
+
 class ServedModels:
-    """The slots, and the rule for loading and unloading them. ``others``: name -> (source, planned bytes,
+    """The slots, and the rule for loading and unloading them. ``first``: the default model, loaded, read
+    from ``first_source`` (planned at ``first_planned`` bytes); ``others``: name -> (source, planned bytes,
     card); ``load(source, name)`` makes a Serving (in a worker thread: it takes seconds)."""
 
-    def __init__(self, primary: Serving, others: dict[str, tuple[str, int, ModelCard]] | None = None,
+    def __init__(self, first: Serving, others: dict[str, tuple[str, int, ModelCard]] | None = None,
                  load: Callable[[str, str], Serving] | None = None, budget: int | None = None,
-                 max_loaded: int = 0, keep_alive: float | None = None) -> None:
-        self.primary = Slot(primary.card.name, str(primary.card.path), 0, primary.card, primary, pinned=True)
-        self.slots = [self.primary]
+                 max_loaded: int = 0, keep_alive: float | None = None, first_source: str | None = None,
+                 first_planned: int = 0) -> None:
+        self.slots = [Slot(first.card.name, first_source or str(first.card.path), first_planned, first.card, first,
+                           pinned=load is None, last_used=time.monotonic())]
         for name, (source, planned, card) in (others or {}).items():
             self.slots.append(Slot(name, source, planned, card))
         self.load, self.budget, self.max_loaded, self.keep_alive = load, budget, max_loaded, keep_alive
-        self.metrics = getattr(primary, "metrics", None)
+        self.events: deque[ModelEvent] = deque(maxlen=EVENTS)
+        self.metrics = getattr(first, "metrics", None)
         if self.metrics is not None:
             for slot in self.slots:
                 self.metrics.model_loaded.labels(model=slot.name).set(slot.serving is not None)
@@ -96,6 +124,9 @@ class ServedModels:
 
     # --- asking for a model -------------------------------------------------------------------------------
     def find(self, name: str | None) -> Slot:
+        """The slot a request's model names; no name: the default (the first)."""
+        if name is None:
+            return self.slots[0]
         for slot in self.slots:
             if slot.matches(name):
                 return slot
@@ -145,8 +176,11 @@ class ServedModels:
                     self.metrics.model_loaded.labels(model=slot.name).set(1)
             except Exception as e:
                 log.exception("model '%s' did not load", slot.name)
+                self._event(slot, "load_failed", str(e))
                 raise APIError(503, f"model '{slot.name}' could not be loaded: {e}", "model", "load_failed") from None
-            log.info("loaded model '%s' in %.1f s", slot.name, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            log.info("loaded model '%s' in %.1f s", slot.name, seconds)
+            self._event(slot, "loaded", f"in {seconds:.1f} s")
 
     async def _make_room(self, slot: Slot) -> None:
         """Unload idle models, least recently used first, until ``slot`` fits; wait for busy ones."""
@@ -175,6 +209,40 @@ class ServedModels:
     def loaded(self) -> list[Slot]:
         return [s for s in self.slots if s.serving is not None]
 
+    def shown(self, name: str | None) -> Serving:
+        """The loaded model a view of the cache shows: the one named, else the default if loaded, else the
+        most recently used (409 when the one named, or every one, is not loaded). Never loads a model."""
+        if name is not None:
+            slot = self.find(name)
+            if slot.serving is None:
+                raise APIError(409, f"model '{slot.name}' is not loaded (GET /api/ps lists those that are)",
+                               "model", "model_not_loaded")
+            return slot.serving
+        loaded = sorted(self.loaded(), key=lambda s: (s is not self.slots[0], -s.last_used))
+        if not loaded:
+            raise APIError(409, "no model is loaded; a request naming one loads it", "model", "model_not_loaded")
+        return loaded[0].serving
+
+    def views(self) -> list[tuple[str, object]]:
+        """(name, its ``EngineView``) of each loaded model: what ``/metrics`` reads."""
+        return [(s.name, s.serving.view) for s in self.loaded()]
+
+    def states(self) -> list[ModelState]:
+        return [ModelState(s.name, "loaded" if s.serving is not None else "loading" if s.loading is not None
+                           else "unloaded", s.planned, s.expires_at() if s.serving is not None else None)
+                for s in self.slots]
+
+    def recent(self) -> list[ModelEvent]:
+        return list(self.events)
+
+    def _event(self, slot: Slot, event: str, detail: str) -> None:
+        self.events.append(ModelEvent(time.time(), slot.name, event, detail))
+
+    def end_streams(self, reason: str) -> None:
+        """A stopping server ends every loaded model's open streams with ``reason``."""
+        for slot in self.loaded():
+            slot.serving.async_engine.end_streams(reason)
+
     def busy(self, slot: Slot) -> bool:
         if slot.serving is None:
             return False
@@ -182,12 +250,14 @@ class ServedModels:
         return time.monotonic() - slot.last_used < GRACE or engine.num_open_streams > 0
 
     async def unload(self, slot: Slot, reason: str, why: str = "") -> None:
-        """reason: keep_alive, evicted, asked or stopping (the metrics' label); why: the log's words."""
+        """reason: keep_alive, evicted, asked or stopping (the metrics' label; stopping unloads even a
+        pinned model); why: the log's words."""
         serving, slot.serving = slot.serving, None
-        if serving is None or slot.pinned:
+        if serving is None or slot.pinned and reason != "stopping":
             slot.serving = serving
             return
         log.info("unloading model '%s' (%s) %s", slot.name, reason, why)
+        self._event(slot, "unloaded", f"{reason} {why}".strip())
         if self.metrics is not None:
             self.metrics.model_unloads.labels(model=slot.name, reason=reason).inc()
             self.metrics.model_loaded.labels(model=slot.name).set(0)
@@ -207,16 +277,15 @@ class ServedModels:
 
     def start(self) -> None:
         """Begins unloading expired models (from the server's event loop)."""
-        if self._reaper is None and len(self.slots) > 1:
+        if self._reaper is None and self.load is not None:
             self._reaper = asyncio.ensure_future(self._reap())
 
     async def stop(self) -> None:
-        """Stops the reaper and every engine but the server's own (its app shuts that down)."""
+        """Stops the reaper and every engine."""
         if self._reaper is not None:
             self._reaper.cancel()
         for slot in self.loaded():
-            if not slot.pinned:
-                await self.unload(slot, "stopping")
+            await self.unload(slot, "stopping")
 
 
 def _collect() -> None:

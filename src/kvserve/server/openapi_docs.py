@@ -36,6 +36,7 @@ ERROR_DESCRIPTIONS = {
     400: "Invalid request: a parameter, the JSON body, or the prompt (too long for the context)",
     401: "Missing or wrong API key",
     404: "Unknown model",
+    409: "The model is not loaded (a view of its pool never loads it)",
     413: "Request body over the server's limit",
     429: "Too many requests waiting: retry after Retry-After seconds",
     500: "Internal error; the server log has the details",

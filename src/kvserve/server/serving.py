@@ -24,6 +24,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.api_errors import APIError, engine_error
 from kvserve.server.call_formats import CallFormat, call_format
+from kvserve.server.engine_view import EngineView
 from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
 from kvserve.server.server_config import ServerConfig
@@ -83,13 +84,18 @@ class EngineStream:
 
 
 class Serving:
+    """One loaded model: its engine, its card, and the view ``/metrics`` and the cache routes read it through
+    (``view``: the engine's own by default; behind replicas, their sum)."""
+
     def __init__(
-        self, async_engine: AsyncLLMEngine, card: ModelCard, metrics: ServerMetrics, config: ServerConfig
+        self, async_engine: AsyncLLMEngine, card: ModelCard, metrics: ServerMetrics, config: ServerConfig,
+        view: EngineView | None = None,
     ) -> None:
         self.async_engine = async_engine
         self.config = config
         self.card = card
         self.metrics = metrics
+        self.view = view or EngineView(async_engine)
 
     @property
     def max_model_len(self) -> int:
@@ -247,7 +253,7 @@ class Serving:
             if mapped is None:
                 raise error
             raise mapped from None
-        return EngineStream(agen, first, self.metrics.tracker())
+        return EngineStream(agen, first, self.metrics.tracker(self.card.name))
 
     async def start_all(
         self, requests: list[tuple[list[int], SamplingParams, str]], param: str | None = None

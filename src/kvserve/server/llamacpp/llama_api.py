@@ -20,7 +20,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.server.api_errors import APIError, engine_error, generation_error
 from kvserve.server.model_slots import served
 from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
-from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
+from kvserve.server.serving import EngineStream, collect_finals, sampling_params
 from kvserve.server.streaming import sse_event, sse_response
 from kvserve.server.strict_schema import Strict, Tokens
 
@@ -31,6 +31,7 @@ class TokenizeRequest(Strict):
     content: str
     add_special: bool = False
     with_pieces: bool = False
+    model: str | None = None  # default: the server's first model
 
 
 class TokenPiece(BaseModel):
@@ -44,6 +45,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(Strict):
     tokens: Tokens
+    model: str | None = None
 
 
 class DetokenizeResponse(BaseModel):
@@ -83,14 +85,10 @@ class InfillResponse(BaseModel):
     timings: dict[str, float]
 
 
-def _serving(request: Request) -> Serving:
-    return request.app.state.serving
-
-
 @router.post("/tokenize", response_model=None, responses=ok(TokenizeResponse, "The text's token ids")
-             | openai_errors(400))
+             | openai_errors(400, 404, 503))
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
-    serving = _serving(request)
+    serving = await served(request, body.model)
     ids = await serving.encode_text(body.content, add_special=body.add_special, param="content")
     if not body.with_pieces:
         return {"tokens": ids}
@@ -99,9 +97,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
 
 @router.post("/detokenize", response_model=None, responses=ok(DetokenizeResponse, "The tokens' text")
-             | openai_errors(400))
+             | openai_errors(400, 404, 503))
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    serving = _serving(request)
+    serving = await served(request, body.model)
     vocab = serving.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
@@ -111,7 +109,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
 @documented(router.post, "/infill", InfillResponse, "The middle; with stream: true, server-sent events of its pieces",
             sse_stream(InfillResponse), openai_errors(400, 404, 429, 503))
 async def infill(body: InfillRequest, request: Request):
-    serving = await served(request, body.model) if body.model else _serving(request)
+    serving = await served(request, body.model)
     ids = await serving.encode_fim(body.input_prefix, body.input_suffix,
                                    [(f.filename, f.text) for f in body.input_extra], body.prompt)
     room = serving.max_model_len - len(ids)

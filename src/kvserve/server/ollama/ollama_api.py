@@ -122,7 +122,7 @@ async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
 
 async def _load_reply(request: Request, body, chat: bool) -> dict:
     """What Ollama answers to an empty prompt: the model is loaded (``done_reason: "load"``), or with
-    ``keep_alive`` 0 unloaded (``"unload"``; the server's own model stays)."""
+    ``keep_alive`` 0 unloaded (``"unload"``; not while a stream is open on it)."""
     obj: dict = {"model": body.model, "created_at": now_stamp()}
     obj |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
     models = request.app.state.models

@@ -146,6 +146,7 @@ function start() {
     }
   });
   $("stop").addEventListener("click", () => chat.controller?.abort());
+  $("model").addEventListener("change", (event) => choose(event.target.value));
   $("clear").addEventListener("click", () => {
     if (chat.active) return;
     Object.assign(chat, { history: [], last: null });

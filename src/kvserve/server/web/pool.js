@@ -1,11 +1,14 @@
 // The KV pool: every block a cell coloured by its state (the frame's code string), the totals, the live
-// requests and a tok/s chart, redrawn from each frame of /v1/kvserve/cache/stream.
+// requests and a tok/s chart, redrawn from each frame of /v1/kvserve/cache/stream; above them every model
+// the server holds. The model chosen in the header is the chat's and the pool's; a model that is not
+// loaded has no pool until a message loads it.
 
 const MAX_CELLS = 16384; // a larger pool draws several blocks per cell, each cell its busiest block
 const RATE_WINDOW_S = 60; // the tok/s chart's span
 const STATE_RANK = { free: 0, cached: 1, used: 2, shared: 3 };
 
-const pool = { cells: [], group: 1, codes: "", mine: new Set(), samples: [], model: "" };
+// model: the chosen one ("" until the first frame says the server's); watching: the open stream's AbortController
+const pool = { cells: [], group: 1, codes: "", mine: new Set(), samples: [], model: "", watching: null };
 
 function blockState(code) {
   if (code === ".") return ["free", 0];
@@ -71,6 +74,7 @@ function setTotal(id, value, detail) {
 
 function drawTotals(frame) {
   const el = $("pool").dataset;
+  el.model = frame.model;
   el.blocks = frame.num_blocks;
   el.free = frame.num_free_blocks - frame.num_cached_free_blocks;
   el.cached = frame.num_cached_free_blocks;
@@ -163,9 +167,40 @@ function drawRate(frame) {
   ctx.stroke();
 }
 
+const MIB = 1 << 20;
+
+function drawModels(frame) {
+  const models = frame.models.length ? frame.models : [{ name: frame.model, state: "loaded", planned_bytes: 0 }];
+  const select = $("model");
+  const names = models.map((m) => m.name).join("\n");
+  if (select.dataset.names !== names) {
+    select.replaceChildren(...models.map((m) => new Option(m.name, m.name)));
+    select.dataset.names = names;
+  }
+  models.forEach((m, i) => { select.options[i].dataset.state = m.state; });
+  select.value = pool.model;
+  const items = models.map((m) => {
+    const li = document.createElement("li");
+    li.dataset.state = m.state;
+    li.dataset.model = m.name;
+    const size = m.planned_bytes ? `, ${(m.planned_bytes / MIB).toFixed(0)} MiB` : "";
+    const expiry = m.expires_at ? `, unloads in ${Math.max(0, m.expires_at - frame.time).toFixed(0)} s` : "";
+    li.textContent = `${m.name} (${m.state}${size}${expiry})`;
+    return li;
+  });
+  for (const e of frame.model_events.slice(-3)) {
+    const li = document.createElement("li");
+    li.className = "event";
+    li.textContent = `${new Date(e.time * 1000).toLocaleTimeString()} ${e.model} ${e.event} ${e.detail}`;
+    items.push(li);
+  }
+  $("models").replaceChildren(...items);
+}
+
 function render(frame) {
+  if (pool.model && frame.model !== pool.model) return; // the stream of a model no longer chosen
   pool.model = frame.model;
-  $("model").textContent = frame.model;
+  drawModels(frame);
   drawBlocks(frame);
   drawTotals(frame);
   const active = chat.active;
@@ -187,17 +222,30 @@ function setConnection(state, text) {
   el.textContent = text;
 }
 
+// the chosen model's pool; another choice (choose()) aborts the stream and opens that model's
 async function watchPool() {
   for (;;) {
+    const watching = (pool.watching = new AbortController());
     try {
-      const response = await api("/v1/kvserve/cache/stream");
-      if (!response.ok) throw new Error(await errorMessage(response));
-      setConnection("live", "live");
-      for await (const data of events(response)) render(JSON.parse(data));
-      setConnection("error", "the stream ended; reconnecting");
+      const query = pool.model ? `?model=${encodeURIComponent(pool.model)}` : "";
+      const response = await api(`/v1/kvserve/cache/stream${query}`, { signal: watching.signal });
+      if (response.status === 409) {
+        setConnection("idle", `${pool.model} is not loaded: a message loads it`);
+      } else {
+        if (!response.ok) throw new Error(await errorMessage(response));
+        setConnection("live", "live");
+        for await (const data of events(response)) render(JSON.parse(data));
+        setConnection("error", "the stream ended (the model unloaded?); reconnecting");
+      }
     } catch (error) {
-      setConnection("error", `${error.message}; reconnecting`);
+      if (!watching.signal.aborted) setConnection("error", `${error.message}; reconnecting`);
     }
-    await sleep(1000);
+    if (!watching.signal.aborted) await sleep(1000);
   }
+}
+
+function choose(model) {
+  pool.model = model;
+  pool.samples = [];
+  pool.watching?.abort();
 }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvserve.server.web.pool_view import PoolView
 
@@ -24,8 +24,13 @@ INTERVAL = 0.25  # seconds between frames: live to a person, and a few lock take
 
 
 class PoolStream:
-    def __init__(self, view: PoolView, interval: float = INTERVAL) -> None:
+    """``models()``: (the server's models' states, its recent load and unload events), read on the event
+    loop for each frame."""
+
+    def __init__(self, view: PoolView, models: Callable[[], tuple[list, list]] = lambda: ([], []),
+                 interval: float = INTERVAL) -> None:
         self.view = view
+        self.models = models
         self.interval = interval
         self._frame = b""
         self._version = 0
@@ -56,15 +61,16 @@ class PoolStream:
         finally:
             self._subscribers -= 1
 
-    def _take(self) -> tuple[bytes, bool]:
+    def _take(self, models: tuple[list, list]) -> tuple[bytes, bool]:
         """(the frame encoded, whether the engine runs), in a worker thread: the lock waits for a step."""
         frame = self.view.frame()
+        frame.models, frame.model_events = models
         return frame.encode(), frame.engine_alive
 
     async def _sample(self) -> None:
         try:
             while self._subscribers:
-                encoded, alive = await asyncio.to_thread(self._take)
+                encoded, alive = await asyncio.to_thread(self._take, self.models())
                 async with self._changed:
                     self._frame, self._version = encoded, self._version + 1
                     self._ended = not alive

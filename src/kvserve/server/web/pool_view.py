@@ -23,6 +23,7 @@ from pydantic import ConfigDict, TypeAdapter
 from pydantic.dataclasses import dataclass
 
 from kvserve.kv.window_blocks import WINDOW_KV_GROUP
+from kvserve.server.model_slots import ModelEvent, ModelState
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncLLMEngine
@@ -78,6 +79,9 @@ class PoolFrame:
     # the sliding-window layers' own pool (kv.window_blocks), coded like ``blocks``; "" without one
     window_blocks: str = ""
     window_size: int = 0  # tokens a sliding layer reads back
+    # every model the server holds, this one among them, and its last loads and unloads (server.model_slots)
+    models: list[ModelState] = field(default_factory=list)
+    model_events: list[ModelEvent] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import weakref
 from functools import cache
 from importlib import resources
 
@@ -69,13 +70,19 @@ async def root(request: Request) -> Response:
     return HTMLResponse(html, headers=headers)
 
 
-def pool_stream(request: Request) -> PoolStream:
-    """The app's one stream, made on first use."""
+def pool_stream(request: Request, model: str | None) -> PoolStream:
+    """The stream of a loaded model's pool, made on first use; it goes with the model (weakly held: an
+    unloaded model's engine stops, which ends its stream)."""
     state = request.app.state
-    stream = getattr(state, "pool_stream", None)
+    serving = state.models.shown(model)
+    streams = getattr(state, "pool_streams", None)
+    if streams is None:
+        streams = state.pool_streams = weakref.WeakKeyDictionary()
+    stream = streams.get(serving)
     if stream is None:
-        serving = state.serving
-        stream = state.pool_stream = PoolStream(PoolView(serving.async_engine, serving.card.name))
+        models = state.models
+        stream = streams[serving] = PoolStream(PoolView(serving.async_engine, serving.card.name),
+                                               lambda: (models.states(), models.recent()))
     return stream
 
 
@@ -89,25 +96,28 @@ def pool_stream(request: Request) -> PoolStream:
             "content": {SSE: {"itemSchema": STREAM_ITEM}},
         }
     }
-    | openai_errors(400, 501, 503),
+    | openai_errors(400, 404, 409, 501, 503),
 )
 async def cache_stream(
     request: Request,
     max_events: int | None = Query(
         None, ge=1, description="end the stream after this many frames (default: never)"
     ),
+    model: str | None = Query(
+        None, description="the loaded model whose pool to show (default: the first model, else the last used)"
+    ),
 ):
-    """The KV pool live: each event one ``PoolFrame`` (every block's state as one character, each live
-    request's blocks and context, counters for rates). Frames are taken between engine steps; every
-    subscriber gets the same frames, so more pages cost the engine nothing more. The stream ends when
-    the engine stops."""
-    engine = request.app.state.serving.async_engine
+    """A loaded model's KV pool live: each event one ``PoolFrame`` (every block's state as one character,
+    each live request's blocks and context, counters for rates, and every model the server holds with the
+    last loads and unloads). Frames are taken between engine steps; every subscriber gets the same frames,
+    so more pages cost the engine nothing more. The stream ends when the engine stops (the model unloads)."""
+    stream = pool_stream(request, model)
+    engine = stream.view.async_engine
     if getattr(engine, "serves_replicas", False):
         raise APIError(501, "the live pool shows one engine's pool: behind --replicas each replica has its own "
                             "(GET /v1/kvserve/replicas says which served what)", code="not_available")
     if engine.dead_error is not None:
         raise APIError(503, "the engine has stopped: the pool no longer changes", code="engine_dead")
-    stream = pool_stream(request)
 
     async def events():
         async for frame in stream.frames(max_events):
