@@ -196,13 +196,16 @@ def test_litellm_openai_and_ollama_chat(live):
     assert again.choices[0].message.content or again.choices[0].message.tool_calls
 
 
-def test_embeddings_through_litellm_and_langchain(idle):
+def test_embeddings_through_litellm_langchain_and_llama_index(idle):
     """The clients RAG pipelines embed through: litellm's openai/ and ollama/ providers, langchain's
-    OpenAIEmbeddings and OllamaEmbeddings: the same vectors for the same texts."""
+    OpenAIEmbeddings and OllamaEmbeddings, llama-index's OpenAIEmbedding and OllamaEmbedding: the same
+    vectors for the same texts."""
     import litellm
     import numpy as np
     from langchain_ollama import OllamaEmbeddings
     from langchain_openai import OpenAIEmbeddings
+    from llama_index.embeddings.ollama import OllamaEmbedding
+    from llama_index.embeddings.openai import OpenAIEmbedding
 
     texts = ["a red apple", "the first snow of winter"]
     via_openai = litellm.embedding(model="openai/all-minilm", api_base=f"{idle.url}/v1", api_key=idle.api_key,
@@ -215,6 +218,10 @@ def test_embeddings_through_litellm_and_langchain(idle):
     chain_ollama = OllamaEmbeddings(model="all-minilm", base_url=idle.url, client_kwargs={"headers": idle.headers})
     vectors += [np.array(chain_openai.embed_documents(texts)), np.array(chain_ollama.embed_documents(texts))]
     vectors.append(np.array([chain_ollama.embed_query(texts[0])]))
+    index_openai = OpenAIEmbedding(model_name="all-minilm", api_base=f"{idle.url}/v1", api_key=idle.api_key)
+    index_ollama = OllamaEmbedding(model_name="all-minilm", base_url=idle.url, client_kwargs={"headers": idle.headers})
+    vectors += [np.array(index_openai.get_text_embedding_batch(texts)), np.array(index_ollama.get_text_embedding_batch(texts))]
+    vectors.append(np.array([index_ollama.get_query_embedding(texts[0])]))
     for v in vectors:
         assert v.shape[1] == 384
         assert np.allclose(v, vectors[0][: len(v)], atol=1e-5)

@@ -68,8 +68,10 @@ async def vectors_of(encoder: Encoder, inputs: list[list[int]], dimensions: int 
     if dimensions is not None and dimensions > encoder.config.dimensions:
         raise APIError(400, f"dimensions must be at most {encoder.config.dimensions}", "dimensions")
     vectors = torch.empty(len(inputs), encoder.config.dimensions)
+    through_engine = getattr(encoder, "aembed", None)  # a decoder's: its engine batches every caller's inputs
     for batch in length_batches(inputs, BATCH):
-        vectors[batch] = await asyncio.to_thread(encoder.embed, [inputs[i] for i in batch])
+        rows = [inputs[i] for i in batch]
+        vectors[batch] = await through_engine(rows) if through_engine else await asyncio.to_thread(encoder.embed, rows)
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
         if encoder.config.normalize:

@@ -64,8 +64,10 @@ async def rerank(body: RerankRequest, request: Request) -> dict:
     except ValueError as e:
         raise APIError(400, str(e), "query") from None
     scores = []
+    through_engine = getattr(encoder, "ascore", None)  # a decoder's: its engine batches every caller's prompts
     for i in range(0, len(pairs), BATCH):
-        scores += (await asyncio.to_thread(encoder.score, pairs[i : i + BATCH])).tolist()
+        part = pairs[i : i + BATCH]
+        scores += (await through_engine(part) if through_engine else await asyncio.to_thread(encoder.score, part)).tolist()
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[: body.top_n]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": texts[i]}}
                                                              if body.return_documents else {})} for i in order]
