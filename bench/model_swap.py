@@ -1,6 +1,7 @@
 """Several models within a memory budget: a server whose ``--max-memory`` holds its first model and one of
 two others (as ``kvserve plan`` counts them) answers requests that alternate between those two, each
-answer evicting one and loading the other; the server's resident size is sampled throughout.
+answer evicting the least recently used (the idle first model too) and loading the other; the server's
+resident size is sampled throughout.
 
     .venv/bin/python bench/model_swap.py [--first smollm2] [--pair gemma3-270m,qwen2.5-coder-0.5b] [--rounds 6]
 
