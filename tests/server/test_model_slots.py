@@ -160,7 +160,10 @@ def three(tmp_path_factory):
 
 
 def loaded(client: ollama.Client) -> list[str]:
-    return sorted(m.model for m in client.ps().models)
+    """The chat models loaded (all-minilm, the embedding model, is always)."""
+    models = sorted(m.model for m in client.ps().models)
+    assert models[0] == "all-minilm:latest"
+    return models[1:]
 
 
 def frames_of(c: httpx.Client, model: str):
@@ -173,8 +176,11 @@ def frames_of(c: httpx.Client, model: str):
 
 def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
     client = ollama.Client(host=three.url, headers=three.headers)
-    assert sorted(m.model for m in client.list().models) == ["gemma3-270m:latest", "qwen2.5-coder-0.5b:latest",
-                                                             "smollm2:latest"]
+    assert sorted(m.model for m in client.list().models) == ["all-minilm:latest", "gemma3-270m:latest",
+                                                             "qwen2.5-coder-0.5b:latest", "smollm2:latest"]
+    shown = client.show("all-minilm")
+    assert shown.capabilities == ["embedding"] and shown.details.family == "bert"
+    assert shown.modelinfo["bert.embedding_length"] == 384
     assert loaded(client) == ["smollm2:latest"]
     # at most two: qwen evicts gemma, then gemma the least recently used, smollm2 (the first is a model like any)
     for model in ("gemma3-270m", "smollm2", "qwen2.5-coder-0.5b", "gemma3-270m"):

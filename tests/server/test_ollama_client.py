@@ -98,11 +98,14 @@ def test_empty_prompt_answers_load(client):
 
 
 def test_list_ps_show(client):
-    [m] = client.list().models
+    [m, embed] = client.list().models  # the chat model, and the embedding model beside it
     assert m.model == "smollm2:latest" and m.size > 10**7 and len(m.digest) == 64
     assert m.details.format == "gguf" and m.details.family == "llama"
-    [p] = client.ps().models
+    assert embed.model == "all-minilm:latest" and embed.details.format == "safetensors" and embed.details.family == "bert"
+    assert embed.details.parameter_size == "22.7M"  # all-MiniLM-L6-v2's
+    [p, embedding] = client.ps().models
     assert p.model == "smollm2:latest" and p.context_length == 512 and p.size > m.size
+    assert embedding.model == "all-minilm:latest" and embedding.expires_at.year == 9999
     s = client.show("smollm2")
     assert s.modelinfo["general.architecture"] == "llama" and s.capabilities == ["completion", "tools"]
     assert "im_start" in s.template

@@ -169,6 +169,8 @@ def build_app(
     app.include_router(rerank_api.router)
     app.state.reranker = reranker
     app.state.encoder = encoder
+    # what /api/tags, /api/ps and /api/show say of them (they stay loaded for the server's life)
+    app.state.encoder_cards = [ModelCard.from_encoder(e) for e in (encoder, reranker) if e is not None]
     app.include_router(web_ui.router)  # before ops: its / serves browsers the page
     app.include_router(ops)
     app.add_middleware(JSONBodyMiddleware)

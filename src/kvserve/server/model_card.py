@@ -79,6 +79,30 @@ class ModelCard:
                    context_length=min(context_length, spec.config.max_position_embeddings), kv_pool_bytes=0,
                    device="cpu", modified=path.stat().st_mtime, chat_template="")
 
+    @classmethod
+    def from_encoder(cls, encoder) -> ModelCard:
+        """An embedding or rerank model the server holds beside its chat models (``models.encoders``): a BERT
+        (its weights counted) or a decoder (its engine's card)."""
+        engine = getattr(encoder, "engine", None)
+        if engine is not None:  # a decoder: embedding or judging through an engine of its own
+            card = cls.from_engine(engine.engine, encoder.name)
+            card.chat_template = ""
+            return card
+        path = Path(encoder.path)
+        if path.suffix == ".gguf":
+            from kvserve.models.gguf_header import read_gguf_header
+
+            types = read_gguf_header(path).bytes_by_type() or {"unknown": 0}
+            files = [path]
+        else:
+            types = {"F32": 1}
+            files = sorted(p for p in path.iterdir() if p.is_file())
+        c = encoder.config
+        return cls(name=encoder.name, path=path, architecture="nomic-bert" if c.rotary_base else "bert",
+                   num_parameters=sum(t.numel() for t in encoder.w.values()), quantization=max(types, key=types.get),
+                   size_bytes=sum(f.stat().st_size for f in files), context_length=c.max_seq_length,
+                   kv_pool_bytes=0, device="cpu", modified=path.stat().st_mtime, chat_template="")
+
     @property
     def ollama_name(self) -> str:
         return self.name if ":" in self.name else f"{self.name}:latest"

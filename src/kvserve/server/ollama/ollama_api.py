@@ -236,7 +236,8 @@ async def _model_entry(card: ModelCard) -> dict:
 
 @router.get("/api/tags", response_model=None, responses=ok(responses.Tags, "The models this server serves, loaded or not"))
 async def tags(request: Request) -> dict:
-    return {"models": [await _model_entry(slot.card) for slot in request.app.state.models.slots]}
+    cards = [slot.card for slot in request.app.state.models.slots] + request.app.state.encoder_cards
+    return {"models": [await _model_entry(card) for card in cards]}
 
 
 @router.get("/api/ps", response_model=None, responses=ok(responses.Ps, "The loaded models, each with when it unloads"))
@@ -244,6 +245,8 @@ async def ps(request: Request) -> dict:
     models = []
     for slot in request.app.state.models.loaded():
         models.append(await _running_entry(slot.card, slot.expires_at()))
+    for card in request.app.state.encoder_cards:  # embedding and rerank models: loaded for good
+        models.append(await _running_entry(card, None))
     return {"models": models}
 
 
@@ -266,6 +269,9 @@ async def _running_entry(card: ModelCard, expires: float | None) -> dict:
     responses=ok(responses.Show, "The model's details") | ollama_errors(400, 404),
 )
 async def show(body: ShowRequest, request: Request) -> dict:
+    encoder = next((card for card in request.app.state.encoder_cards if card.matches(body.model_name)), None)
+    if encoder is not None:
+        return _show_encoder(request, encoder)
     serving = await served(request, body.model_name)
     card = serving.card
     c = serving.async_engine.engine.model_config
@@ -291,6 +297,20 @@ async def show(body: ShowRequest, request: Request) -> dict:
         "capabilities": ["completion", "tools"],
         "modified_at": iso_stamp(card.modified),
     }
+
+
+def _show_encoder(request: Request, card: ModelCard) -> dict:
+    """An embedding or rerank model's details, as Ollama shows an embedding model's ("embedding")."""
+    state = request.app.state
+    encoder = next(e for e in (state.encoder, state.reranker) if e is not None and card.matches(e.name))
+    c, arch = encoder.config, card.architecture
+    info = {"general.architecture": arch, "general.parameter_count": card.num_parameters,
+            f"{arch}.context_length": c.max_seq_length, f"{arch}.embedding_length": c.hidden_size,
+            f"{arch}.block_count": c.num_layers, f"{arch}.attention.head_count": c.num_heads,
+            f"{arch}.pooling_type": c.pooling, f"{arch}.vocab_size": c.vocab_size}
+    return {"modelfile": f"FROM {card.path}\n", "parameters": "", "template": "", "details": card.details(),
+            "model_info": info, "capabilities": ["embedding"] if encoder is state.encoder else ["rerank"],
+            "modified_at": iso_stamp(card.modified)}
 
 
 def _registry_error(error: ModelLoadError) -> APIError:
@@ -352,7 +372,8 @@ async def pull(body: PullRequest, request: Request):
 async def delete(body: DeleteRequest, request: Request) -> Response:
     """A registry model removed from this machine (its joined file and its packages); not the one this
     server serves (409)."""
-    if any(slot.matches(body.model_name) for slot in request.app.state.models.slots):
+    state = request.app.state
+    if any(card.matches(body.model_name) for card in [s.card for s in state.models.slots] + state.encoder_cards):
         raise APIError(409, f"model '{body.model_name}' is the one this server serves: stop it first", "model")
     try:
         await asyncio.to_thread(registry.delete, body.model_name)
