@@ -178,6 +178,9 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
     client = ollama.Client(host=three.url, headers=three.headers)
     assert sorted(m.model for m in client.list().models) == ["all-minilm:latest", "gemma3-270m:latest",
                                                              "qwen2.5-coder-0.5b:latest", "smollm2:latest"]
+    qwen = client.show("qwen2.5-coder-0.5b")  # from its file: showing does not load (nor evict)
+    assert qwen.modelinfo["qwen2.context_length"] == 32768 and "im_start" in qwen.template
+    assert loaded(client) == ["smollm2:latest"]
     shown = client.show("all-minilm")
     assert shown.capabilities == ["embedding"] and shown.details.family == "bert"
     assert shown.modelinfo["bert.embedding_length"] == 384

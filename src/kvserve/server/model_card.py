@@ -74,10 +74,15 @@ class ModelCard:
         spec = resolve_model(source)
         files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
         types = spec.stored_by_type or {"unknown": 0}
+        template = ""
+        if path.suffix == ".gguf":
+            from kvserve.models.gguf_header import read_gguf_header
+
+            template = read_gguf_header(path).get("tokenizer.chat_template", "") or ""
         return cls(name=name, path=path, architecture=spec.config.architecture, num_parameters=spec.num_params,
                    quantization=max(types, key=types.get), size_bytes=sum(f.stat().st_size for f in files),
                    context_length=min(context_length, spec.config.max_position_embeddings), kv_pool_bytes=0,
-                   device="cpu", modified=path.stat().st_mtime, chat_template="")
+                   device="cpu", modified=path.stat().st_mtime, chat_template=template)
 
     @classmethod
     def from_encoder(cls, encoder) -> ModelCard:

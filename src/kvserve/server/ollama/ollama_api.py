@@ -272,9 +272,14 @@ async def show(body: ShowRequest, request: Request) -> dict:
     encoder = next((card for card in request.app.state.encoder_cards if card.matches(body.model_name)), None)
     if encoder is not None:
         return _show_encoder(request, encoder)
-    serving = await served(request, body.model_name)
-    card = serving.card
-    c = serving.async_engine.engine.model_config
+    slot = request.app.state.models.find(body.model_name)  # shown from its file's header unless loaded:
+    card = slot.card  # showing a model does not load it (nor evict another), as Ollama's show does not
+    if slot.serving is not None:
+        c = slot.serving.async_engine.engine.model_config
+    else:
+        from kvserve.plan.source import resolve_model
+
+        c = (await asyncio.to_thread(resolve_model, slot.source)).config
     arch = card.architecture
     info = {
         "general.architecture": arch,
