@@ -63,7 +63,7 @@ def test_base64_dimensions_and_token_ids(idle):
     ids = [101, 7592, 2088, 102]  # [CLS] hello world [SEP] in the model's vocabulary
     by_ids = client.embeddings.create(model="all-minilm", input=[ids]).data[0].embedding
     assert np.allclose(by_ids, floats, atol=1e-5)
-    for bad in ({"model": "smollm2", "input": "x"}, {"model": "all-minilm", "input": ""}, {"model": "all-minilm",
+    for bad in ({"model": "llama3", "input": "x"}, {"model": "all-minilm", "input": ""}, {"model": "all-minilm",
                 "input": [[10**9]]}, {"model": "all-minilm", "input": "x", "dimensions": 1000}):
         with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
             client.embeddings.create(**bad)
@@ -82,6 +82,32 @@ def test_ollama_embed_and_the_older_route(idle):
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="nomic-embed-text", input="x")
     assert e.value.status_code == 404
+
+
+def test_a_chat_model_embeds_through_its_engine(idle, smollm2_q4):
+    """As Ollama and llama.cpp's server do: the mean of the chat model's final hidden states, normalized; the
+    same bits as the model's pooling requests in an engine of its own (the server's runs q4, f32 KV)."""
+    import torch
+
+    from kvserve.engine.sampling_params import SamplingParams
+    from tests.support import make_engine
+
+    texts = ["Hello world", "The cat sleeps near the mountains."]
+    client = ollama.Client(host=idle.url, headers=idle.headers)
+    got = np.array(client.embed(model="smollm2", input=texts).embeddings)
+    openai_client = openai.OpenAI(base_url=f"{idle.url}/v1", api_key=idle.api_key)
+    same = [d.embedding for d in openai_client.embeddings.create(model="smollm2", input=texts).data]
+    assert got.shape == (2, 576) and np.array_equal(np.array(same), got)
+    engine = make_engine(smollm2_q4)
+    tokenizer = smollm2_q4.tokenizer
+    requests = [engine.add_request(tokenizer.encode(t), SamplingParams(pooling="mean")) for t in texts]
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.embedding for o in engine.step() if o.finished}
+    expected = torch.nn.functional.normalize(torch.stack([done[r.request_id] for r in requests]), dim=-1)
+    assert np.allclose(got, expected.numpy(), atol=1e-6)
+    [dropped] = client.embed(model="smollm2", input="\x13").embeddings  # nothing the tokenizer keeps: EOS alone
+    assert len(dropped) == 576 and np.isclose(np.linalg.norm(dropped), 1, atol=1e-5)
 
 
 def test_an_encoder_is_not_a_model_to_chat_with():

@@ -7,7 +7,7 @@ normalized here, as llama.cpp's embedding endpoint computes them. The input gets
 when its tokenizer adds one (``tokenizer.ggml.add_eos_token``: Qwen3-Embedding reads its last state there).
 
 The same interface as ``encoder.Encoder``: ``tokenize``, ``embed``, ``config``, and ``aembed`` for callers on
-an event loop; no reranking.
+an event loop; no reranking. ``DecoderEncoder.of_chat_model`` embeds through a chat model's own engine.
 """
 
 from __future__ import annotations
@@ -27,42 +27,47 @@ MAX_NUM_SEQS = 32  # inputs prefilled together
 CHUNK = 512  # tokens a step reads
 
 
+def _own_engine(path: Path, weight_format: str, what: str, num_ctx: int):
+    """An engine for a decoder read for its hidden states: the KV pool holds one input of the whole context
+    and a step's chunk beside it, in f32 (each request's KV is freed when it ends). weight_format: the
+    engine's (``models.linear.WEIGHT_FORMATS``): "f32" holds the file's weights as they are, "q4" in their
+    file's bits. ``what`` names the model in an error."""
+    from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.kv.kv_types import kv_bytes_per_token_per_layer
+    from kvserve.models.loader import load_model
+
+    loaded = load_model(str(path), weight_format=weight_format, embedding=True)
+    if loaded.tokenizer is None:
+        raise ModelLoadError(f"{path}: {what} needs its tokenizer")
+    c = loaded.config
+    ctx = min(num_ctx, c.max_position_embeddings)
+    per_token = c.num_layers * kv_bytes_per_token_per_layer(c, "f32", None)
+    cache = CacheConfig(num_ctx=ctx, kv_cache_memory=(ctx + CHUNK + 16) * per_token, cache_type_k="f32")
+    scheduler = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=CHUNK)
+    return AsyncLLMEngine(LLMEngine(EngineConfig(model=str(path), cache=cache, weights=weight_format,
+                                                 scheduler=scheduler), loaded))
+
+
 class _Decoder:
-    """A decoder GGUF read for what its last hidden states say, not to chat with: the engine's loader,
-    tokenizer and scheduler, each input a pooling request. The KV pool holds one input of the whole
-    context and a step's chunk beside it, in f32 (each request's KV is freed when it ends)."""
+    """A decoder read for what its last hidden states say: the engine's tokenizer and scheduler, each input a
+    pooling request to ``engine`` (its own, or a chat model's: ``owns_engine`` says whether closing stops it)."""
 
-    def __init__(self, path: Path, name: str, weight_format: str, what: str, pooling: str, normalize: bool,
-                 num_labels: int, num_ctx: int = NUM_CTX) -> None:
-        """weight_format: the engine's (``models.linear.WEIGHT_FORMATS``): "f32" holds the file's weights
-        as they are, "q4" in their file's bits. ``what`` names the model in an error."""
-        from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-        from kvserve.engine.async_engine import AsyncLLMEngine
-        from kvserve.engine.engine import LLMEngine
-        from kvserve.kv.kv_types import kv_bytes_per_token_per_layer
-        from kvserve.models.loader import load_model
-
-        self.path, self.name = path, name
-        loaded = load_model(str(path), weight_format=weight_format, embedding=True)
-        if loaded.tokenizer is None:
-            raise ModelLoadError(f"{path}: {what} needs its tokenizer")
+    def __init__(self, engine, name: str, pooling: str, normalize: bool, num_labels: int, owns_engine: bool) -> None:
+        loaded = engine.engine.loaded
+        self.path, self.name = Path(loaded.path), name
+        self.engine, self.loaded, self.pooling, self._owns_engine = engine, loaded, pooling, owns_engine
         c = loaded.config
-        ctx = min(num_ctx, c.max_position_embeddings)
-        per_token = c.num_layers * kv_bytes_per_token_per_layer(c, "f32", None)
-        cache = CacheConfig(num_ctx=ctx, kv_cache_memory=(ctx + CHUNK + 16) * per_token, cache_type_k="f32")
-        engine = LLMEngine(EngineConfig(model=str(path), cache=cache, weights=weight_format,
-                                        scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
-                                                                  max_num_batched_tokens=CHUNK)), loaded)
-        self.engine = AsyncLLMEngine(engine)
-        self.loaded, self.pooling = loaded, pooling
         self.config = EncoderConfig(
             vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_heads,
             intermediate_size=c.intermediate_size, max_positions=c.max_position_embeddings, type_vocab_size=0,
-            eps=c.rms_norm_eps, max_seq_length=engine.max_model_len, pooling=pooling, normalize=normalize,
+            eps=c.rms_norm_eps, max_seq_length=engine.engine.max_model_len, pooling=pooling, normalize=normalize,
             num_labels=num_labels)
 
     async def _pooled(self, batch: list[list[int]], pooling: str) -> torch.Tensor:
-        """[len(batch), ...] each input's pooled final state (or last logits), all in the engine at once."""
+        """[len(batch), ...] each input's pooled final state (or last logits), as many in the engine at once as
+        it runs."""
         params = SamplingParams(pooling=pooling, max_tokens=1)
 
         async def one(ids: list[int]) -> torch.Tensor:
@@ -73,34 +78,53 @@ class _Decoder:
                     return out.embedding
             raise RuntimeError("the engine ended the request unread")
 
-        return torch.stack(await asyncio.gather(*(one(ids) for ids in batch)))
+        # in waves the scheduler runs at once: a chat model's engine may take fewer than a batch (its queue
+        # is for its chat requests)
+        wave = self.engine.engine.config.scheduler.max_num_seqs
+        pooled = []
+        for i in range(0, len(batch), wave):
+            pooled += await asyncio.gather(*(one(ids) for ids in batch[i : i + wave]))
+        return torch.stack(pooled)
 
     def _run(self, batch: list[list[int]], pooling: str) -> torch.Tensor:
         """``_pooled`` from a thread without an event loop (a worker thread, a script)."""
         return asyncio.run(self._pooled(batch, pooling))
 
     def close(self) -> None:
-        self.engine.shutdown()
+        if self._owns_engine:
+            self.engine.shutdown()
 
 
 class DecoderEncoder(_Decoder):
-    def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
+    def __init__(self, path: Path, name: str, weight_format: str = "f32", num_ctx: int = NUM_CTX) -> None:
         from kvserve.models.gguf_header import read_gguf_header
 
         pooling = decoder_pooling(path)
         if pooling is None:
             raise ModelLoadError(f"{path}: a decoder without a pooling type is not an embedding model")
-        super().__init__(path, name, weight_format, "an embedding model", pooling, True, 0)
+        super().__init__(_own_engine(path, weight_format, "an embedding model", num_ctx), name, pooling, True, 0, True)
         self.add_eos = bool(read_gguf_header(path).get("tokenizer.ggml.add_eos_token", False))
+
+    @classmethod
+    def of_chat_model(cls, engine, name: str) -> DecoderEncoder:
+        """A chat model's own embeddings, through its engine (Ollama and llama.cpp's server embed with any
+        model): the mean of the prompt's final hidden states, normalized, the tokenizer's BOS as it adds it."""
+        self = cls.__new__(cls)
+        _Decoder.__init__(self, engine, name, "mean", True, 0, False)
+        self.add_eos = False
+        return self
 
     def tokenize(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Each text's ids (with BOS and EOS as the file's tokenizer adds them); ValueError for one over the
         model's context unless ``truncate`` (then cut there, its end-of-text token kept)."""
         tokenizer, most = self.loaded.tokenizer, self.config.max_seq_length
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: send token ids")
         eos = tokenizer.eos_token_ids[:1] if self.add_eos else []
         out = []
         for text in texts:
-            ids = tokenizer.encode(text) + eos
+            # a text of nothing the tokenizer keeps (control characters) reads as the end-of-text token alone
+            ids = (tokenizer.encode(text) + eos) or tokenizer.eos_token_ids[:1]
             if len(ids) > most:
                 if not truncate:
                     raise ValueError(f"an input is {len(ids)} tokens; this model reads at most {most} "
@@ -132,8 +156,8 @@ class DecoderReranker(_Decoder):
     for it answer meaningfully. Same interface as a cross-encoder ``Encoder``: ``tokenize_pairs``,
     ``score``, ``config``."""
 
-    def __init__(self, path: Path, name: str, weight_format: str = "f32") -> None:
-        super().__init__(path, name, weight_format, "a reranker", "last", False, 2)
+    def __init__(self, path: Path, name: str, weight_format: str = "f32", num_ctx: int = NUM_CTX) -> None:
+        super().__init__(_own_engine(path, weight_format, "a reranker", num_ctx), name, "last", False, 2, True)
         self.yes, self.no = (self.loaded.tokenizer.encode(w, add_special=False)[0] for w in ("yes", "no"))
 
     def tokenize_pairs(self, query: str, documents: list[str]) -> list[tuple[list[int], list[int]]]:

@@ -156,7 +156,9 @@ def build_app(
     first = Serving(async_engine, card, app.state.metrics, config, view)
     app.state.models = models(first) if models is not None else ServedModels(first)
     # what the OpenAPI document's examples read, kept apart from the model (which may be unloaded)
-    examples = {"token_id": first.vocab_size - 1, "n": config.max_n}, first.features
+    dimensions = [first.hidden_size] + [e.config.dimensions for e in (encoder, reranker) if e is not None]
+    examples = {"token_id": first.vocab_size - 1, "n": config.max_n, "dimensions": max(dimensions, default=1)}, \
+        first.features
     del first
     install_error_handlers(app)
     app.include_router(openai_api.router)

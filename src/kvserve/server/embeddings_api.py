@@ -10,28 +10,38 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from kvserve.models.decoder_encoder import DecoderEncoder
 from kvserve.models.encoder import Encoder, length_batches
-from kvserve.server.api_errors import APIError
+from kvserve.server.api_errors import APIError, engine_error
 from kvserve.server.openapi_docs import ok, openai_errors
-from kvserve.server.strict_schema import Strict
+from kvserve.server.strict_schema import LIMIT, TOKEN_ID_SCHEMA, NonEmptyStr, NonEmptyTokens, Strict
 
 router = APIRouter(tags=["Embeddings"])
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+# the inputs of one request as the published schema says them: 1 to MAX_INPUTS, none empty (the handlers
+# refuse others with their own messages)
+Texts = Annotated[list[str], WithJsonSchema({"type": "array", "items": {"type": "string", "minLength": 1},
+                                             "minItems": 1, "maxItems": MAX_INPUTS})]
+# 1 ... the model's dimensions: the published maximum is the largest embedding model's at start (LIMIT)
+Dimensions = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 1, LIMIT: "dimensions"})]
+TokenLists = Annotated[list[list[int]], WithJsonSchema({"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
+                                                        "items": {"type": "array", "items": TOKEN_ID_SCHEMA,
+                                                                  "minItems": 1}})]
 BATCH = 32  # inputs the encoder reads at once
 
 
 class EmbeddingsRequest(Strict):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: NonEmptyStr | Texts | NonEmptyTokens | TokenLists
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Dimensions | None = Field(None, ge=1)
     user: str | None = None  # ignored
 
 
@@ -43,7 +53,15 @@ class EmbeddingsResponse(BaseModel):
     usage: dict
 
 
-def encoder_for(request: Request, model: str) -> Encoder:
+async def encoder_for(request: Request, model: str, keep_alive: str | float | None = None) -> Encoder:
+    """The embedding model ``model`` names, or a chat model's own embeddings (the mean of its final hidden
+    states, through its engine, loading it if need be: Ollama and llama.cpp's server embed with any model)."""
+    encoder = request.app.state.encoder
+    if encoder is None or model not in (encoder.name, f"{encoder.name}:latest"):
+        models = request.app.state.models
+        if any(slot.matches(model) for slot in models.slots):
+            serving = await models.serving(model, keep_alive)
+            return DecoderEncoder.of_chat_model(serving.async_engine, serving.card.name)
     return served_encoder(request, model, "encoder", "embeds", "--embedding-model all-minilm")
 
 
@@ -71,7 +89,16 @@ async def vectors_of(encoder: Encoder, inputs: list[list[int]], dimensions: int 
     through_engine = getattr(encoder, "aembed", None)  # a decoder's: its engine batches every caller's inputs
     for batch in length_batches(inputs, BATCH):
         rows = [inputs[i] for i in batch]
-        vectors[batch] = await through_engine(rows) if through_engine else await asyncio.to_thread(encoder.embed, rows)
+        if through_engine is None:
+            vectors[batch] = await asyncio.to_thread(encoder.embed, rows)
+            continue
+        try:
+            vectors[batch] = await through_engine(rows)
+        except Exception as e:  # what the engine refuses at admission is the request's: a 4xx
+            error = engine_error(e, "input")
+            if error is None:
+                raise
+            raise error from None
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
         if encoder.config.normalize:
@@ -89,9 +116,9 @@ async def tokens_of(encoder: Encoder, texts: list[str], truncate: bool = True) -
 
 
 @router.post("/v1/embeddings", response_model=None,
-             responses=ok(EmbeddingsResponse, "The inputs' embeddings, in order") | openai_errors(400, 404))
+             responses=ok(EmbeddingsResponse, "The inputs' embeddings, in order") | openai_errors(400, 404, 503))
 async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
-    encoder = encoder_for(request, body.model)
+    encoder = await encoder_for(request, body.model)
     given = body.input
     if isinstance(given, str) or given and isinstance(given[0], int):
         given = [given]

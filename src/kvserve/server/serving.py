@@ -112,6 +112,11 @@ class Serving:
         return self.async_engine.engine.model_config.vocab_size
 
     @property
+    def hidden_size(self) -> int:
+        """Its embeddings' dimensions (``/v1/embeddings`` with a chat model)."""
+        return getattr(self.async_engine.engine.model_config, "hidden_size", 0)
+
+    @property
     def features(self) -> frozenset[str]:
         """What the served model can do beyond text in and out: "fim" (fill-in-the-middle tokens),
         "thinking" (a thought it writes first). None of them without a tokenizer (token ids only)."""

@@ -8,26 +8,26 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.server.embeddings_api import encoder_for, tokens_of, vectors_of
+from kvserve.server.embeddings_api import Dimensions, Texts, encoder_for, tokens_of, vectors_of
 from kvserve.server.ollama.ollama_errors import ollama_errors
 from kvserve.server.openapi_docs import ok
-from kvserve.server.strict_schema import Strict
+from kvserve.server.strict_schema import NonEmptyStr, Strict
 
 router = APIRouter(tags=["Embeddings"])
 
 
 class EmbedRequest(Strict):
     model: str
-    input: str | list[str]
+    input: NonEmptyStr | Texts
     truncate: bool = True
-    dimensions: int | None = Field(None, ge=1)
-    keep_alive: str | float | None = None  # the embedding model stays loaded
+    dimensions: Dimensions | None = Field(None, ge=1)
+    keep_alive: str | float | None = None  # a chat model's (an embedding model stays loaded)
     options: dict | None = None  # sampling options mean nothing to an encoder
 
 
 class LegacyEmbeddingsRequest(Strict):
     model: str
-    prompt: str
+    prompt: NonEmptyStr
     keep_alive: str | float | None = None
     options: dict | None = None
 
@@ -43,10 +43,10 @@ class LegacyEmbeddingResponse(BaseModel):
 
 
 @router.post("/api/embed", response_model=None,
-             responses=ok(EmbedResponse, "The inputs' embeddings, in order") | ollama_errors(400, 404))
+             responses=ok(EmbedResponse, "The inputs' embeddings, in order") | ollama_errors(400, 404, 503))
 async def embed(body: EmbedRequest, request: Request) -> dict:
     start = time.perf_counter()
-    encoder = encoder_for(request, body.model)
+    encoder = await encoder_for(request, body.model, body.keep_alive)
     tokens = await tokens_of(encoder, [body.input] if isinstance(body.input, str) else list(body.input), body.truncate)
     vectors = await vectors_of(encoder, tokens, body.dimensions)
     return {"model": body.model, "embeddings": vectors.tolist(),
@@ -55,9 +55,9 @@ async def embed(body: EmbedRequest, request: Request) -> dict:
 
 
 @router.post("/api/embeddings", response_model=None,
-             responses=ok(LegacyEmbeddingResponse, "The prompt's embedding") | ollama_errors(400, 404))
+             responses=ok(LegacyEmbeddingResponse, "The prompt's embedding") | ollama_errors(400, 404, 503))
 async def legacy_embeddings(body: LegacyEmbeddingsRequest, request: Request) -> dict:
-    encoder = encoder_for(request, body.model)
+    encoder = await encoder_for(request, body.model, body.keep_alive)
     if not body.prompt:
         return {"embedding": []}  # what Ollama answers to an empty prompt
     vectors = await vectors_of(encoder, await tokens_of(encoder, [body.prompt]), None)
