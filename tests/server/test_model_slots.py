@@ -242,3 +242,28 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
     assert 'kvserve_model_loaded{model="smollm2"} 1.0' in metrics and 'kvserve_model_loaded{model="gemma3-270m"} 0.0' in metrics
     vectors = client.embed("all-minilm", ["a red apple", "a green pear"]).embeddings  # named among the models
     assert len(vectors) == 2 and len(vectors[0]) == 384
+
+
+def test_the_memory_budget_leaves_the_embedding_models_their_share():
+    """--max-memory is the whole server's: the embedding and rerank models, loaded for good, come off it."""
+    from kvserve.cli.main import build_parser
+    from kvserve.cli.serve import _served_models, planned_bytes
+    from kvserve.models.encoders import open_encoder
+    from kvserve.models.registry import resolve
+    from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES
+    from kvserve.server.server_config import ServerConfig
+
+    encoder = open_encoder(resolve("all-minilm"), "all-minilm")
+    beside = ModelCard.from_encoder(encoder).size_bytes
+    mib = 1 << 20
+
+    def args(budget: int):
+        return build_parser().parse_args(["serve", "smollm2", "gemma3-270m", "-c", "512", "--max-memory", str(budget)])
+
+    first = planned_bytes(args(1), "smollm2")
+    just_enough = first + RUNTIME_OVERHEAD_BYTES + beside + mib
+    make = _served_models(args(just_enough), ["gemma3-270m"], ServerConfig(model_name="smollm2"), [encoder])
+    served = make(SimpleNamespace(card=card("smollm2"), async_engine=FakeEngine()))
+    assert served.budget == first + mib
+    with pytest.raises(ValueError, match="embedding and rerank models"):
+        _served_models(args(just_enough - 2 * mib), ["gemma3-270m"], ServerConfig(model_name="smollm2"), [encoder])

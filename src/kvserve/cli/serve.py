@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     async_engine = AsyncLLMEngine(engine)
     encoder = _encoder(args.embedding_model, "--embedding-model", False, args.embedding_weights)
     reranker = _encoder(args.rerank_model, "--rerank-model", True, args.embedding_weights)
-    models = _served_models(args, others, config)
+    models = _served_models(args, others, config, [e for e in (encoder, reranker) if e is not None])
     app = build_app(async_engine, config, encoder=encoder, reranker=reranker, models=models)
     del async_engine, engine  # the app's models hold it now: unloading it frees it
     url = f"http://{args.host}:{args.port}"
@@ -273,9 +273,10 @@ def planned_bytes(args: argparse.Namespace, source: str, with_runtime: bool = Fa
     return total if with_runtime else total - RUNTIME_OVERHEAD_BYTES
 
 
-def _served_models(args: argparse.Namespace, others: list[str], config):
+def _served_models(args: argparse.Namespace, others: list[str], config, encoders: list | None = None):
     """The factory build_app calls with the first model's Serving: every model a slot, sized by the planner
-    (when there are several), loaded (again) by ``load_engine`` with this server's settings."""
+    (when there are several), loaded (again) by ``load_engine`` with this server's settings. The
+    ``encoders`` (embedding, rerank) stay loaded: what they take is not the chat models' to take."""
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.models.registry import resolve
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, available_memory
@@ -299,10 +300,11 @@ def _served_models(args: argparse.Namespace, others: list[str], config):
     # the first model and the runtime are loaded already: the models may take what they hold and what is left
     budget = available_memory()[0] + first
     if isinstance(args.max_memory, int):
-        budget = args.max_memory - RUNTIME_OVERHEAD_BYTES
+        beside = sum(card.size_bytes + card.kv_pool_bytes for card in map(ModelCard.from_encoder, encoders or []))
+        budget = args.max_memory - RUNTIME_OVERHEAD_BYTES - beside
         if budget < first:
-            raise ValueError(f"--max-memory holds less than the first model and the runtime: "
-                             f"{(first + RUNTIME_OVERHEAD_BYTES) / 2**20:.0f} MiB (kvserve plan)")
+            raise ValueError(f"--max-memory holds less than the first model, the runtime and the embedding and "
+                             f"rerank models: {(first + RUNTIME_OVERHEAD_BYTES + beside) / 2**20:.0f} MiB")
 
     def make(primary: Serving) -> ServedModels:
         def load(source: str, name: str) -> Serving:
