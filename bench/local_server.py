@@ -21,11 +21,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_server(model: str, *flags: str, timeout: float = 300) -> Iterator[tuple[str, int]]:
+def local_server(model: str | list[str], *flags: str, timeout: float = 300) -> Iterator[tuple[str, int]]:
     """Yields (the server's URL, its process id) once /health answers; its log is printed if it fails to
-    start."""
+    start. ``model``: one, or several (``kvserve serve A B ...``)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvserve", "serve", model, "--port", str(port), "--no-access-log", *flags]
+    models = [model] if isinstance(model, str) else model
+    cmd = [sys.executable, "-m", "kvserve", "serve", *models, "--port", str(port), "--no-access-log", *flags]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         try:

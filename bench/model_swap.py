@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
 
 import httpx
+from local_server import local_server  # bench/ is the script's folder: on sys.path
 
 
 def planned(model: str, ctx: int, seqs: int, with_runtime: bool) -> int:
@@ -47,25 +45,14 @@ def main() -> None:
     seqs = 2
     budget = planned(args.first, args.ctx, seqs, True) + max(planned(m, args.ctx, seqs, False) for m in pair)
     budget = int(budget * 1.02)  # room for one of the pair, not both
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "kvserve", "serve", args.first, *pair, "--port", str(port), "-c", str(args.ctx),
-           "--max-num-seqs", str(seqs), "--max-memory", str(budget), "--no-access-log", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    os.environ["OMP_NUM_THREADS"] = "2"
+    flags = ["-c", str(args.ctx), "--max-num-seqs", str(seqs), "--max-memory", str(budget), "--log-level", "warning"]
+    with local_server([args.first, *pair], *flags) as (url, pid):
         peak, done = [0], threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                peak[0] = max(peak[0], rss(proc.pid, "VmRSS"))
+                peak[0] = max(peak[0], rss(pid, "VmRSS"))
                 time.sleep(0.05)
 
         sampler = threading.Thread(target=sample)
@@ -84,12 +71,9 @@ def main() -> None:
             print(f"{model:<22} {r.status_code} {took:6.2f} s   loaded: {', '.join(loaded)}")
         done.set()
         sampler.join()
-        hwm = rss(proc.pid, "VmHWM")
+        hwm = rss(pid, "VmHWM")
         print(f"failures {failures}; peak RSS sampled {peak[0] / 2**20:.0f} MiB, VmHWM {hwm / 2**20:.0f} MiB, "
               f"budget {budget / 2**20:.0f} MiB: {hwm / budget:.3f} of it")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from local_server import local_server  # bench/ is the script's folder: on sys.path
 
 
 def ask(url: str, model: str, tokens: int, i: int) -> int:
@@ -61,20 +59,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     a, b = args.models.split(",")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "kvserve", "serve", a, b, "--port", str(port), "-c", "512",
-           "--max-num-seqs", str(args.streams), "--no-access-log", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    with local_server([a, b], "-c", "512", "--max-num-seqs", str(args.streams), "--log-level", "warning") as (url, _):
         for model in (a, b):  # both loaded and warm
             ask(url, model, 4, 0)
         for repeat in range(args.repeats):
@@ -82,9 +68,6 @@ def main() -> None:
                 rates = phase(url, models, args.streams, args.tokens)
                 print(f"repeat {repeat}  {'+'.join(models):28s} " + "  ".join(f"{m} {r:7.1f} tok/s"
                                                                          for m, r in rates.items()), flush=True)
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 if __name__ == "__main__":
