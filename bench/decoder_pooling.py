@@ -34,7 +34,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from kvserve.attention.contiguous import ContiguousKVCache
-    from kvserve.models.decoder_encoder import DecoderReranker
+    from kvserve.embedding.decoder_encoder import DecoderReranker
     from kvserve.models.registry import resolve
 
     reranker = DecoderReranker(resolve(args.model, auto_pull=True), args.model, args.weights)

@@ -9,9 +9,9 @@ import gguf
 import pytest
 import torch
 
+from kvserve.embedding.encoders import open_encoder
 from kvserve.errors import ModelLoadError
 from kvserve.models.encoder import length_batches
-from kvserve.models.encoders import open_encoder
 from kvserve.models.gguf_encoder import is_encoder
 from tests.models.arch_builders import build_hf_model, write_gguf
 
@@ -54,7 +54,7 @@ def test_serve_takes_it_as_the_embedding_model(tmp_path):
     from types import SimpleNamespace
 
     from kvserve.cli.serve import _encoder, _encoders_among_models
-    from kvserve.models.decoder_encoder import DecoderEncoder
+    from kvserve.embedding.decoder_encoder import DecoderEncoder
 
     path = write_gguf(tmp_path / "qwen3-embed.gguf", build_hf_model("qwen3"), "qwen3", pooling=gguf.PoolingType.LAST)
     args = SimpleNamespace(models=["smollm2", str(path)], embedding_model=None, rerank_model=None)
@@ -67,7 +67,7 @@ def test_serve_takes_it_as_the_embedding_model(tmp_path):
 def test_a_decoder_reranks_by_its_yes_and_no_logits(tmp_path):
     """--rerank-model a decoder GGUF: each document in Qwen3-Reranker's judging prompt, the relevance the
     softmax of the 'yes' and 'no' logits at the answer's first token, as transformers' logits give it."""
-    from kvserve.models.decoder_encoder import DecoderReranker
+    from kvserve.embedding.decoder_encoder import DecoderReranker
 
     hf = build_hf_model("qwen3")
     path = write_gguf(tmp_path / "judge.gguf", hf, "qwen3")

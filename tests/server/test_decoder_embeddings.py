@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from kvserve.models.encoders import open_encoder
+from kvserve.embedding.encoders import open_encoder
 from tests.models.arch_builders import build_hf_model, write_gguf
 from tests.server.conftest import serve
 

@@ -248,7 +248,7 @@ def test_the_memory_budget_leaves_the_embedding_models_their_share():
     """--max-memory is the whole server's: the embedding and rerank models, loaded for good, come off it."""
     from kvserve.cli.main import build_parser
     from kvserve.cli.serve import _served_models, planned_bytes
-    from kvserve.models.encoders import open_encoder
+    from kvserve.embedding.encoders import open_encoder
     from kvserve.models.registry import resolve
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES
     from kvserve.server.server_config import ServerConfig

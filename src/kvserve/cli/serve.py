@@ -228,7 +228,7 @@ def _encoder(name: str | None, flag: str, rerank: bool, weights: str = "f32"):
     of the kind the flag serves (sentence embeddings, or a cross-encoder's relevance)."""
     if not name:
         return None
-    from kvserve.models.encoders import open_encoder
+    from kvserve.embedding.encoders import open_encoder
     from kvserve.models.gguf_encoder import is_encoder
     from kvserve.models.registry import resolve
 

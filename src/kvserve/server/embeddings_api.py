@@ -16,7 +16,7 @@ import torch
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from kvserve.models.decoder_encoder import DecoderEncoder
+from kvserve.embedding.decoder_encoder import DecoderEncoder
 from kvserve.models.encoder import Encoder, length_batches
 from kvserve.server.api_errors import APIError, engine_error
 from kvserve.server.openapi_docs import ok, openai_errors

@@ -86,7 +86,7 @@ class ModelCard:
 
     @classmethod
     def from_encoder(cls, encoder) -> ModelCard:
-        """An embedding or rerank model the server holds beside its chat models (``models.encoders``): a BERT
+        """An embedding or rerank model the server holds beside its chat models (``embedding.encoders``): a BERT
         (its weights counted) or a decoder (its engine's card)."""
         engine = getattr(encoder, "engine", None)
         if engine is not None:  # a decoder: embedding or judging through an engine of its own

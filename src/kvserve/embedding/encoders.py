@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.models.decoder_encoder import DecoderEncoder, DecoderReranker
+from kvserve.embedding.decoder_encoder import DecoderEncoder, DecoderReranker
 from kvserve.models.encoder import Encoder
 from kvserve.models.gguf_encoder import decoder_pooling, is_encoder
 
