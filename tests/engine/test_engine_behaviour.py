@@ -199,6 +199,27 @@ def test_async_engine_abort_from_elsewhere_ends_the_stream(tiny_llama):
         async_engine.shutdown()
 
 
+def test_a_stopped_engine_ends_its_streams_and_refuses_more(tiny_llama):
+    """A model unloaded while a request streams: the stream ends with the reason (nobody waits on an engine
+    that no longer steps), and a request that comes after is refused with it."""
+    from kvserve.engine.async_engine import EngineShutdownError
+
+    async_engine = AsyncLLMEngine(make_engine(tiny_llama))
+    endless = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+
+    async def main():
+        seen = 0
+        with pytest.raises(EngineShutdownError, match="unloaded"):
+            async for _ in async_engine.generate(_prompt(20), endless):
+                seen += 1
+                if seen == 2:
+                    await asyncio.to_thread(async_engine.shutdown, "model 'tiny' was unloaded")
+        with pytest.raises(EngineShutdownError, match="unloaded"):
+            await async_engine.generate(_prompt(4), endless).__anext__()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_async_engine_rejects_bad_requests_before_any_await(tiny_llama):
     engine = make_engine(tiny_llama, num_ctx=32)
     async_engine = AsyncLLMEngine(engine)

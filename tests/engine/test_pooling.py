@@ -72,3 +72,24 @@ def test_a_pooling_request_may_fill_the_context(smollm2_q4):
     assert vector.shape == (smollm2_q4.config.hidden_size,)
     with pytest.raises(ValueError, match="pooling must be one of"):
         SamplingParams(pooling="cls")
+
+
+@pytest.mark.parametrize("pooling", ["mean", "logits"])
+def test_a_failed_step_starts_the_pooling_over(smollm2_q4, pooling):
+    """A step that fails after some chunks were pooled: its requests run again (alone, as suspects) from
+    nothing, the same bits as a clean run; nothing pooled before the failure counts twice."""
+    batch = prompts()
+    expected = pooled(make_engine(smollm2_q4, budget=48), batch, pooling)
+    engine = make_engine(smollm2_q4, budget=48)
+    real, steps = engine.runner.execute, []
+
+    def execute(out):
+        steps.append(len(out.scheduled))
+        if len(steps) == 3:  # some prompts half pooled, some chunks of others cached
+            raise MemoryError("kernel could not allocate")
+        return real(out)
+
+    engine.runner.execute = execute
+    for got, want in zip(pooled(engine, batch, pooling), expected):
+        assert torch.equal(got, want)
+    assert steps[2] > 1  # the failed step held several requests: they ran again as suspects

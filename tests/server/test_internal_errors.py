@@ -66,7 +66,7 @@ class StubAsyncEngine:
         raise self.error
         yield  # an async generator, like the real one
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "") -> None:
         pass
 
 

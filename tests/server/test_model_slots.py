@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,7 +42,7 @@ class FakeEngine:
         self.num_open_streams = 0
         self.shut = False
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "") -> None:
         self.shut = True
 
 
@@ -215,6 +216,9 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
             ("qwen2.5-coder-0.5b", "loaded"), ("smollm2", "unloaded"), ("gemma3-270m", "loaded")]
         assert c.get("/health").json() == {"status": "ok", "model": "smollm2",
                                            "loaded": ["gemma3-270m", "qwen2.5-coder-0.5b"]}
+        listed = c.get("/v1/kvserve/models").json()  # the same, without a loaded model's stream
+        assert [(m["name"], m["state"]) for m in listed["models"]] == [(m["name"], m["state"]) for m in frame["models"]]
+        assert listed["events"][-1]["model"] == "gemma3-270m" and listed["events"][-1]["event"] == "loaded"
     top = subprocess.run([sys.executable, "-m", "kvserve", "top", three.url, "--api-key", three.api_key, "--once",
                           "--model", "qwen2.5-coder-0.5b"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "COLUMNS": "160"}, check=False)
@@ -245,25 +249,33 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
 
 
 def test_the_memory_budget_leaves_the_embedding_models_their_share():
-    """--max-memory is the whole server's: the embedding and rerank models, loaded for good, come off it."""
+    """--max-memory is the whole server's: what the embedding and rerank models took, loaded for good,
+    comes off it."""
     from kvserve.cli.main import build_parser
     from kvserve.cli.serve import _served_models, planned_bytes
-    from kvserve.embedding.encoders import open_encoder
-    from kvserve.models.registry import resolve
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES
     from kvserve.server.server_config import ServerConfig
 
-    encoder = open_encoder(resolve("all-minilm"), "all-minilm")
-    beside = ModelCard.from_encoder(encoder).size_bytes
     mib = 1 << 20
+    beside = 90 * mib  # all-minilm's weights, as f32
 
     def args(budget: int):
         return build_parser().parse_args(["serve", "smollm2", "gemma3-270m", "-c", "512", "--max-memory", str(budget)])
 
     first = planned_bytes(args(1), "smollm2")
     just_enough = first + RUNTIME_OVERHEAD_BYTES + beside + mib
-    make = _served_models(args(just_enough), ["gemma3-270m"], ServerConfig(model_name="smollm2"), [encoder])
-    served = make(SimpleNamespace(card=card("smollm2"), async_engine=FakeEngine()))
+    make = _served_models(args(just_enough), ["gemma3-270m"], ServerConfig(model_name="smollm2"), beside)
+    class FirstServing:  # weakly referable, unlike a SimpleNamespace
+        card, metrics, config = card("smollm2"), None, None
+        async_engine = FakeEngine()
+
+    first_serving = FirstServing()
+    served = make(first_serving)
     assert served.budget == first + mib
+    # once unloaded, nothing the server keeps (its loader included) holds the first model
+    gone = weakref.ref(first_serving)
+    del first_serving
+    asyncio.run(served.unload(served.slots[0], "asked"))
+    assert gone() is None
     with pytest.raises(ValueError, match="embedding and rerank models"):
-        _served_models(args(just_enough - 2 * mib), ["gemma3-270m"], ServerConfig(model_name="smollm2"), [encoder])
+        _served_models(args(just_enough - 2 * mib), ["gemma3-270m"], ServerConfig(model_name="smollm2"), beside)

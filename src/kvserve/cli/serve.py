@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from kvserve.cli.options import add_engine_args, load_engine, parse_bytes
+from kvserve.engine.malloc import resident_bytes
 from kvserve.models.registry import DEFAULT_MODEL, REGISTRY
 from kvserve.server.server_config import DEFAULT_MAX_BODY_BYTES
 
@@ -179,9 +180,11 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     max_model_len = engine.max_model_len
     async_engine = AsyncLLMEngine(engine)
+    before = resident_bytes()
     encoder = _encoder(args.embedding_model, "--embedding-model", False, args.embedding_weights)
     reranker = _encoder(args.rerank_model, "--rerank-model", True, args.embedding_weights)
-    models = _served_models(args, others, config, [e for e in (encoder, reranker) if e is not None])
+    after = resident_bytes()  # what the encoders took (weights as held, a decoder's engine, tokenizer tables)
+    models = _served_models(args, others, config, after - before if before is not None and after is not None else 0)
     app = build_app(async_engine, config, encoder=encoder, reranker=reranker, models=models)
     del async_engine, engine  # the app's models hold it now: unloading it frees it
     url = f"http://{args.host}:{args.port}"
@@ -273,10 +276,10 @@ def planned_bytes(args: argparse.Namespace, source: str, with_runtime: bool = Fa
     return total if with_runtime else total - RUNTIME_OVERHEAD_BYTES
 
 
-def _served_models(args: argparse.Namespace, others: list[str], config, encoders: list | None = None):
+def _served_models(args: argparse.Namespace, others: list[str], config, beside: int = 0):
     """The factory build_app calls with the first model's Serving: every model a slot, sized by the planner
-    (when there are several), loaded (again) by ``load_engine`` with this server's settings. The
-    ``encoders`` (embedding, rerank) stay loaded: what they take is not the chat models' to take."""
+    (when there are several), loaded (again) by ``load_engine`` with this server's settings. ``beside``:
+    bytes the embedding and rerank models took, which stay loaded: not the chat models' to take."""
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.models.registry import resolve
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, available_memory
@@ -300,16 +303,17 @@ def _served_models(args: argparse.Namespace, others: list[str], config, encoders
     # the first model and the runtime are loaded already: the models may take what they hold and what is left
     budget = available_memory()[0] + first
     if isinstance(args.max_memory, int):
-        beside = sum(card.size_bytes + card.kv_pool_bytes for card in map(ModelCard.from_encoder, encoders or []))
         budget = args.max_memory - RUNTIME_OVERHEAD_BYTES - beside
         if budget < first:
             raise ValueError(f"--max-memory holds less than the first model, the runtime and the embedding and "
                              f"rerank models: {(first + RUNTIME_OVERHEAD_BYTES + beside) / 2**20:.0f} MiB")
 
     def make(primary: Serving) -> ServedModels:
+        metrics, config = primary.metrics, primary.config  # not the first Serving: it must be freed when unloaded
+
         def load(source: str, name: str) -> Serving:
             engine = load_engine(argparse.Namespace(**{**vars(args), "model": source}))
-            return Serving(AsyncLLMEngine(engine), ModelCard.from_engine(engine, name), primary.metrics, primary.config)
+            return Serving(AsyncLLMEngine(engine), ModelCard.from_engine(engine, name), metrics, config)
 
         return ServedModels(primary, slots, load, budget=budget, max_loaded=args.max_loaded_models,
                             keep_alive=keep_alive, first_source=first_source, first_planned=first)

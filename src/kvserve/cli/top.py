@@ -186,6 +186,21 @@ class Rates:
         return list(self.rates)
 
 
+def waiting(args: argparse.Namespace, why: str):
+    """What top shows while the model it would show is not loaded: every model, and why it waits."""
+    import httpx
+    from rich.console import Group
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        state = httpx.get(args.url.rstrip("/") + "/v1/kvserve/models", headers=headers, timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return f"{why}; waiting"
+    frame = {"model": args.model or "", "time": time.time(), "models": state["models"],
+             "model_events": state["events"]}
+    return Group(models_line(frame), f"{why}; waiting")
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
@@ -204,13 +219,13 @@ def run(args: argparse.Namespace) -> int:
                     for frame in frames(args.url, args.api_key, model=args.model):
                         live.update(render(frame, rates.add(frame), width), refresh=True)
                 except NotLoaded as e:
-                    live.update(f"{e}; waiting", refresh=True)
+                    live.update(waiting(args, str(e)), refresh=True)
                 time.sleep(1)
                 rates = Rates()
     except KeyboardInterrupt:
         return 0
     except ValueError as e:
-        if "cannot reach" not in str(e):
+        if "cannot reach" not in str(e) and "answered 503" not in str(e):  # gone, or going (graceful stop)
             raise
     console.print("the server stopped", style="dim")
     return 0

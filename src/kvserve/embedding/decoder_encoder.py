@@ -83,7 +83,12 @@ class _Decoder:
         wave = self.engine.engine.config.scheduler.max_num_seqs
         pooled = []
         for i in range(0, len(batch), wave):
-            pooled += await asyncio.gather(*(one(ids) for ids in batch[i : i + wave]))
+            try:
+                async with asyncio.TaskGroup() as group:  # one failing cancels the others: their requests abort
+                    tasks = [group.create_task(one(ids)) for ids in batch[i : i + wave]]
+            except ExceptionGroup as failed:  # the first failure, as one request would raise it
+                raise failed.exceptions[0] from None
+            pooled += [t.result() for t in tasks]
         return torch.stack(pooled)
 
     def _run(self, batch: list[list[int]], pooling: str) -> torch.Tensor:

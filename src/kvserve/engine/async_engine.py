@@ -200,7 +200,11 @@ class AsyncLLMEngine:
             except RuntimeError:  # the caller's loop is closed
                 pass
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "the engine was stopped; retry") -> None:
+        """Stops the engine thread. Streams still open end with ``EngineShutdownError(reason)`` and later
+        ``generate`` calls raise it (unless the engine had already ended them), so that nobody waits on an
+        engine that no longer steps."""
+        self.end_streams(reason)
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=5)

@@ -137,7 +137,7 @@ class LLMEngine:
         params = params or SamplingParams()
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
-            self.scheduler.fit_prompt(self.tokenize_prompt(prompt), params.num_keep),
+            self.scheduler.fit_prompt(self.tokenize_prompt(prompt), params.num_keep, params.pooling),
             params,
             self.max_model_len,
             self.eos_token_ids,

@@ -89,6 +89,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    def restart(self) -> None:
+        """Nothing computed any more (a preemption, a failed step): its K/V and pooled state start over."""
+        self.num_computed_tokens = 0
+        self.pooled_rows, self.embedding = [], None
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -166,8 +166,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(out.scheduled) < cap):
             request = self.waiting[0]
-            # a mean pools every position's state: none of them may come from the cache
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request) if request.params.pooling != "mean" else ([], 0)
+            hits, num_hit_tokens = self._prefix_hits(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
@@ -202,7 +201,7 @@ class Scheduler:
         self.num_context_shifts += 1
         self.running.remove(request)
         self.kv.free(request)
-        request.num_computed_tokens = 0
+        request.restart()
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         if self.proposer is not None:
@@ -215,15 +214,22 @@ class Scheduler:
     def shifts_context(self) -> bool:
         return self.config.context_overflow == "shift"
 
-    def fit_prompt(self, prompt: list[int], num_keep: int | None) -> list[int]:
+    def fit_prompt(self, prompt: list[int], num_keep: int | None, pooling: str | None = None) -> list[int]:
         """With context shift, a prompt too long for the context shifted as a context would be: the
         first ``num_keep`` tokens and the newest tokens that fill half the room after them. Otherwise
-        (or when it fits) the prompt as it is (``check_prompt`` refuses it if too long)."""
-        if not self.shifts_context or len(prompt) < self.max_model_len:
+        (or when it fits, as a pooling prompt of the whole context does: it needs no room for a new
+        token) the prompt as it is (``check_prompt`` refuses it if too long)."""
+        fits = len(prompt) <= self.max_model_len if pooling is not None else len(prompt) < self.max_model_len
+        if not self.shifts_context or fits:
             return prompt
         keep = min(self.config.num_keep if num_keep is None else num_keep, self.max_model_len // 2)
         tail = (self.max_model_len - keep) // 2
         return prompt[:keep] + prompt[len(prompt) - tail :]
+
+    def _prefix_hits(self, request: Request) -> tuple[list, int]:
+        """The request's cached prefix (blocks, tokens), not yet taken; none for a mean pooling request, which
+        needs every position's state."""
+        return self.kv.get_computed_blocks(request) if request.params.pooling != "mean" else ([], 0)
 
     def _schedule_suspect(self) -> SchedulerOutput:
         """One suspect alone (they all wait, see ``roll_back``), as much of it as the budget takes."""
@@ -232,7 +238,7 @@ class Scheduler:
         if request is None:  # every suspect finished or was aborted
             self.suspects.clear()
             return self.schedule()
-        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        hits, num_hit_tokens = self._prefix_hits(request)
         num_new = min(request.num_tokens - num_hit_tokens, self.config.max_num_batched_tokens)
         if not self.kv.allocate_slots(request, num_new, hits):
             # the pool is held by requests that are not suspects: run them as usual meanwhile
@@ -260,7 +266,7 @@ class Scheduler:
             if request in self.running:
                 self.running.remove(request)
             self.kv.free(request)
-            request.num_computed_tokens = 0
+            request.restart()
             request.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(request)
         if len(out.scheduled) > 1:
@@ -281,7 +287,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)
-        request.num_computed_tokens = 0
+        request.restart()
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1

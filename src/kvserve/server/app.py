@@ -9,6 +9,7 @@
 /v1/rerank     a cross-encoder's relevance of documents to a query (rerank_api)
 /health        200 while every loaded engine runs    /metrics      Prometheus text format, every model
 /v1/kvserve/cache   KV blocks: free, held, and each live request's block table (?model=: which model's)
+/v1/kvserve/models  every model, loaded or not, and the last loads and unloads
 /openapi.json  the OpenAPI spec (FastAPI), /docs its UI
 """
 
@@ -39,7 +40,7 @@ from kvserve.server.middleware import (
     JSONBodyMiddleware,
 )
 from kvserve.server.model_card import ModelCard
-from kvserve.server.model_slots import ServedModels
+from kvserve.server.model_slots import ModelEvent, ModelState, ServedModels
 from kvserve.server.ollama import ollama_api, ollama_embed
 from kvserve.server.openai import openai_api, responses_api
 from kvserve.server.openapi_docs import ok, openai_errors, openapi_document
@@ -100,6 +101,19 @@ async def cache(request: Request, model: str | None = Query(
     view: EngineView = request.app.state.models.shown(model).view
     snapshot = await asyncio.to_thread(view.snapshot)
     return snapshot.to_json()
+
+
+class ModelsView(BaseModel):
+    models: list[ModelState]  # every model the server holds, loaded or not
+    events: list[ModelEvent]  # the last loads and unloads, oldest first
+
+
+@ops.get("/v1/kvserve/models", response_model=None, responses=ok(ModelsView, "Every model, and the last loads"))
+async def model_states(request: Request) -> dict:
+    """Every chat model the server holds (loaded, loading or unloaded; planned size; when it unloads if
+    idle) and the last load and unload events: what the web page and ``kvserve top`` list."""
+    models: ServedModels = request.app.state.models
+    return ModelsView(models=models.states(), events=models.recent()).model_dump()
 
 
 def _publish_kv_events(async_engine: AsyncLLMEngine, publisher) -> None:

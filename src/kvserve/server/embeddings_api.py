@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 import torch
@@ -53,16 +55,22 @@ class EmbeddingsResponse(BaseModel):
     usage: dict
 
 
-async def encoder_for(request: Request, model: str, keep_alive: str | float | None = None) -> Encoder:
+@contextlib.asynccontextmanager
+async def embedding_model(request: Request, model: str, keep_alive: str | float | None = None) -> AsyncIterator[Encoder]:
     """The embedding model ``model`` names, or a chat model's own embeddings (the mean of its final hidden
-    states, through its engine, loading it if need be: Ollama and llama.cpp's server embed with any model)."""
+    states, through its engine, loading it if need be: Ollama and llama.cpp's server embed with any model),
+    kept loaded while the block runs (its inputs go in waves, no stream open between them)."""
     encoder = request.app.state.encoder
-    if encoder is None or model not in (encoder.name, f"{encoder.name}:latest"):
-        models = request.app.state.models
-        if any(slot.matches(model) for slot in models.slots):
-            serving = await models.serving(model, keep_alive)
-            return DecoderEncoder.of_chat_model(serving.async_engine, serving.card.name)
-    return served_encoder(request, model, "encoder", "embeds", "--embedding-model all-minilm")
+    models = request.app.state.models
+    if (encoder is None or model not in (encoder.name, f"{encoder.name}:latest")) and any(
+            slot.matches(model) for slot in models.slots):
+        async with models.lease(model, keep_alive) as serving:
+            if getattr(serving.async_engine, "serves_replicas", False):
+                raise APIError(501, "a chat model embeds through its own engine: not behind --replicas (serve an "
+                                    "embedding model with --embedding-model)", "model", "not_available")
+            yield DecoderEncoder.of_chat_model(serving.async_engine, serving.card.name)
+        return
+    yield served_encoder(request, model, "encoder", "embeds", "--embedding-model all-minilm")
 
 
 def served_encoder(request: Request, model: str, role: str, verb: str, flag: str) -> Encoder:
@@ -116,27 +124,27 @@ async def tokens_of(encoder: Encoder, texts: list[str], truncate: bool = True) -
 
 
 @router.post("/v1/embeddings", response_model=None,
-             responses=ok(EmbeddingsResponse, "The inputs' embeddings, in order") | openai_errors(400, 404, 503))
+             responses=ok(EmbeddingsResponse, "The inputs' embeddings, in order") | openai_errors(400, 404, 429, 501, 503))
 async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
-    encoder = await encoder_for(request, body.model)
-    given = body.input
-    if isinstance(given, str) or given and isinstance(given[0], int):
-        given = [given]
-    if given and isinstance(given[0], list):  # token ids, as the encoder's vocabulary numbers them
-        vocab = encoder.config.vocab_size
-        if any(not ids or len(ids) > encoder.config.max_seq_length or not all(0 <= t < vocab for t in ids)
-               for ids in given):
-            raise APIError(400, f"token-id inputs must be 1 to {encoder.config.max_seq_length} ids in "
-                                f"[0, {vocab})", "input")
-        tokens = [list(ids) for ids in given]
-    else:
-        tokens = await tokens_of(encoder, list(given))
-    vectors = await vectors_of(encoder, tokens, body.dimensions)
-    data = []
-    for i, v in enumerate(vectors):
-        value = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if body.encoding_format == "base64" \
-            else v.tolist()
-        data.append({"object": "embedding", "index": i, "embedding": value})
-    used = sum(len(t) for t in tokens)
-    return {"object": "list", "data": data, "model": body.model,
-            "usage": {"prompt_tokens": used, "total_tokens": used}}
+    async with embedding_model(request, body.model) as encoder:
+        given = body.input
+        if isinstance(given, str) or given and isinstance(given[0], int):
+            given = [given]
+        if given and isinstance(given[0], list):  # token ids, as the encoder's vocabulary numbers them
+            vocab = encoder.config.vocab_size
+            if any(not ids or len(ids) > encoder.config.max_seq_length or not all(0 <= t < vocab for t in ids)
+                   for ids in given):
+                raise APIError(400, f"token-id inputs must be 1 to {encoder.config.max_seq_length} ids in "
+                                    f"[0, {vocab})", "input")
+            tokens = [list(ids) for ids in given]
+        else:
+            tokens = await tokens_of(encoder, list(given))
+        vectors = await vectors_of(encoder, tokens, body.dimensions)
+        data = []
+        for i, v in enumerate(vectors):
+            value = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if body.encoding_format == "base64" \
+                else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        used = sum(len(t) for t in tokens)
+        return {"object": "list", "data": data, "model": body.model,
+                "usage": {"prompt_tokens": used, "total_tokens": used}}

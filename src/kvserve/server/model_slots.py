@@ -20,12 +20,13 @@ run side by side, so two busy models share the CPU as two processes would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import re
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvserve.host_memory import release_freed_memory
@@ -69,6 +70,7 @@ class Slot:
     last_used: float = 0.0  # time.monotonic() of the last request naming it
     keep_alive: float | None = None  # seconds idle before unloading; None: never
     loading: asyncio.Future | None = None
+    leases: int = 0  # handlers holding it between engine streams (``ServedModels.lease``)
 
     def matches(self, name: str | None) -> bool:
         return self.card.matches(name)  # the card holds this slot's name
@@ -121,6 +123,7 @@ class ServedModels:
                 self.metrics.model_loaded.labels(model=slot.name).set(slot.serving is not None)
         self._room = asyncio.Lock()  # one load (and its evictions) at a time
         self._reaper: asyncio.Task | None = None
+        self._releasing = 0  # planned bytes of models unloading now: not free until their engine is collected
 
     # --- asking for a model -------------------------------------------------------------------------------
     def find(self, name: str | None) -> Slot:
@@ -149,6 +152,19 @@ class ServedModels:
         self._touch(slot, keep_alive)
         return slot.serving
 
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str | None, keep_alive: str | float | None = None) -> AsyncIterator[Serving]:
+        """The named model's Serving, kept loaded until the block ends (a handler that runs several engine
+        streams one after another: no stream is open between them, yet the model is in use)."""
+        serving = await self.serving(name, keep_alive)
+        slot = next(s for s in self.slots if s.serving is serving)
+        slot.leases += 1
+        try:
+            yield serving
+        finally:
+            slot.leases -= 1
+            slot.last_used = time.monotonic()
+
     def _touch(self, slot: Slot, keep_alive: str | float | None) -> None:
         """Each request sets the model's expiry anew, from its keep_alive or the server's (as Ollama)."""
         slot.last_used = time.monotonic()
@@ -158,7 +174,7 @@ class ServedModels:
         """Ollama's empty request with keep_alive 0: unload the model now unless a stream is open on it.
         Returns whether it is unloaded."""
         slot = self.find(name)
-        if slot.pinned or slot.serving is not None and slot.serving.async_engine.num_open_streams:
+        if slot.pinned or slot.serving is not None and (slot.serving.async_engine.num_open_streams or slot.leases):
             return slot.serving is None
         await self.unload(slot, "asked")
         return True
@@ -171,6 +187,7 @@ class ServedModels:
             try:
                 slot.serving = await asyncio.to_thread(self.load, slot.source, slot.name)
                 slot.card = slot.serving.card
+                slot.last_used = time.monotonic()  # the requests waiting for it are about to use it
                 if self.metrics is not None:
                     self.metrics.model_loads.labels(model=slot.name).inc()
                     self.metrics.model_loaded.labels(model=slot.name).set(1)
@@ -203,7 +220,7 @@ class ServedModels:
         loaded = [s for s in self.loaded() if s is not slot]
         if self.max_loaded and len(loaded) + 1 > self.max_loaded:
             return False
-        return self.budget is None or sum(s.planned for s in loaded) + slot.planned <= self.budget
+        return self.budget is None or sum(s.planned for s in loaded) + self._releasing + slot.planned <= self.budget
 
     # --- what is loaded -----------------------------------------------------------------------------------
     def loaded(self) -> list[Slot]:
@@ -225,7 +242,8 @@ class ServedModels:
 
     def views(self) -> list[tuple[str, object]]:
         """(name, its ``EngineView``) of each loaded model: what ``/metrics`` reads."""
-        return [(s.name, s.serving.view) for s in self.loaded()]
+        # read from a worker thread (a scrape) while the event loop may unload: each slot's serving read once
+        return [(s.name, serving.view) for s in self.slots if (serving := s.serving) is not None]
 
     def states(self) -> list[ModelState]:
         return [ModelState(s.name, "loaded" if s.serving is not None else "loading" if s.loading is not None
@@ -247,7 +265,7 @@ class ServedModels:
         if slot.serving is None:
             return False
         engine = slot.serving.async_engine
-        return time.monotonic() - slot.last_used < GRACE or engine.num_open_streams > 0
+        return time.monotonic() - slot.last_used < GRACE or engine.num_open_streams > 0 or slot.leases > 0
 
     async def unload(self, slot: Slot, reason: str, why: str = "") -> None:
         """reason: keep_alive, evicted, asked or stopping (the metrics' label; stopping unloads even a
@@ -261,9 +279,13 @@ class ServedModels:
         if self.metrics is not None:
             self.metrics.model_unloads.labels(model=slot.name, reason=reason).inc()
             self.metrics.model_loaded.labels(model=slot.name).set(0)
-        await asyncio.to_thread(serving.async_engine.shutdown)
-        del serving
-        await asyncio.to_thread(_collect)
+        self._releasing += slot.planned
+        try:
+            await asyncio.to_thread(serving.async_engine.shutdown, f"model '{slot.name}' was unloaded ({reason}); retry")
+            del serving
+            await asyncio.to_thread(_collect)
+        finally:
+            self._releasing -= slot.planned
 
     async def _reap(self) -> None:
         while True:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.models.encoder import Encoder
-from kvserve.server.api_errors import APIError
+from kvserve.server.api_errors import APIError, engine_error
 from kvserve.server.embeddings_api import served_encoder
 from kvserve.server.openapi_docs import ok, openai_errors
 from kvserve.server.strict_schema import NonEmptyStr, Strict
@@ -54,7 +54,7 @@ def _reranker(request: Request, model: str) -> Encoder:
 
 @router.post("/v1/rerank", response_model=None,
              responses=ok(RerankResponse, "The documents' relevance to the query, best first")
-             | openai_errors(400, 404))
+             | openai_errors(400, 404, 429, 503))
 @router.post("/rerank", response_model=None, include_in_schema=False)
 async def rerank(body: RerankRequest, request: Request) -> dict:
     encoder = _reranker(request, body.model)
@@ -67,7 +67,16 @@ async def rerank(body: RerankRequest, request: Request) -> dict:
     through_engine = getattr(encoder, "ascore", None)  # a decoder's: its engine batches every caller's prompts
     for i in range(0, len(pairs), BATCH):
         part = pairs[i : i + BATCH]
-        scores += (await through_engine(part) if through_engine else await asyncio.to_thread(encoder.score, part)).tolist()
+        if through_engine is None:
+            scores += (await asyncio.to_thread(encoder.score, part)).tolist()
+            continue
+        try:
+            scores += (await through_engine(part)).tolist()
+        except Exception as e:  # what the engine refuses at admission is the request's: a 4xx (or a 503)
+            error = engine_error(e, "documents")
+            if error is None:
+                raise
+            raise error from None
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[: body.top_n]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": texts[i]}}
                                                              if body.return_documents else {})} for i in order]

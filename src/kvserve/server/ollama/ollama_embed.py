@@ -8,7 +8,7 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.server.embeddings_api import Dimensions, Texts, encoder_for, tokens_of, vectors_of
+from kvserve.server.embeddings_api import Dimensions, Texts, embedding_model, tokens_of, vectors_of
 from kvserve.server.ollama.ollama_errors import ollama_errors
 from kvserve.server.openapi_docs import ok
 from kvserve.server.strict_schema import NonEmptyStr, Strict
@@ -43,22 +43,23 @@ class LegacyEmbeddingResponse(BaseModel):
 
 
 @router.post("/api/embed", response_model=None,
-             responses=ok(EmbedResponse, "The inputs' embeddings, in order") | ollama_errors(400, 404, 503))
+             responses=ok(EmbedResponse, "The inputs' embeddings, in order") | ollama_errors(400, 404, 501, 503))
 async def embed(body: EmbedRequest, request: Request) -> dict:
     start = time.perf_counter()
-    encoder = await encoder_for(request, body.model, body.keep_alive)
-    tokens = await tokens_of(encoder, [body.input] if isinstance(body.input, str) else list(body.input), body.truncate)
-    vectors = await vectors_of(encoder, tokens, body.dimensions)
+    async with embedding_model(request, body.model, body.keep_alive) as encoder:
+        texts = [body.input] if isinstance(body.input, str) else list(body.input)
+        tokens = await tokens_of(encoder, texts, body.truncate)
+        vectors = await vectors_of(encoder, tokens, body.dimensions)
     return {"model": body.model, "embeddings": vectors.tolist(),
             "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": 0,
             "prompt_eval_count": sum(len(t) for t in tokens)}
 
 
 @router.post("/api/embeddings", response_model=None,
-             responses=ok(LegacyEmbeddingResponse, "The prompt's embedding") | ollama_errors(400, 404, 503))
+             responses=ok(LegacyEmbeddingResponse, "The prompt's embedding") | ollama_errors(400, 404, 501, 503))
 async def legacy_embeddings(body: LegacyEmbeddingsRequest, request: Request) -> dict:
-    encoder = await encoder_for(request, body.model, body.keep_alive)
-    if not body.prompt:
-        return {"embedding": []}  # what Ollama answers to an empty prompt
-    vectors = await vectors_of(encoder, await tokens_of(encoder, [body.prompt]), None)
+    async with embedding_model(request, body.model, body.keep_alive) as encoder:
+        if not body.prompt:
+            return {"embedding": []}  # what Ollama answers to an empty prompt
+        vectors = await vectors_of(encoder, await tokens_of(encoder, [body.prompt]), None)
     return {"embedding": vectors[0].tolist()}

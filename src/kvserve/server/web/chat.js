@@ -62,7 +62,7 @@ async function modelName() {
   if (!pool.model) {
     const response = await api("/v1/models");
     if (!response.ok) throw new Error(await errorMessage(response));
-    pool.model = (await response.json()).data[0].id;
+    choose((await response.json()).data[0].id); // the pool shows the model the chat talks to
   }
   return pool.model;
 }

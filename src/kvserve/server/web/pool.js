@@ -8,7 +8,7 @@ const RATE_WINDOW_S = 60; // the tok/s chart's span
 const STATE_RANK = { free: 0, cached: 1, used: 2, shared: 3 };
 
 // model: the chosen one ("" until the first frame says the server's); watching: the open stream's AbortController
-const pool = { cells: [], group: 1, codes: "", mine: new Set(), samples: [], model: "", watching: null };
+const pool = { cells: [], group: 1, codes: "", mine: new Set(), samples: [], model: "", watching: null, wake: null };
 
 function blockState(code) {
   if (code === ".") return ["free", 0];
@@ -230,7 +230,9 @@ async function watchPool() {
       const query = pool.model ? `?model=${encodeURIComponent(pool.model)}` : "";
       const response = await api(`/v1/kvserve/cache/stream${query}`, { signal: watching.signal });
       if (response.status === 409) {
-        setConnection("idle", `${pool.model} is not loaded: a message loads it`);
+        setConnection("idle", pool.model ? `${pool.model} is not loaded: a message loads it`
+          : "no model is loaded: a message loads one");
+        await listModels(); // no frame draws the menu meanwhile
       } else {
         if (!response.ok) throw new Error(await errorMessage(response));
         setConnection("live", "live");
@@ -240,12 +242,21 @@ async function watchPool() {
     } catch (error) {
       if (!watching.signal.aborted) setConnection("error", `${error.message}; reconnecting`);
     }
-    if (!watching.signal.aborted) await sleep(1000);
+    if (!watching.signal.aborted) await Promise.race([sleep(1000), new Promise((wake) => { pool.wake = wake; })]);
   }
+}
+
+// the models and their last events without a frame (no model loaded, or not the chosen one)
+async function listModels() {
+  const response = await api("/v1/kvserve/models");
+  if (!response.ok) return;
+  const { models, events } = await response.json();
+  drawModels({ model: pool.model, models, model_events: events, time: Date.now() / 1000 });
 }
 
 function choose(model) {
   pool.model = model;
   pool.samples = [];
   pool.watching?.abort();
+  pool.wake?.(); // a wait between two tries ends now
 }
