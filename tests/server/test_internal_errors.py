@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.async_engine import EngineDeadError, EngineShutdownError
+from kvserve.engine.outputs import RequestMetrics, RequestOutput
 from kvserve.engine.scheduler import QueueFullError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.server import ServerConfig, build_app
@@ -44,8 +45,9 @@ class StubTokenizer:
 class StubAsyncEngine:
     """Just what the server reads; ``generate`` fails the way it is told to."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, after_first: bool = False) -> None:
         self.error = error
+        self.after_first = after_first  # one token first, then the error (a stream ended mid-answer)
         self.dead_error = None
         self.num_pending_adds = 0
         self.lock = threading.Lock()
@@ -63,15 +65,17 @@ class StubAsyncEngine:
         )
 
     async def generate(self, prompt, params=None, request_id=None, cache_salt=None):
+        if self.after_first:
+            yield RequestOutput(request_id or "r", (1,), "a", "a", [5], [5], False, None,
+                                RequestMetrics(arrival_time=0.0, num_prompt_tokens=1))
         raise self.error
-        yield  # an async generator, like the real one
 
-    def shutdown(self, reason: str = "") -> None:
+    def shutdown(self, reason: str = "", timeout: float | None = None) -> None:
         pass
 
 
 def make_client(
-    error: BaseException, config: ServerConfig | None = None
+    error: BaseException, config: ServerConfig | None = None, after_first: bool = False
 ) -> tuple[TestClient, StubAsyncEngine]:
     card = ModelCard(
         name="stub",
@@ -86,7 +90,7 @@ def make_client(
         modified=0.0,
         chat_template="",
     )
-    engine = StubAsyncEngine(error)
+    engine = StubAsyncEngine(error, after_first)
     app = build_app(engine, config or ServerConfig(model_name="stub"), card)  # type: ignore[arg-type]
     return TestClient(app, raise_server_exceptions=False), engine
 
@@ -120,6 +124,16 @@ def test_a_dead_engine_is_503_and_unhealthy():
     assert r.status_code == 503 and "restart" in r.json()["error"]
     engine.dead_error = RuntimeError("boom")
     assert client.get("/health").status_code == 503
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/api/generate", GENERATE),
+                                        ("/v1/messages", {**CHAT, "max_tokens": 4})])
+def test_an_answer_ended_by_an_unload_is_a_503(path, body):
+    """A stream ended mid-answer (its model unloaded, the server stopping) sent as one object: a 503 saying
+    why, not a 500."""
+    client, _ = make_client(EngineShutdownError("model 'stub' was unloaded (evicted); retry"), after_first=True)
+    r = client.post(path, json=body)
+    assert r.status_code == 503 and "unloaded" in r.text and "internal" not in r.text
 
 
 def test_internal_errors_are_counted():

@@ -42,7 +42,7 @@ class FakeEngine:
         self.num_open_streams = 0
         self.shut = False
 
-    def shutdown(self, reason: str = "") -> None:
+    def shutdown(self, reason: str = "", timeout: float | None = None) -> None:
         self.shut = True
 
 

@@ -183,8 +183,11 @@ def run(args: argparse.Namespace) -> int:
     before = resident_bytes()
     encoder = _encoder(args.embedding_model, "--embedding-model", False, args.embedding_weights)
     reranker = _encoder(args.rerank_model, "--rerank-model", True, args.embedding_weights)
-    after = resident_bytes()  # what the encoders took (weights as held, a decoder's engine, tokenizer tables)
-    models = _served_models(args, others, config, after - before if before is not None and after is not None else 0)
+    after = resident_bytes()  # what the encoders took (weights as held, tokenizer tables), and a decoder's KV pool,
+    # which is not resident until written
+    beside = after - before if before is not None and after is not None else 0
+    beside += sum(e.engine.engine.kv_pool_bytes for e in (encoder, reranker) if hasattr(e, "engine"))
+    models = _served_models(args, others, config, beside)
     app = build_app(async_engine, config, encoder=encoder, reranker=reranker, models=models)
     del async_engine, engine  # the app's models hold it now: unloading it frees it
     url = f"http://{args.host}:{args.port}"

@@ -193,8 +193,11 @@ def waiting(args: argparse.Namespace, why: str):
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        state = httpx.get(args.url.rstrip("/") + "/v1/kvserve/models", headers=headers, timeout=10).json()
+        r = httpx.get(args.url.rstrip("/") + "/v1/kvserve/models", headers=headers, timeout=10)
+        state = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
+        state = None
+    if not isinstance(state, dict) or "models" not in state:
         return f"{why}; waiting"
     frame = {"model": args.model or "", "time": time.time(), "models": state["models"],
              "model_events": state["events"]}
@@ -225,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     except ValueError as e:
-        if "cannot reach" not in str(e) and "answered 503" not in str(e):  # gone, or going (graceful stop)
+        if "cannot reach" not in str(e) and "shutting_down" not in str(e):  # gone, or going (graceful stop)
             raise
     console.print("the server stopped", style="dim")
     return 0

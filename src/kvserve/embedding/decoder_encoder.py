@@ -87,6 +87,9 @@ class _Decoder:
                 async with asyncio.TaskGroup() as group:  # one failing cancels the others: their requests abort
                     tasks = [group.create_task(one(ids)) for ids in batch[i : i + wave]]
             except ExceptionGroup as failed:  # the first failure, as one request would raise it
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # the caller was cancelled too: that goes first
+                    raise asyncio.CancelledError from None
                 raise failed.exceptions[0] from None
             pooled += [t.result() for t in tasks]
         return torch.stack(pooled)

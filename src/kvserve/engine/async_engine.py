@@ -200,13 +200,14 @@ class AsyncLLMEngine:
             except RuntimeError:  # the caller's loop is closed
                 pass
 
-    def shutdown(self, reason: str = "the engine was stopped; retry") -> None:
-        """Stops the engine thread. Streams still open end with ``EngineShutdownError(reason)`` and later
-        ``generate`` calls raise it (unless the engine had already ended them), so that nobody waits on an
-        engine that no longer steps."""
+    def shutdown(self, reason: str = "the engine was stopped; retry", timeout: float | None = 5) -> None:
+        """Stops the engine thread, waiting ``timeout`` seconds for its step to end (None: as long as it
+        takes). Streams still open end with ``EngineShutdownError(reason)`` and later ``generate`` calls
+        raise it (unless the engine had already ended them), so that nobody waits on an engine that no
+        longer steps."""
         self.end_streams(reason)
         self._stopped = True
         self._wakeup.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout)
         if not self._thread.is_alive():
             self.engine.close()  # the disk tier's queued blocks reach the disk

@@ -281,7 +281,9 @@ class ServedModels:
             self.metrics.model_loaded.labels(model=slot.name).set(0)
         self._releasing += slot.planned
         try:
-            await asyncio.to_thread(serving.async_engine.shutdown, f"model '{slot.name}' was unloaded ({reason}); retry")
+            # waits for the engine's step to end (stopping the server: 5 s at most), then frees it
+            await asyncio.to_thread(serving.async_engine.shutdown, f"model '{slot.name}' was unloaded ({reason}); "
+                                    "retry", 5 if reason == "stopping" else None)
             del serving
             await asyncio.to_thread(_collect)
         finally:
@@ -295,7 +297,10 @@ class ServedModels:
                 if slot.pinned or slot.keep_alive is None or self.busy(slot):
                     continue
                 if now - slot.last_used >= slot.keep_alive:
-                    await self.unload(slot, "keep_alive", f"after {slot.keep_alive:g} s idle")
+                    try:
+                        await self.unload(slot, "keep_alive", f"after {slot.keep_alive:g} s idle")
+                    except Exception:  # the reaper goes on: a model that failed to unload is tried no more
+                        log.exception("model '%s' did not unload", slot.name)
 
     def start(self) -> None:
         """Begins unloading expired models (from the server's event loop)."""

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from jinja2.exceptions import TemplateError
 
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvserve.engine.constraints import Constraint, compiled
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -304,6 +304,8 @@ async def collect_finals(request: Request, streams: list[EngineStream]) -> list[
 
     try:
         return await cancel_on_disconnect(request, finals_in_order())
+    except EngineDeadError as e:  # ended mid-answer (the model unloaded, the server stopping): a 503, not a 500
+        raise engine_error(e) from None
     finally:
         for stream in streams:
             await stream.aclose()

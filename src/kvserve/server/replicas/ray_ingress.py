@@ -123,7 +123,7 @@ class RemoteEngine:
     def end_streams(self, reason: str) -> None:
         """Nothing to end here: Ray stops the replicas, whose streams end with them."""
 
-    def shutdown(self, reason: str = "") -> None:
+    def shutdown(self, reason: str = "", timeout: float | None = None) -> None:
         """The replicas are Ray's to stop."""
 
 
