@@ -108,7 +108,10 @@ def test_inputs_of_many_callers_share_the_engines_steps(tmp_path):
     scheduled.clear()
 
     async def together():
-        return await asyncio.gather(*(encoder.aembed(batch) for batch in batches))
+        with encoder.engine.lock:  # the engine waits between steps until every caller's inputs are in
+            running = asyncio.gather(*(encoder.aembed(batch) for batch in batches))
+            await asyncio.sleep(0.2)
+        return await running
 
     for got, expected in zip(asyncio.run(together()), alone):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
