@@ -86,10 +86,9 @@ class _Decoder:
             try:
                 async with asyncio.TaskGroup() as group:  # one failing cancels the others: their requests abort
                     tasks = [group.create_task(one(ids)) for ids in batch[i : i + wave]]
-            except ExceptionGroup as failed:  # the first failure, as one request would raise it
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():  # the caller was cancelled too: that goes first
-                    raise asyncio.CancelledError from None
+            except ExceptionGroup as failed:  # the first failure, as one request would raise it (the task
+                # group has cancelled this task to stop the others: a cancellation check here would
+                # mistake that for the caller's)
                 raise failed.exceptions[0] from None
             pooled += [t.result() for t in tasks]
         return torch.stack(pooled)
