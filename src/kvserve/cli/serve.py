@@ -263,13 +263,14 @@ def other_models(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(m for m in found if m != args.model))
 
 
-def planned_bytes(args: argparse.Namespace, source: str, with_runtime: bool = False) -> int:
-    """What ``kvserve plan`` says the engine takes for ``source`` at this server's settings: its weights,
-    pool, activations and tokenizer, and (``with_runtime``) the Python runtime every model shares."""
+def planned_bytes(args: argparse.Namespace, source: str, with_runtime: bool = False, spec=None) -> int:
+    """What ``kvserve plan`` says the engine takes for ``source`` (read as ``spec`` when the caller has it)
+    at this server's settings: its weights, pool, activations and tokenizer, and (``with_runtime``) the
+    Python runtime every model shares."""
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, PlanSettings, make_plan
     from kvserve.plan.source import resolve_model
 
-    spec = resolve_model(source)
+    spec = spec or resolve_model(source)
     k, v = args.cache_type_k or args.cache_type, args.cache_type_v or args.cache_type
     settings = PlanSettings(contexts=(min(args.num_ctx, spec.config.max_position_embeddings),), kv_types=((k, v),),
                             memory=1 << 60, max_num_seqs=args.max_num_seqs,
@@ -286,6 +287,7 @@ def _served_models(args: argparse.Namespace, others: list[str], config, beside: 
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.models.registry import resolve
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, available_memory
+    from kvserve.plan.source import resolve_model
     from kvserve.server.model_card import ModelCard
     from kvserve.server.model_slots import ServedModels, keep_alive_seconds
     from kvserve.server.ollama.ollama_schemas import DURATION
@@ -300,7 +302,9 @@ def _served_models(args: argparse.Namespace, others: list[str], config, beside: 
         name = served_name(source, None)
         if name in slots or name == config.model_name:
             raise ValueError(f"two models would be served as '{name}': rename a file")
-        slots[name] = (source, planned_bytes(args, source), ModelCard.from_file(source, name, args.num_ctx))
+        spec = resolve_model(source)  # its header, read once for the plan and the card
+        slots[name] = (source, planned_bytes(args, source, spec=spec), ModelCard.from_file(source, name, args.num_ctx,
+                                                                                           spec))
     first_source = args.model or DEFAULT_MODEL
     first = planned_bytes(args, first_source) if slots else 0  # alone, no budget to keep
     # the first model and the runtime are loaded already: the models may take what they hold and what is left

@@ -42,10 +42,18 @@ class NotLoaded(ValueError):
     """The server runs, but not the model asked for (or none): it may load later."""
 
 
+class ServerGone(ValueError):
+    """The server cannot be reached, or is shutting down."""
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def frames(url: str, api_key: str | None, max_events: int | None = None, model: str | None = None) -> Iterator[dict]:
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _headers(api_key)
     params = {"max_events": max_events} if max_events else {}
     if model:
         params["model"] = model
@@ -61,13 +69,16 @@ def frames(url: str, api_key: str | None, max_events: int | None = None, model: 
                 raise ValueError(f"{url} needs its API key: give --api-key or set $KVSERVE_API_KEY")
             if r.status_code == 409:
                 raise NotLoaded(json.loads(r.read())["error"]["message"])
+            body = r.read().decode(errors="replace") if r.status_code != 200 else ""
+            if r.status_code == 503 and "shutting_down" in body:
+                raise ServerGone(f"{url} is shutting down")
             if r.status_code != 200:
-                raise ValueError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:200]}")
+                raise ValueError(f"{url} answered {r.status_code}: {body[:200]}")
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     yield json.loads(line[6:])
     except httpx.TransportError as e:
-        raise ValueError(f"cannot reach {url} ({e}): is `kvserve serve` running there?") from None
+        raise ServerGone(f"cannot reach {url} ({e}): is `kvserve serve` running there?") from None
 
 
 def _cell(codes: str) -> tuple[str, str]:
@@ -191,9 +202,8 @@ def waiting(args: argparse.Namespace, why: str):
     import httpx
     from rich.console import Group
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        r = httpx.get(args.url.rstrip("/") + "/v1/kvserve/models", headers=headers, timeout=10)
+        r = httpx.get(args.url.rstrip("/") + "/v1/kvserve/models", headers=_headers(args.api_key), timeout=10)
         state = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         state = None
@@ -227,8 +237,7 @@ def run(args: argparse.Namespace) -> int:
                 rates = Rates()
     except KeyboardInterrupt:
         return 0
-    except ValueError as e:
-        if "cannot reach" not in str(e) and "shutting_down" not in str(e):  # gone, or going (graceful stop)
-            raise
+    except ServerGone:  # gone, or going (a graceful stop)
+        pass
     console.print("the server stopped", style="dim")
     return 0

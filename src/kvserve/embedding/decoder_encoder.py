@@ -20,7 +20,7 @@ import torch
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import ModelLoadError
 from kvserve.models.encoder_config import EncoderConfig
-from kvserve.models.gguf_encoder import decoder_pooling
+from kvserve.models.gguf_encoder import header_pooling
 
 NUM_CTX = 2048  # tokens an input may have (less where the model has fewer positions): Ollama's default context
 MAX_NUM_SEQS = 32  # inputs prefilled together
@@ -35,7 +35,7 @@ def _own_engine(path: Path, weight_format: str, what: str, num_ctx: int):
     from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.engine.engine import LLMEngine
-    from kvserve.kv.kv_types import kv_bytes_per_token_per_layer
+    from kvserve.kv.kv_types import kv_bytes_per_token
     from kvserve.models.loader import load_model
 
     loaded = load_model(str(path), weight_format=weight_format, embedding=True)
@@ -43,8 +43,8 @@ def _own_engine(path: Path, weight_format: str, what: str, num_ctx: int):
         raise ModelLoadError(f"{path}: {what} needs its tokenizer")
     c = loaded.config
     ctx = min(num_ctx, c.max_position_embeddings)
-    per_token = c.num_layers * kv_bytes_per_token_per_layer(c, "f32", None)
-    cache = CacheConfig(num_ctx=ctx, kv_cache_memory=(ctx + CHUNK + 16) * per_token, cache_type_k="f32")
+    cache = CacheConfig(num_ctx=ctx, kv_cache_memory=(ctx + CHUNK + 16) * kv_bytes_per_token(c, "f32"),
+                        cache_type_k="f32")
     scheduler = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=CHUNK)
     return AsyncLLMEngine(LLMEngine(EngineConfig(model=str(path), cache=cache, weights=weight_format,
                                                  scheduler=scheduler), loaded))
@@ -106,11 +106,12 @@ class DecoderEncoder(_Decoder):
     def __init__(self, path: Path, name: str, weight_format: str = "f32", num_ctx: int = NUM_CTX) -> None:
         from kvserve.models.gguf_header import read_gguf_header
 
-        pooling = decoder_pooling(path)
+        header = read_gguf_header(path)
+        pooling = header_pooling(header)
         if pooling is None:
             raise ModelLoadError(f"{path}: a decoder without a pooling type is not an embedding model")
         super().__init__(_own_engine(path, weight_format, "an embedding model", num_ctx), name, pooling, True, 0, True)
-        self.add_eos = bool(read_gguf_header(path).get("tokenizer.ggml.add_eos_token", False))
+        self.add_eos = bool(header.get("tokenizer.ggml.add_eos_token", False))
 
     @classmethod
     def of_chat_model(cls, engine, name: str) -> DecoderEncoder:

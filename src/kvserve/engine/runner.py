@@ -31,9 +31,7 @@ class ModelRunner:
         (``params.pooling``) is not among them: its final hidden states are pooled into it, and once its
         prompt is read its ``embedding`` is set."""
         # every step, as engines of other contexts may share the model: a no-op unless LongRoPE switches
-        self.model.rope.fit_context(self.num_ctx)
-        if self.model.rope_local is not self.model.rope:  # Gemma's sliding layers: their tables capped too
-            self.model.rope_local.fit_context(self.num_ctx)
+        self.model.fit_context(self.num_ctx)
         input_ids: list[int] = []
         positions: list[int] = []
         kv_groups = range(len(self.storage.kv_group_blocks))  # every layer's blocks, then the sliding layers'
@@ -46,6 +44,7 @@ class ModelRunner:
         decode_tables: list[list[list[int]]] = [[] for _ in kv_groups]  # per group, each decode's table
         decode_lens: list[int] = []
         pooling: list[tuple[Request, int, int]] = []  # (request, its first row, rows)
+        pooled_logits: list[tuple[Request, int]] = []  # a "logits" pooling request's place among logit_rows
 
         def decode(row: int, blocks: int, context: int) -> None:
             decode_rows.append(row)
@@ -76,7 +75,11 @@ class ModelRunner:
             else:
                 sequences.append(SequenceSlice(len(input_ids) - n, n, end, tuple(
                     torch.tensor(tables[g][:num_blocks], dtype=torch.long, device=self.device) for g in kv_groups)))
-            if r.params.pooling is not None:
+            if r.params.pooling == "logits":  # its last row's logits, computed with the sampled requests'
+                if end == r.num_prompt_tokens:
+                    pooled_logits.append((r, len(logit_rows)))
+                    logit_rows.append(len(input_ids) - 1)
+            elif r.params.pooling is not None:
                 pooling.append((r, len(input_ids) - n, n))
             elif end == r.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
@@ -97,27 +100,29 @@ class ModelRunner:
         for r, row, n in pooling:
             pooled = _pool(r, hidden[row : row + n])
             if pooled is not None:
-                if r.params.pooling == "logits":
-                    pooled = self.model.compute_logits(pooled[None])[0]
                 r.embedding = pooled.float().cpu()
-        if not ready:
+        if not logit_rows:
             return [], hidden.new_empty((0, 0))
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
-        return ready, self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_rows, device=device)))
+        if pooled_logits:
+            for r, i in pooled_logits:
+                r.embedding = logits[i].float().cpu()
+            taken = {i for _, i in pooled_logits}
+            logits = logits[[i for i in range(len(logit_rows)) if i not in taken]]
+        return ready, logits
 
 
 def _pool(request: Request, hidden: torch.Tensor) -> torch.Tensor | None:
     """Fold one chunk's final hidden states ([n, hidden], the chunk ending at the request's computed count
-    plus n) into a pooling request; after the prompt's last chunk, the pooled state (the last one for
-    "last" and "logits")."""
-    start = request.num_computed_tokens  # not advanced yet: the scheduler does after the step
+    plus n) into a "last" or "mean" pooling request; after the prompt's last chunk, the pooled state."""
     if request.params.pooling == "mean":
         # the chunks' rows are summed together at the end, not chunk by chunk: the same sum, in the same
-        # order, whichever chunks the scheduler cut (a recompute after a preemption starts over)
-        request.pooled_rows = [hidden.float()] if start == 0 else [*request.pooled_rows, hidden.float()]
-    if start + len(hidden) < request.num_prompt_tokens:
+        # order, whichever chunks the scheduler cut (a recompute starts over: ``Request.restart``)
+        request.pooled_rows.append(hidden.float())
+    # the computed count is not advanced yet: the scheduler does after the step
+    if request.num_computed_tokens + len(hidden) < request.num_prompt_tokens:
         return None
-    if request.params.pooling != "mean":
+    if request.params.pooling == "last":
         return hidden[-1]
     rows, request.pooled_rows = request.pooled_rows, []
     return (rows[0] if len(rows) == 1 else torch.cat(rows)).sum(0) / request.num_prompt_tokens

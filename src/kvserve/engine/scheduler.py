@@ -79,7 +79,7 @@ class Scheduler:
     def check_prompt(self, request: Request) -> None:
         """Raise unless the request's prompt can ever be served."""
         limit = self.max_model_len
-        if request.num_prompt_tokens > limit or request.num_prompt_tokens == limit and request.params.pooling is None:
+        if request.num_prompt_tokens > self.prompt_room(request.params.pooling):
             raise PromptTooLongError(
                 f"the prompt is {request.num_prompt_tokens} tokens but the context limit is {limit} "
                 f"(room is needed for at least one new token)",
@@ -200,10 +200,7 @@ class Scheduler:
         request.metrics.num_context_shifts += 1
         self.num_context_shifts += 1
         self.running.remove(request)
-        self.kv.free(request)
-        request.restart()
-        request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self._requeue(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)  # its n-gram index holds the old positions
 
@@ -219,12 +216,16 @@ class Scheduler:
         first ``num_keep`` tokens and the newest tokens that fill half the room after them. Otherwise
         (or when it fits, as a pooling prompt of the whole context does: it needs no room for a new
         token) the prompt as it is (``check_prompt`` refuses it if too long)."""
-        fits = len(prompt) <= self.max_model_len if pooling is not None else len(prompt) < self.max_model_len
-        if not self.shifts_context or fits:
+        if not self.shifts_context or len(prompt) <= self.prompt_room(pooling):
             return prompt
         keep = min(self.config.num_keep if num_keep is None else num_keep, self.max_model_len // 2)
         tail = (self.max_model_len - keep) // 2
         return prompt[:keep] + prompt[len(prompt) - tail :]
+
+    def prompt_room(self, pooling: str | None) -> int:
+        """The longest prompt the context holds: a pooling prompt may fill it, any other leaves room for
+        one new token."""
+        return self.max_model_len - (pooling is None)
 
     def _prefix_hits(self, request: Request) -> tuple[list, int]:
         """The request's cached prefix (blocks, tokens), not yet taken; none for a mean pooling request, which
@@ -265,10 +266,7 @@ class Scheduler:
             request = s.request
             if request in self.running:
                 self.running.remove(request)
-            self.kv.free(request)
-            request.restart()
-            request.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(request)
+            self._requeue(request)
         if len(out.scheduled) > 1:
             self.suspects.update(s.request.request_id for s in out.scheduled)
             self.batch_cap = max(1, len(out.scheduled) // 2)
@@ -286,13 +284,17 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self._requeue(request)
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Back to the head of the queue with nothing computed: its blocks freed, to be run again."""
         self.kv.free(request)
         request.restart()
         request.status = RequestStatus.PREEMPTED
-        request.metrics.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted.append(request)
 
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:
         """Advance computed counts. Returns the requests whose last known token was computed this

@@ -212,6 +212,13 @@ class DecoderLM:
         rows = self.lm_head.rows(input_ids).to(self.dtype)
         return rows if out is None else out.copy_(rows)
 
+    def fit_context(self, num_ctx: int) -> None:
+        """Every rotary table (Gemma's sliding layers have their own) fitted to the context served
+        (``RotaryEmbedding.fit_context``)."""
+        self.rope.fit_context(num_ctx)
+        if self.rope_local is not self.rope:
+            self.rope_local.fit_context(num_ctx)
+
     @functools.cached_property
     def steps(self) -> list[tuple]:
         """The decoder's operations in order, the one place the order is written: ``forward`` runs them

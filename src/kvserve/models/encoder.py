@@ -17,6 +17,7 @@ and masked only for attention (torch's fused ``scaled_dot_product_attention``, f
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
@@ -92,6 +93,7 @@ class Encoder:
         if missing:
             raise ModelLoadError(f"{path}: not a BERT encoder's weights (missing {missing[0]})")
         self.weights = _weight_format(weight_format)
+        self.num_parameters = sum(t.numel() for t in weights.values())
         self.linears = self._projections()
         # no truncation or padding set on the shared tokenizer: requests in other threads use it at once
         self.tokenizer.no_padding()
@@ -100,15 +102,16 @@ class Encoder:
     def _projections(self) -> dict:
         """Every projection as ``models.linear`` holds it in ``self.weights``'s format: int8 groups (exact
         integer sums over the weights rounded to int8 per 32, our native kernels) or f32. A layer's query,
-        key and value are one projection; so are a gated feed-forward's gate and up."""
+        key and value are one projection; so are a gated feed-forward's gate and up. Their weights leave
+        ``self.w``: each is held once, by its linear."""
         from kvserve.models.linear import make_linear
 
         w, cpu = self.w, torch.device("cpu")
 
-        def fused(names: list[str]):
-            biases = [w.get(n + ".bias") for n in names]
+        def fused(names: list[str]):  # the parts leave ``self.w``: the linear holds their weights now
+            biases = [w.pop(n + ".bias", None) for n in names]
             bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            return make_linear(torch.cat([w[n + ".weight"] for n in names]), bias, self.weights, cpu, torch.float32)
+            return make_linear(torch.cat([w.pop(n + ".weight") for n in names]), bias, self.weights, cpu, torch.float32)
 
         names = ["pooler.dense", "classifier"] if self.config.num_labels else []
         linears = {}
@@ -121,7 +124,8 @@ class Encoder:
                 names.append(p + "intermediate.dense")
             names += [p + "attention.output.dense", p + "output.dense"]
         for name in names:
-            linears[name] = make_linear(w[name + ".weight"], w.get(name + ".bias"), self.weights, cpu, torch.float32)
+            linears[name] = make_linear(w.pop(name + ".weight"), w.pop(name + ".bias", None), self.weights, cpu,
+                                        torch.float32)
         return linears
 
     def tokenize(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
@@ -149,6 +153,13 @@ class Encoder:
                 ids, types = [*ids[: most - 1], ids[-1]], [*types[: most - 1], types[-1]]
             pairs.append((ids, types))
         return pairs
+
+    async def aembed(self, batch: list[list[int]]) -> torch.Tensor:
+        """``embed`` in a worker thread (torch computes without the GIL), for callers on an event loop."""
+        return await asyncio.to_thread(self.embed, batch)
+
+    async def ascore(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+        return await asyncio.to_thread(self.score, pairs)
 
     @torch.inference_mode()
     def embed(self, batch: list[list[int]]) -> torch.Tensor:

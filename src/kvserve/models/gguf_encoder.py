@@ -28,10 +28,11 @@ def decoder_pooling(path: Path) -> str | None:
     """The pooling a decoder GGUF declares ("last" or "mean"), or None: not an embedding model."""
     from kvserve.models.gguf_header import read_gguf_header
 
-    return _decoder_pooling(read_gguf_header(path))
+    return header_pooling(read_gguf_header(path))
 
 
-def _decoder_pooling(header) -> str | None:
+def header_pooling(header) -> str | None:
+    """``decoder_pooling`` of a header already read."""
     if header.architecture in ARCHITECTURES:  # an encoder's pooling, not a decoder's
         return None
     kind = header.get(f"{header.architecture}.pooling_type")
@@ -54,7 +55,12 @@ def is_gguf_encoder(path: Path) -> bool:
         header = read_gguf_header(path)
     except Exception:  # noqa: BLE001 - not a GGUF file we can read: not an encoder either
         return False
-    return header.architecture in ARCHITECTURES or _decoder_pooling(header) is not None
+    return is_encoder_header(header)
+
+
+def is_encoder_header(header) -> bool:
+    """``is_gguf_encoder`` of a header already read."""
+    return header.architecture in ARCHITECTURES or header_pooling(header) is not None
 
 
 # nomic-bert's own tensors (beside BERT's token_embd, token_types, token_embd_norm, attn_output(_norm),

@@ -53,13 +53,18 @@ def load_model(
     start = time.perf_counter()
     path = resolve(model, auto_pull=auto_pull)
     dev = pick_device(device)
-    from kvserve.models.gguf_encoder import is_encoder
+    from kvserve.models.encoder_config import is_encoder_folder
+    from kvserve.models.gguf_encoder import is_encoder_header
 
-    if is_encoder(path) and not embedding:
-        raise ModelLoadError(f"{model} is an encoder for sentence embeddings, not a model to generate with; "
-                             f"serve it beside one: kvserve serve MODEL {model}")
+    def not_an_encoder(is_encoder: bool) -> None:
+        if is_encoder and not embedding:
+            raise ModelLoadError(f"{model} is an encoder for sentence embeddings, not a model to generate with; "
+                                 f"serve it beside one: kvserve serve MODEL {model}")
+
     if path.is_dir():
         from kvserve.models.hf_folder import load_hf_weights, read_hf_config
+
+        not_an_encoder(is_encoder_folder(path))
 
         config = read_hf_config(path)
         weights = load_hf_weights(path, config)
@@ -69,6 +74,7 @@ def load_model(
         from kvserve.models.gguf_file import GGUFFile, GGUFWeights, read_model_config
 
         gf = GGUFFile(path)
+        not_an_encoder(is_encoder_header(gf.header))  # the header the load reads anyway
         config = read_model_config(gf)
         tokenizer = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") else None
         release_freed_memory()  # a vocabulary's build temporaries (Gemma 3's merges: ~190 MiB of C heap)

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "ql_layout.h"
 
 #define PANEL 16
 #define GROUP 32
@@ -25,20 +26,6 @@ typedef struct {
     uint8_t field[2][2];
 } RowGroup;
 
-static int group_bytes(int layout) {
-    static const int bytes[] = {[QL_F16] = 320,  [QL_F32] = 384,  [QL_Q4_0] = 288, [QL_Q5_0] = 352,
-                                [QL_Q5_1] = 384, [QL_Q4_K] = 288, [QL_Q5_K] = 352, [QL_Q6_K] = 416,
-                                [QL_Q2_K] = 160, [QL_Q3_K] = 224};
-    return bytes[layout];
-}
-static int super_bytes(int layout) {
-    return layout == QL_Q4_K || layout == QL_Q5_K || layout == QL_Q2_K ? 64 : layout == QL_Q6_K || layout == QL_Q3_K ? 32 : 0;
-}
-static int code_bits(int layout) {
-    static const int bits[] = {[QL_F16] = 4,  [QL_F32] = 4,  [QL_Q4_0] = 4, [QL_Q5_0] = 5, [QL_Q5_1] = 5,
-                               [QL_Q4_K] = 4, [QL_Q5_K] = 5, [QL_Q6_K] = 6, [QL_Q2_K] = 2, [QL_Q3_K] = 3};
-    return bits[layout];
-}
 /* The file's bytes per block and weights per block. */
 static int file_block_bytes(int layout) {
     static const int bytes[] = {[QL_F16] = 20,   [QL_Q4_0] = 18,  [QL_Q5_0] = 22,  [QL_Q5_1] = 24, [QL_Q4_K] = 144,
@@ -125,7 +112,7 @@ static void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_
                        uint8_t *panel) {
     const int G = cols / GROUP, block = group_bytes(layout), super = super_bytes(layout), bits = code_bits(layout);
     const int width = field_width(layout), fields = field_count(layout);
-    const int scales_at = bits >= 4 ? 256 + 64 * (bits - 4) : 64 * bits;
+    const int scales_at = code_bytes(layout);
     for (int g = 0; g < G; g++) {
         uint8_t *head = panel + (int64_t)(g / 8) * (super + 8 * block) * (super > 0);
         uint8_t *blk = super ? head + super + (g % 8) * block : panel + (int64_t)g * block;
@@ -162,7 +149,7 @@ int pack_gguf_blocks(const uint8_t *raw, int layout, int64_t rows, int cols, uin
     if (layout < QL_F16 || layout > QL_Q3_K || layout == QL_F32 || cols % file_block_weights(layout)) return -1;
     const int64_t row_bytes = (int64_t)cols / file_block_weights(layout) * file_block_bytes(layout);
     const int G = cols / GROUP;
-    const int64_t panel_bytes = (int64_t)G * group_bytes(layout) + (int64_t)(G / 8) * super_bytes(layout);
+    const int64_t panel_bytes = panel_bytes_of(layout, G);
     const int64_t panels = (rows + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) pack_panel(raw, layout, row_bytes, rows, cols, p, out + p * panel_bytes);

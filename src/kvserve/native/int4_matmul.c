@@ -56,11 +56,11 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "ql_layout.h"
 #include "simd.h"
 
 #define GROUP 32
 #define PANEL 16
-#define CODE_BYTES 256
 #if VL == 8 /* 16 vector registers: a tile's accumulators beside a group's 8 code vectors */
 #define ROW_TILE 4
 #else
@@ -72,31 +72,8 @@
 
 SIMD_EXPORT_ISA
 
-static inline int code_bits(int layout) {
-    static const int bits[] = {[QL_F16] = 4,  [QL_F32] = 4,  [QL_Q4_0] = 4, [QL_Q5_0] = 5, [QL_Q5_1] = 5,
-                               [QL_Q4_K] = 4, [QL_Q5_K] = 5, [QL_Q6_K] = 6, [QL_Q2_K] = 2, [QL_Q3_K] = 3};
-    return bits[layout];
-}
-/* Bytes of a group's codes (where its scales start), of the whole block, and of the super-block scales
- * before each run of 8 groups. */
-static inline int code_bytes(int layout) {
-    const int bits = code_bits(layout);
-    return bits >= 4 ? CODE_BYTES + 64 * (bits - 4) : 64 * bits;
-}
-static inline int group_bytes(int layout) {
-    static const int bytes[] = {[QL_F16] = 320,  [QL_F32] = 384,  [QL_Q4_0] = 288, [QL_Q5_0] = 352,
-                                [QL_Q5_1] = 384, [QL_Q4_K] = 288, [QL_Q5_K] = 352, [QL_Q6_K] = 416,
-                                [QL_Q2_K] = 160, [QL_Q3_K] = 224};
-    return bytes[layout];
-}
-static inline int super_bytes(int layout) {
-    return layout == QL_Q4_K || layout == QL_Q5_K || layout == QL_Q2_K ? 64 : layout == QL_Q6_K || layout == QL_Q3_K ? 32 : 0;
-}
 /* Whether a layout scales each half of a group (16 inputs) on its own. */
 static inline int per_half(int layout) { return layout == QL_Q6_K || layout == QL_Q2_K || layout == QL_Q3_K; }
-static inline int64_t panel_bytes_of(int layout, int G) {
-    return (int64_t)G * group_bytes(layout) + (int64_t)(G / 8) * super_bytes(layout);
-}
 
 /* One digit (digits = 1): per group of 32, q = round(x / a) with a = max|x| / 127 into d1, a into
  * gscale, a * (sum of q) into usum; row_scale 1. The offsets' term takes the sum of the rounded

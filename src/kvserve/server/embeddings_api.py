@@ -2,8 +2,9 @@
 (``ollama/ollama_embed.py``) share with it, from the encoder ``kvserve serve --embedding-model NAME`` (or an
 encoder among its models) loads (``models.encoder``; ``all-minilm`` in the registry).
 
-The encoder runs in a worker thread (torch computes without the GIL), a batch of inputs at a time, never
-on the event loop nor in the engine's steps.
+A BERT encoder runs in a worker thread (torch computes without the GIL), a batch of inputs at a time,
+never on the event loop; a decoder (an embedding GGUF, or a chat model) sends its inputs through its
+engine's steps (``embedding.decoder_encoder``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Literal
 
 import torch
@@ -55,15 +56,18 @@ class EmbeddingsResponse(BaseModel):
     usage: dict
 
 
+def names(encoder: Encoder | None, model: str) -> bool:
+    """Whether ``model`` is the encoder's name (or Ollama's ``name:latest`` of it)."""
+    return encoder is not None and model in (encoder.name, f"{encoder.name}:latest")
+
+
 @contextlib.asynccontextmanager
 async def embedding_model(request: Request, model: str, keep_alive: str | float | None = None) -> AsyncIterator[Encoder]:
     """The embedding model ``model`` names, or a chat model's own embeddings (the mean of its final hidden
     states, through its engine, loading it if need be: Ollama and llama.cpp's server embed with any model),
     kept loaded while the block runs (its inputs go in waves, no stream open between them)."""
-    encoder = request.app.state.encoder
     models = request.app.state.models
-    if (encoder is None or model not in (encoder.name, f"{encoder.name}:latest")) and any(
-            slot.matches(model) for slot in models.slots):
+    if not names(request.app.state.encoder, model) and any(slot.matches(model) for slot in models.slots):
         async with models.lease(model, keep_alive) as serving:
             if getattr(serving.async_engine, "serves_replicas", False):
                 raise APIError(501, "a chat model embeds through its own engine: not behind --replicas (serve an "
@@ -80,38 +84,38 @@ def served_encoder(request: Request, model: str, role: str, verb: str, flag: str
     if encoder is None:
         raise APIError(404, f"model '{model}' not found; this server has no such model (start it with {flag})",
                        "model", "model_not_found")
-    if model not in (encoder.name, f"{encoder.name}:latest"):
+    if not names(encoder, model):
         raise APIError(404, f"model '{model}' not found; this server {verb} with '{encoder.name}'", "model",
                        "model_not_found")
     return encoder
 
 
 async def vectors_of(encoder: Encoder, inputs: list[list[int]], dimensions: int | None) -> torch.Tensor:
-    """The inputs' embeddings, ``BATCH`` of similar lengths at a time in a worker thread (``length_batches``);
-    cut to ``dimensions`` (and normalized again where the model normalizes)."""
+    """The inputs' embeddings, ``BATCH`` of similar lengths at a time (``length_batches``); cut to ``dimensions`` (and normalized again where the model normalizes)."""
     if not inputs or len(inputs) > MAX_INPUTS:
         raise APIError(400, f"input must hold 1 to {MAX_INPUTS} items", "input")
     if dimensions is not None and dimensions > encoder.config.dimensions:
         raise APIError(400, f"dimensions must be at most {encoder.config.dimensions}", "dimensions")
     vectors = torch.empty(len(inputs), encoder.config.dimensions)
-    through_engine = getattr(encoder, "aembed", None)  # a decoder's: its engine batches every caller's inputs
     for batch in length_batches(inputs, BATCH):
-        rows = [inputs[i] for i in batch]
-        if through_engine is None:
-            vectors[batch] = await asyncio.to_thread(encoder.embed, rows)
-            continue
-        try:
-            vectors[batch] = await through_engine(rows)
-        except Exception as e:  # what the engine refuses at admission is the request's: a 4xx
-            error = engine_error(e, "input")
-            if error is None:
-                raise
-            raise error from None
+        vectors[batch] = await admitted(encoder.aembed([inputs[i] for i in batch]), "input")
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
         if encoder.config.normalize:
             vectors = torch.nn.functional.normalize(vectors, dim=-1)
     return vectors
+
+
+async def admitted(computed: Awaitable[torch.Tensor], param: str) -> torch.Tensor:
+    """An encoder's answer (a BERT's in a worker thread; a decoder's through its engine, which batches every
+    caller's inputs); what the engine refuses at admission is the request's error (a 4xx, or a 503)."""
+    try:
+        return await computed
+    except Exception as e:
+        error = engine_error(e, param)
+        if error is None:
+            raise
+        raise error from None
 
 
 async def tokens_of(encoder: Encoder, texts: list[str], truncate: bool = True) -> list[list[int]]:

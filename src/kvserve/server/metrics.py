@@ -186,6 +186,7 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics, model: str) -> None:
         self.m = metrics
         self.model = model
+        self.generation_tokens = metrics.generation_tokens.labels(model=model)  # looked up once, not a token
         self.last: RequestOutput | None = None
         self.done = False
 
@@ -194,7 +195,7 @@ class RequestTracker:
             self.m.prompt_tokens.labels(model=self.model).inc(out.metrics.num_prompt_tokens)
             if out.metrics.ttft is not None:
                 self.m.ttft.labels(model=self.model).observe(out.metrics.ttft)
-        self.m.generation_tokens.labels(model=self.model).inc(len(out.new_token_ids))
+        self.generation_tokens.inc(len(out.new_token_ids))
         self.last = out
         if out.finished:
             self.close()

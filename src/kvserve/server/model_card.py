@@ -28,6 +28,16 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def _files(path: Path) -> list[Path]:
+    """The model's files: the file, or a folder's files."""
+    return [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+
+
+def _main_type(types: dict[str, int]) -> str:
+    """The storage type holding most of the weight bytes."""
+    return max(types, key=types.get) if types else "unknown"
+
+
 @dataclass(slots=True)
 class ModelCard:
     name: str  # served name
@@ -41,22 +51,19 @@ class ModelCard:
     device: str
     modified: float  # unix time of the model file
     chat_template: str
-    _digest: str | None = None
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, name: str) -> ModelCard:
         loaded = engine.loaded
         path = Path(loaded.path)
-        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-        types = loaded.weight_types or {"unknown": 0}
         tokenizer = engine.tokenizer
         return cls(
             name=name,
             path=path,
             architecture=engine.model_config.architecture,
             num_parameters=count_parameters(engine),
-            quantization=max(types, key=types.get),
-            size_bytes=sum(f.stat().st_size for f in files),
+            quantization=_main_type(loaded.weight_types),
+            size_bytes=sum(f.stat().st_size for f in _files(path)),
             context_length=engine.max_model_len,
             kv_pool_bytes=engine.kv_pool_bytes,
             device=str(loaded.model.device),
@@ -65,22 +72,21 @@ class ModelCard:
         )
 
     @classmethod
-    def from_file(cls, source: str, name: str, context_length: int) -> ModelCard:
-        """A model not loaded yet, described from its header (``kvserve plan``'s reading): no KV pool yet."""
+    def from_file(cls, source: str, name: str, context_length: int, spec=None) -> ModelCard:
+        """A model not loaded yet, described from its header (``kvserve plan``'s reading, ``spec`` when the
+        caller has it): no KV pool yet."""
         from kvserve.models.registry import resolve
         from kvserve.plan.source import resolve_model
 
         path = resolve(source)
-        spec = resolve_model(source)
-        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-        types = spec.stored_by_type or {"unknown": 0}
+        spec = spec or resolve_model(source)
         template = ""
         if path.suffix == ".gguf":
             from kvserve.models.gguf_header import read_gguf_header
 
             template = read_gguf_header(path).get("tokenizer.chat_template", "") or ""
         return cls(name=name, path=path, architecture=spec.config.architecture, num_parameters=spec.num_params,
-                   quantization=max(types, key=types.get), size_bytes=sum(f.stat().st_size for f in files),
+                   quantization=_main_type(spec.stored_by_type), size_bytes=sum(f.stat().st_size for f in _files(path)),
                    context_length=min(context_length, spec.config.max_position_embeddings), kv_pool_bytes=0,
                    device="cpu", modified=path.stat().st_mtime, chat_template=template)
 
@@ -94,18 +100,15 @@ class ModelCard:
             card.chat_template = ""
             return card
         path = Path(encoder.path)
+        types = {"F32": 1}
         if path.suffix == ".gguf":
             from kvserve.models.gguf_header import read_gguf_header
 
-            types = read_gguf_header(path).bytes_by_type() or {"unknown": 0}
-            files = [path]
-        else:
-            types = {"F32": 1}
-            files = sorted(p for p in path.iterdir() if p.is_file())
+            types = read_gguf_header(path).bytes_by_type()
         c = encoder.config
         return cls(name=encoder.name, path=path, architecture="nomic-bert" if c.rotary_base else "bert",
-                   num_parameters=sum(t.numel() for t in encoder.w.values()), quantization=max(types, key=types.get),
-                   size_bytes=sum(f.stat().st_size for f in files), context_length=c.max_seq_length,
+                   num_parameters=encoder.num_parameters, quantization=_main_type(types),
+                   size_bytes=sum(f.stat().st_size for f in _files(path)), context_length=c.max_seq_length,
                    kv_pool_bytes=0, device="cpu", modified=path.stat().st_mtime, chat_template="")
 
     @property
@@ -116,10 +119,13 @@ class ModelCard:
         return requested in (self.name, self.ollama_name)
 
     def digest(self) -> str:
-        """sha256 of the model file (of the file names and sizes for a folder); computed once, slow the
-        first time for a big file, so call it from a worker thread."""
+        """sha256 of the model file (of the file names and sizes for a folder); computed once a file (size
+        and time), whichever card asks (a model loaded again, an encoder's), slow the first time for a big
+        file, so call it from a worker thread."""
+        stat = self.path.stat()
+        key = (str(self.path), stat.st_size, stat.st_mtime)
         with _digest_lock:
-            if self._digest is None:
+            if key not in _digests:
                 h = hashlib.sha256()
                 if self.path.is_file():
                     with open(self.path, "rb") as f:
@@ -128,8 +134,8 @@ class ModelCard:
                 else:
                     for p in sorted(self.path.iterdir()):
                         h.update(f"{p.name}:{p.stat().st_size}\n".encode())
-                self._digest = h.hexdigest()
-            return self._digest
+                _digests[key] = h.hexdigest()
+            return _digests[key]
 
     def details(self) -> dict:
         return {
@@ -143,3 +149,4 @@ class ModelCard:
 
 
 _digest_lock = threading.Lock()
+_digests: dict[tuple[str, int, float], str] = {}  # (path, size, mtime) -> sha256

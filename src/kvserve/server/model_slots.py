@@ -139,6 +139,10 @@ class ServedModels:
     async def serving(self, name: str | None, keep_alive: str | float | None = None) -> Serving:
         """The named model's Serving, loaded first if it is not (404 for a name this server does not
         serve). ``keep_alive`` (Ollama's) sets how long it stays once idle."""
+        return (await self._ready(name, keep_alive)).serving
+
+    async def _ready(self, name: str | None, keep_alive: str | float | None) -> Slot:
+        """The named model's slot, loaded."""
         slot = self.find(name)
         self._touch(slot, keep_alive)
         while slot.serving is None:
@@ -150,17 +154,16 @@ class ServedModels:
                 if slot.loading is not None and slot.loading.done():
                     slot.loading = None
         self._touch(slot, keep_alive)
-        return slot.serving
+        return slot
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str | None, keep_alive: str | float | None = None) -> AsyncIterator[Serving]:
         """The named model's Serving, kept loaded until the block ends (a handler that runs several engine
         streams one after another: no stream is open between them, yet the model is in use)."""
-        serving = await self.serving(name, keep_alive)
-        slot = next(s for s in self.slots if s.serving is serving)
+        slot = await self._ready(name, keep_alive)
         slot.leases += 1
         try:
-            yield serving
+            yield slot.serving
         finally:
             slot.leases -= 1
             slot.last_used = time.monotonic()
@@ -270,10 +273,9 @@ class ServedModels:
     async def unload(self, slot: Slot, reason: str, why: str = "") -> None:
         """reason: keep_alive, evicted, asked or stopping (the metrics' label; stopping unloads even a
         pinned model); why: the log's words."""
-        serving, slot.serving = slot.serving, None
-        if serving is None or slot.pinned and reason != "stopping":
-            slot.serving = serving
+        if slot.serving is None or slot.pinned and reason != "stopping":
             return
+        serving, slot.serving = slot.serving, None
         log.info("unloading model '%s' (%s) %s", slot.name, reason, why)
         self._event(slot, "unloaded", f"{reason} {why}".strip())
         if self.metrics is not None:

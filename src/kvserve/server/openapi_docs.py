@@ -3,7 +3,7 @@ every response against it.
 
 FastAPI documents what it can see: request bodies, and a 422 for validation errors that this server
 never sends. The routes add what it cannot (``responses=``): each status code with the error body of
-its API (``openai_responses.OpenAIError``, ``ollama_responses.OllamaError``), the 200 body's model,
+its API (``api_errors.OpenAIError``, ``ollama_responses.OllamaError``), the 200 body's model,
 and for streaming endpoints the stream's media type with an ``itemSchema`` for one SSE event or one
 NDJSON line (OpenAPI 3.2's spelling, which FastAPI's own streaming routes use too).
 ``openapi_document`` then adds what every route shares: 401 where the API key applies, 413 and a bad
@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from kvserve.server.anthropic import anthropic_responses
-from kvserve.server.api_errors import OPENAI_SHAPE, ErrorShape, shape_for
+from kvserve.server.api_errors import OPENAI_SHAPE, ErrorShape, OpenAIError, shape_for
 from kvserve.server.ollama import ollama_responses
 from kvserve.server.openai import openai_responses
 from kvserve.server.openai.responses_schemas import ResponseEvent
@@ -55,7 +55,7 @@ WWW_AUTHENTICATE = {
 STREAMED_MODELS = (
     openai_responses.ChatCompletionChunk,
     openai_responses.CompletionChunk,
-    openai_responses.OpenAIError,
+    OpenAIError,
     ollama_responses.GenerateResponse,
     ollama_responses.ChatResponse,
     ollama_responses.OllamaError,
@@ -77,7 +77,7 @@ def sse_stream(chunk: type) -> dict:
         "if": {"const": "[DONE]"},
         "else": {
             "contentMediaType": JSON,
-            "contentSchema": {"anyOf": [ref(chunk), ref(openai_responses.OpenAIError)]},
+            "contentSchema": {"anyOf": [ref(chunk), ref(OpenAIError)]},
         },
     }
     return {SSE: {"itemSchema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}

@@ -1,9 +1,8 @@
 """Reranking beside the chat model: ``/v1/rerank`` (and llama.cpp's ``/rerank``) in the shape Cohere and
 Jina define and llama.cpp and vLLM serve — a query and documents in, each document's relevance out, best
-first — from the cross-encoder ``kvserve serve --rerank-model PATH`` loads (``models.encoder``).
-
-Pairs run through the encoder in a worker thread, a batch at a time, never on the event loop nor in the
-engine's steps.
+first — from the reranker ``kvserve serve --rerank-model PATH`` loads: a cross-encoder (``models.encoder``),
+its pairs in a worker thread a batch at a time, never on the event loop; or a decoder judging yes/no
+(``embedding.decoder_encoder``), its prompts through its engine's steps.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.models.encoder import Encoder
-from kvserve.server.api_errors import APIError, engine_error
-from kvserve.server.embeddings_api import served_encoder
+from kvserve.server.api_errors import APIError
+from kvserve.server.embeddings_api import admitted, served_encoder
 from kvserve.server.openapi_docs import ok, openai_errors
 from kvserve.server.strict_schema import NonEmptyStr, Strict
 
@@ -64,19 +63,8 @@ async def rerank(body: RerankRequest, request: Request) -> dict:
     except ValueError as e:
         raise APIError(400, str(e), "query") from None
     scores = []
-    through_engine = getattr(encoder, "ascore", None)  # a decoder's: its engine batches every caller's prompts
     for i in range(0, len(pairs), BATCH):
-        part = pairs[i : i + BATCH]
-        if through_engine is None:
-            scores += (await asyncio.to_thread(encoder.score, part)).tolist()
-            continue
-        try:
-            scores += (await through_engine(part)).tolist()
-        except Exception as e:  # what the engine refuses at admission is the request's: a 4xx (or a 503)
-            error = engine_error(e, "documents")
-            if error is None:
-                raise
-            raise error from None
+        scores += (await admitted(encoder.ascore(pairs[i : i + BATCH]), "documents")).tolist()
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[: body.top_n]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": texts[i]}}
                                                              if body.return_documents else {})} for i in order]

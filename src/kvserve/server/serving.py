@@ -150,15 +150,6 @@ class Serving:
         shown = tools if choice.mode != "none" else []
         return shown, call_constraint(shown, choice, answer_format, self.call_format)
 
-    def check_model(self, name: str | None) -> None:
-        if not self.card.matches(name):
-            raise APIError(
-                404,
-                f"model '{name}' not found; this server serves '{self.card.name}'",
-                "model",
-                "model_not_found",
-            )
-
     # --- prompts --------------------------------------------------------------------------------------
     async def encode_chat(
         self, messages: list[dict[str, Any]], add_special: bool = True, tools: list[Tool] | None = None,

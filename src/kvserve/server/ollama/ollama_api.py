@@ -234,10 +234,14 @@ async def _model_entry(card: ModelCard) -> dict:
     }
 
 
+def _cards(request: Request) -> list[ModelCard]:
+    """Every model this server serves: its chat models, loaded or not, then its embedding and rerank models."""
+    return [slot.card for slot in request.app.state.models.slots] + request.app.state.encoder_cards
+
+
 @router.get("/api/tags", response_model=None, responses=ok(responses.Tags, "The models this server serves, loaded or not"))
 async def tags(request: Request) -> dict:
-    cards = [slot.card for slot in request.app.state.models.slots] + request.app.state.encoder_cards
-    return {"models": [await _model_entry(card) for card in cards]}
+    return {"models": [await _model_entry(card) for card in _cards(request)]}
 
 
 @router.get("/api/ps", response_model=None, responses=ok(responses.Ps, "The loaded models, each with when it unloads"))
@@ -377,8 +381,7 @@ async def pull(body: PullRequest, request: Request):
 async def delete(body: DeleteRequest, request: Request) -> Response:
     """A registry model removed from this machine (its joined file and its packages); not the one this
     server serves (409)."""
-    state = request.app.state
-    if any(card.matches(body.model_name) for card in [s.card for s in state.models.slots] + state.encoder_cards):
+    if any(card.matches(body.model_name) for card in _cards(request)):
         raise APIError(409, f"model '{body.model_name}' is the one this server serves: stop it first", "model")
     try:
         await asyncio.to_thread(registry.delete, body.model_name)

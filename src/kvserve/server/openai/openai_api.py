@@ -17,6 +17,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.fim import hole_indent
 from kvserve.server.api_errors import APIError, engine_error, openai_error_body
+from kvserve.server.embeddings_api import names
 from kvserve.server.model_card import ModelCard
 from kvserve.server.model_slots import served
 from kvserve.server.openai import openai_responses as responses
@@ -345,6 +346,6 @@ def _encoders(request: Request) -> list:
 )
 async def get_model(model: str, request: Request) -> dict:
     for encoder in _encoders(request):
-        if model in (encoder.name, f"{encoder.name}:latest"):
+        if names(encoder, model):
             return _encoder_object(encoder)
     return _model_object(request.app.state.models.find(model).card)

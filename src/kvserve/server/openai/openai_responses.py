@@ -11,9 +11,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-# the OpenAI API's error body is the core's (api_errors): its shape is every unowned path's
-from kvserve.server.api_errors import OpenAIError, OpenAIErrorDetail  # noqa: F401
-
 FinishReason = Literal["stop", "length"]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
