@@ -81,6 +81,12 @@ def server(tmp_path_factory) -> Server:
                      "--max-body-size", str(MAX_BODY), "--embedding-model", "all-minilm")
 
 
+@pytest.fixture(scope="session")
+def coder(tmp_path_factory):
+    """Qwen2.5-Coder-0.5B: fill-in-the-middle tokens, and the tool-call family local agents run."""
+    yield from serve(tmp_path_factory, "qwen2.5-coder-0.5b", "-c", "1024", "--max-num-seqs", "4")
+
+
 def serve(tmp_path_factory, model: str | list[str], *args: str):
     """A ``kvserve serve MODEL ARGS`` (MODEL ... for a list) on a free port with the tests' API key, until
     the generator ends."""

@@ -138,6 +138,31 @@ def test_each_template_picks_its_format():
     assert call_format(Tok("{{ messages }}")).name == "hermes"
 
 
+def test_markers_that_are_one_token_are_named_by_id():
+    class Tok:
+        chat_template = "{{ messages }}"
+        backend = type("B", (), {"token_to_id": staticmethod({"<tool_call>": 151657, "</tool_call>": 151658}.get)})()
+
+    rules = call_format(Tok()).rules([Tool("forecast", parameters=WEATHER)], 1)
+    assert "call: <[151657]> NL (tool0) NL <[151658]>" in rules
+    Tok.backend = type("B", (), {"token_to_id": staticmethod(lambda t: None)})()
+    assert 'call: "<tool_call>" NL (tool0) NL "</tool_call>"' in call_format(Tok()).rules([Tool("forecast")], 1)
+
+
+def test_a_bare_call_is_read_alone_or_in_a_json_block():
+    """Qwen2.5-Coder writes a call as the bare JSON object, often in a json code block: one of an offered tool
+    is a call; anything else (another name, text around it) stays text."""
+    fmt, tools = call_format(None), [Tool("forecast", parameters=WEATHER)]
+    body = '{"name": "forecast", "arguments": {"city": "Paris", "days": 3}}'
+    for text in (body, f"```json\n{body}\n```", f"  {body}\n"):
+        text_left, calls = fmt.parse(text, tools)
+        assert text_left == "" and [(c.name, c.arguments) for c in calls] == [("forecast", {"city": "Paris", "days": 3})]
+    for text in ('{"name": "other", "arguments": {}}', f"Here: {body}", "```python\nprint(1)\n```"):
+        assert fmt.parse(text, tools) == (text, [])
+    assert fmt.parse(body) == (body, [])  # no tools offered: text
+    assert fmt.may_start("```js") and fmt.may_start("{") and not fmt.may_start("Sure")
+
+
 def test_each_parser_reads_what_its_template_writes():
     # the calls of an assistant turn, as the family's template renders them, read back by its parser
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -204,3 +229,23 @@ def test_a_round_trip_and_auto_answers(family):
     ollama = httpx.post(f"{server.url}/api/chat", headers=server.headers, timeout=120, json={
         "model": name, "messages": ASK, "tools": TOOLS, "stream": False, "options": {"temperature": 0, "num_predict": 60}})
     assert ollama.status_code == 200
+
+
+def test_an_echoed_call_is_rendered_as_written_only_when_unchanged():
+    from kvserve.server.tools import WrittenCalls, messages_for_template
+
+    written = WrittenCalls(capacity=2)
+    call = ToolCall("forecast", {"city": "Paris", "days": 3}, "call_abc")
+    raw = '{"name": "forecast", "arguments": {"city": "Paris", "days": 3}}'
+    written.remember(raw, "", [call])
+    echo = {"role": "assistant", "content": "", "tool_calls": [ToolCall("forecast", {"city": "Paris", "days": 3},
+                                                                         "toolu_abc")]}
+    assert written.written(echo) == raw  # the Anthropic id of the same call
+    changed = {**echo, "tool_calls": [ToolCall("forecast", {"city": "Lyon", "days": 3}, "call_abc")]}
+    assert written.written(changed) is None
+    assert written.written({**echo, "content": "Let me look."}) is None
+    messages, _ = messages_for_template([{"role": "user", "content": "hi"}, echo], [Tool("forecast")], True, written)
+    assert messages[1] == {"role": "assistant", "content": raw}
+    for i in range(3):  # the oldest answers are forgotten
+        written.remember("x", "", [ToolCall("noop", {}, f"call_{i}")])
+    assert written.written(echo) is None

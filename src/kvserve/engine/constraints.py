@@ -64,8 +64,11 @@ class Constraint:
 
 
 # one line, with ", " and ": " as json.dumps writes it: pretty-printing costs tokens (small models
-# indent deeper and deeper), and clients parse either
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# indent deeper and deeper), and clients parse either. The separators are json.dumps' (and so the chat
+# templates' tojson's) so that a call the model wrote, sent back in the next request's history, renders as the
+# same text, and its cached blocks serve that request (llguidance's own default is ",", ":")
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS = JSON_LAYOUT
 
 
 class GrammarTokenizer:

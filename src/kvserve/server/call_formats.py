@@ -18,9 +18,10 @@ import json
 import re
 from typing import Any
 
+from kvserve.engine.constraints import JSON_LAYOUT
 from kvserve.server.tool_types import CALL_CLOSE, CALL_OPEN, Tool, ToolCall, call_schema, closed_parameters
 
-ONE_LINE = {"whitespace_flexible": False}
+ONE_LINE = JSON_LAYOUT
 
 
 def _dedupe(calls: list[ToolCall]) -> list[ToolCall]:
@@ -64,27 +65,45 @@ def _json_call(body: str) -> ToolCall | None:
 
 
 class CallFormat:
-    name = "hermes"
-    # an answer that is text: it cannot start a call (nor with blank space, which a model that means to call
-    # writes first), nor hold one further on (a call there would escape the grammar, read back unchecked)
-    text_regex = r"/[^<\s](.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/"
+    """Hermes: ``<tool_call>`` blocks of JSON. ``marks``: the open and close markers as grammar terms, token ids
+    (``<[151657]>``) where the vocabulary has each marker as one token, which is what the model writes and what
+    the grammar engine must be told (it never matches a marker token against the marker's bytes)."""
 
-    def rules(self, offered: list[Tool], max_calls: int) -> list[str]:
+    name = "hermes"
+    # the answer's decoded text holds its calls whole, markers included: rendered back as the assistant's turn it
+    # reads as the tokens the model wrote (``tools.WrittenCalls``); not so where a marker is a special token
+    # that decoding drops (Mistral) or a template adds its own around the call (Llama 3's python tag)
+    text_holds_calls = True
+    # an answer that is text: it cannot start a call (nor with blank space, which a model that means to call
+    # writes first, nor with "{", a bare call's start), nor hold one further on (a call there would escape the
+    # grammar, read back unchecked)
+    text_regex = r"/[^<\s{](.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/ & ~/```json(.|\n)*/"
+
+    def __init__(self, marks: tuple[str, str] | None = None) -> None:
+        self.open_mark, self.close_mark = marks or (json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE))
+
+    def rules(self, offered: list[Tool], max_calls: int, bare: bool = False) -> list[str]:
+        """``bare``: a call may also be written as the bare JSON object, no markers, alone or in a json code block
+        (Qwen2.5-Coder's habits, as llama.cpp's Hermes parser reads the first), checked against the tools'
+        schemas like a marked one; an answer that is text then starts with neither."""
         calls = "call" if max_calls == 1 else f"call (NL call){{0,{max_calls - 1}}}"
+        tools = " | ".join(f"tool{i}" for i in range(len(offered)))
         return [
-            f"calls: {calls}",
-            f'call: "{CALL_OPEN}" NL ({" | ".join(f"tool{i}" for i in range(len(offered)))}) NL "{CALL_CLOSE}"',
+            f"calls: {calls}" + (" | bare" if bare else ""),
+            f"call: {self.open_mark} NL ({tools}) NL {self.close_mark}",
             *(f"tool{i}: %json {json.dumps(call_schema(t))}" for i, t in enumerate(offered)),
+            *([f'bare: ({tools}) | "```json" NL ({tools}) NL "```"'] if bare else []),
             r'NL: "\n"',
         ]
 
     def may_start(self, text: str) -> bool:
-        return text.startswith(CALL_OPEN) or CALL_OPEN.startswith(text)
+        return text.startswith((CALL_OPEN, "{", "```json")) or any(m.startswith(text) for m in (CALL_OPEN, "```json"))
 
     def parse(self, text: str, tools: list[Tool] | None = None) -> tuple[str, list[ToolCall]]:
         """(the text that is not calls, the calls): every complete ``<tool_call>`` block whose body is a
         call, in order, a repeat dropped; a block cut off by the token limit is dropped where complete
-        calls precede it. Text that only looks like a call stays text."""
+        calls precede it; or, with no block, an answer that is one bare call of an offered tool (as JSON, or
+        in a json code block: Qwen2.5-Coder writes both). Text that only looks like a call stays text."""
         calls: list[ToolCall] = []
         kept: list[str] = []
         pos = 0
@@ -99,6 +118,10 @@ class CallFormat:
             calls += [call] if call is not None else []
             pos = end + len(CALL_CLOSE)
         if not calls:
+            body = text.strip().removeprefix("```json").removesuffix("```")
+            bare = _json_call(body) if tools and body.lstrip().startswith("{") else None
+            if bare is not None and bare.name in {t.name for t in tools}:
+                return "", [bare]
             return text, []
         return _joined(kept, text[pos:]), _dedupe(calls)
 
@@ -110,10 +133,13 @@ class Qwen3CoderFormat(CallFormat):
     CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
     PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
-    def rules(self, offered: list[Tool], max_calls: int) -> list[str]:
+    text_regex = r"/[^<\s](.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/"
+
+    def rules(self, offered: list[Tool], max_calls: int, bare: bool = False) -> list[str]:
         calls = "call" if max_calls == 1 else f"call (NL call){{0,{max_calls - 1}}}"
         tools = " | ".join(f"tool{i}" for i in range(len(offered)))
-        rules = [f"calls: {calls}", f'call: "{CALL_OPEN}" NL ({tools}) "</function>" NL "{CALL_CLOSE}"', r'NL: "\n"']
+        rules = [f"calls: {calls}", f'call: {self.open_mark} NL ({tools}) "</function>" NL {self.close_mark}',
+                 r'NL: "\n"']
         for i, tool in enumerate(offered):
             schema = closed_parameters(tool)
             required = set(schema.get("required", []))
@@ -167,9 +193,10 @@ class Llama3JsonFormat(CallFormat):
     """Llama 3.1-3.3's JSON tool calling: the answer is one JSON object naming the function."""
 
     name = "llama3-json"
+    text_holds_calls = False
     text_regex = r"/[^{](.|\n)*/"
 
-    def rules(self, offered: list[Tool], max_calls: int) -> list[str]:
+    def rules(self, offered: list[Tool], max_calls: int, bare: bool = False) -> list[str]:
         one = len(offered) == 1
         items, defs = _gathered([self._schema(t) for t in offered], lambda i: "#" if one else f"#/anyOf/{i}")
         schema = items[0] if one else {"anyOf": items}
@@ -203,13 +230,15 @@ class MistralFormat(CallFormat):
     grammar writes it by id, and the answer's text, special tokens left out, starts at the array)."""
 
     name = "mistral"
+    text_holds_calls = False
     MARK = "[TOOL_CALLS]"
     text_regex = r"/[^\[](.|\n)*/"
 
     def __init__(self, mark_id: int | None = None) -> None:
+        super().__init__()
         self.mark_id = mark_id
 
-    def rules(self, offered: list[Tool], max_calls: int) -> list[str]:
+    def rules(self, offered: list[Tool], max_calls: int, bare: bool = False) -> list[str]:
         one = len(offered) == 1
         items, defs = _gathered([call_schema(t) for t in offered], lambda i: "#/items" if one else f"#/items/anyOf/{i}")
         array = {"type": "array", "items": items[0] if one else {"anyOf": items}, "minItems": 1,
@@ -239,13 +268,21 @@ class MistralFormat(CallFormat):
 HERMES = CallFormat()
 
 
+def _marks(tokenizer) -> tuple[str, str] | None:
+    """The call markers as grammar terms: by token id where each is one token of the vocabulary (Qwen's
+    ``<tool_call>`` is 151657), else None (their bytes)."""
+    ids = [tokenizer.backend.token_to_id(m) for m in (CALL_OPEN, CALL_CLOSE)]
+    return None if None in ids else (f"<[{ids[0]}]>", f"<[{ids[1]}]>")
+
+
 def call_format(tokenizer) -> CallFormat:
-    """The family's format from the chat template (and, for Mistral, its marker token); Hermes otherwise."""
+    """The family's format from the chat template (and the markers' tokens); Hermes otherwise."""
     template = (tokenizer.chat_template if tokenizer is not None else None) or ""
+    marks = _marks(tokenizer) if tokenizer is not None else None
     if "<function=" in template and "<parameter=" in template:
-        return Qwen3CoderFormat()
+        return Qwen3CoderFormat(marks)
     if MistralFormat.MARK in template:
         return MistralFormat(tokenizer.backend.token_to_id(MistralFormat.MARK))
     if "<|start_header_id|>" in template and '"parameters"' in template.replace("\\", ""):
         return Llama3JsonFormat()
-    return HERMES
+    return CallFormat(marks) if marks is not None else HERMES

@@ -9,7 +9,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.engine.constraints import Constraint
+from kvserve.engine.constraints import JSON_LAYOUT, UNENFORCED_KEYWORDS, Constraint
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # small models repeat a call until the token limit; the grammar ends them here
@@ -17,9 +17,14 @@ MAX_PARALLEL_CALLS = 8  # small models repeat a call until the token limit; the 
 
 @dataclass(frozen=True, slots=True)
 class Tool:
+    """A function the model may call. ``strict``: the client asked for its schema to be enforced whole
+    (OpenAI's and Anthropic's ``strict: true``), so keywords the grammar cannot enforce are a 400; otherwise
+    they are left out of the call's grammar (the model still reads them in the prompt)."""
+
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,20 +66,23 @@ _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "co
                "unevaluatedProperties", "unevaluatedItems")
 
 
-def _rewrite(schema: Any, ref: Any) -> Any:
+def _rewrite(schema: Any, ref: Any, loose: bool = False) -> Any:
     """A copy of ``schema`` with each object closed (``additionalProperties: false`` where the schema
     says nothing of other properties, as OpenAI's strict mode reads it) and each ``$ref`` through
-    ``ref``."""
+    ``ref``. ``loose``: the keywords the grammar engine cannot enforce (``UNENFORCED_KEYWORDS``) left out,
+    so the grammar admits a little more than the schema, never less."""
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
+        if loose and key in UNENFORCED_KEYWORDS:
+            continue
         if key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_rewrite(v, ref) for v in value]
+            out[key] = [_rewrite(v, ref, loose) for v in value]
         elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: _rewrite(v, ref) for k, v in value.items()}
+            out[key] = {k: _rewrite(v, ref, loose) for k, v in value.items()}
         elif key in _SUBSCHEMAS:
-            out[key] = _rewrite(value, ref)
+            out[key] = _rewrite(value, ref, loose)
         elif key == "$ref" and isinstance(value, str):
             out[key] = ref(value)
         else:
@@ -103,7 +111,7 @@ def call_schema(tool: Tool) -> dict[str, Any]:
         # the ollama client's Tool model renames $defs to "defs" (and drops a property's lone $ref): keep
         # what it kept resolvable
         parameters = {("$defs" if k == "defs" else k): v for k, v in parameters.items()}
-    parameters = _rewrite(parameters, ref)
+    parameters = _rewrite(parameters, ref, loose=not tool.strict)
     defs = {k: parameters.pop(k) for k in ("$defs", "definitions") if isinstance(parameters.get(k), dict)}
     schema = {
         "type": "object",
@@ -112,7 +120,7 @@ def call_schema(tool: Tool) -> dict[str, Any]:
         "additionalProperties": False,
         **defs,
     }
-    schema["x-guidance"] = {"whitespace_flexible": False}  # as Constraint's JSON: one line
+    schema["x-guidance"] = JSON_LAYOUT  # as Constraint's JSON: one line, json.dumps' separators
     return schema
 
 
@@ -134,8 +142,8 @@ def format_constraint(kind: str, schema: dict[str, Any] | None) -> Constraint | 
 
 
 def closed_parameters(tool: Tool) -> dict[str, Any]:
-    """The tool's parameters schema, closed as ``call_schema`` closes it."""
-    return closed_schema(tool.parameters or {"type": "object"})
+    """The tool's parameters schema, closed (and loosened) as ``call_schema`` does it."""
+    return _rewrite(tool.parameters or {"type": "object"}, lambda target: target, loose=not tool.strict)
 
 
 def echoed_arguments(text: str) -> dict[str, Any] | str:

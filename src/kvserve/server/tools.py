@@ -17,10 +17,12 @@ tool's JSON schema; with ``auto`` it is either text or calls, and a call still f
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.constraints import Constraint
+from kvserve.engine.constraints import JSON_LAYOUT, Constraint
 from kvserve.server.call_formats import HERMES, CallFormat
 from kvserve.server.tool_types import (
     CALL_CLOSE,
@@ -45,8 +47,9 @@ def call_constraint(
     fmt = fmt or HERMES
     offered = [t for t in tools if choice.name is None or t.name == choice.name]
     max_calls = MAX_PARALLEL_CALLS if choice.parallel and choice.name is None else 1
-    grammar = fmt.rules(offered, max_calls)
-    if choice.mode == "auto" and choice.name is None:
+    auto = choice.mode == "auto" and choice.name is None
+    grammar = fmt.rules(offered, max_calls, bare=auto)
+    if auto:
         if answer is not None:
             grammar.insert(0, "start: calls | answer")
             grammar.append(f"answer: %json {json.dumps(_answer_schema(answer))}")
@@ -66,20 +69,68 @@ def _answer_schema(answer: Constraint) -> dict[str, Any]:
         schema = schema if isinstance(schema, dict) else {}
     else:
         raise ValueError(f"a {answer.kind} answer format does not go with tools")
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return {**schema, "x-guidance": JSON_LAYOUT}
+
+
+class WrittenCalls:
+    """The answers whose calls a client may send back, as the model wrote them (the last ``capacity``).
+
+    An agent's next request holds the call it got (and its result); rendered by the chat template, the call
+    is the family's canonical form, which differs from what the model wrote when it wrote a bare call, put
+    other spaces in its JSON or cut it into other tokens. The answer's own text rendered in its place makes
+    the next prompt begin with the very tokens the cache holds from this answer, so only the result and what
+    follows are computed. Only an echo whose calls and text are the ones parsed from that answer is replaced."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[str, str, list[ToolCall]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(call_id: str) -> str:
+        """A call's id without the prefix each API gives it (``call_``, ``toolu_``, ``fc_``)."""
+        prefix, _, rest = call_id.partition("_")
+        return rest if prefix in ("call", "toolu", "fc") and rest else call_id
+
+    def remember(self, written: str, text: str, calls: list[ToolCall]) -> None:
+        with self._lock:
+            for call in calls:
+                self._items[self.key(call.id)] = (written, text, calls)
+                self._items.move_to_end(self.key(call.id))
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def written(self, message: dict[str, Any]) -> str | None:
+        """The text the model wrote for an assistant turn of calls, when the turn echoes that answer whole."""
+        echoed = message.get("tool_calls") or []
+        with self._lock:
+            found = self._items.get(self.key(echoed[0].id)) if echoed else None
+        if found is None:
+            return None
+        written, text, calls = found
+        same_calls = [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in echoed]
+        return written if same_calls and (message.get("content") or "").strip() == text.strip() else None
 
 
 @dataclass(frozen=True, slots=True)
 class Calls:
-    """What an answer's calls are read against: the model family's format and the tools offered."""
+    """What an answer's calls are read against: the model family's format and the tools offered; ``written``
+    keeps each answer that held calls (``WrittenCalls``)."""
 
     fmt: CallFormat
     tools: list[Tool]
+    written: WrittenCalls | None = None
 
 
 def parse_calls(text: str, calls: Calls | None = None) -> tuple[str, list[ToolCall]]:
-    """(the text that is not calls, the calls) as the model family writes them (Hermes by default)."""
-    return calls.fmt.parse(text, calls.tools) if calls is not None else HERMES.parse(text)
+    """(the text that is not calls, the calls) as the model family writes them (Hermes by default). Call it
+    on an answer's final text: an answer with calls is remembered (``Calls.written``)."""
+    if calls is None:
+        return HERMES.parse(text)
+    rest, found = calls.fmt.parse(text, calls.tools)
+    if found and calls.written is not None and calls.fmt.text_holds_calls:
+        calls.written.remember(text, rest, found)
+    return rest, found
 
 
 def text_to_stream(holding: bool, out, calls: Calls | None = None) -> tuple[bool, str]:
@@ -108,10 +159,13 @@ def tools_prompt(tools: list[Tool]) -> str:
 
 
 def messages_for_template(
-    messages: list[dict[str, Any]], tools: list[Tool], template_takes_tools: bool
+    messages: list[dict[str, Any]], tools: list[Tool], template_takes_tools: bool, written: WrittenCalls | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template variables). Messages here are {"role", "content", optional
-    "tool_calls": [ToolCall], optional "tool_call_id"}; tool turns become what the template reads."""
+    "tool_calls": [ToolCall], optional "tool_call_id"}; tool turns become what the template reads; an
+    assistant turn of calls this server answered is the text the model wrote (``WrittenCalls``)."""
+    if written is not None:
+        messages = [_as_written(m, written) for m in messages]
     if template_takes_tools:
         rendered = []
         for m in messages:
@@ -143,6 +197,13 @@ def messages_for_template(
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, {}
+
+
+def _as_written(message: dict[str, Any], written: WrittenCalls) -> dict[str, Any]:
+    if message["role"] != "assistant" or not message.get("tool_calls"):
+        return message
+    text = written.written(message)
+    return message if text is None else {"role": "assistant", "content": text}
 
 
 def template_takes_tools(chat_template: str | None) -> bool:
