@@ -17,12 +17,13 @@ CHAT = {
 
 
 def sse_events(body: str) -> list[str]:
-    """Each event is exactly 'data: <payload>' followed by a blank line."""
+    """Each event is exactly 'data: <payload>' followed by a blank line; SSE comments (': ping', sent while a
+    prompt is read) are framed the same way and left out."""
     assert body.endswith("\n\n")
     events = body[:-2].split("\n\n")
     for event in events:
-        assert event.startswith("data: ") and "\n" not in event, repr(event)
-    return [e.removeprefix("data: ") for e in events]
+        assert (event.startswith("data: ") or event == ": ping") and "\n" not in event, repr(event)
+    return [e.removeprefix("data: ") for e in events if e != ": ping"]
 
 
 def test_chat_sse_framing(idle):

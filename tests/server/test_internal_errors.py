@@ -23,6 +23,7 @@ SECRET = "secret-internal-detail"
 
 class StubTokenizer:
     chat_template = ""
+    backend = SimpleNamespace(token_to_id=lambda token: None)  # no call marker is a token of its own
     thinks = False  # not a reasoning model
     max_token_bytes = 16
     fim = None
@@ -69,6 +70,9 @@ class StubAsyncEngine:
             yield RequestOutput(request_id or "r", (1,), "a", "a", [5], [5], False, None,
                                 RequestMetrics(arrival_time=0.0, num_prompt_tokens=1))
         raise self.error
+
+    def prompt_progress(self, request_id: str) -> None:
+        return None  # not taken in: the stub never reads a prompt
 
     def shutdown(self, reason: str = "", timeout: float | None = None) -> None:
         pass

@@ -9,6 +9,7 @@ from kvserve.server.ollama.ollama_api import ollama_params
 from kvserve.server.ollama.ollama_schemas import Options
 from kvserve.server.openai.openai_api import _params
 from kvserve.server.openai.openai_schemas import ChatCompletionRequest
+from kvserve.server.server_config import ServerConfig
 
 CTX = 512
 
@@ -64,7 +65,8 @@ def test_openai_mapping_and_seeds_per_choice():
         stop="END",
         ignore_eos=True,
     )
-    first, second = _params(body, 5, None, 0), _params(body, 5, None, 1)
+    config = ServerConfig(model_name="m")
+    first, second = _params(body, config, 5, None, 0), _params(body, config, 5, None, 1)
     assert first.seed == 2**64 - 1 and second.seed == 0  # distinct, reproducible, in torch's range
     assert (first.temperature, first.top_p, first.top_k, first.min_p) == (1.0, 1.0, 7, 0.2)
     assert (first.repetition_penalty, first.stop, first.ignore_eos, first.max_tokens) == (
@@ -73,3 +75,9 @@ def test_openai_mapping_and_seeds_per_choice():
         True,
         5,
     )
+    # a server's --temperature is the default of a request that sets none, never more
+    greedy = ServerConfig(model_name="m", temperature=0.0)
+    assert _params(body, greedy, 5, None, 0).temperature == 0.0
+    assert _params(body.model_copy(update={"temperature": 0.7}), greedy, 5, None, 0).temperature == 0.7
+    assert ollama_params(None, 10, CTX, None, default_temperature=0.0).temperature == 0.0
+    assert ollama_params(Options(temperature=0.5), 10, CTX, None, default_temperature=0.0).temperature == 0.5

@@ -117,6 +117,12 @@ def add_parser(sub, name: str) -> None:
         help="with --replicas: the Ray cluster to join (HOST:PORT of its head, or 'auto'); default: start a "
         "Ray instance on this machine",
     )
+    p.add_argument("--temperature", "--temp", type=float, default=None, metavar="T",
+                   help="the temperature of a request that sets none (llama.cpp's --temp; 0: greedy); default: "
+                   "each API's own (OpenAI and Anthropic 1, Ollama and /infill 0.8)")
+    p.add_argument("--stream-heartbeat", type=float, default=5.0, metavar="SECONDS",
+                   help="a streamed answer sends a ping (an Anthropic ping event, an SSE comment, an empty Ollama "
+                   "line) this often while its prompt is read, so agents do not drop a silent stream (default 5)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_engine_args(p, max_num_seqs=8)
@@ -166,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         max_n=args.max_n,
         special_tokens_in_messages=args.special_tokens_in_messages,
         reasoning_budget=args.reasoning_budget,
+        temperature=args.temperature,
+        heartbeat_seconds=args.stream_heartbeat,
         kv_events=check_endpoint(args.kv_events) if args.kv_events else None,
     )
     if args.replicas is not None:

@@ -17,6 +17,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
@@ -24,6 +25,17 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """A prompt being read: ``total`` tokens, ``cached`` of them found in the prefix cache, ``computed`` of
+    them with K/V in the cache so far (the cached ones included); ``arrival`` on ``time.perf_counter``."""
+
+    total: int
+    cached: int
+    computed: int
+    arrival: float
 
 
 class EngineDeadError(RuntimeError):
@@ -107,6 +119,16 @@ class AsyncLLMEngine:
     def num_open_streams(self) -> int:
         """``generate`` calls under way (their callers still reading): 0 when the engine is idle."""
         return len(self._streams)
+
+    def prompt_progress(self, request_id: str) -> PromptProgress | None:
+        """How far the engine has read a request's prompt, from any thread (plain reads of counters the engine
+        thread moves forward); None once it is finished or before the engine took it in."""
+        request = self.engine.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        total = request.num_prompt_tokens
+        cached = max(request.num_cached_tokens, 0)
+        return PromptProgress(total, cached, min(request.num_computed_tokens, total), request.metrics.arrival_time)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream (if still read) ends with finish_reason "abort"."""

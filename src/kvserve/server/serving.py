@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from jinja2.exceptions import TemplateError
 
-from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, PromptProgress
 from kvserve.engine.constraints import Constraint, compiled
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -28,10 +29,16 @@ from kvserve.server.engine_view import EngineView
 from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
 from kvserve.server.server_config import ServerConfig
-from kvserve.server.streaming import cancel_on_disconnect
+from kvserve.server.streaming import Tick, cancel_on_disconnect, with_ticks
 from kvserve.server.thinking import Thinking, thinking_for
 from kvserve.server.tool_types import Tool, ToolChoice, check_tools
-from kvserve.server.tools import call_constraint, messages_for_template, template_takes_tools
+from kvserve.server.tools import (
+    Calls,
+    WrittenCalls,
+    call_constraint,
+    messages_for_template,
+    template_takes_tools,
+)
 
 
 def sampling_params(param_names: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
@@ -47,16 +54,41 @@ def sampling_params(param_names: dict[str, str] | None = None, **kwargs: Any) ->
         raise APIError(400, message) from None
 
 
+def system_turns_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with every system turn after the first message merged into the leading system prompt
+    (one made if there is none), in order; None when there is no such turn. For chat templates that refuse
+    a system turn anywhere but first: the text still reaches the model, at the cost of the prompt's cached
+    prefix whenever such a turn changes."""
+    later = [m for m in messages[1:] if m["role"] == "system"]
+    if not later:
+        return None
+    head = [messages[0]] if messages and messages[0]["role"] == "system" else []
+    text = "\n\n".join(m["content"] for m in head + later if m.get("content"))
+    rest = [m for m in messages[len(head):] if m["role"] != "system"]
+    return [{"role": "system", "content": text}, *rest]
+
+
 class EngineStream:
     """One admitted engine request. Iterate it once; leaving the iteration early aborts the request."""
 
     def __init__(
-        self, agen: AsyncIterator[RequestOutput], first: asyncio.Future, tracker: RequestTracker
+        self, agen: AsyncIterator[RequestOutput], first: asyncio.Future, tracker: RequestTracker,
+        progress: Callable[[], PromptProgress | None] = lambda: None, prompt_len: int = 0,
     ) -> None:
         self._agen = agen
         self._first = first
         self._tracker = tracker
+        self._progress = progress
+        self._prompt_len = prompt_len
         self._closed = False
+
+    def progress(self) -> PromptProgress:
+        """How far its prompt has been read (before the engine takes it in: nothing yet)."""
+        return self._progress() or PromptProgress(self._prompt_len, 0, 0, time.perf_counter())
+
+    def ticking(self, every: float) -> AsyncIterator[RequestOutput | Tick]:
+        """Its outputs, and ``TICK`` whenever ``every`` seconds pass without one (``streaming.with_ticks``)."""
+        return with_ticks(self.__aiter__(), every)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -96,6 +128,7 @@ class Serving:
         self.card = card
         self.metrics = metrics
         self.view = view or EngineView(async_engine)
+        self.written = WrittenCalls()  # answers with calls, rendered as written when a client sends them back
 
     @property
     def max_model_len(self) -> int:
@@ -105,6 +138,10 @@ class Serving:
     def call_format(self) -> CallFormat:
         """How the model's family writes a tool call (``call_formats``), read from its chat template."""
         return call_format(self.async_engine.engine.tokenizer)
+
+    def calls(self, tools: list[Tool]) -> Calls | None:
+        """What a request's answer is read for calls against (None: no tools offered)."""
+        return Calls(self.call_format, tools, self.written) if tools else None
 
     @property
     def vocab_size(self) -> int:
@@ -160,7 +197,7 @@ class Serving:
         ``template_variables`` (``enable_thinking``, ...) beside them."""
         tokenizer = self.tokenizer
         messages, variables = messages_for_template(
-            messages, tools or [], template_takes_tools(tokenizer.chat_template)
+            messages, tools or [], template_takes_tools(tokenizer.chat_template), self.written
         )
         variables = {**(template_variables or {}), **variables}
         self.check_size(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
@@ -175,7 +212,14 @@ class Serving:
             )
 
         try:
-            return await asyncio.to_thread(encode)
+            try:
+                return await asyncio.to_thread(encode)
+            except TemplateError:
+                merged = system_turns_first(messages)
+                if merged is None:
+                    raise
+                messages = merged  # a template that takes no system turn mid-conversation (Gemma's, ...)
+                return await asyncio.to_thread(encode)
         except TemplateError as e:
             raise APIError(400, f"the model's chat template rejected the messages: {e}", "messages") from None
         except ValueError as e:  # text that is not valid Unicode, a special token the template mangles
@@ -249,7 +293,9 @@ class Serving:
             if mapped is None:
                 raise error
             raise mapped from None
-        return EngineStream(agen, first, self.metrics.tracker(self.card.name))
+        engine = self.async_engine
+        return EngineStream(agen, first, self.metrics.tracker(self.card.name),
+                            functools.partial(engine.prompt_progress, request_id), len(prompt))
 
     async def start_all(
         self, requests: list[tuple[list[int], SamplingParams, str]], param: str | None = None

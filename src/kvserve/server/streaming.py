@@ -26,6 +26,14 @@ T = TypeVar("T")
 Cleanup = Callable[[], Awaitable[None]]
 
 SSE_DONE = b"data: [DONE]\n\n"
+SSE_PING = b": ping\n\n"  # an SSE comment: clients skip it, proxies and watchdogs see bytes flow
+
+
+class Tick:
+    """What ``with_ticks`` yields when its items are slow to come."""
+
+
+TICK = Tick()
 
 
 def dumps(obj: dict) -> str:
@@ -78,6 +86,32 @@ def sse_response(events: AsyncIterator[bytes], cleanup: Cleanup | None = None) -
 
 def ndjson_response(lines: AsyncIterator[bytes], cleanup: Cleanup | None = None) -> EngineStreamingResponse:
     return EngineStreamingResponse(lines, "application/x-ndjson", None, cleanup)
+
+
+async def with_ticks(items: AsyncIterator[T], every: float) -> AsyncIterator[T | Tick]:
+    """``items`` as they come, and ``TICK`` each time ``every`` seconds pass without one: a stream keeps
+    speaking while a long prompt is read (agents drop a stream silent for minutes). Closing this closes
+    ``items``; use it under ``contextlib.aclosing``."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(items.__anext__())
+            done, _ = await asyncio.wait([pending], timeout=every)
+            if not done:
+                yield TICK
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.wait([pending])
+        await items.aclose()
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

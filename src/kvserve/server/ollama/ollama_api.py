@@ -43,10 +43,10 @@ from kvserve.server.ollama.ollama_schemas import (
 )
 from kvserve.server.openapi_docs import documented, ndjson_stream, ok
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
-from kvserve.server.streaming import ndjson_line, ndjson_response
+from kvserve.server.streaming import Tick, ndjson_line, ndjson_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tool_types import ToolChoice, check_tools
-from kvserve.server.tools import Calls, call_constraint, parse_calls, text_to_stream
+from kvserve.server.tools import call_constraint, parse_calls, text_to_stream
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["Ollama"])
@@ -61,8 +61,10 @@ def ollama_params(
     server_ctx: int,
     logprobs: int | None,
     constraint: Constraint | None = None,
+    default_temperature: float | None = None,
 ) -> SamplingParams:
-    """Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9) except repeat_penalty, which is 1.0:
+    """Ollama's defaults (temperature 0.8 unless the server's ``default_temperature``, top_k 40, top_p 0.9) except
+    repeat_penalty, which is 1.0:
     Ollama's 1.1 applies to the last 64 tokens, a window this engine does not have."""
     o = options or Options()
     ctx = server_ctx
@@ -76,7 +78,8 @@ def ollama_params(
     return sampling_params(
         PARAM_NAMES,
         max_tokens=max_tokens,
-        temperature=0.8 if o.temperature is None else o.temperature,
+        temperature=o.temperature if o.temperature is not None else
+        (0.8 if default_temperature is None else default_temperature),
         top_k=40 if o.top_k is None else o.top_k,
         top_p=0.9 if o.top_p is None else o.top_p,
         min_p=o.min_p or 0.0,
@@ -91,22 +94,26 @@ def ollama_params(
     )
 
 
-async def _reply(request: Request, stream: EngineStream, reply: Reply, streaming: bool):
+async def _reply(request: Request, stream: EngineStream, reply: Reply, streaming: bool, heartbeat: float):
     if streaming:
-        return ndjson_response(_lines(stream, reply), cleanup=stream.aclose)
+        return ndjson_response(_lines(stream, reply, heartbeat), cleanup=stream.aclose)
     [final] = await collect_finals(request, [stream])
     thought, text, calls = reply.split(final.text)
     return reply.final(final, text, calls, thought)
 
 
-async def _lines(stream: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
-    """With tools, an answer that starts with a call is held back and its calls come whole in the
-    last line (a call can only come first); text answers stream as usual."""
+async def _lines(stream: EngineStream, reply: Reply, heartbeat: float) -> AsyncIterator[bytes]:
+    """Lines of no text while the prompt is read (every ``heartbeat`` seconds), then the answer. With tools,
+    an answer that starts with a call is held back and its calls come whole in the last line (a call can only
+    come first); text answers stream as usual."""
     holding = reply.tools_on is not None
     thoughts = ThoughtStream(reply.thinking)
     try:
-        async with aclosing(stream.__aiter__()) as outputs:
+        async with aclosing(stream.ticking(heartbeat)) as outputs:
             async for out in outputs:
+                if isinstance(out, Tick):
+                    yield ndjson_line(reply.part(""))
+                    continue
                 thought, answer = thoughts.feed(out)
                 if thought:
                     yield ndjson_line(reply.part("", thought=thought))
@@ -202,15 +209,16 @@ async def _run(
         constraint = calls or body.format_constraint()
     except ValueError as e:
         raise APIError(400, f"format: {e}") from None
-    params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs, constraint)
+    params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs, constraint,
+                           serving.config.temperature)
     if stop_token_ids or stop_at_dedent:
         params = replace(params, stop_token_ids=(*params.stop_token_ids, *stop_token_ids), stop_at_dedent=stop_at_dedent)
     if thinking is not None:
         params = replace(params, reasoning=thinking.reasoning)
     stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")
-    reply = Reply(body.model, chat, received, logprobs is not None, tools_on=Calls(serving.call_format, tools) if calls is not None else None,
+    reply = Reply(body.model, chat, received, logprobs is not None, tools_on=serving.calls(tools) if calls is not None else None,
                   thinking=thinking)
-    result = await _reply(request, stream, reply, body.stream is not False)
+    result = await _reply(request, stream, reply, body.stream is not False, serving.config.heartbeat_seconds)
     asked = body.options.num_ctx if body.options else None
     if asked is not None and asked > serving.max_model_len:
         log.info("num_ctx %d asked, served at the server's context of %d tokens", asked, serving.max_model_len)
@@ -303,7 +311,7 @@ async def show(body: ShowRequest, request: Request) -> dict:
         "template": card.chat_template,  # jinja2 (the model's own), not a Go template
         "details": card.details(),
         "model_info": info,
-        "capabilities": ["completion", "tools"],
+        "capabilities": ["completion", "tools", *(["insert"] if card.fim else [])],  # insert: FIM (suffix)
         "modified_at": iso_stamp(card.modified),
     }
 

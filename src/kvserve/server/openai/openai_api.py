@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
+from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request
 
@@ -31,8 +32,9 @@ from kvserve.server.openai.openai_format import (
 )
 from kvserve.server.openai.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
+from kvserve.server.server_config import ServerConfig
 from kvserve.server.serving import EngineStream, Serving, collect_finals, merge, sampling_params
-from kvserve.server.streaming import SSE_DONE, sse_event, sse_response
+from kvserve.server.streaming import SSE_DONE, SSE_PING, Tick, sse_event, sse_response, with_ticks
 from kvserve.server.thinking import Thinking, ThoughtStream
 from kvserve.server.tool_types import Tool, ToolCall
 from kvserve.server.tools import Calls, parse_calls, text_to_stream
@@ -43,7 +45,8 @@ PARAM_NAMES = {"repetition_penalty": "repetition_penalty", "logprobs": "top_logp
 
 
 def _params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None, choice: int, constraint: Constraint | None = None
+    body: SamplingFields, config: ServerConfig, max_tokens: int | None, logprobs: int | None, choice: int,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     seed = body.seed
     if seed is not None and choice:
@@ -51,7 +54,7 @@ def _params(
     return sampling_params(
         PARAM_NAMES,
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=config.temperature_for(body.temperature, 1.0),
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         min_p=body.min_p or 0.0,
@@ -134,7 +137,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     prompt = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools,
                                        template_variables=variables)
     thinking = serving.thinking(prompt, enable)
-    params = [_params(body, max_tokens, logprobs, i, constraint) for i in range(n)]
+    params = [_params(body, serving.config, max_tokens, logprobs, i, constraint) for i in range(n)]
     if thinking is not None:
         params = [replace(p, reasoning=thinking.reasoning) for p in params]
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -142,9 +145,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         [(prompt, p, f"{response_id}-{i}") for i, p in enumerate(params)], param="messages"
     )
     maker = ChunkMaker(response_id, int(time.time()), body.model, "chat.completion.chunk", body.include_usage)
-    tools_on = Calls(serving.call_format, tools) if tools else None
+    tools_on = serving.calls(tools)
     if body.stream:
-        events = _chat_events(streams, maker, n, logprobs is not None, tools_on, thinking)
+        events = _chat_events(streams, maker, n, logprobs is not None, tools_on, thinking,
+                              _Waiting(serving, body.return_progress))
         return sse_response(events, cleanup=_closer(streams))
     finals = await collect_finals(request, streams)
     choices = []
@@ -154,12 +158,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return maker.final("chat.completion", choices, usage(*prompt_usage([finals]), finals))
 
 
+class _Waiting:
+    """What a stream sends while its prompt is read: an SSE comment every ``heartbeat_seconds``, or with
+    llama.cpp's ``return_progress``, a chunk of no choices with its ``prompt_progress`` every second."""
+
+    def __init__(self, serving: Serving, progress: bool | None) -> None:
+        self.progress = bool(progress)
+        self.every = min(1.0, serving.config.heartbeat_seconds) if progress else serving.config.heartbeat_seconds
+
+    def ticking(self, streams: list[EngineStream]):
+        return with_ticks(merge(streams), self.every)
+
+    def event(self, streams: list[EngineStream], maker: ChunkMaker) -> bytes:
+        if not self.progress:
+            return SSE_PING
+        p = streams[0].progress()  # the streams of one request share its prompt
+        progress = {"total": p.total, "cache": p.cached, "processed": p.computed,
+                    "time_ms": round((time.perf_counter() - p.arrival) * 1000, 1)}
+        return sse_event({**maker.chunk([]), "prompt_progress": progress})
+
+
 async def _chat_events(
     streams: list[EngineStream], maker: ChunkMaker, n: int, want_logprobs: bool, tools_on: Calls | None,
-    thinking: Thinking | None = None,
+    thinking: Thinking | None, waiting: _Waiting,
 ) -> AsyncIterator[bytes]:
-    """With tools, an answer that starts with a call (the grammar lets a call come first only) is
-    held back and sent as whole tool calls when it ends; text answers stream as usual."""
+    """The role chunk at once, ``waiting``'s events while the prompt is read, then the answer. With tools,
+    an answer that starts with a call (the grammar lets a call come first only) is held back and sent as
+    whole tool calls when it ends; text answers stream as usual."""
     for i in range(n):
         first = {
             "index": i,
@@ -172,8 +197,12 @@ async def _chat_events(
     holding = [tools_on is not None] * n  # still undecided or a call: text held back
     thoughts = [ThoughtStream(thinking) for _ in range(n)]
     try:
-        async with aclosing(merge(streams)) as outputs:
-            async for i, out in outputs:
+        async with aclosing(waiting.ticking(streams)) as outputs:
+            async for item in outputs:
+                if isinstance(item, Tick):
+                    yield waiting.event(streams, maker)
+                    continue
+                i, out = item
                 thought, answer = thoughts[i].feed(out)
                 if thought:
                     yield sse_event(maker.chunk([{"index": i, "delta": {"reasoning_content": thought},
@@ -221,7 +250,7 @@ async def completions(body: CompletionRequest, request: Request):
             400, "echo with logprobs needs prompt logprobs, which this server does not compute", "echo"
         )
     prompts = await _completion_prompts(body, serving)
-    params = [_params(body, body.max_tokens or 16, body.logprobs, j) for j in range(n)]
+    params = [_params(body, serving.config, body.max_tokens or 16, body.logprobs, j) for j in range(n)]
     if body.suffix is not None:  # the middle ends where the model says, or where it leaves the hole
         ends = serving.tokenizer.fim.ends
         indent = hole_indent(body.prompt if isinstance(body.prompt, str) else "")
@@ -234,7 +263,7 @@ async def completions(body: CompletionRequest, request: Request):
     echoes = [serving.decode(ids) if body.echo else "" for ids in prompts for _ in range(n)]
     maker = ChunkMaker(response_id, int(time.time()), body.model, "text_completion", body.include_usage)
     if body.stream:
-        events = _completion_events(streams, maker, echoes, n, body.logprobs)
+        events = _completion_events(streams, maker, echoes, n, body.logprobs, _Waiting(serving, body.return_progress))
         return sse_response(events, cleanup=_closer(streams))
     finals = await collect_finals(request, streams)
     choices = [
@@ -270,8 +299,10 @@ async def _completion_prompts(body: CompletionRequest, serving: Serving) -> list
 
 
 async def _completion_events(
-    streams: list[EngineStream], maker: ChunkMaker, echoes: list[str], n: int, num_logprobs: int | None
+    streams: list[EngineStream], maker: ChunkMaker, echoes: list[str], n: int, num_logprobs: int | None,
+    waiting: _Waiting,
 ) -> AsyncIterator[bytes]:
+    yield SSE_PING  # at once: the stream is open while the prompt is read
     offsets = [len(e) for e in echoes]
     for i, echo in enumerate(echoes):
         if echo:
@@ -280,8 +311,12 @@ async def _completion_events(
             )
     finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
     try:
-        async with aclosing(merge(streams)) as outputs:
-            async for i, out in outputs:
+        async with aclosing(waiting.ticking(streams)) as outputs:
+            async for item in outputs:
+                if isinstance(item, Tick):
+                    yield waiting.event(streams, maker)
+                    continue
+                i, out = item
                 want_logprobs = num_logprobs is not None and out.new_logprobs
                 if out.delta_text or want_logprobs:
                     logprobs = completion_logprobs(out.new_logprobs, offsets[i], num_logprobs or 0)
@@ -312,26 +347,35 @@ def _closer(streams: list[EngineStream]):
 
 
 # --- /v1/models -------------------------------------------------------------------------------------
-def _model_object(card: ModelCard) -> dict:
+def _model_object(name: str, created: float, context: int) -> dict:
+    """OpenAI's model object with Anthropic's fields beside (``responses.Model``)."""
     return {
-        "id": card.name,
+        "id": name,
         "object": "model",
-        "created": int(card.modified),
+        "created": int(created),
         "owned_by": "kvserve",
-        "max_model_len": card.context_length,
+        "max_model_len": context,
+        "type": "model",
+        "display_name": name,
+        "created_at": datetime.fromtimestamp(int(created), UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
 
+def _card_object(card: ModelCard) -> dict:
+    return _model_object(card.name, card.modified, card.context_length)
+
+
 def _encoder_object(encoder) -> dict:
-    return {"id": encoder.name, "object": "model", "created": int(encoder.path.stat().st_mtime),
-            "owned_by": "kvserve", "max_model_len": encoder.config.max_seq_length}
+    return _model_object(encoder.name, encoder.path.stat().st_mtime, encoder.config.max_seq_length)
 
 
 @router.get("/v1/models", response_model=None,
             responses=ok(responses.ModelList, "The served model, and the embedding and rerank models beside it"))
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_object(slot.card) for slot in request.app.state.models.slots]
-            + [_encoder_object(e) for e in _encoders(request)]}
+    data = [_card_object(slot.card) for slot in request.app.state.models.slots] \
+        + [_encoder_object(e) for e in _encoders(request)]
+    return {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
 
 
 def _encoders(request: Request) -> list:
@@ -348,4 +392,4 @@ async def get_model(model: str, request: Request) -> dict:
     for encoder in _encoders(request):
         if names(encoder, model):
             return _encoder_object(encoder)
-    return _model_object(request.app.state.models.find(model).card)
+    return _card_object(request.app.state.models.find(model).card)

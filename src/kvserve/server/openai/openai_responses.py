@@ -113,11 +113,21 @@ class ChatChunkChoice(Exact):
     finish_reason: ChatFinishReason | None
 
 
+class PromptProgress(Exact):
+    """llama.cpp's ``prompt_progress`` (with ``return_progress``): ``processed`` counts the cached tokens."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
 class ChatCompletionChunk(Response):
     object: Literal["chat.completion.chunk"]
     choices: list[ChatChunkChoice]
     # present only with stream_options.include_usage: null on every chunk but the last
     usage: Usage | None = None
+    prompt_progress: PromptProgress | None = None  # with return_progress, while the prompt is read (no choices)
 
 
 class CompletionChoice(Exact):
@@ -141,18 +151,28 @@ class CompletionChunk(Response):
     object: Literal["text_completion"]
     choices: list[CompletionChunkChoice]
     usage: Usage | None = None  # as in ChatCompletionChunk
+    prompt_progress: PromptProgress | None = None  # as in ChatCompletionChunk
 
 
 class Model(Exact):
+    """OpenAI's model object and Anthropic's in one (``GET /v1/models`` is both APIs' path): each SDK reads
+    its own fields and skips the others'."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int  # vLLM's extra: the context one request may use
+    type: Literal["model"]  # Anthropic's
+    display_name: str  # Anthropic's
+    created_at: str  # Anthropic's: RFC 3339
 
 
 class ModelList(Exact):
     object: Literal["list"]
     data: list[Model]
+    has_more: bool  # Anthropic's paging: every model is on the one page
+    first_id: str | None
+    last_id: str | None
 
 

@@ -158,6 +158,7 @@ class SamplingFields(Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = None
+    return_progress: bool | None = None  # llama.cpp's: streamed chunks with the prompt's progress while it is read
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema({"anyOf": [{"type": "null"}, {
         "type": "object", "propertyNames": {"pattern": "^[0-9]+$", strict_schema.TOKEN_ID_KEY: True},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}]})] = None  # token id (as a string) -> added to its logit, -100..100

@@ -120,6 +120,10 @@ class RemoteEngine:
     def check_capacity(self, count: int) -> None:
         """Nothing here: each replica has its own queue, and Ray's router holds what none has room for."""
 
+    def prompt_progress(self, request_id: str) -> None:
+        """Not known here (the replica reads the prompt): a stream's pings then say nothing of its progress."""
+        return
+
     def end_streams(self, reason: str) -> None:
         """Nothing to end here: Ray stops the replicas, whose streams end with them."""
 
