@@ -47,6 +47,20 @@ def find_fim_tokens(backend, eos_token_ids: list[int]) -> FimTokens | None:
     return None
 
 
+def file_has_fim_tokens(path, header_bytes: int) -> bool:
+    """Whether a GGUF file's vocabulary has a family's FIM tokens, read from the first ``header_bytes`` of the
+    file (its header: the vocabulary is stored there, each token a length-prefixed string) without decoding
+    the vocabulary."""
+    with open(path, "rb") as f:
+        header = f.read(header_bytes)
+
+    def stored(name: str) -> bool:
+        data = name.encode()
+        return len(data).to_bytes(8, "little") + data in header
+
+    return any(all(stored(n) for n in names[:3]) for names in FIM_SPELLINGS)
+
+
 def fim_prompt(tokenizer, prefix: str, suffix: str, extra: list[tuple[str, str]], middle: str = "") -> list[int]:
     """Prefix-suffix-middle as the code models are trained: other files first (``extra``: (file name,
     text), each after the file separator where the model has one), then the prefix, the suffix and the

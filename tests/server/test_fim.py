@@ -32,11 +32,6 @@ PAIRS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def coder(tmp_path_factory):
-    yield from serve(tmp_path_factory, "qwen2.5-coder-0.5b", "-c", "1024", "--max-num-seqs", "4")
-
-
 def _post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, headers=server.headers, timeout=300)
 
@@ -103,6 +98,71 @@ def test_infill_streams_and_reads_other_files(coder):
     pieces = [json.loads(e[6:]) for e in events]
     assert pieces[-1]["stop"] and len(pieces) > 2
     _parses(prefix, "".join(p["content"] for p in pieces), suffix)
+
+
+# llama.vim's and llama.vscode's bodies as those plugins build them (their ring-buffer update asks for no
+# tokens: the prompt is read into the cache)
+LLAMA_VIM = {"input_prefix": "def mean(numbers):\n", "input_suffix": "\n\nprint(mean([1, 2]))\n",
+             "input_extra": [{"text": "TOTAL = 0\n", "time": [1764300000, 1234], "filename": "util.py"}],
+             "prompt": "    ", "n_predict": 32, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90, "stream": False,
+             "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+             "t_max_predict_ms": 1000, "response_fields": [
+                 "content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
+                 "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
+                 "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]}
+LLAMA_VIM_RING = {"input_prefix": "", "input_suffix": "", "prompt": "", "n_predict": 0, "temperature": 0.0,
+                  "input_extra": [{"text": "TOTAL = 0\n", "time": [1764300000, 1234], "filename": "util.py"}],
+                  "stream": False, "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1, "t_max_predict_ms": 1,
+                  "response_fields": [""]}
+LLAMA_VSCODE = {"input_prefix": "def mean(numbers):\n", "input_suffix": "\n", "prompt": "    ",
+                "input_extra": [{"text": "TOTAL = 0\n", "time": 1764300000, "filename": "util.py"}], "n_predict": 32,
+                "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+                "cache_prompt": True, "n_indent": 4, "t_max_prompt_ms": 500, "t_max_predict_ms": 2500}
+LLAMA_VSCODE_RING = {"input_prefix": "", "input_suffix": "", "prompt": "", "n_predict": 0, "samplers": [],
+                     "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1,
+                     "input_extra": [{"text": "TOTAL = 0\n", "time": 1764300000, "filename": "util.py"}]}
+
+
+@pytest.fixture(scope="module")
+def editor(tmp_path_factory):
+    """SmolLM2 first (no FIM tokens), the coder second: a body naming no model goes to the coder."""
+    yield from serve(tmp_path_factory, ["smollm2", "qwen2.5-coder-0.5b"], "-c", "1024", "--max-num-seqs", "2")
+
+
+def test_the_editor_plugins_bodies_are_answered(editor):
+    r = _post(editor, "/infill", LLAMA_VIM)
+    assert r.status_code == 200, r.text
+    assert set(r.json()) == set(LLAMA_VIM["response_fields"])  # only those, nested ones under their path
+    assert r.json()["timings/predicted_n"] <= 32 and r.json()["tokens_cached"] > r.json()["timings/prompt_n"] > 0
+    r = _post(editor, "/infill", LLAMA_VSCODE)
+    assert r.status_code == 200 and r.json()["model"] == "qwen2.5-coder-0.5b" and "content" in r.json()
+    for ring in (LLAMA_VIM_RING, LLAMA_VSCODE_RING):
+        r = _post(editor, "/infill", ring)
+        assert r.status_code == 200, r.text
+        assert r.json().get("content", "") == ""  # the prompt is read, nothing is generated
+    r = _post(editor, "/infill", {**LLAMA_VSCODE, "n_predict": 0})
+    assert r.json()["tokens_predicted"] == 0
+    r = _post(editor, "/infill", {**LLAMA_VSCODE, "samplers": ["top_k", "magic"]})
+    assert r.status_code == 400 and "magic" in r.text
+    r = _post(editor, "/infill", {**LLAMA_VSCODE, "lora": [{"id": 0, "scale": 0.5}]})
+    assert r.status_code == 400 and "lora" in r.text  # it would change the answer, and there are no adapters here
+
+
+def test_t_max_predict_ms_ends_a_middle_at_a_line_end(editor):
+    body = {"input_prefix": "def numbers():\n    return [\n", "input_suffix": "    ]\n", "prompt": "        1,\n",
+            "n_predict": 200, "temperature": 0, "t_max_predict_ms": 1, "stop": []}
+    r = _post(editor, "/infill", body).json()
+    assert r["stop_type"] == "limit" and "\n" in r["content"] and r["tokens_predicted"] < 200
+    r = _post(editor, "/infill", {**body, "stream": True})
+    final = json.loads([line for line in r.text.splitlines() if line.startswith("data: ")][-1][6:])
+    assert final["stop_type"] == "limit"
+
+
+def test_ollama_show_says_the_files_mix_and_insert(editor):
+    r = _post(editor, "/api/show", {"model": "qwen2.5-coder-0.5b"}).json()
+    assert r["details"]["quantization_level"] == "Q4_K_M" and "insert" in r["capabilities"]
+    r = _post(editor, "/api/show", {"model": "smollm2"}).json()
+    assert r["details"]["quantization_level"] == "Q4_1" and "insert" not in r["capabilities"]
 
 
 def test_a_model_without_fim_tokens_is_a_400(idle):

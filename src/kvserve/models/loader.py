@@ -31,6 +31,7 @@ class LoadedModel:
     load_seconds: float
     weight_types: dict[str, int]  # storage type -> bytes on disk
     weights_why: str = ""  # why --weights auto chose the model's format ("" when it was named)
+    file_type: int | None = None  # a GGUF's general.file_type (llama.cpp's name for its mix of types)
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -70,6 +71,7 @@ def load_model(
         weights = load_hf_weights(path, config)
         tokenizer = Tokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
         weight_types = {"safetensors": sum(f.stat().st_size for f in path.glob("*.safetensors"))}
+        file_type = None
     else:
         from kvserve.models.gguf_file import GGUFFile, GGUFWeights, read_model_config
 
@@ -80,6 +82,7 @@ def load_model(
         release_freed_memory()  # a vocabulary's build temporaries (Gemma 3's merges: ~190 MiB of C heap)
         weights = GGUFWeights(gf, config, progress)
         weight_types = gf.header.bytes_by_type()
+        file_type = gf.get("general.file_type")
     why = ""
     if weight_format == "auto":
         from kvserve import native
@@ -94,4 +97,4 @@ def load_model(
         raise ModelLoadError(f"{path}: tensor {e} is missing from the model file") from None
     del weights
     release_freed_memory()  # the weights' dequantized copies
-    return LoadedModel(path, config, lm, tokenizer, time.perf_counter() - start, weight_types, why)
+    return LoadedModel(path, config, lm, tokenizer, time.perf_counter() - start, weight_types, why, file_type)

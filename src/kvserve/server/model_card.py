@@ -33,6 +33,16 @@ def _files(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
 
 
+def _file_type_name(value) -> str:
+    """``general.file_type`` as llama.cpp and Ollama name it ("Q4_K_M"), "" when unknown."""
+    from gguf.constants import LlamaFileType
+
+    try:
+        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_") if value is not None else ""
+    except (ValueError, TypeError):
+        return ""
+
+
 def _main_type(types: dict[str, int]) -> str:
     """The storage type holding most of the weight bytes."""
     return max(types, key=types.get) if types else "unknown"
@@ -51,6 +61,8 @@ class ModelCard:
     device: str
     modified: float  # unix time of the model file
     chat_template: str
+    fim: bool = False  # fill-in-the-middle tokens: /infill and suffix work, Ollama's "insert" capability
+    file_type: str = ""  # llama.cpp's name of the file's quantization mix ("Q4_K_M"); "" when it says none
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, name: str) -> ModelCard:
@@ -69,6 +81,8 @@ class ModelCard:
             device=str(loaded.model.device),
             modified=path.stat().st_mtime,
             chat_template=(tokenizer.chat_template or "") if tokenizer else "",
+            fim=tokenizer is not None and tokenizer.fim is not None,
+            file_type=_file_type_name(loaded.file_type),
         )
 
     @classmethod
@@ -80,15 +94,19 @@ class ModelCard:
 
         path = resolve(source)
         spec = spec or resolve_model(source)
-        template = ""
+        template, fim, file_type = "", False, ""
         if path.suffix == ".gguf":
+            from kvserve.fim import file_has_fim_tokens
             from kvserve.models.gguf_header import read_gguf_header
 
-            template = read_gguf_header(path).get("tokenizer.chat_template", "") or ""
+            header = read_gguf_header(path)
+            template = header.get("tokenizer.chat_template", "") or ""
+            fim = file_has_fim_tokens(path, header.data_offset)
+            file_type = _file_type_name(header.get("general.file_type"))
         return cls(name=name, path=path, architecture=spec.config.architecture, num_parameters=spec.num_params,
                    quantization=_main_type(spec.stored_by_type), size_bytes=sum(f.stat().st_size for f in _files(path)),
                    context_length=min(context_length, spec.config.max_position_embeddings), kv_pool_bytes=0,
-                   device="cpu", modified=path.stat().st_mtime, chat_template=template)
+                   device="cpu", modified=path.stat().st_mtime, chat_template=template, fim=fim, file_type=file_type)
 
     @classmethod
     def from_encoder(cls, encoder) -> ModelCard:
@@ -144,7 +162,7 @@ class ModelCard:
             "family": self.architecture,
             "families": [self.architecture],
             "parameter_size": human_count(self.num_parameters),
-            "quantization_level": self.quantization,
+            "quantization_level": self.file_type or self.quantization,
         }
 
 

@@ -5,6 +5,7 @@ for nothing."""
 from __future__ import annotations
 
 import functools
+import logging
 import types
 import typing
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, WithJsonSchema, mode
 
 from kvserve.engine.constraints import UNENFORCED_KEYWORDS
 from kvserve.server.tool_types import Tool
+
+log = logging.getLogger(__name__)
 
 # Text and token lists that must not be empty (a stop sequence, a prompt), as the published schema says them
 # (so a schema-valid request is never refused for being empty); the handlers' own checks refuse them with
@@ -51,6 +54,10 @@ TOKEN_ID_KEY = "x-kvserve-token-id-key"
 CLIENT_SCHEMA = {"type": "object", "propertyNames": {"not": {"enum": list(UNENFORCED_KEYWORDS)}}}
 ClientSchema = Annotated[dict[str, Any], WithJsonSchema(CLIENT_SCHEMA)]
 OptionalClientSchema = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [CLIENT_SCHEMA, {"type": "null"}]})]
+# A tool's parameters: any JSON schema; keywords the grammar cannot enforce are left out of the call's grammar
+# unless the tool is strict (``tool_types.Tool``), where compiling it is the 400
+ToolParameters = Annotated[dict[str, Any], WithJsonSchema({"type": "object"})]
+OptionalToolParameters = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [{"type": "object"}, {"type": "null"}]})]
 
 # A tool's name as templates and call grammars take it (``tool_types.check_tools`` refuses others)
 ToolName = Annotated[str, WithJsonSchema({"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
@@ -78,7 +85,9 @@ def top_logprobs_need_logprobs(least: int) -> dict:
 def _publish(schema: dict[str, Any], model: type) -> None:
     """A request model's published schema: fields we cannot honour as the values that ask for nothing
     (``neutral_values``), and the rules between fields that JSON Schema can say (``schema_rules``)."""
-    properties = schema.get("properties", {})
+    properties = schema.setdefault("properties", {})
+    for name in sorted(getattr(model, "ignored_fields", ()) - model.model_fields.keys()):
+        properties[name] = {"description": "accepted and ignored: it cannot change the answer"}
     for name, values in getattr(model, "neutral_values", {}).items():
         if name in properties:
             properties[name] = {"enum": list(values)}
@@ -87,13 +96,35 @@ def _publish(schema: dict[str, Any], model: type) -> None:
         schema["allOf"] = list(rules)
 
 
+_IGNORED_SEEN: set[tuple[str, str]] = set()
+
+
 class Strict(BaseModel):
+    """A request body: unknown fields are refused (a 400 naming them), values must have their documented
+    type. ``ignored_fields``: fields that cannot change the tokens generated (metadata, client bookkeeping,
+    cache hints), accepted and ignored, each logged once per name at debug level; those declared as fields
+    still have their type checked, the others are taken with any value and dropped. ``neutral_values``:
+    fields that would change the answer, accepted only at a value that asks for nothing."""
+
     # strict: no coercion, so "stream": "yes" or a token id of false is a 400, not true or token 0.
     # Both APIs' specs type these fields; their own servers refuse such values too. Integers still pass
     # where a number is expected (JSON does not tell 1 from 1.0).
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish)
     neutral_values: ClassVar[dict[str, tuple]] = {}
     schema_rules: ClassVar[tuple[dict, ...]] = ()
+    ignored_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not (present := cls.ignored_fields & data.keys()):
+            return data
+        for name in present:
+            if (cls.__name__, name) not in _IGNORED_SEEN:
+                _IGNORED_SEEN.add((cls.__name__, name))
+                log.debug("%s: %r accepted and ignored (it cannot change the answer)", cls.__name__, name)
+        untyped = present - cls.model_fields.keys()
+        return {k: v for k, v in data.items() if k not in untyped} if untyped else data
 
     @model_validator(mode="before")
     @classmethod
@@ -144,8 +175,8 @@ def neutral_only(neutral_values: dict[str, tuple]) -> Callable[[Any, ValidationI
 class FunctionDefinition(Strict):
     name: ToolName
     description: str | None = None
-    parameters: OptionalClientSchema = None  # none: no arguments
-    strict: bool | None = None  # arguments always follow the schema here
+    parameters: OptionalToolParameters = None  # none: no arguments
+    strict: bool | None = None  # true: every keyword of the schema enforced (a 400 where one cannot be)
 
 
 class ToolDefinition(Strict):
@@ -156,4 +187,4 @@ class ToolDefinition(Strict):
 
     def tool(self) -> Tool:
         f = self.function
-        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}})
+        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}}, bool(f.strict))

@@ -16,7 +16,7 @@ served from the prefix cache.
 from __future__ import annotations
 
 import json
-import secrets
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from fastapi import APIRouter, Request
 
-from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.async_engine import EngineDeadError, PromptProgress
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.anthropic import anthropic_responses as responses
 from kvserve.server.anthropic.anthropic_errors import anthropic_error_body, anthropic_errors
@@ -34,16 +34,31 @@ from kvserve.server.api_errors import APIError, engine_error, generation_error
 from kvserve.server.model_slots import served
 from kvserve.server.openapi_docs import ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
-from kvserve.server.streaming import sse_response, sse_typed_event
+from kvserve.server.streaming import Tick, sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, check_tools
 from kvserve.server.tools import Calls, call_constraint, parse_calls, text_to_stream
 
 router = APIRouter(tags=["Anthropic"])
+log = logging.getLogger(__name__)
 
 PARAM_NAMES = {"stop": "stop_sequences"}
 
 
+
+
+CLAUDE_PREFIX = "claude-"
+
+
+def _model_name(request: Request, name: str) -> str | None:
+    """The served model a request names; a Claude model's name that no served model has (Claude Code's
+    subagents and its title and summary requests name ``claude-opus-*``, ``claude-haiku-*``, ...) goes to the
+    default model, as llama.cpp's server answers any name, so an agent needs no setting to map them."""
+    models = request.app.state.models
+    if name.startswith(CLAUDE_PREFIX) and not any(slot.matches(name) for slot in models.slots):
+        log.debug("model %r is not served: the default model answers it", name)
+        return None
+    return name
 
 
 async def _prompt(
@@ -74,13 +89,13 @@ async def _prompt(
     | anthropic_errors(400, 404, 429, 503),
 )
 async def messages(body: MessagesRequest, request: Request):
-    serving = await served(request, body.model)
+    serving = await served(request, _model_name(request, body.model))
     prompt, tools, choice, thinking = await _prompt(serving, body)
     answer_format = body.output_config.constraint() if body.output_config else None
     params = sampling_params(
         PARAM_NAMES,
         max_tokens=body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=serving.config.temperature_for(body.temperature, 1.0),
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
@@ -90,9 +105,9 @@ async def messages(body: MessagesRequest, request: Request):
         params = replace(params, reasoning=thinking.reasoning)
     message_id = f"msg_{uuid.uuid4().hex}"
     stream = await serving.start(prompt, params, message_id, param="messages")
-    reply = MessageReply(message_id, body.model, Calls(serving.call_format, tools) if tools else None, thinking)
+    reply = MessageReply(message_id, body.model, serving.calls(tools), thinking)
     if body.stream:
-        return sse_response(_events(stream, reply), cleanup=stream.aclose)
+        return sse_response(_events(stream, reply, serving.config.heartbeat_seconds), cleanup=stream.aclose)
     [final] = await collect_finals(request, [stream])
     return reply.message(final)
 
@@ -103,7 +118,7 @@ async def messages(body: MessagesRequest, request: Request):
     responses=ok(responses.TokenCount, "The prompt's tokens, tools included") | anthropic_errors(400, 404),
 )
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
-    prompt, *_ = await _prompt(await served(request, body.model), body)
+    prompt, *_ = await _prompt(await served(request, _model_name(request, body.model)), body)
     return {"input_tokens": len(prompt)}
 
 
@@ -127,9 +142,9 @@ class MessageReply:
     def message(self, out: RequestOutput) -> dict:
         blocks, calls = self.content(out)
         reason, sequence = _stop(out, calls)
-        return self._base(blocks, reason, sequence, out)
+        return self._base(blocks, reason, sequence, _usage(out))
 
-    def _base(self, blocks: list[dict], reason: str | None, sequence: str | None, out: RequestOutput) -> dict:
+    def _base(self, blocks: list[dict], reason: str | None, sequence: str | None, usage: dict) -> dict:
         return {
             "id": self.id,
             "type": "message",
@@ -138,11 +153,15 @@ class MessageReply:
             "content": blocks,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": _usage(out),
+            "usage": usage,
         }
 
-    def start(self, out: RequestOutput) -> bytes:
-        return sse_typed_event("message_start", {"message": self._base([], None, None, out)})
+    def start(self, progress: PromptProgress) -> bytes:
+        """``message_start``, sent as soon as the request is admitted: its usage is what is known then (the
+        prompt, and the cached part once the engine has looked it up); ``message_delta`` has the final one."""
+        usage = {"input_tokens": progress.total - progress.cached, "output_tokens": 0,
+                 "cache_read_input_tokens": progress.cached, "cache_creation_input_tokens": 0}
+        return sse_typed_event("message_start", {"message": self._base([], None, None, usage)})
 
 
 def _thinking_block(thought: str) -> dict:
@@ -150,7 +169,9 @@ def _thinking_block(thought: str) -> dict:
 
 
 def _tool_use(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}", "name": call.name, "input": call.arguments}
+    """The call's id with Anthropic's prefix (``WrittenCalls`` finds it again when the client sends it back)."""
+    return {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}", "name": call.name,
+            "input": call.arguments}
 
 
 def _stop(out: RequestOutput, calls: list[ToolCall]) -> tuple[str, str | None]:
@@ -175,20 +196,20 @@ def _usage(out: RequestOutput) -> dict:
     }
 
 
-async def _events(stream: EngineStream, reply: MessageReply) -> AsyncIterator[bytes]:
-    """Text streams as text deltas; with tools, an answer that starts with a call (a call can only
-    come first) is held back and its calls are sent as tool_use blocks when it ends."""
-    started = False
+async def _events(stream: EngineStream, reply: MessageReply, heartbeat: float) -> AsyncIterator[bytes]:
+    """``message_start`` at once, ``ping`` events while the prompt is read, then the answer: text streams as
+    text deltas; with tools, an answer that starts with a call (a call can only come first) is held back and
+    its calls are sent as tool_use blocks when it ends."""
+    yield reply.start(stream.progress())
     holding = reply.tools_on is not None
     thoughts = ThoughtStream(reply.thinking)
     blocks = _Blocks()
     try:
-        async with aclosing(stream.__aiter__()) as outputs:
+        async with aclosing(stream.ticking(heartbeat)) as outputs:
             async for out in outputs:
-                if not started:
-                    started = True
-                    yield reply.start(out)
+                if isinstance(out, Tick):
                     yield sse_typed_event("ping", {})
+                    continue
                 thought, answer = thoughts.feed(out)
                 if thought:
                     for chunk in blocks.delta("thinking", {"type": "thinking_delta", "thinking": thought}):
@@ -247,6 +268,6 @@ def _ending(out: RequestOutput, reply: MessageReply, holding: bool, streamed: _B
             sse_typed_event("content_block_stop", {"index": index}),
         ]
     chunks.append(sse_typed_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                          "usage": {"output_tokens": out.metrics.num_generation_tokens}}))
+                                                    "usage": _usage(out)}))
     chunks.append(sse_typed_event("message_stop", {}))
     return chunks

@@ -107,7 +107,13 @@ class StopDelta(Exact):
 
 
 class OutputUsage(Exact):
+    """The message's whole usage (as Anthropic's ``message_delta`` now carries it): the prompt's split is
+    final here, where ``message_start``'s was what was known when the request was admitted."""
+
+    input_tokens: int
     output_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
 
 
 class MessageDelta(Exact):

@@ -69,8 +69,13 @@ def _no_blocks(role: str, block: str) -> dict:
 
 
 class AnthropicMessage(Strict):
-    schema_rules = (_no_blocks("user", "tool_use"), _no_blocks("assistant", "tool_result"))
-    role: Literal["user", "assistant"]
+    """One turn. ``system``: a system turn mid-conversation (the mid-conversation-system beta Claude Code
+    sends), rendered where it stands (``Serving.encode_chat`` merges it into the system prompt where the
+    model's chat template takes no system turn there)."""
+
+    schema_rules = (_no_blocks("user", "tool_use"), _no_blocks("assistant", "tool_result"),
+                    _no_blocks("system", "tool_use"), _no_blocks("system", "tool_result"))
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
     def for_template(self) -> list[dict[str, Any]]:
@@ -80,9 +85,9 @@ class AnthropicMessage(Strict):
         text = "\n".join(b.text for b in self.content if isinstance(b, AnthropicText))
         calls = [ToolCall(b.name, b.input, b.id) for b in self.content if isinstance(b, AnthropicToolUse)]
         results = [b for b in self.content if isinstance(b, AnthropicToolResult)]
-        if self.role == "assistant" and results:
+        if self.role != "user" and results:
             raise ValueError("tool_result blocks belong in user turns")
-        if self.role == "user" and calls:
+        if self.role != "assistant" and calls:
             raise ValueError("tool_use blocks belong in assistant turns")
         turns: list[dict[str, Any]] = [{"role": "tool", "content": r.text} for r in results]
         if text or not results:
@@ -94,14 +99,18 @@ class AnthropicMessage(Strict):
 
 
 class AnthropicTool(Strict):
+    # hints for Anthropic's own tool search and programmatic calling, streaming of a call's input, examples
+    # shown to Anthropic's models: none changes the tokens generated here
+    ignored_fields = frozenset({"eager_input_streaming", "defer_loading", "input_examples", "allowed_callers"})
     name: ToolName
     description: str | None = None
-    input_schema: strict_schema.ClientSchema
+    input_schema: strict_schema.ToolParameters
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
+    strict: bool | None = None  # true: every keyword of the schema enforced (a 400 where one cannot be)
 
     def tool(self) -> Tool:
-        return Tool(self.name, self.description or "", self.input_schema)
+        return Tool(self.name, self.description or "", self.input_schema, bool(self.strict))
 
 
 class AnthropicToolChoice(Strict):
@@ -148,6 +157,42 @@ class AnthropicOutputConfig(Strict):
         return Constraint.json_schema(closed_schema(self.format.schema_)) if self.format else None
 
 
+class ContextEdit(Strict):
+    """One of ``context_management.edits``: clearing earlier thinking blocks is what this server always does
+    (a thought is never shown to the model again), so it changes nothing; clearing tool results would change
+    the prompt and is not done here, so it is refused."""
+
+    type: str
+    keep: Any = None
+    trigger: Any = None
+    clear_at_least: Any = None
+    exclude_tools: Any = None
+    clear_tool_inputs: Any = None
+
+    @field_validator("type")
+    @classmethod
+    def thinking_only(cls, value: str) -> str:
+        if not value.startswith("clear_thinking_"):
+            raise ValueError(f"context edits of type {value!r} are not supported by this server (it keeps every "
+                             "tool result); leave them out")
+        return value
+
+
+class ContextManagement(Strict):
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _is_billing_header(block: AnthropicText) -> bool:
+    """Claude Code's first system block: billing metadata for Anthropic's servers (its version and a hash
+    that changes with each session's first message), not text meant for the model. Kept, it would sit in
+    front of everything else and make every new session recompute its whole prompt."""
+    text = block.text.strip()
+    return text.startswith(BILLING_HEADER) and "\n" not in text
+
+
 class CountTokensRequest(Strict):
     schema_rules = (strict_schema.tool_choice_needs_tools(
         {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}),)
@@ -158,11 +203,15 @@ class CountTokensRequest(Strict):
     tool_choice: AnthropicToolChoice | None = None
     thinking: Annotated[AnthropicThinking | None, strict_schema.needs(
         "thinking", {"anyOf": [_THINKING, {"type": "null"}]}, {"anyOf": [_NO_THINKING, {"type": "null"}]})] = None
+    context_management: ContextManagement | None = None
 
     @property
     def system_text(self) -> str:
+        """The system prompt: the blocks' text, a leading billing-header block left out
+        (``_is_billing_header``)."""
         if isinstance(self.system, list):
-            return "\n".join(b.text for b in self.system)
+            blocks = self.system[1:] if self.system and _is_billing_header(self.system[0]) else self.system
+            return "\n".join(b.text for b in blocks)
         return self.system or ""
 
     def template_messages(self) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.outputs import RequestOutput
@@ -32,7 +33,7 @@ from kvserve.server.openai.responses_schemas import (
 )
 from kvserve.server.openapi_docs import documented, ok, openai_errors, typed_sse_stream
 from kvserve.server.serving import EngineStream, collect_finals, sampling_params
-from kvserve.server.streaming import sse_response, sse_typed_event
+from kvserve.server.streaming import SSE_PING, Tick, sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
 from kvserve.server.tool_types import ToolCall
 from kvserve.server.tools import Calls, parse_calls, text_to_stream
@@ -85,6 +86,7 @@ class Reply:
         self.thinking = thinking
         self.created = int(time.time())
         self.sequence = 0
+        self.namespaces = body.namespaces()
 
     def thought(self, out: RequestOutput) -> str | None:
         return self.thinking.split(out.text)[0] if self.thinking is not None else None
@@ -101,17 +103,20 @@ class Reply:
         parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": parts}
 
-    @staticmethod
-    def call_item(call: ToolCall, arguments: str | None = None) -> dict:
-        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
-                "name": call.name, "status": "completed" if arguments is None else "in_progress",
-                "arguments": json.dumps(call.arguments, ensure_ascii=False) if arguments is None else arguments}
+    def call_item(self, call: ToolCall) -> dict:
+        """A ``function_call`` item; a namespaced tool's call names its namespace apart, as OpenAI's do."""
+        namespace, _, name = call.name.rpartition(".")
+        named = {"name": name, "namespace": namespace} if namespace in self.namespaces else {"name": call.name}
+        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id, **named,
+                "status": "completed", "arguments": json.dumps(call.arguments, ensure_ascii=False)}
 
     def output(self, out: RequestOutput) -> list[dict]:
         thought = self.thought(out)
         text, calls = self.split(out)
         items = [self.reasoning_item(thought)] if thought is not None else []
-        items += [self.message_item(text)] if text or not calls else []
+        if text or not calls:  # a message cut off by max_output_tokens is incomplete, as its response is
+            items.append({**self.message_item(text), "status": "incomplete" if out.finish_reason == "length"
+                          else "completed"})
         return items + [self.call_item(c) for c in calls]
 
     def response(self, out: RequestOutput | None, status: str | None = None) -> dict:
@@ -170,7 +175,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
     choice = body.tool_choice_spec()
     fmt = body.text.format if body.text else None
-    shown, constraint = serving.output_rules([t.tool() for t in body.tools or []], choice,
+    shown, constraint = serving.output_rules(body.function_tools(), choice,
                                              fmt.constraint if fmt else lambda: None, "text.format")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     conversation = history + messages
@@ -182,12 +187,12 @@ async def create_response(body: ResponsesRequest, request: Request):
     params = sampling_params(
         None,
         max_tokens=body.max_output_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=serving.config.temperature_for(body.temperature, 1.0),
         top_p=1.0 if body.top_p is None else body.top_p,
         constraint=constraint,
         reasoning=thinking.reasoning if thinking is not None else None,
     )
-    reply = Reply(body, body.model, Calls(serving.call_format, shown) if shown else None, thinking)
+    reply = Reply(body, body.model, serving.calls(shown), thinking)
     stream = await serving.start(prompt, params, reply.id, param="input")
 
     def keep(out: RequestOutput, response: dict) -> None:
@@ -198,17 +203,23 @@ async def create_response(body: ResponsesRequest, request: Request):
                 turn["tool_calls"] = calls
             store.put(response, [*conversation, turn])
 
+    hosted = body.hosted_tools()
+    # a header is Latin-1: the names as JSON strings, escaped to ASCII
+    left_out = ", ".join(json.dumps(name)[1:-1].replace('"', "'") for name in hosted)
+    headers = {"Warning": f'299 kvserve "hosted tools are not run here, left out: {left_out}"'} if hosted else None
     if body.stream:
-        return sse_response(_events(stream, reply, keep), cleanup=stream.aclose)
+        response = sse_response(_events(stream, reply, keep, serving.config.heartbeat_seconds), cleanup=stream.aclose)
+        response.headers.update(headers or {})
+        return response
     [final] = await collect_finals(request, [stream])
     response = reply.response(final)
     keep(final, response)
-    return response
+    return JSONResponse(response, headers=headers)
 
 
-async def _events(stream: EngineStream, reply: Reply, keep) -> AsyncIterator[bytes]:
-    """OpenAI's event sequence: created, in_progress, then per output item added / deltas / done, then
-    completed (or incomplete). A thought streams as a reasoning item before the answer; with tools, an
+async def _events(stream: EngineStream, reply: Reply, keep, heartbeat: float) -> AsyncIterator[bytes]:
+    """OpenAI's event sequence: created, in_progress (at once, SSE comments while the prompt is read), then
+    per output item added / deltas / done, then completed (or incomplete). A thought streams as a reasoning item before the answer; with tools, an
     answer that starts with a call is held back and its items come whole at the end, as the chat endpoint
     does."""
     yield reply.event("response.created", response=reply.response(None))
@@ -218,8 +229,11 @@ async def _events(stream: EngineStream, reply: Reply, keep) -> AsyncIterator[byt
     thought_index = message_index = None  # the items streaming, by output index
     thought_text = ""
     try:
-        async with aclosing(stream.__aiter__()) as outputs:
+        async with aclosing(stream.ticking(heartbeat)) as outputs:
             async for out in outputs:
+                if isinstance(out, Tick):
+                    yield SSE_PING
+                    continue
                 thought, answer = thoughts.feed(out)
                 if thought:
                     if thought_index is None:

@@ -8,14 +8,16 @@ that do not change the output are accepted and ignored.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server.strict_schema import (
     OPENAI_FORCING,
     OptionalClientSchema,
+    OptionalToolParameters,
     Strict,
     ToolName,
     tool_choice_needs_tools,
@@ -30,14 +32,43 @@ from kvserve.server.tool_types import (
 
 
 class FunctionTool(Strict):
+    ignored_fields = frozenset({"defer_loading", "output_schema", "allowed_callers"})  # hints to hosted tool search
     type: Literal["function"]
     name: ToolName
     description: str | None = None
-    parameters: OptionalClientSchema = None
-    strict: bool | None = None  # arguments always follow the schema here
+    parameters: OptionalToolParameters = None
+    strict: bool | None = None  # true: every keyword of the schema enforced (a 400 where one cannot be)
 
     def tool(self) -> Tool:
-        return Tool(self.name, self.description or "", self.parameters or {"type": "object", "properties": {}})
+        return Tool(self.name, self.description or "", self.parameters or {"type": "object", "properties": {}},
+                    bool(self.strict))
+
+
+class NamespaceTool(Strict):
+    """Tools grouped under a name (Codex's ``multi_agent_v1``): shown to the model flattened as
+    ``namespace.tool``; a call to one comes back as ``name`` and ``namespace`` apart, as OpenAI sends it."""
+
+    type: Literal["namespace"]
+    name: ToolName
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+class HostedTool(BaseModel):
+    """A tool OpenAI runs on its own servers (``web_search``, ``file_search``, ``code_interpreter``, ...): there
+    is none here, so it is left out of the prompt and the response says so in a ``Warning`` header."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function", "namespace") else "hosted"
+
+
+AnyTool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")]
+                    | Annotated[HostedTool, Tag("hosted")], Discriminator(_tool_kind)]
 
 
 class NamedFunction(Strict):
@@ -118,6 +149,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, str):
                 raise ValueError(f"input[{i}]: a function_call needs name, call_id and arguments (JSON text)")
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = f"{item['namespace']}.{name}"  # as the namespace's tools are shown
             call = ToolCall(name, echoed_arguments(arguments), call_id)
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
@@ -143,7 +176,7 @@ class ResponsesRequest(Strict):
     model: str
     input: Annotated[str | list[dict[str, Any]], WithJsonSchema(INPUT_SCHEMA)]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[AnyTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -167,6 +200,23 @@ class ResponsesRequest(Strict):
     top_logprobs: int | None = Field(None, ge=0, le=0)  # logprobs are not reported here
     max_tool_calls: int | None = Field(None, ge=1)
     background: Literal[False] | None = None
+    ignored_fields = frozenset({"client_metadata"})  # Codex's turn and session ids
+
+    def function_tools(self) -> list[Tool]:
+        """The tools the model may call: functions, and each namespace's functions as ``namespace.tool``."""
+        out = []
+        for tool in self.tools or []:
+            if isinstance(tool, FunctionTool):
+                out.append(tool.tool())
+            elif isinstance(tool, NamespaceTool):
+                out += [replace(t.tool(), name=f"{tool.name}.{t.name}") for t in tool.tools]
+        return out
+
+    def hosted_tools(self) -> list[str]:
+        return [tool.type for tool in self.tools or [] if isinstance(tool, HostedTool)]
+
+    def namespaces(self) -> set[str]:
+        return {tool.name for tool in self.tools or [] if isinstance(tool, NamespaceTool)}
 
     @field_validator("input")
     @classmethod

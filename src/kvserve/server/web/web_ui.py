@@ -57,7 +57,7 @@ def page() -> tuple[str, str]:
     return html, policy
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: Claude Code's probe
 async def root(request: Request) -> Response:
     if "text/html" not in request.headers.get("accept", ""):
         return PlainTextResponse("kvserve is running")  # Ollama answers "Ollama is running"; clients probe it
