@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 MODEL ?= smollm2
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test bench llama-cpp setup test-setup cross-tools browser model lint clean
+.PHONY: run test bench llama-cpp setup test-setup cross-tools browser agents model lint clean
 
 $(VENV)/.setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,19 @@ browser:
 		else echo "note: no chromium: the web page's browser tests will be skipped"; fi; \
 	fi
 
-test: test-setup cross-tools browser
+# Claude Code, Codex CLI and Qwen Code from the npm registry, at the versions tests/agents/package.json pins,
+# into build/agents (their platform binaries come as npm packages); without npm the agent tests are skipped.
+AGENTS := build/agents/.installed
+agents:
+	@if command -v npm >/dev/null; then $(MAKE) --no-print-directory $(AGENTS); \
+	else echo "note: no npm: the coding-agent tests will be skipped"; fi
+
+$(AGENTS): tests/agents/package.json
+	mkdir -p build/agents && cp tests/agents/package.json build/agents/package.json
+	cd build/agents && npm install --no-audit --no-fund --loglevel=error
+	touch $@
+
+test: test-setup cross-tools browser agents
 	$(KVSERVE) pull smollm2
 	$(KVSERVE) pull gemma3-270m
 	$(KVSERVE) pull qwen2.5-coder-0.5b
