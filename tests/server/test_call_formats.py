@@ -205,7 +205,7 @@ def test_forced_calls_parse_and_validate(family):
     r = client.chat.completions.create(model=name, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
                                        max_tokens=200, logprobs=True)
     written = "".join(t.token for t in r.choices[0].logprobs.content)
-    marker = {"qwen3-coder": "<tool_call>\n<function=", "llama3-json": '{"name":"', "mistral": "[TOOL_CALLS][{"}[name]
+    marker = {"qwen3-coder": "<tool_call>\n<function=", "llama3-json": '{"name": "', "mistral": "[TOOL_CALLS][{"}[name]
     assert written.startswith(marker), written
 
 
