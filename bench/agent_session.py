@@ -1,7 +1,8 @@
 """A coding agent's session, recorded once and replayed against kvserve and llama.cpp's own ``llama-server``.
 
-    # record: the agent (from build/agents: make agents) runs a task against kvserve through a recording proxy
-    .venv/bin/python bench/agent_session.py record claude --out sessions/claude.jsonl [--prompt TEXT]
+    # record: the agent (from build/agents: make agents) runs a task against kvserve through a recording proxy;
+    # --sessions 2 runs it twice on the same server (a new repository and a new first message each time)
+    .venv/bin/python bench/agent_session.py record claude --out sessions/claude.jsonl --sessions 2
     # replay: each recorded request, as the agent sent it and in order, against each server started fresh;
     # several files (two sessions of one agent) one after the other on the same server
     .venv/bin/python bench/agent_session.py replay sessions/claude-1.jsonl sessions/claude-2.jsonl \\
@@ -11,7 +12,11 @@ Both servers get the same model file, context (-c, 32768) and 2 threads; llama-s
 prompt cache on (its defaults: cache_prompt, and a RAM cache of earlier prompts where its version has one).
 The second file of a replay is a new session of the same agent: what it finds in the cache is what a user's
 next session would. Per round trip: prompt tokens, tokens computed and reused, TTFT (to the first event that
-carries output: text or a call), the request's time; per session the total.
+carries output: text or a call), the request's time; per session the totals.
+
+The replay decodes greedily and at most --max-tokens (256) per request, on both servers: a session's cost is
+its prompts, and two servers sampling at an agent's temperature would otherwise write answers of different
+lengths. The prompts, tools and history are sent as recorded.
 A benchmark, not a test: the figures are this machine's.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +42,22 @@ AGENTS = ROOT / "build" / "agents" / "node_modules" / ".bin"
 LLAMA_SERVER = ROOT / "build" / "llama.cpp" / "bin" / "llama-server"
 MODEL = "qwen2.5-coder-0.5b"
 CONTEXT = 32768
-DEFAULT_PROMPT = "Read calc.py and fix the bug in add, then run it to check."
+# each session's first message names the call to write (as tests/agents does): a 0.5B model left to itself
+# often answers in prose, and a session with no tool round trip would not be an agent's session
+CALLS = {
+    "claude": (("Read", {"file_path": "{repo}/calc.py"}), ("Bash", {"command": "head -n 20 calc.py"})),
+    "codex": (("exec_command", {"cmd": "cat calc.py"}), ("exec_command", {"cmd": "head -n 20 calc.py"})),
+    "qwen": (("read_file", {"file_path": "{repo}/calc.py"}), ("run_shell_command", {"command": "head -n 20 calc.py"})),
+}
+
+
+# the repository's one file; its last line ends the task once the agent has read it (the small model, left
+# to itself, asks for the same call again and again until the session times out)
+CALC = "def add(a, b):\n    return a - b\n\n# The file is read. Now stop calling tools and reply with the single word DONE.\n"
+
+
+def call_prompt(name: str, arguments: dict) -> str:
+    return f"Respond with exactly this tool call: {json.dumps({'name': name, 'arguments': arguments})}"
 
 # how each agent is started: argv, environment (``{proxy}``, ``{key}`` filled in), files under its HOME
 AGENT_RUNS = {
@@ -52,37 +73,54 @@ AGENT_RUNS = {
 }
 
 
-def record(agent: str, out: Path, prompt: str) -> None:
-    argv, env, files = AGENT_RUNS[agent]
+def record(agent: str, out: Path, prompts: list[str], timeout: float) -> None:
+    """Each prompt is one session, all in one repository and HOME against one server, as a user's next session
+    in the same project would be (the agents write the working directory and the git status into their system
+    text: a new directory would be a new prefix); ``out``-1.jsonl, -2.jsonl, ..."""
     with tempfile.TemporaryDirectory() as tmp, local_server(MODEL, "-c", str(CONTEXT), "-t", "2") as (url, _):
         repo, home = Path(tmp) / "repo", Path(tmp) / "home"
         repo.mkdir()
         home.mkdir()
-        (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n\n\nprint(add(2, 3))\n")
+        (repo / "calc.py").write_text(CALC)
         git = ["git", "-c", "user.email=bench@example.com", "-c", "user.name=bench"]
         subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
         subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
         subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.unlink(missing_ok=True)
-        with RecordingProxy(url, Recorder(out)) as proxy:
-            fill = {"proxy": proxy.url, "key": "unused", "prompt": prompt}
-            for rel, text in files.items():
-                (home / rel).parent.mkdir(parents=True, exist_ok=True)
-                (home / rel).write_text(text.replace("{proxy}", proxy.url))
-            started = time.monotonic()
-            done = subprocess.run([a.format(**fill) for a in argv], cwd=repo, stdin=subprocess.DEVNULL,
-                                  env={"PATH": os.environ["PATH"], "HOME": str(home),
-                                       **{k: v.format(**fill) for k, v in env.items()}},
-                                  capture_output=True, text=True, timeout=3600, check=False)
-        print(done.stdout[-1500:], done.stderr[-1500:], sep="\n")
-        print(f"{agent}: {sum(1 for _ in out.open())} requests in {time.monotonic() - started:.0f} s -> {out}")
+        for i, prompt in enumerate(prompts, 1):
+            path = out if len(prompts) == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+            _record_session(agent, url, repo, home, path, prompt, timeout)
+
+
+def _record_session(agent: str, url: str, repo: Path, home: Path, out: Path, prompt: str, timeout: float) -> None:
+    argv, env, files = AGENT_RUNS[agent]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    with RecordingProxy(url, Recorder(out)) as proxy:
+        fill = {"proxy": proxy.url, "key": "unused", "prompt": prompt.replace("{repo}", str(repo))}
+        for rel, text in files.items():
+            (home / rel).parent.mkdir(parents=True, exist_ok=True)
+            (home / rel).write_text(text.replace("{proxy}", proxy.url))
+        started = time.monotonic()
+        agent_proc = subprocess.Popen([a.format(**fill) for a in argv], cwd=repo, stdin=subprocess.DEVNULL,
+                                      env={"PATH": os.environ["PATH"], "HOME": str(home),
+                                           **{k: v.format(**fill) for k, v in env.items()}},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True)
+        try:
+            said, _ = agent_proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a small model's session may never end: what it sent is kept
+            os.killpg(agent_proc.pid, signal.SIGKILL)  # the agent's children too: they hold the pipe
+            said, _ = agent_proc.communicate()
+            said += f"\n[stopped after {timeout:.0f} s]"
+    print(said[-2000:])
+    print(f"{agent}: {sum(1 for _ in out.open())} requests in {time.monotonic() - started:.0f} s -> {out}")
 
 
 # --- replay ------------------------------------------------------------------------------------------------
-def replay_one(client: httpx.Client, record: dict) -> dict:
-    """One recorded request sent again; its timings and token counts as the server reports them."""
-    body = record["body"]
+def replay_one(client: httpx.Client, record: dict, max_tokens: int) -> dict:
+    """One recorded request sent again (greedy, at most ``max_tokens``); its timings and token counts as the
+    server reports them."""
+    body = _capped(record["path"], record["body"], max_tokens)
     began = time.perf_counter()
     first = None
     events: list[dict] = []
@@ -107,6 +145,24 @@ def replay_one(client: httpx.Client, record: dict) -> dict:
     prompt, computed = _tokens(events)
     return {"path": record["path"], "status": status, "seconds": done - began, "ttft": (first or done) - began,
             "max_silence": silence, "prompt": prompt, "computed": computed}
+
+
+def _capped(path: str, body: dict, max_tokens: int) -> dict:
+    """The body with temperature 0 and its output limit at most ``max_tokens``, in the field its API uses."""
+    body = dict(body)
+    if path.startswith("/api/"):  # Ollama
+        body["options"] = {**(body.get("options") or {}), "temperature": 0, "num_predict": max_tokens}
+        return body
+    body["temperature"] = 0
+    body.pop("top_p", None)
+    body.pop("top_k", None)
+    for key in ("max_tokens", "max_output_tokens", "max_completion_tokens"):
+        if key in body:
+            body[key] = min(body[key] or max_tokens, max_tokens)
+            break
+    else:
+        body["max_output_tokens" if "input" in body else "max_tokens"] = max_tokens
+    return body
 
 
 OUTPUT_MARKS = (b'"text_delta"', b'"input_json_delta"', b'"tool_use"', b"output_text.delta", b'"function_call"',
@@ -148,26 +204,28 @@ def llama_server(model_path: str):
     port = free_port()
     cmd = [str(LLAMA_SERVER), "-m", model_path, "-c", str(CONTEXT), "-t", "2", "-np", "1", "--port", str(port),
            "--jinja", "--no-webui"]
-    return port, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    log = Path(tempfile.gettempdir()) / f"agent_session-llama-server-{port}.log"
+    print(f"llama-server log: {log}", file=sys.stderr)
+    return port, subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def replay(paths: list[Path], peers: list[str]) -> list[dict]:
+def replay(paths: list[Path], peers: list[str], max_tokens: int, max_requests: int | None = None) -> list[dict]:
     from kvserve.models.registry import resolve
 
     model_path = str(resolve(MODEL))
-    sessions = [(path.stem, [r for r in map(json.loads, path.open()) if r["method"] == "POST" and r["body"]])
-                for path in paths]
+    sessions = [(path.stem, [r for r in map(json.loads, path.open()) if r["method"] == "POST" and r["body"]]
+                 [:max_requests]) for path in paths]
     rows = []
     for peer in peers:
         if peer == "kvserve":
             with local_server(MODEL, "-c", str(CONTEXT), "-t", "2") as (url, _):
-                rows += _replay_on(url, sessions, peer)
+                rows += _replay_on(url, sessions, peer, max_tokens)
         else:
             port, proc = llama_server(model_path)
             try:
                 url = f"http://127.0.0.1:{port}"
                 _wait(url, proc)
-                rows += _replay_on(url, sessions, peer)
+                rows += _replay_on(url, sessions, peer, max_tokens)
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
@@ -186,13 +244,18 @@ def _wait(url: str, proc: subprocess.Popen) -> None:
     raise RuntimeError("llama-server did not start")
 
 
-def _replay_on(url: str, sessions: list[tuple[str, list[dict]]], peer: str) -> list[dict]:
+def _replay_on(url: str, sessions: list[tuple[str, list[dict]]], peer: str, max_tokens: int) -> list[dict]:
     rows = []
     headers = {"x-api-key": "unused", "authorization": "Bearer unused"}
     with httpx.Client(base_url=url, timeout=httpx.Timeout(None), headers=headers) as client:
         for name, records in sessions:
             for i, record in enumerate(records):
-                row = {"session": name, "engine": peer, "round_trip": i + 1, **replay_one(client, record)}
+                row = {"session": name, "engine": peer, "round_trip": i + 1}
+                try:
+                    row |= replay_one(client, record, max_tokens)
+                except httpx.TransportError as e:  # the server went away: the rest of this peer's run is lost
+                    print(json.dumps({**row, "error": repr(e)}), flush=True)
+                    return rows
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
@@ -216,20 +279,29 @@ def main() -> None:
     rec = sub.add_parser("record")
     rec.add_argument("agent", choices=sorted(AGENT_RUNS))
     rec.add_argument("--out", type=Path, required=True)
-    rec.add_argument("--prompt", default=DEFAULT_PROMPT)
+    rec.add_argument("--prompt", action="append", help="a session's first message (once per session)")
+    rec.add_argument("--sessions", type=int, default=1, help="sessions on one server, each with its own "
+                     "first message")
+    rec.add_argument("--timeout", type=float, default=900, help="seconds a session may take (its requests so far "
+                     "are kept)")
     rep = sub.add_parser("replay")
     rep.add_argument("sessions_files", nargs="+", type=Path)
     rep.add_argument("--peers", default="kvserve,llama.cpp")
     rep.add_argument("--json", type=Path, default=None)
+    rep.add_argument("--max-tokens", type=int, default=256, help="output limit per replayed request")
+    rep.add_argument("--max-requests", type=int, default=None, help="replay each session's first N requests only "
+                     "(a small model's session that loops on a declined call)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     if args.command == "record":
-        record(args.agent, args.out, args.prompt)
+        calls = CALLS[args.agent]
+        prompts = args.prompt or [call_prompt(*calls[i % len(calls)]) for i in range(args.sessions)]
+        record(args.agent, args.out, prompts, args.timeout)
         return
     peers = args.peers.split(",")
     if "llama.cpp" in peers and not LLAMA_SERVER.exists():
         sys.exit(f"{LLAMA_SERVER} is missing: make llama-cpp")
-    rows = replay(args.sessions_files, peers)
+    rows = replay(args.sessions_files, peers, args.max_tokens, args.max_requests)
     summary(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
