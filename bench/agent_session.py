@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 from local_server import free_port, local_server  # bench/ is the script's folder: on sys.path
 
+from kvserve.benchmark.agent_task import call_prompt, scratch_project
 from kvserve.benchmark.recording_proxy import Recorder, RecordingProxy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,23 +43,12 @@ AGENTS = ROOT / "build" / "agents" / "node_modules" / ".bin"
 LLAMA_SERVER = ROOT / "build" / "llama.cpp" / "bin" / "llama-server"
 MODEL = "qwen2.5-coder-0.5b"
 CONTEXT = 32768
-# each session's first message names the call to write (as tests/agents does): a 0.5B model left to itself
-# often answers in prose, and a session with no tool round trip would not be an agent's session
+# each session's first message names the call to write (kvserve.benchmark.agent_task says why)
 CALLS = {
     "claude": (("Read", {"file_path": "{repo}/calc.py"}), ("Bash", {"command": "head -n 20 calc.py"})),
     "codex": (("exec_command", {"cmd": "cat calc.py"}), ("exec_command", {"cmd": "head -n 20 calc.py"})),
     "qwen": (("read_file", {"file_path": "{repo}/calc.py"}), ("run_shell_command", {"command": "head -n 20 calc.py"})),
 }
-
-
-# the repository's one file; its last line ends the task once the agent has read it (the small model, left
-# to itself, asks for the same call again and again until the session times out)
-CALC = "def add(a, b):\n    return a - b\n\n# The file is read. Now stop calling tools and reply with the single word DONE.\n"
-
-
-def call_prompt(name: str, arguments: dict) -> str:
-    return f"Respond with exactly this tool call: {json.dumps({'name': name, 'arguments': arguments})}"
-
 # how each agent is started: argv, environment (``{proxy}``, ``{key}`` filled in), files under its HOME
 AGENT_RUNS = {
     "claude": ([str(AGENTS / "claude"), "-p", "{prompt}", "--model", MODEL],
@@ -78,14 +68,8 @@ def record(agent: str, out: Path, prompts: list[str], timeout: float) -> None:
     in the same project would be (the agents write the working directory and the git status into their system
     text: a new directory would be a new prefix); ``out``-1.jsonl, -2.jsonl, ..."""
     with tempfile.TemporaryDirectory() as tmp, local_server(MODEL, "-c", str(CONTEXT), "-t", "2") as (url, _):
-        repo, home = Path(tmp) / "repo", Path(tmp) / "home"
-        repo.mkdir()
+        repo, home = scratch_project(Path(tmp) / "repo"), Path(tmp) / "home"
         home.mkdir()
-        (repo / "calc.py").write_text(CALC)
-        git = ["git", "-c", "user.email=bench@example.com", "-c", "user.name=bench"]
-        subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-        subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
-        subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
         for i, prompt in enumerate(prompts, 1):
             path = out if len(prompts) == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
             _record_session(agent, url, repo, home, path, prompt, timeout)

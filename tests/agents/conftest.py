@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.benchmark.agent_task import scratch_project
 from kvserve.benchmark.recording_proxy import Recorder, RecordingProxy
 from tests.server.conftest import API_KEY, Server, serve
 
@@ -25,9 +26,6 @@ AGENTS = ROOT / "build" / "agents" / "node_modules" / ".bin"
 MODEL = "qwen2.5-coder-0.5b"
 CONTEXT = 32768
 AGENT_TIMEOUT = 720  # seconds a session may take: its first prompt is read cold (15-20K tokens)
-# the scratch repository's one file; its last line ends the task once the agent has read it (greedy, the small
-# model otherwise asks for the same call again and again)
-CALC = "def add(a, b):\n    return a - b\n\n# The file is read. Now stop calling tools and reply with the single word DONE.\n"
 
 
 def agent_binary(name: str) -> Path:
@@ -61,13 +59,7 @@ class Session:
 def run_agent(agent_server: Server, tmp_path):
     """``run_agent(argv, env)``: the agent in a scratch git repository (``calc.py`` committed), with a home
     of its own, its requests going through a recording proxy (``{proxy}`` in argv and env values)."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "calc.py").write_text(CALC)
-    git = ["git", "-c", "user.email=test@example.com", "-c", "user.name=test"]
-    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
-    subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
+    repo = scratch_project(tmp_path / "repo")
     home = tmp_path / "home"
     home.mkdir()
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import json
 
+from kvserve.benchmark.agent_task import call_prompt
 from tests.agents.conftest import MODEL, Session, agent_binary
 
 BLOCK = 16  # the server's KV block: a prompt's partial last block is computed again
-
-
-def call_prompt(name: str, arguments: dict) -> str:
-    return f"Respond with exactly this tool call: {json.dumps({'name': name, 'arguments': arguments})}"
 
 
 def test_claude_code(run_agent):
