@@ -1,7 +1,7 @@
 """A coding agent's session, recorded once and replayed against kvserve and llama.cpp's own ``llama-server``.
 
     # record: the agent (from build/agents: make agents) runs a task against kvserve through a recording proxy;
-    # --sessions 2 runs it twice on the same server (a new repository and a new first message each time)
+    # --sessions 2 runs it twice in one project on one server, each session with its own first message
     .venv/bin/python bench/agent_session.py record claude --out sessions/claude.jsonl --sessions 2
     # replay: each recorded request, as the agent sent it and in order, against each server started fresh;
     # several files (two sessions of one agent) one after the other on the same server
