@@ -116,8 +116,8 @@ def test_a_forced_call_is_written_with_the_marker_token(coder):
 BLOCK = 16  # the server's KV block
 
 
-@pytest.mark.parametrize("ask", [ASK, 'Respond with exactly this tool call: {"name": "get_weather", "arguments": '
-                                      '{"city": "Paris"}}'])
+@pytest.mark.parametrize("ask", [ASK, ('Respond with exactly this tool call: {"name": "get_weather", "arguments": '
+                                       '{"city": "Paris"}}')])
 def test_a_round_trip_computes_only_what_the_client_added(coder, ask):
     """The call sent back renders as the tokens the model wrote (marked or bare): the next request reads the
     cache up to the tool's result, the prompt's last partial block aside."""
