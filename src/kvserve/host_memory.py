@@ -21,9 +21,12 @@ import logging
 import mmap
 import sys
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where a tensor is made: release_freed_memory needs no torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ def _madvise():
 def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """uint8 [nbytes]; on a Linux CPU and from 2 MiB, starting on a 2 MiB boundary and advised as huge
     pages (before it is touched, so the first write faults in whole 2 MiB pages)."""
+    import torch
+
     madvise = _madvise() if device.type == "cpu" and sys.platform.startswith("linux") else None
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -75,6 +80,8 @@ def _views(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.devic
            zeroed: bool = False) -> list[torch.Tensor]:
     """Tensors of the given (shape, dtype), each a contiguous view of one ``empty_bytes`` buffer
     (uninitialized) or ``zeroed_bytes`` buffer."""
+    import torch
+
     sizes = [torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs]
     offsets, total = _offsets(sizes)
     buffer = (zeroed_bytes if zeroed else empty_bytes)(total, device)
@@ -85,6 +92,8 @@ def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """``empty_bytes``, zeroed. On a Linux CPU from 2 MiB a fresh anonymous mapping, which the kernel
     zeroes page by page as each is first touched: no pass over the whole buffer at start-up (a KV pool of
     a 32K context: ~1 s of memset on 2 cores) and no resident page until a block is written."""
+    import torch
+
     madvise = _madvise() if device.type == "cpu" and sys.platform.startswith("linux") else None
     if madvise is None or nbytes < HUGE_PAGE:
         return empty_bytes(nbytes, device).zero_()

@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 
-from kvserve.cli.chat import interactive_chat
-from kvserve.cli.live import generate_streaming, result_record, stats_line
+from typing import TYPE_CHECKING
+
 from kvserve.cli.options import add_engine_args, load_engine
-from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models.registry import REGISTRY
+
+if TYPE_CHECKING:  # the engine's modules are imported when a command runs, not for --help
+    from kvserve.engine.sampling_params import SamplingParams
 
 
 def add_parser(sub, name: str) -> None:
@@ -32,6 +34,8 @@ def add_parser(sub, name: str) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from kvserve.engine.sampling_params import SamplingParams
+
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -50,6 +54,9 @@ def _looks_like_model(text: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvserve.cli.chat import interactive_chat
+    from kvserve.cli.live import generate_streaming, result_record, stats_line
+
     if args.model is not None and args.prompt is None and not _looks_like_model(args.model):
         args.model, args.prompt = None, args.model  # `kvserve run "a question"` uses the default model
     params = sampling_params(args)

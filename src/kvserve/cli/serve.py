@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from kvserve.cli.options import add_engine_args, load_engine, parse_bytes
-from kvserve.engine.malloc import resident_bytes
 from kvserve.models.registry import DEFAULT_MODEL, REGISTRY
 from kvserve.server.server_config import DEFAULT_MAX_BODY_BYTES
 
@@ -154,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.engine.malloc import resident_bytes
     from kvserve.server import ServerConfig, build_app
     from kvserve.server.graceful import EndingStreamsServer
     from kvserve.server.replicas.kv_events import check_endpoint

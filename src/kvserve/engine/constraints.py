@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark")
 
@@ -193,13 +192,15 @@ class TokenConstraint:
         self.matcher = compiled(constraint, grammar_tokenizer).deep_copy()
         self._words = np.zeros((grammar_tokenizer.get().vocab_size + 31) // 32, dtype=np.int32)
 
-    def forbidden(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[vocab_size] bool: the tokens that would leave the grammar (the logits' padding rows too)."""
+    def forbidden(self, vocab_size: int) -> np.ndarray:
+        """[vocab_size] bool: the tokens that would leave the grammar (the logits' padding rows too).
+        A numpy array, so that the grammar needs no tensor library; the sampler moves it where the
+        logits are."""
         self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         bits = np.unpackbits(~self._words.view(np.uint8), bitorder="little")
         if bits.size < vocab_size:
             bits = np.concatenate([bits, np.ones(vocab_size - bits.size, dtype=np.uint8)])
-        return torch.from_numpy(bits[:vocab_size].view(np.bool_)).to(device)
+        return bits[:vocab_size].view(np.bool_)
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):

@@ -94,7 +94,7 @@ class Sampler:
         p = request.params
         if request.constraint is not None and _grammar_applies(request):  # first: penalties and filters then see only valid tokens
             start = time.perf_counter()
-            forbidden = request.constraint.forbidden(row.shape[-1], row.device)
+            forbidden = torch.from_numpy(request.constraint.forbidden(row.shape[-1])).to(row.device)
             request.metrics.mask_times.append(time.perf_counter() - start)
             row = row.masked_fill(forbidden, float("-inf"))
         penalized = _needs_penalty(p)
