@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
 from typing import TYPE_CHECKING
 
 from kvserve.cli.options import add_engine_args, load_engine

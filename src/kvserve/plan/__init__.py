@@ -22,7 +22,18 @@ _LAZY = {
     "resolve_model": "kvserve.plan.source",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "KV_TYPES",
+    "KVType",
+    "ModelSpec",
+    "Plan",
+    "PlanSettings",
+    "kv_bytes_per_token",
+    "kv_type",
+    "make_plan",
+    "planned_kv_pool_bytes",
+    "resolve_model",
+]
 
 if TYPE_CHECKING:
     from kvserve.kv.kv_types import KV_TYPES, KVType, kv_bytes_per_token, kv_type
