@@ -210,6 +210,7 @@ def test_prefill_gives_the_same_bits_whole_or_in_chunks(cache_type):
 def test_without_a_compiler_the_torch_path_stays(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(native, "PREBUILT_DIR", tmp_path / "no-prebuilt")
     native.load.cache_clear()
     try:
         assert native.load("paged_attention") is None

@@ -24,7 +24,8 @@ print(json.dumps([code, [m for m in {heavy!r} if m in sys.modules]]))
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["serve", "--help"], ["list"],
-                                  ["pull", "--help"], ["plan", "--help"], ["plan", "Llama-3.1-8B"]])
+                                  ["pull", "--help"], ["plan", "--help"], ["plan", "Llama-3.1-8B"],
+                                  ["doctor", "--json"]])
 def test_command_imports_nothing_heavy(argv):
     probe = PROBE.format(heavy=HEAVY)
     done = subprocess.run([sys.executable, "-c", probe, *argv], check=False, capture_output=True, text=True,

@@ -99,7 +99,17 @@ def result_record(engine, out: RequestOutput) -> dict:
         "weights": engine.loaded.model.weight_format,
         "weights_why": engine.loaded.weights_why,
         "kernels": engine.kernels,
+        "kernel_library": _kernel_library(),
     }
+
+
+def _kernel_library() -> str | None:
+    """How the int4 matmul's library came to be ("prebuilt", "compiled", "cached"): ``kvserve doctor``
+    says it for every kernel."""
+    from kvserve import native
+
+    choice = native.choices().get("int4_matmul")
+    return None if choice is None else f"{choice.how} {choice.isa}"
 
 
 def stats_line(engine, out: RequestOutput) -> str:

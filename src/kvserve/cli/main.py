@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "bench": "kvserve.cli.bench",
     "cache": "kvserve.cli.cache",
     "top": "kvserve.cli.top",
+    "doctor": "kvserve.cli.doctor",
 }
 
 

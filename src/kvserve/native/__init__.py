@@ -1,33 +1,47 @@
-"""Builds the C kernels of this directory on first use and loads them with ctypes.
+"""Loads the C kernels of this directory with ctypes: prebuilt for the CPU's path, else built on first use.
 
-No build step for the user: the first call compiles the source with the machine's C compiler
-(``$CC``, else ``cc``/``gcc``) for this exact CPU (``-march=native``) into a cache directory, later
-calls load the cached library. ``KVSERVE_ISA`` builds for one instruction-set path instead (simd.h):
-``avx512vnni``, ``avxvnni``, ``avx2``, ``neon`` or ``portable``, compiled for that path's baseline so that every
-path can be built, tested and measured on a machine that runs it; ``kernel_path()`` names the path in
-use. The library links OpenMP's ``libgomp.so.1``, the runtime torch itself loaded, so the kernels share
-torch's threads instead of fighting them for the cores.
+A wheel carries one library per kernel and instruction-set path of its architecture (simd.h's paths:
+``avx512vnni``, ``avxvnni``, ``avx2``, ``portable`` on x86-64; ``neon``, ``portable`` on aarch64), built by
+``prebuild`` when the wheel is made (setup.py). At run time ``load`` takes the fastest prebuilt path this
+CPU runs, as llama.cpp's backend loader picks among its CPU variants, so a machine with no C compiler
+runs the kernels. A prebuilt library counts only while it was built from exactly the sources, headers
+and flags beside it (``source_key``, written in the manifest): a source checkout that edits a kernel
+compiles it again.
 
-Without a compiler (or with ``KVSERVE_NATIVE=0``) ``load`` returns None and callers keep their
-torch path; the reason is logged once.
+Where no prebuilt library fits (a source or editable install, a CPU of no shipped path) the first call
+compiles the source with the machine's C compiler (``$CC``, else ``cc``/``gcc``) for this exact CPU
+(``-march=native``) into a cache directory, later calls load the cached library. ``KVSERVE_ISA`` asks
+for one path instead (simd.h): ``avx512vnni``, ``avxvnni``, ``avx2``, ``neon`` or ``portable``, prebuilt
+or compiled for that path's baseline, so that every path can be built, tested and measured on a machine
+that runs it; ``kernel_path()`` names the path in use and ``choices()`` says which library each kernel
+loaded and why (``kvserve doctor``). The library links OpenMP's ``libgomp.so.1``, the runtime torch
+itself loaded, so the kernels share torch's threads instead of fighting them for the cores.
+
+Without a library (no prebuilt one fits and no compiler, or ``KVSERVE_NATIVE=0``) ``load`` returns None
+and callers keep their torch path; the reason is logged once.
 
 Every exported function is declared once, in ``kernels.h``, which every source includes. ``function``
 hands out one function of a library with the ctypes signature ``abi`` reads from that declaration, so
 no argument list is written again in Python.
 
-    cache key = sha256(source, the directory's headers, flags, compiler version, CPU flags, ISA)
-                -> <cache>/<name>-<key>.so
+    prebuilt:  <package>/native/prebuilt/<isa>/<name>.so, manifest.json: {"<isa>/<name>": source_key}
+    compiled:  cache key = sha256(source, the directory's headers, flags, compiler version, CPU flags, ISA)
+               -> <cache>/<name>-<key>.so
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -36,6 +50,8 @@ from kvserve.native import abi
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
+PREBUILT_DIR = SOURCE_DIR / "prebuilt"
+MANIFEST = "manifest.json"
 # Not -ffast-math: for shared objects gcc then links crtfastmath.o, which flushes denormals to zero
 # for the whole process. These flags allow only what the loops need to vectorize (reordered sums).
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
@@ -63,6 +79,31 @@ ISA_NEEDS = {
     "neon": {"asimd", "asimddp"},
     "portable": set(),
 }
+# The paths a wheel for each machine type carries (each must compile on that machine's gcc/clang).
+ARCH_ISAS = {
+    "x86_64": ("avx512vnni", "avxvnni", "avx2", "portable"),
+    "aarch64": ("neon", "portable"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Which library a kernel loaded: ``how`` is "prebuilt", "compiled" (this process built it) or
+    "cached" (an earlier build of the same key); ``isa`` its path ("native": -march=native)."""
+
+    kernel: str
+    isa: str
+    how: str
+    path: str
+    why: str
+
+
+_choices: dict[str, Choice] = {}
+
+
+def choices() -> dict[str, Choice]:
+    """The library each kernel loaded so far in this process, by kernel name."""
+    return dict(_choices)
 
 
 def cache_root() -> Path:
@@ -125,15 +166,94 @@ def isa() -> str:
 
 
 def kernel_path() -> str:
-    """The path the CPU kernels run on now: ``isa()``, or "torch" where they are off (no compiler,
-    KVSERVE_NATIVE=0, a KVSERVE_ISA this CPU cannot run)."""
-    return isa() if load("int4_matmul") is not None else "torch"
+    """The path the CPU kernels run on now: the int4 matmul's library's path (``isa()`` where it was
+    compiled for this CPU), or "torch" where they are off (no library and no compiler, KVSERVE_NATIVE=0,
+    a KVSERVE_ISA this CPU cannot run)."""
+    if load("int4_matmul") is None:
+        return "torch"
+    chosen = _choices.get("int4_matmul")
+    return chosen.isa if chosen is not None and chosen.isa != "native" else isa()
 
 
 def build_flags(name: str, isa: str | None = None) -> list[str]:
     """Every compiler flag of ``<name>.c`` for the path ``isa`` (None: this CPU, -march=native)."""
     target = ISA_FLAGS[isa] if isa else ["-march=native"]
     return [*FLAGS, *target, *SOURCE_FLAGS.get(name, [])]
+
+
+def source_key(name: str, flags: list[str]) -> str:
+    """What a prebuilt ``<name>.so`` must have been built from: the source, every header of the
+    directory and the flags (not the compiler: any build of the same text and flags will do)."""
+    texts = [(SOURCE_DIR / f"{name}.c").read_text(), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]
+    return hashlib.sha256("\0".join([*texts, " ".join(flags)]).encode()).hexdigest()[:16]
+
+
+def _manifest(directory: Path) -> dict:
+    try:
+        return json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _prebuilt(name: str, paths: list[str]) -> tuple[Choice, ctypes.CDLL] | None:
+    """The first of ``paths`` with a prebuilt ``<name>.so`` built from the sources beside it, loaded."""
+    manifest = _manifest(PREBUILT_DIR)
+    for path in paths:
+        target = PREBUILT_DIR / path / f"{name}.so"
+        if not target.exists():
+            continue
+        if manifest.get(f"{path}/{name}") != source_key(name, build_flags(name, path)):
+            log.info("prebuilt %s for %s skipped: built from other sources or flags", name, path)
+            continue
+        try:
+            library = ctypes.CDLL(str(target))
+        except OSError as e:  # e.g. no libgomp.so.1 on this system
+            log.warning("prebuilt %s for %s not loaded (%s)", name, path, e)
+            continue
+        why = (f"{path} asked for" if len(paths) == 1 and path != runnable_isas()[0] else
+               "the fastest prebuilt path this CPU runs") + f" (the CPU runs {', '.join(runnable_isas())})"
+        return Choice(name, path, "prebuilt", str(target), why), library
+    return None
+
+
+def prebuild(destination: Path, isas: list[str] | None = None, cc: str | None = None,
+             kernels: list[str] | None = None) -> dict[str, str]:
+    """Builds every kernel (or those named) for each path of ``isas`` (default: KVSERVE_PREBUILD_ISAS,
+    comma-separated, else this machine type's ARCH_ISAS) into
+    ``destination/<isa>/<name>.so`` and writes the manifest; a path the compiler cannot build is left
+    out with a warning. Returns the manifest. Run by setup.py when a wheel is built."""
+    cc = cc or compiler()
+    if cc is None:
+        raise RuntimeError("prebuilding the kernels needs a C compiler ($CC, cc, gcc or clang)")
+    if isas is None:
+        named = [p.strip() for p in os.environ.get("KVSERVE_PREBUILD_ISAS", "").split(",") if p.strip()]
+        isas = named or list(ARCH_ISAS.get(platform.machine().lower(), ("portable",)))
+    unknown = [p for p in isas if p not in ISA_FLAGS]
+    if unknown:
+        raise ValueError(f"no instruction-set path {', '.join(unknown)}: use {', '.join(ISA_FLAGS)}")
+    names = kernels if kernels is not None else [s.stem for s in sorted(SOURCE_DIR.glob("*.c"))]
+    jobs = [(path, name) for path in isas for name in names]
+
+    def build_one(job: tuple[str, str]) -> tuple[str, str, str | None]:
+        path, name = job
+        flags = build_flags(name, path)
+        try:
+            _build(cc, flags, SOURCE_DIR / f"{name}.c", destination / path / f"{name}.so")
+        except subprocess.CalledProcessError as e:
+            return path, name, (e.stderr or "").strip()[-300:] or "failed"
+        return path, name, None
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the compilers run apart
+        results = list(pool.map(build_one, jobs))
+    failed = {path: error for path, _, error in results if error is not None}
+    for path, error in failed.items():  # a path is shipped whole or not at all
+        log.warning("kernels for %s not prebuilt: %s", path, error)
+        shutil.rmtree(destination / path, ignore_errors=True)
+    manifest = {f"{path}/{name}": source_key(name, build_flags(name, path))
+                for path, name, _ in results if path not in failed}
+    destination.mkdir(parents=True, exist_ok=True)
+    (destination / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
 
 
 def _build(cc: str, flags: list[str], source: Path, target: Path) -> None:
@@ -155,14 +275,19 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
     for that path instead of KVSERVE_ISA's (tests and benchmarks compare the paths)."""
     if os.environ.get("KVSERVE_NATIVE", "1") == "0":
         return None
-    cc = compiler()
-    if cc is None:
-        log.warning("no C compiler found: native %s kernel off, using the torch path", name)
-        return None
     chosen = isa or requested_isa()
     if chosen and chosen not in runnable_isas():
         log.warning("KVSERVE_ISA=%s: this CPU cannot run that path (it runs %s): native %s kernel off, "
                     "using the torch path", chosen, ", ".join(runnable_isas()), name)
+        return None
+    found = _prebuilt(name, [chosen] if chosen else runnable_isas())
+    if found is not None:
+        _choices[name] = found[0]
+        return found[1]
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler found and no prebuilt %s library fits: native kernel off, "
+                    "using the torch path", name)
         return None
     source = SOURCE_DIR / f"{name}.c"
     flags = build_flags(name, chosen)
@@ -173,6 +298,7 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
             "\0".join([source.read_text(), *headers, " ".join(flags), version, _cpu_flags()]).encode()
         ).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
+        how = "cached" if target.exists() else "compiled"
         if not target.exists():
             try:
                 _build(cc, flags, source, target)
@@ -182,7 +308,10 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
                 # a compiler without OpenMP (Apple's clang): the same kernels on the calling thread
                 _build(cc, [f for f in flags if f != "-fopenmp"], source, target)
                 log.warning("%s has no OpenMP: native %s kernel built to run on one thread", cc, name)
-        return ctypes.CDLL(str(target))
+        library = ctypes.CDLL(str(target))
+        why = "KVSERVE_ISA" if chosen else "no prebuilt library fits: built for this CPU (-march=native)"
+        _choices[name] = Choice(name, chosen or "native", how, str(target), f"{why}, with {cc}")
+        return library
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("native %s kernel not built (%s): using the torch path", name, detail.strip()[-500:])
