@@ -23,7 +23,11 @@ class KVServeRunner:
         """The C kernels' instruction-set path, and the compiler flags with the weight format (and why
         ``auto`` chose it); "torch" where the kernels are off."""
         path = native.kernel_path()
-        flags = "" if path == "torch" else " ".join(native.build_flags("int4_matmul", native.requested_isa()))
+        choice = native.choices().get("int4_matmul")
+        isa = None if choice is None or choice.isa == "native" else choice.isa
+        flags = "" if path == "torch" else " ".join(native.build_flags("int4_matmul", isa))
+        if choice is not None and choice.how == "prebuilt":
+            flags = f"prebuilt: {flags}"
         why = f" ({self.loaded.weights_why})" if self.loaded.weights_why else ""
         return path, f"{flags}; weights {self.loaded.model.weight_format}{why}"
 
