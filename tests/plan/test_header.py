@@ -192,3 +192,62 @@ def test_absurd_array_length_is_malformed_not_a_hang(tmp_path):
     f.write_bytes(data)
     with pytest.raises(ModelLoadError, match="malformed"):
         read_gguf_header(f)
+
+
+def _strings_file(path, strings, endianess=None):
+    import gguf
+
+    kwargs = {"endianess": endianess} if endianess is not None else {}
+    w = gguf.GGUFWriter(str(path), "llama", **kwargs)
+    w.add_array("tokenizer.ggml.tokens", strings)
+    w.add_array("test.after", [1, 2, 3])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("big_endian", [False, True])
+@pytest.mark.parametrize("read_size", [64, 4 << 20])
+def test_native_string_walk_decodes_as_the_python_loop(tmp_path, monkeypatch, big_endian, read_size):
+    """gguf_string_spans (buffer after buffer, strings cut by the buffer's end) and the gathered decode
+    give the Python loop's strings: empty ones, a NUL inside one, long ones, odd UTF-8."""
+    from gguf.constants import GGUFEndian
+
+    from kvserve.models import gguf_header
+
+    if gguf_header._string_spans() is None:
+        pytest.skip("not run: no kernel library on this machine")
+    strings = [f"tok{i}" + "é" * (i % 5) for i in range(6000)]
+    strings[10], strings[11], strings[4000] = "", "x" * 300, "ünï\ncode 🙂"
+    path = _strings_file(tmp_path / "s.gguf", strings, GGUFEndian.BIG if big_endian else None)
+    monkeypatch.setattr(gguf_header, "_READ_SIZE", read_size)
+    native = read_gguf_header(path, decode_arrays=True)
+    skipped = read_gguf_header(path)
+    monkeypatch.setattr(gguf_header, "_string_spans", lambda: None)
+    python = read_gguf_header(path, decode_arrays=True)
+    assert native.metadata == python.metadata and native.get("tokenizer.ggml.tokens") == strings
+    assert skipped.get("test.after") == [1, 2, 3]
+    data = bytearray(path.read_bytes())  # a NUL and a broken UTF-8 sequence inside strings
+    at = data.index(b"tok5") + 1
+    data[at], data[at + 1] = 0, 0xE2
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(gguf_header, "_string_spans", lambda: None)
+    python = read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens")
+    monkeypatch.undo()
+    monkeypatch.setattr(gguf_header, "_READ_SIZE", read_size)
+    assert read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens") == python
+    assert "\0" in python[5] and "\ufffd" in python[5]
+
+
+def test_native_string_walk_stops_at_a_truncated_array(tmp_path):
+    from kvserve.models import gguf_header
+
+    if gguf_header._string_spans() is None:
+        pytest.skip("not run: no kernel library on this machine")
+    data = _strings_file(tmp_path / "s.gguf", [f"t{i}" for i in range(9000)]).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: data.index(b"t8000")])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        read_gguf_header(cut)

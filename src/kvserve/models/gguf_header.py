@@ -196,7 +196,11 @@ class _Cursor:
 
     def _walk_strings(self, count: int, out: list[str] | None) -> None:
         """Step over ``count`` strings, decoding each into ``out`` when given: the hot loop for
-        vocabularies and merges."""
+        vocabularies and merges, run by the kernels' ``gguf_string_spans`` where they load."""
+        spans = _string_spans() if count >= NATIVE_STRINGS_FROM else None
+        if spans is not None:
+            self._walk_strings_native(spans, count, out)
+            return
         fmt, unpack_from = self.order + "Q", struct.unpack_from
         for _ in range(count):
             if self.pos + 8 > len(self.buf):
@@ -209,6 +213,61 @@ class _Cursor:
             if out is not None:
                 out.append(self.buf[self.pos : self.pos + n].decode("utf-8", errors="replace"))
             self.pos += n
+
+    def _walk_strings_native(self, spans, count: int, out: list[str] | None) -> None:
+        """The loop above, a buffer at a time: the kernel finds the strings that lie whole in the buffer,
+        then the buffer reads on (at least to the end of the next string)."""
+        import numpy as np
+
+        starts, lengths = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            view = np.frombuffer(self.buf, dtype=np.uint8)
+            found = spans(view.ctypes.data + self.pos, len(self.buf) - self.pos, count - done,
+                          int(self.order == ">"), starts[done:].ctypes.data, lengths[done:].ctypes.data)
+            if found:
+                end = done + found
+                if out is not None:
+                    out.extend(_decoded(view, self.pos, starts[done:end], lengths[done:end]))
+                self.pos += int(starts[end - 1] + lengths[end - 1])
+                done = end
+                continue
+            self.need(8)  # the next string does not lie whole in the buffer: read on to its end
+            n = struct.unpack_from(self.order + "Q", self.buf, self.pos)[0]
+            self.check_count(n, 1, "string")
+            self.need(8 + n)
+
+
+def _decoded(view, base: int, starts, lengths) -> list[str]:
+    """The strings at ``view[base + start : base + start + length]``, decoded as ``string`` does: gathered
+    into one buffer between NUL bytes and decoded at once (a decode per string is most of the time for a
+    300k vocabulary); one at a time where a string holds a NUL itself."""
+    import numpy as np
+
+    excl = np.cumsum(lengths) - lengths  # where each string starts in the gathered bytes
+    total = int(lengths.sum())
+    gathered = view[np.repeat(base + starts - excl, lengths) + np.arange(total)]
+    if not (gathered == 0).any():
+        joined = np.zeros(total + len(lengths), dtype=np.uint8)
+        keep = np.ones(len(joined), dtype=bool)
+        keep[excl + lengths + np.arange(len(lengths))] = False  # each string's separator after it
+        joined[keep] = gathered
+        parts = joined[:-1].tobytes().decode("utf-8", errors="replace").split("\0")
+        if len(parts) == len(lengths):
+            return parts
+    raw = bytes(view[base:])
+    return [raw[a : a + n].decode("utf-8", errors="replace")
+            for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+
+
+NATIVE_STRINGS_FROM = 4096  # below it the Python loop is as quick as loading the library
+
+
+def _string_spans():
+    """The kernels' gguf_string_spans, or None where they do not load (the Python loop then)."""
+    from kvserve import native
+
+    return native.function("block_repack", "gguf_string_spans")
 
 
 def _read_value(cur: _Cursor, vtype: int) -> Any:

@@ -194,3 +194,24 @@ int pack_gguf_int8(const uint8_t *raw, int type, int64_t rows, int cols, uint8_t
     for (int64_t p = 0; p < panels; p++) pack_int8_panel(raw, type, row_bytes, rows, cols, p, out + p * panel_bytes);
     return 0;
 }
+
+/* Vocabularies and merges: 300k length-prefixed strings in Qwen2.5's header, ~0.8 s stepped over in
+ * Python, a millisecond here. */
+int64_t gguf_string_spans(const uint8_t *buf, int64_t size, int64_t count, int swap, int64_t *starts,
+                          int64_t *lengths) {
+    int64_t pos = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (size - pos < 8)
+            return i;
+        uint64_t n;
+        memcpy(&n, buf + pos, 8);
+        if (swap)
+            n = __builtin_bswap64(n);
+        if (n > (uint64_t)(size - pos - 8))
+            return i;
+        starts[i] = pos + 8;
+        lengths[i] = (int64_t)n;
+        pos += 8 + (int64_t)n;
+    }
+    return count;
+}

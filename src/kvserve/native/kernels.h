@@ -62,6 +62,11 @@ int pack_gguf_blocks(const uint8_t *raw, int layout, int64_t rows, int cols, uin
 /* Q8_0, Q5_0 or Q4_0 rows as int8_matmul.c's groups of 32 (f16 scale, int8 codes); 0, or -1 for another type. */
 enum { INT8_FROM_Q8_0 = 0, INT8_FROM_Q5_0 = 1, INT8_FROM_Q4_0 = 2 };
 int pack_gguf_int8(const uint8_t *raw, int type, int64_t rows, int cols, uint8_t *out, int num_threads);
+/* The next `count` strings of a GGUF string array in buf[0, size) (each a u64 length, byte-swapped when
+ * `swap`, then its bytes): start and length of each, relative to buf. Returns how many lie whole within
+ * size (fewer than count: the caller reads on and calls again). */
+int64_t gguf_string_spans(const uint8_t *buf, int64_t size, int64_t count, int swap, int64_t *starts,
+                          int64_t *lengths);
 
 /* int8_matmul.c: the int8 grids (f16 scale per 32 inputs; _g16: f32 scale and offset per 16).
  * Every matmul writes row m of its output at y + m * ldy (ldy <= 0: N), so the parts of a stacked
