@@ -97,7 +97,10 @@ def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     madvise = _madvise() if device.type == "cpu" and sys.platform.startswith("linux") else None
     if madvise is None or nbytes < HUGE_PAGE:
         return empty_bytes(nbytes, device).zero_()
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE)  # private, anonymous: zero-filled
+    # Private, not Python's default MAP_SHARED: a shared anonymous mapping is shmem, which Linux backs with
+    # huge pages only where shmem_enabled allows ("never" by default), so MADV_HUGEPAGE was refused in
+    # effect and the pool stayed on 4 KiB pages (AnonHugePages: none of the pool's).
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
     return _huge_aligned(torch.from_numpy(np.frombuffer(region, dtype=np.uint8)), nbytes, madvise)  # keeps it mapped
 
 

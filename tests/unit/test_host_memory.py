@@ -43,6 +43,25 @@ def test_a_big_arena_is_zero_without_being_touched_first():
     assert int(big[(1 << 20) - 1]) == 7 and int(big[1 << 20]) == 0
 
 
+def _mapping_of(address: int) -> str:
+    """The /proc/self/maps line of the mapping that holds ``address``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return line
+    raise LookupError(hex(address))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazily zeroed mapping is Linux's")
+def test_a_big_arena_is_private_memory_that_can_take_huge_pages():
+    """Not shmem: a shared anonymous mapping gets huge pages only where shmem_enabled allows (by default
+    never), so the KV pool's MADV_HUGEPAGE would be asked for in vain."""
+    (big,) = arena([((8 << 20,), torch.uint8)], CPU)
+    permissions = _mapping_of(big.data_ptr()).split()[1]
+    assert permissions == "rw-p", permissions
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked for on Linux only")
 def test_big_buffers_start_on_a_huge_page_and_small_ones_stay_plain():
     assert empty_bytes(HUGE_PAGE + 123, CPU).data_ptr() % HUGE_PAGE == 0
