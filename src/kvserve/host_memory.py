@@ -1,5 +1,5 @@
-"""Host memory of the big, long-lived CPU tensors: one 2 MiB-page arena for the KV pool, one for the
-packed weights.
+"""Host memory of the big, long-lived CPU tensors: one arena for the KV pool (lazily zeroed), one of
+2 MiB pages for the packed weights.
 
 A decode step reads every weight once and walks the KV blocks in whatever order the block tables
 give: with 4 KiB pages that is a TLB entry per 4 KiB. Linux backs a region with transparent huge
@@ -7,7 +7,8 @@ pages when asked (``madvise(MADV_HUGEPAGE)``; ``madvise`` is the usual system de
 memory stays on 4 KiB pages unless a program asks). Measured on SmolLM2's shapes, 2 threads, 30
 layers with cold caches: decode attention over 16 sequences of 190 tokens -12%, the 4-bit
 projections of one token -10%; in the engine (one process, two copies of the model alternating) a
-16-stream decode step 40.8 -> 36.9 ms, one stream unchanged.
+16-stream decode step 40.8 -> 36.9 ms, one stream unchanged. The KV pool was meant to be huge pages too,
+but its mapping was shared (shmem, which gets none by default) and so never was: see ``zeroed_bytes``.
 
 On another OS, another device, below 2 MiB, or where the kernel refuses: ordinary memory, the same
 bytes. Tensors laid out by ``arena`` are views of one buffer, so they stay exactly as they were
@@ -89,19 +90,23 @@ def _views(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.devic
 
 
 def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """``empty_bytes``, zeroed. On a Linux CPU from 2 MiB a fresh anonymous mapping, which the kernel
-    zeroes page by page as each is first touched: no pass over the whole buffer at start-up (a KV pool of
-    a 32K context: ~1 s of memset on 2 cores) and no resident page until a block is written."""
+    """``empty_bytes``, zeroed. On a Linux CPU from 2 MiB a fresh private anonymous mapping, which the
+    kernel zeroes page by page as each is first touched: no pass over the whole buffer at start-up (a KV
+    pool of a 32K context: ~1 s of memset on 2 cores) and no resident page until a block is written.
+
+    Not advised as huge pages, unlike ``empty_bytes``: a pool is touched block by block, and each layer's
+    first block would fault in a whole 2 MiB page (SmolLM2 answering "Hi": +75 MiB resident), for a
+    decode gain that did not reproduce (4K-token history, alternating pairs on a Zen 3 VM: +17% in one
+    run, -14% in the next). Private, not Python's default MAP_SHARED: shared anonymous memory is shmem,
+    counted and reclaimed apart from the process's own."""
     import torch
 
-    madvise = _madvise() if device.type == "cpu" and sys.platform.startswith("linux") else None
-    if madvise is None or nbytes < HUGE_PAGE:
+    if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
         return empty_bytes(nbytes, device).zero_()
-    # Private, not Python's default MAP_SHARED: a shared anonymous mapping is shmem, which Linux backs with
-    # huge pages only where shmem_enabled allows ("never" by default), so MADV_HUGEPAGE was refused in
-    # effect and the pool stayed on 4 KiB pages (AnonHugePages: none of the pool's).
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
-    return _huge_aligned(torch.from_numpy(np.frombuffer(region, dtype=np.uint8)), nbytes, madvise)  # keeps it mapped
+    raw = torch.from_numpy(np.frombuffer(region, dtype=np.uint8))  # keeps the mapping alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start : start + nbytes]
 
 
 def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:

@@ -54,9 +54,9 @@ def _mapping_of(address: int) -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazily zeroed mapping is Linux's")
-def test_a_big_arena_is_private_memory_that_can_take_huge_pages():
-    """Not shmem: a shared anonymous mapping gets huge pages only where shmem_enabled allows (by default
-    never), so the KV pool's MADV_HUGEPAGE would be asked for in vain."""
+def test_a_big_arena_is_private_memory_not_shmem():
+    """Python's mmap maps shared by default: shmem, counted and reclaimed apart from the process's memory
+    (and never given huge pages by default), which the pool's docstring did not mean."""
     (big,) = arena([((8 << 20,), torch.uint8)], CPU)
     permissions = _mapping_of(big.data_ptr()).split()[1]
     assert permissions == "rw-p", permissions
