@@ -98,6 +98,9 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
+        # False where the model file brings no template of its own (a pretrained base model, most often):
+        # chats then get a guessed format (KNOWN_TEMPLATES, else plain lines) and `kvserve run` warns.
+        self.template_from_file = chat_template is not None
         self.add_bos = add_bos
         self._template = None
         self._lock = threading.Lock()
@@ -299,7 +302,9 @@ class Tokenizer:
             eot_id = backend.token_to_id("<end_of_turn>")
             if eot_id is not None and eot_id not in eos_ids:
                 eos_ids.append(eot_id)
-        return cls(backend, int(bos) if bos is not None else None, eos_ids, template, bool(add_bos))
+        tokenizer = cls(backend, int(bos) if bos is not None else None, eos_ids, template, bool(add_bos))
+        tokenizer.template_from_file = bool(gf.get("tokenizer.chat_template"))
+        return tokenizer
 
     @classmethod
     def from_hf_folder(cls, folder: Path) -> Tokenizer:

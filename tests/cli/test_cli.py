@@ -107,6 +107,21 @@ def test_bad_flag_values():
 def test_list_shows_registry():
     r = kvserve("list")
     assert r.returncode == 0 and "smollm2" in r.stdout and "gemma3-270m" in r.stdout
+    gemma = next(line for line in r.stdout.splitlines() if "gemma3-270m" in line)
+    assert " base " in gemma and "give it text to continue" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_chat_prompt_to_a_base_model_warns_and_raw_text_does_not():
+    """Gemma 3 270M is the pretrained model: its file has no chat template, so a chat gets a guessed
+    format (and is echoed); a model with its own template, or --raw, gets no warning."""
+    chat = kvserve("run", "gemma3-270m", "Hi", "-n", "2", "--temperature", "0")
+    assert chat.returncode == 0, chat.stderr
+    assert "gemma3-270m has no chat template in its file" in chat.stderr and "--raw" in chat.stderr
+    raw = kvserve("run", "gemma3-270m", "The sky is", "-n", "2", "--temperature", "0", "--raw")
+    assert raw.returncode == 0 and "chat template" not in raw.stderr
+    own = kvserve("run", "smollm2", "Hi", "-n", "2", "--temperature", "0")
+    assert own.returncode == 0 and "chat template" not in own.stderr
 
 
 def test_cache_save_info_and_run_with_the_prompt_cache(tmp_path):

@@ -33,11 +33,13 @@ def run_list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("NAME", "SIZE", "WHERE", "DESCRIPTION", box=None)
+    table = Table("NAME", "KIND", "SIZE", "WHERE", "DESCRIPTION", box=None)
     for entry in REGISTRY.values():
         path = installed_path(entry, assemble=False)
         size = f"{_size(path) / 1e6:.0f} MB" if path and path.exists() else "-"
         where = str(path) if path else f"not installed (kvserve pull {entry.name})"
-        table.add_row(entry.name, size, where, entry.description)
+        table.add_row(entry.name, entry.kind, size, where, entry.description)
     Console().print(table)
+    if any(e.kind == "base" for e in REGISTRY.values()):
+        print("base: a pretrained model with no chat template; give it text to continue (kvserve run --raw)")
     return 0

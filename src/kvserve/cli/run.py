@@ -52,6 +52,15 @@ def _looks_like_model(text: str) -> bool:
     return text in REGISTRY or text.endswith(".gguf") or Path(text).expanduser().exists()
 
 
+def no_template_warning(model: str, tokenizer) -> str:
+    """What a chat prompt to a model whose file has no chat template gets told (a base model echoes or
+    rambles on a format it was never trained on)."""
+    guessed = "its architecture's usual turns" if tokenizer.chat_template else "plain 'role: text' lines"
+    return (f"warning: {model} has no chat template in its file (a pretrained base model?): the "
+            f"chat is formatted with {guessed}, which it may only echo or continue; --raw gives it the text "
+            "to continue")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvserve.cli.chat import interactive_chat
     from kvserve.cli.live import generate_streaming, result_record, stats_line
@@ -67,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if prompt is None and args.context_overflow is None:
         args.context_overflow = "shift"  # a chat goes on past the context, as Ollama's does
     engine = load_engine(args)
+    if not args.raw and not engine.tokenizer.template_from_file:
+        print(no_template_warning(args.model or engine.config.model, engine.tokenizer), file=sys.stderr)
     if prompt is None:
         return interactive_chat(engine, params, args.system)
     messages = [{"role": "system", "content": args.system}] if args.system else []

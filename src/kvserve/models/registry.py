@@ -33,7 +33,8 @@ class RegistryEntry:
     parts: tuple[str, ...] = ()  # or: modules each holding data/partNN.bin, the GGUF's bytes in order
     size: int = 0  # the joined parts' size in bytes (checked before the file is used)
     fast_kld_ok: bool = False  # q4-fast's KLD measured at most llama.cpp's on this file (models/weight_choice.py)
-    kind: str = "chat"  # or "embedding": a sentence encoder (models/encoder.py), not a decoder
+    kind: str = "chat"  # "base": pretrained, no chat template (give it text to continue: --raw);
+    # "embedding": a sentence encoder (models/encoder.py), not a decoder
 
 
 REGISTRY: dict[str, RegistryEntry] = {
@@ -65,6 +66,7 @@ REGISTRY: dict[str, RegistryEntry] = {
             "gemma-3-270m-q4_k_m.gguf",
             assembled=True,
             fast_kld_ok=True,  # q4-fast 0.0016, llama.cpp 0.0055
+            kind="base",  # the pretrained model: its file has no chat template, and chats get echoed
         ),
         RegistryEntry(
             "all-minilm",
