@@ -134,3 +134,21 @@ def test_release_freed_memory_is_a_no_op_without_malloc_trim(monkeypatch, libc):
 
     monkeypatch.setattr(host_memory.ctypes, "CDLL", cdll)
     host_memory.release_freed_memory()  # returns quietly
+
+
+def test_packing_arena_hands_out_aligned_disjoint_slices_then_falls_back():
+    from kvserve.host_memory import packed_bytes, packing_arena
+
+    with packing_arena(3 << 20) as arena:
+        a, b = packed_bytes(1000), packed_bytes(HUGE_PAGE)
+        assert arena.holds(a) and arena.holds(b) and b.data_ptr() - a.data_ptr() == 1024  # cache lines
+        assert a.data_ptr() % HUGE_PAGE == 0 and not a.any() and not b.any()
+        big = packed_bytes(2 * HUGE_PAGE)  # does not fit what is left: ordinary memory, same size
+        assert not arena.holds(big) and big.numel() == 2 * HUGE_PAGE
+        a.fill_(1)
+        assert int(b[0]) == 0
+        owners = [SimpleNamespace(packed=a), SimpleNamespace(packed=big)]
+        rehome(owners, "packed")  # only what the arena does not hold moves
+        assert owners[0].packed.data_ptr() == a.data_ptr() and owners[1].packed.data_ptr() != big.data_ptr()
+    outside = packed_bytes(1000)
+    assert not arena.holds(outside)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvserve import native
+from kvserve.host_memory import packed_bytes
 from kvserve.models.layouts import (
     CODE_BITS,
     GGUF_LAYOUTS,
@@ -162,7 +163,8 @@ def _packed_output(type_name: str, rows: int, cols: int) -> tuple[int, torch.Ten
     if cols % per_block:
         raise ValueError(f"{type_name}: rows of {cols} weights are not whole blocks of {per_block}")
     panels = -(-rows // 16)
-    return layout, torch.empty(panels, panel_bytes(layout, cols), dtype=torch.uint8)
+    width = panel_bytes(layout, cols)
+    return layout, packed_bytes(panels * width).view(panels, width)
 
 
 def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int,

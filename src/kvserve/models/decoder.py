@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.host_memory import packing_arena
 from kvserve.models import file_linears
 from kvserve.models.activations import gated
 from kvserve.models.gguf_file import GGUFWeights
@@ -118,30 +119,35 @@ class DecoderLM:
             return w(name) if name in weights else None
 
         self.final_norm = w("output_norm.weight")
+        # every packed weight straight into one 2 MiB-page region (host_memory.PackingArena), sized for the
+        # worst widening (4-bit blocks as int8 groups: 2x); what the model leaves unused stays virtual
+        capacity = 2 * sum(t.num_bytes for t in weights.gf.tensors.values()) if from_file else 0
         tied = "output.weight" not in weights
-        # the head and the embedding table from the file's blocks where the format allows: a tied block type
-        # (Q4_0 ... Q6_K) as its own layout with the table kept as the file's bytes (QuantRows), a tied
-        # Q8_0 table as the int8 head (rows from it), an untied table as the file's bytes beside the head
-        self.embed, self.embed_rows, self.lm_head = None, None, None
-        if tied:
-            if from_file:  # a block type: its own layout, rows from the file's bytes
-                self.lm_head, self.embed_rows = file_linears.tied_head(weights, weight_format) or (None, None)
+        with packing_arena(capacity):
+            # the head and the embedding table from the file's blocks where the format allows: a tied block
+            # type (Q4_0 ... Q6_K) as its own layout with the table kept as the file's bytes (QuantRows), a
+            # tied Q8_0 table as the int8 head (rows from it), an untied table as the file's bytes beside it
+            self.embed, self.embed_rows, self.lm_head = None, None, None
+            if tied:
+                if from_file:  # a block type: its own layout, rows from the file's bytes
+                    found = file_linears.tied_head(weights, weight_format)
+                    self.lm_head, self.embed_rows = found or (None, None)
+                if self.lm_head is None:
+                    self.lm_head = self._tied_int8_head(weights)
+            elif from_file:
+                self.embed_rows = weights.quant_rows("token_embd.weight")
+                self.lm_head = file_linears.projection(weights, ["output.weight"], None, weight_format)
+            self._head_from_grid = self.lm_head is not None  # in its own 2 MiB-page buffer already
             if self.lm_head is None:
-                self.lm_head = self._tied_int8_head(weights)
-        elif from_file:
-            self.embed_rows = weights.quant_rows("token_embd.weight")
-            self.lm_head = file_linears.projection(weights, ["output.weight"], None, weight_format)
-        self._head_from_grid = self.lm_head is not None  # in its own 2 MiB-page buffer already
-        if self.lm_head is None:
-            if self.embed_rows is None:
-                self.embed = w("token_embd.weight")  # [vocab, hidden]
-            self.lm_head = linear(self.embed if tied else w("output.weight"))
-            if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
-                self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
-        self.layers = [self._layer(f"blk.{i}.", w, opt, projection) for i in range(config.num_layers)]
-        # a head built from the file's grid already sits in its own 2 MiB-page buffer
-        head = [] if self._head_from_grid else [self.lm_head]
-        pack_into_arena(head + [lin for layer in self.layers for lin in layer.linears])
+                if self.embed_rows is None:
+                    self.embed = w("token_embd.weight")  # [vocab, hidden]
+                self.lm_head = linear(self.embed if tied else w("output.weight"))
+                if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
+                    self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
+            self.layers = [self._layer(f"blk.{i}.", w, opt, projection) for i in range(config.num_layers)]
+            # a head built from the file's grid already sits in its own 2 MiB-page buffer
+            head = [] if self._head_from_grid else [self.lm_head]
+            pack_into_arena(head + [lin for layer in self.layers for lin in layer.linears])
         self.rope = rotary_embedding(config, weights, device, dtype)
         self.rope_local = self.rope
         if config.rope_theta_local is not None:

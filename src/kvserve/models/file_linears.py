@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvserve import native
-from kvserve.host_memory import empty_bytes
+from kvserve.host_memory import packed_bytes
 from kvserve.models.gguf_file import GGUFWeights, QuantRows
 from kvserve.models.layouts import INT8_SOURCES, holder, runs
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, Linear, StackedLinear
@@ -84,7 +84,7 @@ def int8_groups(weights: GGUFWeights, names: list[str], bias: torch.Tensor | Non
         return None
     rows, cols = sum(s[1] for s in shapes), shapes[0][2]
     panels, groups = -(-rows // 16), cols // 32
-    out = empty_bytes(panels * groups * 544, torch.device("cpu")).view(panels, groups * 544)
+    out = packed_bytes(panels * groups * 544).view(panels, groups * 544)
     first = 0
     for name, (type_name, part_rows, _) in zip(names, shapes):
 
