@@ -229,16 +229,19 @@ def test_native_string_walk_decodes_as_the_python_loop(tmp_path, monkeypatch, bi
     python = read_gguf_header(path, decode_arrays=True)
     assert native.metadata == python.metadata and native.get("tokenizer.ggml.tokens") == strings
     assert skipped.get("test.after") == [1, 2, 3]
-    data = bytearray(path.read_bytes())  # a NUL and a broken UTF-8 sequence inside strings
-    at = data.index(b"tok5") + 1
-    data[at], data[at + 1] = 0, 0xE2
-    path.write_bytes(bytes(data))
-    monkeypatch.setattr(gguf_header, "_string_spans", lambda: None)
-    python = read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens")
-    monkeypatch.undo()
-    monkeypatch.setattr(gguf_header, "_READ_SIZE", read_size)
-    assert read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens") == python
-    assert "\0" in python[5] and "\ufffd" in python[5]
+    original = path.read_bytes()
+    for name, marks in (("broken UTF-8", [0xE2, 0x82]), ("a NUL inside", [0, 0xE2])):
+        data = bytearray(original)
+        at = data.index(b"tok5") + 1  # strings[5]
+        data[at : at + 2] = bytes(marks)
+        data[data.index(b"tok7") + 3] = 0xF0  # strings[7]: a 4-byte sequence cut short by its end
+        path.write_bytes(bytes(data))
+        monkeypatch.setattr(gguf_header, "_string_spans", lambda: None)
+        python = read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens")
+        monkeypatch.undo()
+        monkeypatch.setattr(gguf_header, "_READ_SIZE", read_size)
+        assert read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens") == python, name
+        assert "\ufffd" in python[5] and "\ufffd" in python[7] and ("\0" in python[5]) == (marks[0] == 0)
 
 
 def test_native_string_walk_stops_at_a_truncated_array(tmp_path):
