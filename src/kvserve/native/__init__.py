@@ -25,7 +25,7 @@ hands out one function of a library with the ctypes signature ``abi`` reads from
 no argument list is written again in Python.
 
     prebuilt:  <package>/native/prebuilt/<isa>/<name>.so, manifest.json: {"<isa>/<name>": source_key}
-    compiled:  cache key = sha256(source, the directory's headers, flags, compiler version, CPU flags, ISA)
+    compiled:  cache key = sha256(source_key, compiler version, CPU flags)
                -> <cache>/<name>-<key>.so
 """
 
@@ -293,10 +293,8 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
     flags = build_flags(name, chosen)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-        headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # shared code a source includes
-        key = hashlib.sha256(
-            "\0".join([source.read_text(), *headers, " ".join(flags), version, _cpu_flags()]).encode()
-        ).hexdigest()[:16]
+        # the sources and flags as a prebuilt library is keyed, and the compiler and CPU it was built by
+        key = hashlib.sha256("\0".join([source_key(name, flags), version, _cpu_flags()]).encode()).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         how = "cached" if target.exists() else "compiled"
         if not target.exists():
