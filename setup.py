@@ -22,8 +22,12 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).parent
 
 
+def _prebuild_on() -> bool:
+    return os.environ.get("KVSERVE_PREBUILD", "1") != "0"
+
+
 def _prebuild_wanted(command) -> bool:
-    return os.environ.get("KVSERVE_PREBUILD", "1") != "0" and not getattr(command, "editable_mode", False)
+    return _prebuild_on() and not getattr(command, "editable_mode", False)
 
 
 class BuildWithKernels(build_py):
@@ -44,7 +48,7 @@ class KernelsDistribution(Distribution):
     """Says it has platform code, so that the build goes to platlib and the wheel is not pure."""
 
     def has_ext_modules(self) -> bool:
-        return os.environ.get("KVSERVE_PREBUILD", "1") != "0"
+        return _prebuild_on()
 
 
 class PlatformWheel(bdist_wheel):

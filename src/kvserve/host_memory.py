@@ -62,10 +62,11 @@ def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
 
 def _huge_aligned(raw: torch.Tensor, nbytes: int, madvise) -> torch.Tensor:
     """The ``nbytes`` of ``raw`` (HUGE_PAGE more than that) from its first 2 MiB boundary, advised as huge
-    pages: a view, which keeps ``raw`` alive."""
+    pages where ``madvise`` is given: a view, which keeps ``raw`` alive."""
     start = -raw.data_ptr() % HUGE_PAGE
     buffer = raw[start : start + nbytes]
-    if madvise(buffer.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) != 0:
+    advised = nbytes // HUGE_PAGE * HUGE_PAGE
+    if madvise is not None and madvise(buffer.data_ptr(), advised, _MADV_HUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): 4 KiB pages", ctypes.get_errno())
     return buffer
 
@@ -106,9 +107,8 @@ def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
         return empty_bytes(nbytes, device).zero_()
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
-    raw = torch.from_numpy(np.frombuffer(region, dtype=np.uint8))  # keeps the mapping alive
-    start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start : start + nbytes]
+    raw = torch.from_numpy(np.frombuffer(region, dtype=np.uint8))  # the view keeps the mapping alive
+    return _huge_aligned(raw, nbytes, None)
 
 
 def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
@@ -132,10 +132,7 @@ class PackingArena:
         self._region = mmap.mmap(-1, self.capacity + HUGE_PAGE, flags=flags)
         raw = torch.from_numpy(np.frombuffer(self._region, dtype=np.uint8))  # the views keep it mapped
         madvise = _madvise() if sys.platform.startswith("linux") else None
-        start = -raw.data_ptr() % HUGE_PAGE
-        self.buffer = raw[start : start + self.capacity]
-        if madvise is not None and madvise(self.buffer.data_ptr(), self.capacity, _MADV_HUGEPAGE) != 0:
-            log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): 4 KiB pages", ctypes.get_errno())
+        self.buffer = _huge_aligned(raw, self.capacity, madvise)
         self.used = 0
 
     def take(self, nbytes: int) -> torch.Tensor | None:

@@ -11,7 +11,6 @@ import argparse
 import importlib.util
 import json
 import platform
-import sys
 
 
 def add_parser(sub, name: str) -> None:
@@ -59,5 +58,5 @@ def run(args: argparse.Namespace) -> int:
     for name, choice in info["kernels"].items():
         line = f"{choice['path']}, {choice['how']}: {choice['why']}" if choice else "not loaded: torch path"
         print(f"  {name:16} {line}")
-    print(f"torch: {'installed' if info['torch'] else 'not installed'}", file=sys.stdout)
+    print(f"torch: {'installed' if info['torch'] else 'not installed'}")
     return 0
