@@ -66,12 +66,13 @@ $(AGENTS): tests/agents/package.json
 	cd build/agents && npm install --no-audit --no-fund --loglevel=error
 	touch $@
 
-test: test-setup cross-tools browser agents
+# lint first: CI runs `make test`, and a rule broken fails it in seconds, not after the suite
+test: test-setup lint cross-tools browser agents
 	$(KVSERVE) pull smollm2
 	$(KVSERVE) pull gemma3-270m
 	$(KVSERVE) pull qwen2.5-coder-0.5b
 	$(KVSERVE) pull all-minilm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # llama.cpp's own llama-bench, llama-batched-bench and llama-server, built for this CPU from the
 # llama-cpp-python source package into build/llama.cpp/bin (~20 minutes on 2 cores, once): the speed peer of

@@ -1,7 +1,7 @@
 """A coding agent's session, recorded once and replayed against kvserve and llama.cpp's own ``llama-server``.
 
-    # record: the agent (from build/agents: make agents) runs a task against kvserve through a recording proxy;
-    # --sessions 2 runs it twice in one project on one server, each session with its own first message
+    # record: the agent (from build/agents: make agents) runs a task against kvserve through a recording
+    # proxy; --sessions 2 runs it twice in one project on one server, each session with its own first message
     .venv/bin/python bench/agent_session.py record claude --out sessions/claude.jsonl --sessions 2
     # replay: each recorded request, as the agent sent it and in order, against each server started fresh;
     # several files (two sessions of one agent) one after the other on the same server
@@ -47,15 +47,18 @@ CONTEXT = 32768
 CALLS = {
     "claude": (("Read", {"file_path": "{repo}/calc.py"}), ("Bash", {"command": "head -n 20 calc.py"})),
     "codex": (("exec_command", {"cmd": "cat calc.py"}), ("exec_command", {"cmd": "head -n 20 calc.py"})),
-    "qwen": (("read_file", {"file_path": "{repo}/calc.py"}), ("run_shell_command", {"command": "head -n 20 calc.py"})),
+    "qwen": (("read_file", {"file_path": "{repo}/calc.py"}),
+             ("run_shell_command", {"command": "head -n 20 calc.py"})),
 }
 # how each agent is started: argv, environment (``{proxy}``, ``{key}`` filled in), files under its HOME
 AGENT_RUNS = {
     "claude": ([str(AGENTS / "claude"), "-p", "{prompt}", "--model", MODEL],
                {"ANTHROPIC_BASE_URL": "{proxy}", "ANTHROPIC_API_KEY": "{key}",
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}, {}),
-    "codex": ([str(AGENTS / "codex"), "exec", "--skip-git-repo-check", "{prompt}"], {"KVSERVE_API_KEY": "{key}"},
-              {".codex/config.toml": f'model = "{MODEL}"\nmodel_provider = "kvserve"\n\n[model_providers.kvserve]\n'
+    "codex": ([str(AGENTS / "codex"), "exec", "--skip-git-repo-check", "{prompt}"],
+              {"KVSERVE_API_KEY": "{key}"}, {
+                  ".codex/config.toml": f'model = "{MODEL}"\nmodel_provider = '
+                                        f'"kvserve"\n\n[model_providers.kvserve]\n'
                                      'name = "kvserve"\nbase_url = "{proxy}/v1"\nwire_api = "responses"\n'
                                      'env_key = "KVSERVE_API_KEY"\n'}),
     "qwen": ([str(AGENTS / "qwen"), "--auth-type", "openai", "{prompt}"],
@@ -75,7 +78,8 @@ def record(agent: str, out: Path, prompts: list[str], timeout: float) -> None:
             _record_session(agent, url, repo, home, path, prompt, timeout)
 
 
-def _record_session(agent: str, url: str, repo: Path, home: Path, out: Path, prompt: str, timeout: float) -> None:
+def _record_session(agent: str, url: str, repo: Path, home: Path, out: Path, prompt: str,
+                    timeout: float) -> None:
     argv, env, files = AGENT_RUNS[agent]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
@@ -127,8 +131,8 @@ def replay_one(client: httpx.Client, record: dict, max_tokens: int) -> dict:
     elif text.strip().startswith("{"):
         events = [json.loads(text)]
     prompt, computed = _tokens(events)
-    return {"path": record["path"], "status": status, "seconds": done - began, "ttft": (first or done) - began,
-            "max_silence": silence, "prompt": prompt, "computed": computed}
+    return {"path": record["path"], "status": status, "seconds": done - began,
+            "ttft": (first or done) - began, "max_silence": silence, "prompt": prompt, "computed": computed}
 
 
 def _capped(path: str, body: dict, max_tokens: int) -> dict:
@@ -149,8 +153,8 @@ def _capped(path: str, body: dict, max_tokens: int) -> dict:
     return body
 
 
-OUTPUT_MARKS = (b'"text_delta"', b'"input_json_delta"', b'"tool_use"', b"output_text.delta", b'"function_call"',
-                b'"content":"', b'"tool_calls"', b'"arguments"')
+OUTPUT_MARKS = (b'"text_delta"', b'"input_json_delta"', b'"tool_use"', b"output_text.delta",
+                b'"function_call"', b'"content":"', b'"tool_calls"', b'"arguments"')
 
 
 def _carries_output(chunk: bytes) -> bool:
@@ -168,7 +172,8 @@ def _tokens(events: list[dict]) -> tuple[int | None, int | None]:
             computed = timings["prompt_n"]
             prompt = computed + timings.get("cache_n", 0)
             continue
-        usage = e.get("usage") or (e.get("response") or {}).get("usage") or (e.get("message") or {}).get("usage")
+        usage = e.get("usage") or (e.get("response") or {}).get("usage") or (e.get("message") or {}).get(
+            "usage")
         if not isinstance(usage, dict):
             continue
         if "cache_read_input_tokens" in usage:  # Anthropic: input_tokens are the computed ones
@@ -186,14 +191,15 @@ def _tokens(events: list[dict]) -> tuple[int | None, int | None]:
 def llama_server(model_path: str):
     """``llama-server`` on a free port: one slot of the whole context, 2 threads, its prompt cache on."""
     port = free_port()
-    cmd = [str(LLAMA_SERVER), "-m", model_path, "-c", str(CONTEXT), "-t", "2", "-np", "1", "--port", str(port),
-           "--jinja", "--no-webui"]
+    cmd = [str(LLAMA_SERVER), "-m", model_path, "-c", str(CONTEXT), "-t", "2", "-np", "1", "--port",
+           str(port), "--jinja", "--no-webui"]
     log = Path(tempfile.gettempdir()) / f"agent_session-llama-server-{port}.log"
     print(f"llama-server log: {log}", file=sys.stderr)
     return port, subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def replay(paths: list[Path], peers: list[str], max_tokens: int, max_requests: int | None = None) -> list[dict]:
+def replay(paths: list[Path], peers: list[str], max_tokens: int,
+           max_requests: int | None = None) -> list[dict]:
     from kvserve.models.registry import resolve
 
     model_path = str(resolve(MODEL))
@@ -254,7 +260,8 @@ def summary(rows: list[dict]) -> None:
         computed = sum(r["computed"] or 0 for r in rs)
         reused = 100 * (prompt - computed) / prompt if prompt else 0
         print(f"{name:16} {engine:10} {len(rs):>8} {sum(r['seconds'] for r in rs):>8.1f} {prompt:>10} "
-              f"{computed:>9} {reused:>8.1f} {rs[0]['ttft']:>12.2f} {max(r['max_silence'] for r in rs):>13.2f}")
+              f"{computed:>9} {reused:>8.1f} {rs[0]['ttft']:>12.2f} "
+              f"{max(r['max_silence'] for r in rs):>13.2f}")
 
 
 def main() -> None:
@@ -266,14 +273,16 @@ def main() -> None:
     rec.add_argument("--prompt", action="append", help="a session's first message (once per session)")
     rec.add_argument("--sessions", type=int, default=1, help="sessions on one server, each with its own "
                      "first message")
-    rec.add_argument("--timeout", type=float, default=900, help="seconds a session may take (its requests so far "
+    rec.add_argument("--timeout", type=float, default=900,
+                     help="seconds a session may take (its requests so far "
                      "are kept)")
     rep = sub.add_parser("replay")
     rep.add_argument("sessions_files", nargs="+", type=Path)
     rep.add_argument("--peers", default="kvserve,llama.cpp")
     rep.add_argument("--json", type=Path, default=None)
     rep.add_argument("--max-tokens", type=int, default=256, help="output limit per replayed request")
-    rep.add_argument("--max-requests", type=int, default=None, help="replay each session's first N requests only "
+    rep.add_argument("--max-requests", type=int, default=None,
+                     help="replay each session's first N requests only "
                      "(a small model's session that loops on a declined call)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")

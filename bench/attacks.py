@@ -34,14 +34,18 @@ def attacks() -> dict[str, list[tuple[str, dict]]]:
     return {
         "3 MB Anthropic tool description": [("/v1/messages", {"model": "m", "max_tokens": 4, "messages": ASK,
                                                               "tools": big_tool})],
-        "8 x 3 MB tool descriptions at once": [("/v1/messages", {"model": "m", "max_tokens": 4, "messages": ASK,
+        "8 x 3 MB tool descriptions at once": [("/v1/messages",
+                                                {"model": "m", "max_tokens": 4, "messages": ASK,
                                                                  "tools": big_tool})] * 8,
-        "'word ' x 780,000 chat message": [("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [
+        "'word ' x 780,000 chat message": [("/v1/chat/completions",
+                                            {"model": "m", "max_tokens": 4, "messages": [
             {"role": "user", "content": "word " * 780_000}]})],
-        "1 MB message (tokenized, then refused)": [("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [
+        "1 MB message (tokenized, then refused)": [("/v1/chat/completions",
+                                                    {"model": "m", "max_tokens": 4, "messages": [
             {"role": "user", "content": "lorem ipsum dolor " * 58_000}]})],
         "100k-value enum schema": [("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": ASK,
-                                                             "response_format": {"type": "json_schema", "json_schema": {
+                                                             "response_format": {
+                                                                 "type": "json_schema", "json_schema": {
                                                                  "name": "e", "schema": enum}}})],
         "self-referencing required schema": [("/api/chat", {"model": "m", "messages": ASK, "format": self_ref,
                                                              "stream": False})],
@@ -96,8 +100,8 @@ def run(url: str, requests: list[tuple[str, dict]]) -> dict:
         t.join()
     h = sorted(watch.health)
     return {"statuses": sorted(set(statuses)), "health_p50_ms": round(1000 * statistics.median(h), 1),
-            "health_p99_ms": round(1000 * h[int(0.99 * (len(h) - 1))], 1), "health_max_ms": round(1000 * h[-1], 1),
-            "stream_gap_ms": round(1000 * watch.gap, 1)}
+            "health_p99_ms": round(1000 * h[int(0.99 * (len(h) - 1))], 1),
+            "health_max_ms": round(1000 * h[-1], 1), "stream_gap_ms": round(1000 * watch.gap, 1)}
 
 
 def rss_mib(pid: int) -> float:

@@ -6,9 +6,10 @@
 ours:      kvserve run MODEL "Hi" -n 1 --temperature 0 --json   (interpreter start, imports, load, answer)
 llama.cpp: llama-bench -m FILE -p 0 -n 1 -r 1 --no-warmup       (load, context, one generated token;
            built by bench/build_llama_cpp.sh)
-llama-cpp-python: python -c "Llama(FILE)('Hi', max_tokens=1)"    (a Python process, as ours is; where installed)
-Peak RSS is the child's (wait4's ru_maxrss); the weights column is the engine's own count of what it holds
-(kvserve plan's q4 weights), and "load peak" the load's growth over the bare process (bench/load_memory.py).
+llama-cpp-python: python -c "Llama(FILE)('Hi', max_tokens=1)"    (a Python process, as ours is; where
+installed) Peak RSS is the child's (wait4's ru_maxrss); the weights column is the engine's own count of what
+it holds (kvserve plan's q4 weights), and "load peak" the load's growth over the bare process
+(bench/load_memory.py).
 """
 
 from __future__ import annotations
@@ -50,15 +51,16 @@ def main() -> None:
 
     tools = llama_tools_dir()
     kvserve = str(Path(sys.executable).with_name("kvserve"))
-    print("| model | file | weights held | ours: first token | llama.cpp | ratio | llama-cpp-python | ratio | "
+    print(
+        "| model | file | weights held | ours: first token | llama.cpp | ratio | llama-cpp-python | ratio | "
           "ours: peak RSS | llama.cpp |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         path = resolve(model, auto_pull=True)
         commands = {"ours": [kvserve, "run", model, "Hi", "-n", "1", "--temperature", "0", "--json"]}
         if tools:
-            commands["llama.cpp"] = [str(tools / "llama-bench"), "-m", str(path), "-p", "0", "-n", "1", "-r", "1",
-                                     "--no-warmup", "-t", "2"]
+            commands["llama.cpp"] = [str(tools / "llama-bench"), "-m", str(path), "-p", "0", "-n", "1", "-r",
+                                     "1", "--no-warmup", "-t", "2"]
         if importlib.util.find_spec("llama_cpp"):
             commands["llama-cpp-python"] = [sys.executable, "-c", PYTHON_PEER, str(path)]
         for cmd in commands.values():
@@ -72,7 +74,9 @@ def main() -> None:
         py = secs.get("llama-cpp-python")
         peer_cells += f" | {py:.2f} s | {ours / py:.2f}x" if py else " | - | -"
         peer_rss = f"{rss['llama.cpp'] / 2**20:.0f} MiB" if peer else "-"
-        print(f"| {model} | {path.stat().st_size / 2**20:.0f} MiB | {held / 2**20:.0f} MiB | {ours:.2f} s | {peer_cells} | "
+        print(
+            f"| {model} | {path.stat().st_size / 2**20:.0f} MiB | {held / 2**20:.0f} MiB | {ours:.2f} s | "
+            f"{peer_cells} | "
               f"{rss['ours'] / 2**20:.0f} MiB | {peer_rss} |")
 
 

@@ -48,7 +48,8 @@ def main() -> None:
     def one_at_a_time() -> torch.Tensor:
         scores = []
         for ids, _ in pairs:
-            hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), ContiguousKVCache(len(model.layers)))
+            hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)),
+                                   ContiguousKVCache(len(model.layers)))
             logits = model.compute_logits(hidden[-1:])[0]
             scores.append(torch.stack([logits[reranker.no], logits[reranker.yes]]).softmax(0)[1])
         return torch.stack(scores)
@@ -69,7 +70,8 @@ def main() -> None:
         return out
 
     ways = {"one at a time": one_at_a_time} | {
-        f"engine, {n} caller{'s' if n > 1 else ''}": (lambda n=n: engine(n)) for n in map(int, args.callers.split(","))}
+        f"engine, {n} caller{'s' if n > 1 else ''}": (lambda n=n: engine(n)) for n in map(
+            int, args.callers.split(","))}
     reference = one_at_a_time()
     diff = max(float((fn() - reference).abs().max()) for fn in ways.values())  # warm up; and the scores agree
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -82,7 +84,9 @@ def main() -> None:
     base = len(pairs) / statistics.median(times["one at a time"])
     for name, t in times.items():
         rate = len(pairs) / statistics.median(t)
-        print(f"{name:<22} {rate:7.1f} documents/s  {rate / base:5.2f}x   (runs: {', '.join(f'{x:.2f}' for x in t)} s)")
+        print(
+            f"{name:<22} {rate:7.1f} documents/s  {rate / base:5.2f}x   (runs: "
+            f"{', '.join(f'{x:.2f}' for x in t)} s)")
     print(f"largest score difference from one at a time: {diff:.2e}")
     reranker.close()
 

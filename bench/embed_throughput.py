@@ -48,7 +48,9 @@ def main() -> None:
     ours, theirs = Encoder(path, args.model, args.weights), SentenceTransformer(str(path), device="cpu")
     texts = sentences(args.sentences)
     tokens = sum(len(ids) for ids in ours.tokenize(texts))
-    print(f"{len(texts)} sentences, {tokens} tokens ({tokens / len(texts):.1f} a sentence), batch {args.batch}, "
+    print(
+        f"{len(texts)} sentences, {tokens} tokens ({tokens / len(texts):.1f} a sentence), batch "
+        f"{args.batch}, "
           f"{args.threads} threads")
 
     def run_ours() -> torch.Tensor:  # what /v1/embeddings does with a request of these texts
@@ -73,7 +75,8 @@ def main() -> None:
     rates = {name: len(texts) / statistics.median(t) for name, t in times.items()}
     for name, rate in rates.items():
         print(f"{name:<22} {rate:8.1f} sentences/s   (runs: {', '.join(f'{x:.2f}' for x in times[name])} s)")
-    print(f"ratio {rates['kvserve'] / rates['sentence-transformers']:.2f}x; cosine min {float(cos.min()):.6f}")
+    print(
+        f"ratio {rates['kvserve'] / rates['sentence-transformers']:.2f}x; cosine min {float(cos.min()):.6f}")
 
 
 if __name__ == "__main__":

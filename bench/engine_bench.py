@@ -45,7 +45,8 @@ def main() -> None:
     rng = random.Random(0)
     text_ids = loaded.tokenizer.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 400))
     params = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
-    report: dict = {"model": args.model, "load_seconds": round(loaded.load_seconds, 2), "threads": args.threads}
+    report: dict = {"model": args.model, "load_seconds": round(loaded.load_seconds, 2),
+                    "threads": args.threads}
 
     one = engine_for(loaded, 1, 1024)
     run_all(one, [text_ids[:128]], params)  # warm-up
@@ -63,8 +64,8 @@ def main() -> None:
     t_conc, outs = run_all(many, prompts, params)
     total = sum(len(o.token_ids) for o in outs)
     report["concurrency"] = {"streams": args.streams, "tokens": total,
-                             "one_by_one_tok_s": round(total / t_seq, 2), "concurrent_tok_s": round(total / t_conc, 2),
-                             "ratio": round(t_seq / t_conc, 2)}
+                             "one_by_one_tok_s": round(total / t_seq, 2),
+                             "concurrent_tok_s": round(total / t_conc, 2), "ratio": round(t_seq / t_conc, 2)}
 
     prefix = [rng.randrange(100, 40000) for _ in range(1000)]
     shared = engine_for(loaded, 2, 1100)

@@ -37,7 +37,8 @@ SCHEMA = {
     "required": ["name", "age", "tags", "city"],
     "additionalProperties": False,
 }
-DOCUMENT = json.dumps({"name": "Ada Lovelace, countess", "age": 36, "tags": ["math", "poetry"], "city": "Paris"})
+DOCUMENT = json.dumps({"name": "Ada Lovelace, countess", "age": 36, "tags": ["math", "poetry"],
+                       "city": "Paris"})
 
 
 def percentiles(seconds: list[float]) -> str:
@@ -86,7 +87,8 @@ def xgrammar_row(tok: Tokenizer, ids: list[int]) -> str:
     return f"tables {1e3 * (t1 - t0):.0f} ms, compile {1e3 * (t2 - t1):.1f} ms, mask {percentiles(times)}"
 
 
-def decode_rate(engine: LLMEngine, prompt: list[int], params: SamplingParams, streams: int) -> tuple[float, list]:
+def decode_rate(engine: LLMEngine, prompt: list[int], params: SamplingParams, streams: int) -> tuple[
+    float, list]:
     """(aggregate decode tok/s, the sampler's mask times) of ``streams`` copies of one request."""
     ids = [engine.add_request(prompt, params).request_id for _ in range(streams)]
     final = engine.run_to_completion()
@@ -112,7 +114,9 @@ def engine_rows(name: str, tokens: int) -> None:
             rates.append(rate)
             masks += times
         unconstrained, constrained = (rates[0] + rates[2]) / 2, (rates[1] + rates[3]) / 2
-        print(f"  {name}, {streams} stream(s): decode {unconstrained:.1f} tok/s free, {constrained:.1f} constrained "
+        print(
+            f"  {name}, {streams} stream(s): decode {unconstrained:.1f} tok/s free, {constrained:.1f} "
+            f"constrained "
               f"({100 * constrained / unconstrained:.0f}%); sampler mask {percentiles(masks)}")
 
 

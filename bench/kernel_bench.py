@@ -48,7 +48,8 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples) * 1e3
 
 
-def measure_rows(m: int, layer: list, head: torch.Tensor, kernels: dict, threads: int, repeats: int, g) -> dict:
+def measure_rows(m: int, layer: list, head: torch.Tensor, kernels: dict, threads: int, repeats: int,
+                 g) -> dict:
     """{path: [layer q4 ms samples, layer q4-fast, head]} for m rows, three rounds of the paths in turn."""
     x4 = [torch.randn(m, k, generator=g) for _, _, k in layer]
     y4 = [torch.empty(m, n) for _, n, _ in layer]
@@ -56,7 +57,7 @@ def measure_rows(m: int, layer: list, head: torch.Tensor, kernels: dict, threads
     results: dict[str, list[list[float]]] = {isa: [[], [], []] for isa in kernels}
 
     def projections(int4, digits: int) -> None:
-        for (w, n, k), x, y in zip(layer, x4, y4):
+        for (w, n, k), x, y in zip(layer, x4, y4, strict=True):
             int4(x.data_ptr(), w.data_ptr(), None, m, n, k, y.data_ptr(), threads, digits, 0, 0)
 
     def output_head(int8) -> None:
@@ -78,8 +79,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
-    layer = [(pack_int4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), torch.rand(n, k // 32) / 50,
-                        -torch.rand(n, k // 32) / 10), n, k) for n, k in PROJECTIONS]
+    layer = [(pack_int4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                        torch.rand(n, k // 32) / 50, -torch.rand(n, k // 32) / 10), n,
+                        k) for n, k in PROJECTIONS]
     head = pack_int8_groups(*int8_groups(torch.randn(*HEAD, generator=g) / 20))
     isas = args.isa.split(",")
     kernels = {isa: build(isa) for isa in isas}

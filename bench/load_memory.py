@@ -70,7 +70,9 @@ def main() -> None:
     for i in range(args.runs):
         peak, after = fresh(LOAD, args.model, args.weights)
         kept, released = fresh(FREED_HEAP)
-        print(f"run {i + 1}: loading {args.model} ({args.weights}): peak {peak} MiB, resident after {after} MiB "
+        print(
+            f"run {i + 1}: loading {args.model} ({args.weights}): peak {peak} MiB, resident after {after} "
+            f"MiB "
               f"above the bare process | 300 MiB freed between live blocks: {kept} MiB resident, "
               f"{released} MiB after release_freed_memory")
 

@@ -3,7 +3,8 @@ two others (as ``kvserve plan`` counts them) answers requests that alternate bet
 answer evicting the least recently used (the idle first model too) and loading the other; the server's
 resident size is sampled throughout.
 
-    .venv/bin/python bench/model_swap.py [--first smollm2] [--pair gemma3-270m,qwen2.5-coder-0.5b] [--rounds 6]
+    .venv/bin/python bench/model_swap.py [--first smollm2] [--pair gemma3-270m,qwen2.5-coder-0.5b] [--rounds
+    6]
 
 Reports each request's time (a load's included), whether each succeeded, and the peak RSS (VmHWM) against
 the budget. Linux only (/proc). A benchmark, not a test: the figures are this machine's.
@@ -24,8 +25,9 @@ from local_server import local_server  # bench/ is the script's folder: on sys.p
 def planned(model: str, ctx: int, seqs: int, with_runtime: bool) -> int:
     from kvserve.cli.serve import planned_bytes
 
-    args = SimpleNamespace(cache_type="f16", cache_type_k=None, cache_type_v=None, num_ctx=ctx, max_num_seqs=seqs,
-                           max_num_batched_tokens=512, block_size=16, weights="auto", no_window_kv=False)
+    args = SimpleNamespace(cache_type="f16", cache_type_k=None, cache_type_v=None, num_ctx=ctx,
+                           max_num_seqs=seqs, max_num_batched_tokens=512, block_size=16, weights="auto",
+                           no_window_kv=False)
     return planned_bytes(args, model, with_runtime)
 
 
@@ -46,7 +48,8 @@ def main() -> None:
     budget = planned(args.first, args.ctx, seqs, True) + max(planned(m, args.ctx, seqs, False) for m in pair)
     budget = int(budget * 1.02)  # room for one of the pair, not both
     os.environ["OMP_NUM_THREADS"] = "2"
-    flags = ["-c", str(args.ctx), "--max-num-seqs", str(seqs), "--max-memory", str(budget), "--log-level", "warning"]
+    flags = ["-c", str(args.ctx), "--max-num-seqs", str(seqs), "--max-memory", str(budget), "--log-level",
+             "warning"]
     with local_server([args.first, *pair], *flags) as (url, pid):
         peak, done = [0], threading.Event()
 
@@ -72,7 +75,8 @@ def main() -> None:
         done.set()
         sampler.join()
         hwm = rss(pid, "VmHWM")
-        print(f"failures {failures}; peak RSS sampled {peak[0] / 2**20:.0f} MiB, VmHWM {hwm / 2**20:.0f} MiB, "
+        print(
+            f"failures {failures}; peak RSS sampled {peak[0] / 2**20:.0f} MiB, VmHWM {hwm / 2**20:.0f} MiB, "
               f"budget {budget / 2**20:.0f} MiB: {hwm / budget:.3f} of it")
 
 

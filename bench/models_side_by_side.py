@@ -60,14 +60,16 @@ def main() -> None:
     args = p.parse_args()
     a, b = args.models.split(",")
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    with local_server([a, b], "-c", "512", "--max-num-seqs", str(args.streams), "--log-level", "warning") as (url, _):
+    with local_server([a, b], "-c", "512", "--max-num-seqs", str(args.streams), "--log-level",
+                      "warning") as (url, _):
         for model in (a, b):  # both loaded and warm
             ask(url, model, 4, 0)
         for repeat in range(args.repeats):
             for models in ([a], [b], [a, b]):
                 rates = phase(url, models, args.streams, args.tokens)
                 print(f"repeat {repeat}  {'+'.join(models):28s} " + "  ".join(f"{m} {r:7.1f} tok/s"
-                                                                         for m, r in rates.items()), flush=True)
+                                                                         for m, r in rates.items()),
+                                                                         flush=True)
 
 
 if __name__ == "__main__":

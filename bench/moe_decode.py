@@ -32,9 +32,10 @@ def write_model(path: Path, a, moe: bool) -> Path:
     heads, kv_heads, head_dim, vocab = a.hidden // 64, max(1, a.hidden // 256), 64, 4096
     arch = "qwen3moe" if moe else "qwen3"
     w = gguf.GGUFWriter(str(path), arch)
-    for add, value in ((w.add_block_count, a.layers), (w.add_context_length, 4096), (w.add_embedding_length, a.hidden),
-                       (w.add_feed_forward_length, a.top_k * a.moe_inter), (w.add_head_count, heads),
-                       (w.add_head_count_kv, kv_heads), (w.add_key_length, head_dim), (w.add_value_length, head_dim),
+    for add, value in ((w.add_block_count, a.layers), (w.add_context_length, 4096),
+                       (w.add_embedding_length, a.hidden), (w.add_feed_forward_length, a.top_k * a.moe_inter),
+                       (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                       (w.add_key_length, head_dim), (w.add_value_length, head_dim),
                        (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 1e6)):
         add(value)
     if moe:
@@ -57,7 +58,8 @@ def write_model(path: Path, a, moe: bool) -> Path:
     w.add_tensor("output_norm.weight", np.ones(a.hidden, np.float32))
     for i in range(a.layers):
         b = f"blk.{i}."
-        for name, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+        for name, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
+                           ("attn_v", kv_heads * head_dim)):
             q4(b + name + ".weight", rand(rows, a.hidden))
         q4(b + "attn_output.weight", rand(a.hidden, heads * head_dim))
         for name, size in (("attn_norm", a.hidden), ("ffn_norm", a.hidden), ("attn_q_norm", head_dim),
@@ -105,11 +107,16 @@ def main() -> None:
         for name, path in (("dense", dense), ("moe", moe), ("dense ", dense), ("moe ", moe)):  # alternating
             rates.setdefault(name.strip(), []).extend(decode_tok_s(path, a))
     mlp = 3 * a.hidden * a.top_k * a.moe_inter * a.layers
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; {a.layers} layers, "
-          f"hidden {a.hidden}; active MLP weights {mlp / 1e6:.1f} M in both, MoE holds {a.experts // a.top_k}x "
+    print(
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; {a.layers} "
+        f"layers, "
+          f"hidden {a.hidden}; active MLP weights {mlp / 1e6:.1f} M in both, MoE holds "
+          f"{a.experts // a.top_k}x "
           f"({a.experts} experts, top {a.top_k})")
     for name, values in rates.items():
-        print(f"{name:5s} decode tok/s: median {np.median(values):.1f}  (runs: {', '.join(f'{v:.1f}' for v in values)})")
+        print(
+            f"{name:5s} decode tok/s: median {np.median(values):.1f}  (runs: "
+            f"{', '.join(f'{v:.1f}' for v in values)})")
     print(f"MoE / dense: {np.median(rates['moe']) / np.median(rates['dense']):.2f}")
 
 

@@ -43,7 +43,8 @@ def planned(model: str, ctx: int) -> int:
 
 
 def measured(model: str, ctx: int) -> int:
-    r = subprocess.run([sys.executable, "-c", RUN, model, str(ctx)], capture_output=True, text=True, timeout=3600, check=False)
+    r = subprocess.run([sys.executable, "-c", RUN, model, str(ctx)], capture_output=True, text=True,
+                       timeout=3600, check=False)
     if r.returncode != 0:
         raise SystemExit(r.stderr.strip().splitlines()[-1])
     return int(r.stdout.split()[-1])

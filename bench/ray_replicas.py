@@ -4,11 +4,12 @@
 
 For each setup (1 replica routed by prefix, 2 by prefix, 2 at random) it starts a local Ray instance
 (HTTP on 127.0.0.1), sends every document once (untimed, all at once, routed as the setup routes),
-runs ``--streams`` streaming chat clients for ``--duration`` seconds and stops Ray. Every replica has one thread and the same KV pool (``--pool``), so two replicas have twice the
-compute and twice the cache. Each request is one of ``--prefixes`` long documents (shared by many
-requests, as a RAG corpus or long system prompts are) plus its own question; which document is
-random per request, the same sequence for every setup. Reported per setup: aggregate generated
-tokens per second, the share of prompt tokens served from the prefix cache, TTFT p50 / p90.
+runs ``--streams`` streaming chat clients for ``--duration`` seconds and stops Ray. Every replica has one
+thread and the same KV pool (``--pool``), so two replicas have twice the compute and twice the cache. Each
+request is one of ``--prefixes`` long documents (shared by many requests, as a RAG corpus or long system
+prompts are) plus its own question; which document is random per request, the same sequence for every setup.
+Reported per setup: aggregate generated tokens per second, the share of prompt tokens served from the prefix
+cache, TTFT p50 / p90.
 
 The pool holds about half the documents: routed by prefix, each replica keeps its half; routed at
 random, each replica sees every document and evicts what the other half pushes out.
@@ -226,7 +227,8 @@ def main() -> None:
     )
     for o in outcomes:
         print(
-            f"{o.setup:<22} {o.tokens_per_s:>7.1f} {o.cached_share:>7.1%} {o.ttft_p50_s:>8.2f}s {o.ttft_p90_s:>5.2f}s "
+            f"{o.setup:<22} {o.tokens_per_s:>7.1f} {o.cached_share:>7.1%} {o.ttft_p50_s:>8.2f}s "
+            f"{o.ttft_p90_s:>5.2f}s "
             f"{o.num_requests:>9} {o.num_errors:>7}"
         )
     if args.json:

@@ -5,10 +5,10 @@
 Workloads: ``repeat`` (a paragraph, twice, then its first words: the model goes on repeating it, as an
 edit or a quote of the input does), ``code`` (a file of similar functions to continue), ``code-edit``
 (a chat request to rewrite a ~1,100-token module of this package with one function renamed: the answer
-copies most of the file) and ``chat`` (a question answered in free text: little to look up). For each: decode tok/s with speculation off
-and with ``k`` drafts per step, alternating, the median of ``--runs``; the ratio; the share of drafts
-kept and the tokens each verifying step emitted; what a step's one more row costs over a step of one
-(``row_cost``, fitted over the timed steps) and the ratio it allows with every draft kept
+copies most of the file) and ``chat`` (a question answered in free text: little to look up). For each: decode
+tok/s with speculation off and with ``k`` drafts per step, alternating, the median of ``--runs``; the ratio;
+the share of drafts kept and the tokens each verifying step emitted; what a step's one more row costs over a
+step of one (``row_cost``, fitted over the timed steps) and the ratio it allows with every draft kept
 (``all_kept_bound``). The output is checked to be the same tokens. ``--max-tokens 1024`` measures
 ``code-edit``'s whole answer, not its first 128 tokens.
 """
@@ -31,14 +31,17 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models.loader import load_model
 
-PARAGRAPH = ("The KV cache is a preallocated pool of fixed-size blocks with block tables; full blocks are hashed "
+PARAGRAPH = (
+    "The KV cache is a preallocated pool of fixed-size blocks with block tables; full blocks are hashed "
              "so later requests with the same prefix reuse them, from RAM and from disk across restarts. ")
-CODE = "".join(f"def scale_{n}(values):\n    return [v * {n} for v in values]\n\n" for n in range(2, 7)) + "def scale_7("
+CODE = "".join(
+    f"def scale_{n}(values):\n    return [v * {n} for v in values]\n\n" for n in range(2, 7)) + "def scale_7("
 
 
 def code_edit_request() -> str:
     source = (Path(kvserve.__file__).parent / "kv" / "hashing.py").read_text()
-    return (f"Here is a Python module:\n\n```python\n{source}```\n\nRewrite the whole module with the function "
+    return (
+        f"Here is a Python module:\n\n```python\n{source}```\n\nRewrite the whole module with the function "
             "`extend_block_hashes` renamed to `grow_block_hashes`. Reply with the complete module only.")
 
 
@@ -47,7 +50,8 @@ def workloads(tokenizer) -> dict[str, list[int]]:
         "repeat": tokenizer.encode(PARAGRAPH * 2 + PARAGRAPH[:40]),
         "code": tokenizer.encode(CODE),
         "code-edit": tokenizer.encode_chat([{"role": "user", "content": code_edit_request()}]),
-        "chat": tokenizer.encode_chat([{"role": "user", "content": "Why is the sky blue? Answer in a paragraph."}]),
+        "chat": tokenizer.encode_chat([{"role": "user",
+                                        "content": "Why is the sky blue? Answer in a paragraph."}]),
     }
 
 
@@ -115,18 +119,21 @@ def main() -> int:
                 for _ in range(args.runs):
                     rate, expected, _, _ = decode(loaded, args.model, prompt, streams, 0, args.max_tokens)
                     off.append(rate)
-                    rate, got, engine, step_times = decode(loaded, args.model, prompt, streams, k, args.max_tokens)
+                    rate, got, engine, step_times = decode(loaded, args.model, prompt, streams, k,
+                                                           args.max_tokens)
                     on.append(rate)
                     timed += step_times
                     if got != expected:
                         raise SystemExit(f"{name}, k={k}: speculation changed the output")
                 steps = max(1, engine.num_verify_steps)
                 cost = row_cost(timed)
-                rows.append({"workload": name, "weights": args.weights, "streams": streams, "k": k, "tok_s_off": statistics.median(off),
-                             "tok_s_on": statistics.median(on), "ratio": statistics.median(on) / statistics.median(off),
+                rows.append({"workload": name, "weights": args.weights, "streams": streams, "k": k,
+                             "tok_s_off": statistics.median(off), "tok_s_on": statistics.median(on),
+                             "ratio": statistics.median(on) / statistics.median(off),
                              "accepted_share": engine.num_accepted_tokens / max(1, engine.num_draft_tokens),
                              "tokens_per_verify_step": (engine.num_accepted_tokens + steps) / steps,
-                             "row_cost": cost, "all_kept_bound": None if cost is None else (k + 1) / (1 + k * cost)})
+                             "row_cost": cost,
+                             "all_kept_bound": None if cost is None else (k + 1) / (1 + k * cost)})
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

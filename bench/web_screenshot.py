@@ -27,13 +27,16 @@ SYSTEM = (
     "You are a patient storyteller for a library's evening reading hour. Tell stories in plain words, with a "
     "clear beginning, middle and end, and give every character a name and a reason for what they do."
 )
-TOPICS = ["a lighthouse", "a bakery", "a comet", "a chess club", "a river", "an old map", "a robot", "a garden"]
+TOPICS = ["a lighthouse", "a bakery", "a comet", "a chess club", "a river", "an old map", "a robot",
+          "a garden"]
 CHAT = "Tell me a story about a fox who keeps a lighthouse."
 
 
 def chat(url: str, messages: list[dict], max_tokens: int, stop: threading.Event | None = None) -> None:
-    body = {"model": "smollm2", "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+    body = {"model": "smollm2", "messages": messages, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=url, timeout=300) as c, c.stream("POST", "/v1/chat/completions",
+                                                                json=body) as r:
         for _ in r.iter_lines():
             if stop is not None and stop.is_set():
                 return
@@ -47,7 +50,8 @@ def messages(i: int) -> list[dict]:
 def browser(width: int, height: int) -> webdriver.Chrome:
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={width},{height}"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                f"--window-size={width},{height}"):
         options.add_argument(arg)
     return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
 

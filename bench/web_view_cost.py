@@ -32,8 +32,9 @@ TOPICS = ["the sea", "a mountain", "a library", "a robot", "the moon", "a garden
 
 async def one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> float:
     """This stream's decode rate, tokens per second."""
-    body = {"model": "smollm2", "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Stream {i}: write a story about {TOPICS[i % len(TOPICS)]}."}]}
+    body = {"model": "smollm2", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "messages": [{"role": "user",
+                          "content": f"Stream {i}: write a story about {TOPICS[i % len(TOPICS)]}."}]}
     first = last = None
     count = 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -48,7 +49,8 @@ async def one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> floa
 
 async def watch(url: str, stop: asyncio.Event) -> int:
     frames = 0
-    async with httpx.AsyncClient(base_url=url, timeout=None) as c, c.stream("GET", "/v1/kvserve/cache/stream") as r:
+    async with httpx.AsyncClient(base_url=url, timeout=None) as c, c.stream(
+        "GET", "/v1/kvserve/cache/stream") as r:
         async for line in r.aiter_lines():
             frames += line.startswith("data: ")
             if stop.is_set():
@@ -99,7 +101,9 @@ def through_server(args: argparse.Namespace) -> None:
         for view in (False, True, False, True):
             idle[view].append(asyncio.run(idle_cpu(url, pid, view, 10)))
         without, with_view = statistics.median(idle[False]), statistics.median(idle[True])
-        print(f"idle server CPU: {without * 1e3:.1f} ms/s without a subscriber, {with_view * 1e3:.1f} ms/s with one: "
+        print(
+            f"idle server CPU: {without * 1e3:.1f} ms/s without a subscriber, {with_view * 1e3:.1f} ms/s "
+            f"with one: "
               f"the view costs {(with_view - without) * 1e3:.1f} ms of CPU a second", flush=True)
         without, with_view, ratios = [], [], []
         for pair in range(args.pairs):
@@ -115,7 +119,8 @@ def through_server(args: argparse.Namespace) -> None:
             ratios.append(result[True] / result[False])
     print(f"decode tok/s at {args.streams} streams, median of {args.pairs}: without view "
           f"{statistics.median(without):.1f}, with view {statistics.median(with_view):.1f}; "
-          f"with / without: median {statistics.median(ratios):.4f} (pairs {min(ratios):.3f}-{max(ratios):.3f})")
+          f"with / without: median {statistics.median(ratios):.4f} (pairs "
+          f"{min(ratios):.3f}-{max(ratios):.3f})")
 
 
 class TimedLock:
@@ -148,7 +153,10 @@ def in_process(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     for i in range(args.streams):
         engine.add_request(f"Stream {i}: write a story about {TOPICS[i % len(TOPICS)]}.", params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     lock = TimedLock()
     view = PoolView(SimpleNamespace(engine=engine, lock=lock, num_pending_adds=0, dead_error=None), "m")
@@ -166,7 +174,8 @@ def in_process(args: argparse.Namespace) -> None:
     whole = median_time(lambda: view.frame().encode(), 200)
     held = statistics.median(lock.held)
     print(f"in-process, {args.streams} requests decoding, {engine.kv.num_blocks} blocks: decode step "
-          f"{step * 1e3:.1f} ms; a frame holds the engine lock {held * 1e6:.0f} us ({whole * 1e6:.0f} us with "
+          f"{step * 1e3:.1f} ms; a frame holds the engine lock {held * 1e6:.0f} us ({whole * 1e6:.0f} us "
+          f"with "
           f"the rest, outside the lock); 4 frames/s hold it {4 * held * 100:.3f}% of the time")
 
 

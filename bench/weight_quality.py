@@ -41,7 +41,8 @@ def llama_cpp_logprobs(path: str, ids: list[int], threads: int) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--formats", default="q4,q4-fast,int8,bf16")
     parser.add_argument("--tokens", type=int, default=1024)

@@ -43,7 +43,8 @@ def source_text(num_tokens: int, tokenizer) -> list[int]:
 def run(loaded, prompt: list[int], generate: int, window_kv: bool) -> dict:
     bs = 16
     ctx = len(prompt) + generate
-    config = EngineConfig(model=str(loaded.path), cache=CacheConfig(bs, ctx, None, True, "f32", window_kv=window_kv),
+    config = EngineConfig(model=str(loaded.path),
+                          cache=CacheConfig(bs, ctx, None, True, "f32", window_kv=window_kv),
                           scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512))
     engine = LLMEngine(config, loaded)
     request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=generate, ignore_eos=True))
@@ -52,15 +53,17 @@ def run(loaded, prompt: list[int], generate: int, window_kv: bool) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
         if not request.is_finished:  # what it holds after its last step before it ends (and frees all)
-            held = {"full_blocks": len(engine.kv.block_ids(request.request_id)),
-                    "window_blocks": sum(1 for b in engine.kv.window_block_ids(request.request_id) or [] if b),
-                    "computed": request.num_computed_tokens}
+            held = {
+                "full_blocks": len(engine.kv.block_ids(request.request_id)),
+                "window_blocks": sum(1 for b in engine.kv.window_block_ids(request.request_id) or [] if b),
+                "computed": request.num_computed_tokens,
+            }
     storage = engine.storage
     held_bytes = held["full_blocks"] * storage.kv_group_bytes_per_block(0) + (
         held["window_blocks"] * storage.kv_group_bytes_per_block(1) if storage.windowed else 0)
-    return {"window_kv": window_kv, "seconds": round(time.perf_counter() - start, 1), "tokens": request.output_token_ids,
-            "held_bytes": held_bytes, "pool_bytes": storage.nbytes, **held,
-            "window_pool_blocks": storage.kv_group_blocks[1] if storage.windowed else 0}
+    return {"window_kv": window_kv, "seconds": round(time.perf_counter() - start, 1),
+            "tokens": request.output_token_ids, "held_bytes": held_bytes, "pool_bytes": storage.nbytes,
+            **held, "window_pool_blocks": storage.kv_group_blocks[1] if storage.windowed else 0}
 
 
 def main() -> None:
@@ -88,7 +91,9 @@ def main() -> None:
         "window_pool_blocks": windowed["window_pool_blocks"], "window_blocks_held": windowed["window_blocks"],
         "full_blocks_held": windowed["full_blocks"],
         "generated": len(windowed["tokens"]), "same_tokens": windowed["tokens"] == full["tokens"],
-        "first_difference": next((i for i, (a, b) in enumerate(zip(windowed["tokens"], full["tokens"])) if a != b), None),
+        "first_difference": next(
+            (i for i, (a, b) in enumerate(zip(windowed["tokens"], full["tokens"], strict=False)) if a != b),
+            None),
         "seconds": {"windowed": windowed["seconds"], "every_token": full["seconds"]},
     }
     print(json.dumps(report, indent=1))

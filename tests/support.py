@@ -23,21 +23,23 @@ def write_tiny_llama(folder, seed: int = 0, vocab: int = 97, hidden: int = 64, l
     def r(*shape, scale=0.2):
         return (torch.randn(*shape, generator=g) * scale).contiguous()
 
-    w = {"model.embed_tokens.weight": r(vocab, hidden, scale=1.0), "model.norm.weight": 1 + r(hidden, scale=0.1),
-         "lm_head.weight": r(vocab, hidden)}
+    w = {"model.embed_tokens.weight": r(vocab, hidden, scale=1.0),
+         "model.norm.weight": 1 + r(hidden, scale=0.1), "lm_head.weight": r(vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
         w |= {p + "input_layernorm.weight": 1 + r(hidden, scale=0.1),
               p + "post_attention_layernorm.weight": 1 + r(hidden, scale=0.1),
-              p + "self_attn.q_proj.weight": r(heads * hd, hidden), p + "self_attn.k_proj.weight": r(kv_heads * hd, hidden),
-              p + "self_attn.v_proj.weight": r(kv_heads * hd, hidden), p + "self_attn.o_proj.weight": r(hidden, heads * hd),
+              p + "self_attn.q_proj.weight": r(heads * hd, hidden),
+              p + "self_attn.k_proj.weight": r(kv_heads * hd, hidden),
+              p + "self_attn.v_proj.weight": r(kv_heads * hd, hidden),
+              p + "self_attn.o_proj.weight": r(hidden, heads * hd),
               p + "mlp.gate_proj.weight": r(inter, hidden), p + "mlp.up_proj.weight": r(inter, hidden),
               p + "mlp.down_proj.weight": r(hidden, inter)}
     save_file(w, str(folder / "model.safetensors"))
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": inter,
               "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-              "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": False}
+              "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": False}
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -48,7 +50,8 @@ def make_engine(loaded, *, num_ctx=1024, max_num_seqs=8, budget=512, block_size=
     config = EngineConfig(
         model=str(loaded.path),
         cache=CacheConfig(block_size, num_ctx, kv_cache_memory, prefix_caching, cache_type_k, cache_type_v,
-                          None if disk_cache_dir is None else str(disk_cache_dir), disk_cache_size, window_kv),
+                          None if disk_cache_dir is None else str(disk_cache_dir), disk_cache_size,
+                          window_kv),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
     )
     return LLMEngine(config, loaded)
@@ -97,13 +100,17 @@ def assert_same_or_near_tie(loaded, prompt: list[int], expected: list[int], got:
     """Exact match, or the first difference is a float near-tie in the reference (checked, not assumed)."""
     if got == expected:
         return
-    i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    i = next((j for j, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
+             min(len(expected), len(got)))
     assert i < min(len(expected), len(got)), f"lengths differ: {len(expected)} vs {len(got)}"
     gap = top2_gap(loaded, prompt + expected[:i])
-    assert gap < NEAR_TIE, f"token {i} differs ({expected[i]} vs {got[i]}) and it is no near-tie: top-2 gap {gap}"
+    assert gap < NEAR_TIE, (
+        f"token {i} differs ({expected[i]} vs {got[i]}) and it is no near-tie: top-2 gap {gap}"
+    )
 
 
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")  # models/block_layouts.py's
+# models/block_layouts.py's
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int):

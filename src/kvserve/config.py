@@ -108,7 +108,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.context_overflow not in CONTEXT_OVERFLOW:
-            raise ValueError(f"--context-overflow must be one of {', '.join(CONTEXT_OVERFLOW)}, got {self.context_overflow!r}")
+            raise ValueError(
+                f"--context-overflow must be one of {', '.join(CONTEXT_OVERFLOW)}, got "
+                f"{self.context_overflow!r}")
         if self.num_keep < 0:
             raise ValueError(f"num_keep must be >= 0, got {self.num_keep}")
 
@@ -130,7 +132,8 @@ class SpeculativeConfig:
         if self.method not in (None, "ngram", "draft"):
             raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram' or 'draft'")
         if (self.method == "draft") != (self.draft_model is not None):
-            raise ValueError("--speculative draft needs --draft-model, and --draft-model goes with --speculative draft")
+            raise ValueError(
+                "--speculative draft needs --draft-model, and --draft-model goes with --speculative draft")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -149,6 +152,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "auto"
     dtype: str = "float32"
-    weights: str = "auto"  # weight format of the projections: auto | f32 | bf16 | int8 | q4 | q4-fast (models.linear)
+    # weight format of the projections: auto | f32 | bf16 | int8 | q4 | q4-fast (models.linear)
+    weights: str = "auto"
     num_threads: int | None = None
     seed: int = 0

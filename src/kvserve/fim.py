@@ -61,13 +61,15 @@ def file_has_fim_tokens(path, header_bytes: int) -> bool:
     return any(all(stored(n) for n in names[:3]) for names in FIM_SPELLINGS)
 
 
-def fim_prompt(tokenizer, prefix: str, suffix: str, extra: list[tuple[str, str]], middle: str = "") -> list[int]:
+def fim_prompt(tokenizer, prefix: str, suffix: str, extra: list[tuple[str, str]],
+               middle: str = "") -> list[int]:
     """Prefix-suffix-middle as the code models are trained: other files first (``extra``: (file name,
     text), each after the file separator where the model has one), then the prefix, the suffix and the
     start of the middle. ValueError without FIM tokens."""
     fim = tokenizer.fim
     if fim is None:
-        raise ValueError("this model has no fill-in-the-middle tokens (a code model such as Qwen2.5-Coder has)")
+        raise ValueError(
+            "this model has no fill-in-the-middle tokens (a code model such as Qwen2.5-Coder has)")
     ids: list[int] = []
     for name, text in extra:
         if fim.file_sep is not None:
@@ -75,5 +77,6 @@ def fim_prompt(tokenizer, prefix: str, suffix: str, extra: list[tuple[str, str]]
         else:
             ids += tokenizer.encode(text, add_special=False)
     ids += [fim.prefix, *tokenizer.encode(prefix, add_special=False), fim.suffix,
-            *tokenizer.encode(suffix, add_special=False), fim.middle, *tokenizer.encode(middle, add_special=False)]
+            *tokenizer.encode(suffix, add_special=False), fim.middle,
+            *tokenizer.encode(middle, add_special=False)]
     return tokenizer._with_bos(ids, True)

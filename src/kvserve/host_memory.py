@@ -89,7 +89,9 @@ def _views(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.devic
     sizes = [torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs]
     offsets, total = _offsets(sizes)
     buffer = (zeroed_bytes if zeroed else empty_bytes)(total, device)
-    return [buffer[o : o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
+    return [
+        buffer[o : o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(
+            offsets, sizes, specs, strict=True)]
 
 
 def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -205,7 +207,7 @@ def rehome(owners: list, attribute: str) -> None:
     release_freed_memory()  # what the load freed so far, before the arena adds to it
     specs = [(tuple(getattr(o, attribute).shape), getattr(o, attribute).dtype) for o in owners]
     trimmer = HeapTrimmer()  # the originals' heap pages back to the OS as the arena fills
-    for owner, copy in zip(owners, _views(specs, getattr(owners[0], attribute).device)):
+    for owner, copy in zip(owners, _views(specs, getattr(owners[0], attribute).device), strict=True):
         copy.copy_(getattr(owner, attribute))
         setattr(owner, attribute, copy)
         trimmer.add(copy.numel() * copy.element_size())

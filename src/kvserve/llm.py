@@ -37,8 +37,10 @@ class LLM:
     ) -> None:
         config = EngineConfig(
             model=model,
-            cache=CacheConfig(block_size, num_ctx, kv_cache_memory, enable_prefix_caching, cache_type_k, cache_type_v),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            cache=CacheConfig(block_size, num_ctx, kv_cache_memory, enable_prefix_caching, cache_type_k,
+                              cache_type_v),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens),
             device=device,
             weights=weights,
         )
@@ -55,12 +57,14 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params; give one per prompt")
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(params_list)} sampling params; give one per prompt")
         ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params_list, strict=True)]
         final = self.engine.run_to_completion()
         return [final[i] for i in ids]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | list[int],
+               params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields an output per generated token; stopping early aborts the request."""
         request = self.engine.add_request(prompt, params)
         done = False

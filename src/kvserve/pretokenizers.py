@@ -105,7 +105,8 @@ def pre_tokenizer_for(pre: str | None, source: object) -> PreTokenizer:
     if spec is None:
         raise ModelLoadError(
             f"{source}: pre-tokenizer '{pre}' (tokenizer.ggml.pre) is not supported, and another split "
-            f"would give the model tokens it was not trained on; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            f"would give the model tokens it was not trained on; supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}"
         )
     return spec
 
@@ -115,7 +116,8 @@ def build_pre_tokenizer(spec: PreTokenizer):
     from tokenizers import Regex, pre_tokenizers
 
     splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in spec.splits]
-    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence([*splits,
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def build_normalizer(spec: PreTokenizer):

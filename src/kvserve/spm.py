@@ -38,14 +38,16 @@ def derive_merges(tokens: list[str], scores: list[float], token_types: list[int]
 CACHE_FORMAT = 1  # bump when build_spm_tokenizer changes what it builds
 
 
-def build_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_types: list[int], add_space_prefix: bool):
+def build_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_types: list[int],
+                        add_space_prefix: bool):
     """The vocabulary as a `tokenizers` BPE; kept in the cache directory under a digest of everything it is
     built from, since deriving the merges of a large vocabulary takes seconds (Gemma 3's 262k pieces: ~2 s
     of a 3 s load) and reading the built tokenizer back ~0.2. A cache file that does not read is rebuilt."""
     from tokenizers import Tokenizer
 
     scores = scores if scores is not None else [-float(i) for i in range(len(tokens))]
-    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, tokens, scores, token_types, add_space_prefix]).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, tokens, scores, token_types,
+                                        add_space_prefix]).encode()).hexdigest()
     path = cache_root() / "tokenizers" / f"spm-{digest[:32]}.json"
     if path.is_file():
         try:
@@ -67,7 +69,7 @@ def _build(tokens: list[str], scores: list[float], token_types: list[int], add_s
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
-    unk = next((t for t, ty in zip(tokens, token_types) if t in ("<unk>",)), None)
+    unk = next((t for t, ty in zip(tokens, token_types, strict=False) if t in ("<unk>",)), None)
     tk = Tokenizer(models.BPE(vocab, derive_merges(tokens, scores, token_types), unk_token=unk, fuse_unk=True,
                               byte_fallback=True))
     steps = [normalizers.Prepend("▁")] if add_space_prefix else []

@@ -24,7 +24,8 @@ KNOWN_TEMPLATES = {
         "{{ bos_token }}{% set sys = '' %}{% for m in messages %}"
         "{% if m['role'] == 'system' %}{% set sys = m['content'] + '\n\n' %}{% else %}"
         "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
-        "{% if loop.index0 == 1 and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+        "{% if loop.index0 == 1 and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% "
+        "endif %}"
         "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
     ),
@@ -130,7 +131,8 @@ class Tokenizer:
         template = self.chat_template or ""
         return None not in tags and ("think" in template or "reasoning" in template)
 
-    def encode_fim(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
+    def encode_fim(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (),
+                   middle: str = "") -> list[int]:
         """A fill-in-the-middle prompt (``fim.fim_prompt``); ValueError for a model without FIM tokens."""
         return fim_prompt(self, prefix, suffix, list(extra), middle)
 
@@ -151,7 +153,8 @@ class Tokenizer:
         return self._with_bos(_ids(self.backend, text), add_special)
 
     def _with_bos(self, ids: list[int], add_special: bool) -> list[int]:
-        if add_special and self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+        if add_special and self.add_bos and self.bos_token_id is not None and (
+            not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -199,7 +202,8 @@ class Tokenizer:
         variables = variables or {}
         rendered = self.apply_chat_template(messages, add_generation_prompt, **variables)
         contents = [m.get("content") for m in messages]
-        if special_tokens_in_content or not any(isinstance(c, str) and self._has_special(c) for c in contents):
+        if special_tokens_in_content or not any(isinstance(c,
+                                                           str) and self._has_special(c) for c in contents):
             return self.encode(rendered, add_special)
         check_unicode(rendered)
         segments = self._content_segments(messages, rendered, add_generation_prompt, variables)
@@ -234,7 +238,8 @@ class Tokenizer:
         return self._literal_backend
 
     def _content_segments(
-        self, messages: list[dict[str, Any]], rendered: str, add_generation_prompt: bool, variables: dict[str, Any]
+        self, messages: list[dict[str, Any]], rendered: str, add_generation_prompt: bool,
+        variables: dict[str, Any]
     ) -> list[tuple[str, bool]] | None:
         """``rendered`` cut into (text, came from a message's content) pieces, found by rendering again
         with a mark in place of each string content. None when the template changed a content other

@@ -37,7 +37,8 @@ def agent_binary(name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def agent_server(tmp_path_factory) -> Server:
-    """One Qwen2.5-Coder server for every agent: two threads (the prompts are long), its context the agents'."""
+    """One Qwen2.5-Coder server for every agent: two threads (the prompts are long), its context the
+    agents'."""
     yield from serve(tmp_path_factory, MODEL, "-c", str(CONTEXT), "-t", "2", "--max-num-seqs", "4",
                      "--temperature", "0")
 
@@ -79,8 +80,9 @@ def run_agent(agent_server: Server, tmp_path):
                 target.write_text(fill(text))
             full_env = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", "NO_COLOR": "1",
                         **{k: fill(v) for k, v in env.items()}}
-            agent = subprocess.Popen([fill(a) for a in argv], cwd=repo, env=full_env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            agent = subprocess.Popen([fill(a) for a in argv], cwd=repo, env=full_env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
             try:
                 output, _ = agent.communicate(timeout=AGENT_TIMEOUT)
             except subprocess.TimeoutExpired:

@@ -21,14 +21,16 @@ def test_claude_code(run_agent):
     claude = agent_binary("claude")
     session = run_agent(
         [str(claude), "-p", call_prompt("Read", {"file_path": "{repo}/calc.py"}), "--model", MODEL],
-        {"ANTHROPIC_BASE_URL": "{proxy}", "ANTHROPIC_API_KEY": "{key}", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
+        {"ANTHROPIC_BASE_URL": "{proxy}", "ANTHROPIC_API_KEY": "{key}",
+         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
     )
     check(session, "/v1/messages", anthropic_round_trip, anthropic_usage)
 
 
 def test_codex(run_agent):
     codex = agent_binary("codex")
-    config = (f'model = "{MODEL}"\nmodel_provider = "kvserve"\n\n[model_providers.kvserve]\nname = "kvserve"\n'
+    config = (
+        f'model = "{MODEL}"\nmodel_provider = "kvserve"\n\n[model_providers.kvserve]\nname = "kvserve"\n'
               'base_url = "{proxy}/v1"\nwire_api = "responses"\nenv_key = "KVSERVE_API_KEY"\n')
     session = run_agent(
         [str(codex), "exec", "--skip-git-repo-check", call_prompt("exec_command", {"cmd": "cat calc.py"})],
@@ -48,7 +50,9 @@ def test_qwen_code(run_agent):
 
 # --- what the recorded exchanges must show ------------------------------------------------------------------
 def check(session: Session, path: str, round_trip, usage) -> None:
-    assert not session.failures(), f"requests answered 4xx/5xx: {session.failures()}\n{session.output[-2000:]}"
+    assert not session.failures(), (
+        f"requests answered 4xx/5xx: {session.failures()}\n{session.output[-2000:]}"
+    )
     asked = [r for r in session.records if r["path"] == path and r["method"] == "POST"]
     assert asked, f"the agent sent no {path} request:\n{session.output[-2000:]}"
     assert any(round_trip(r["body"]) for r in asked), (
@@ -88,7 +92,8 @@ def _finished(response: str) -> bool:
 
 def _conversation(body: dict) -> str:
     """What stays the same through one conversation: its system prompt, or its first message."""
-    first = body.get("system") or body.get("instructions") or (body.get("messages") or body.get("input") or [None])[0]
+    first = body.get("system") or body.get("instructions") or (
+        body.get("messages") or body.get("input") or [None])[0]
     return json.dumps(first, sort_keys=True)
 
 

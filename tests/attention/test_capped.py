@@ -51,7 +51,8 @@ def test_paged_capped_prefill_and_decode_match_float64(cache_type):
         assert (uncapped.double() - reference).abs().max() > 0.1  # the cap changed the answer
 
         batch = build_decode_batch([0, 1], [tables], lens, torch.device("cpu"), 2)
-        attn = torch_attention(storage, PagedAttentionMetadata((torch.zeros(0, dtype=torch.long),), [], batch))
+        attn = torch_attention(storage,
+                               PagedAttentionMetadata((torch.zeros(0, dtype=torch.long),), [], batch))
         last = torch.stack([q[39], q[299]])
         ours = attn.attend(layer, last, zeros[:2], zeros[:2], window, SCALE, CAP)
         for i, n in enumerate(lens):
@@ -66,6 +67,6 @@ def test_contiguous_capped_matches_float64():
     cache = ContiguousKVCache(1)
     out = torch.cat([cache.attend(0, q[:30], k[:30], v[:30], 20, SCALE, CAP),
                      cache.attend(0, q[30:], k[30:], v[30:], 20, SCALE, CAP)])
-    reference = capped_reference(q, k.transpose(0, 1).double(), v.transpose(0, 1).double(), torch.arange(50), 20,
-                                 SCALE, CAP)
+    reference = capped_reference(q, k.transpose(0, 1).double(), v.transpose(0, 1).double(), torch.arange(50),
+                                 20, SCALE, CAP)
     torch.testing.assert_close(out.double(), reference, rtol=1e-4, atol=1e-4)

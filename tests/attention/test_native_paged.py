@@ -17,7 +17,8 @@ from kvserve.kv.storage import PagedKVStorage
 BLOCK = 16
 NUM_BLOCKS = 96
 
-pytestmark = pytest.mark.skipif(native.load("paged_attention") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(native.load("paged_attention") is None,
+                                reason="no C compiler on this machine")
 
 
 # q8_0 and q4_0 keys are scored in integers in prefill where the build has AVX-512 VNNI (the kernel says so):
@@ -78,7 +79,8 @@ def test_matches_torch_path_for_every_kv_type(cache_type):
     (4, 1, 256, 32),  # Gemma 3's shape; blocks of 32 rows score as two groups of 16
     (3, 3, 96, 8),    # no grouping; a head dim that is not a multiple of 64; blocks of 8 rows
 ])
-def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(cache_type, heads, kv_heads, head_dim,
+def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(
+    cache_type, heads, kv_heads, head_dim,
                                                                           block):
     cfg = config(heads, kv_heads, head_dim)
     lens = [1, 17, 255, 300]
@@ -98,7 +100,8 @@ def test_decode_matches_torch_path_for_other_head_shapes_and_block_sizes(cache_t
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0", "f16", "tq4"])  # decoded in registers, or into a buffer (tq4)
+# decoded in registers, or into a buffer (tq4)
+@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0", "f16", "tq4"])
 def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(cache_type):
     cfg = config(heads=9, kv_heads=3)
     lens = [300, 5, 1030, 64]
@@ -134,8 +137,8 @@ def test_speculative_rows_attended_together_give_the_bits_of_each_alone(cache_ty
     for layer, window, softcap in ((0, None, None), (1, 100, None), (0, 260, 20.0)):
         together = kernel.decode(layer, q, tables, torch.tensor(lens), window, 0.125, softcap)
         for i in range(len(lens)):
-            alone = kernel.decode(layer, q[i : i + 1], tables[i : i + 1], torch.tensor(lens[i : i + 1]), window,
-                                  0.125, softcap)
+            alone = kernel.decode(layer, q[i : i + 1], tables[i : i + 1], torch.tensor(lens[i : i + 1]),
+                                  window, 0.125, softcap)
             assert torch.equal(alone[0], together[i]), (layer, window, i)
 
 
@@ -150,7 +153,7 @@ def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f3
     every_block = storage.block_rows(torch.arange(NUM_BLOCKS)[None])
     for layer in range(cfg.num_layers):
         for stored, decoded in zip((exact.k[layer][0], exact.v[layer][0]),
-                                   storage.read_blocks(layer, every_block, torch.float32)):
+                                   storage.read_blocks(layer, every_block, torch.float32), strict=True):
             stored.copy_(decoded.view(stored.shape))
     q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(6))
     for layer, window in ((0, None), (1, 100)):  # the window starts inside a block: partial rows
@@ -220,7 +223,8 @@ def test_without_a_compiler_the_torch_path_stays(monkeypatch, tmp_path):
 
 def test_a_broken_build_falls_back_with_the_reason(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-DPAGED_DECODE_FAIL", "-include", "missing-header.h"])
+    monkeypatch.setattr(native, "FLAGS",
+                        [*native.FLAGS, "-DPAGED_DECODE_FAIL", "-include", "missing-header.h"])
     native.load.cache_clear()
     try:
         assert native.load("paged_attention") is None
@@ -269,7 +273,7 @@ def test_the_c_writer_stores_the_codecs_own_codes(cache_type):
     """Every part of the storage written by the C writer equals what the codec's torch encode stores
     (fp8 has no C writer: its fallback must give the same)."""
     (ours, theirs), *_ = written_both_ways(cache_type, config())
-    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
         assert torch.equal(a, b)
 
 
@@ -284,8 +288,10 @@ def test_the_c_writer_encodes_rotated_codecs_as_the_codec_does(cache_type, head_
     cfg = config(heads=2, kv_heads=2, head_dim=head_dim)
     (ours, theirs), slots, storage, k, v = written_both_ways(cache_type, cfg)
     rows = storage.slot_rows(slots)
-    for parts_ours, parts_theirs, codec, x in ((ours[0], theirs[0], storage.k_codec, k), (ours[1], theirs[1], storage.v_codec, v)):
-        codes = [unpack_bits(p[0].view(-1, p[0].shape[-1])[rows], codec.bits, head_dim).int() for p in (parts_ours, parts_theirs)]
+    for parts_ours, parts_theirs, codec, x in ((ours[0], theirs[0], storage.k_codec, k),
+                                               (ours[1], theirs[1], storage.v_codec, v)):
+        codes = [unpack_bits(p[0].view(-1, p[0].shape[-1])[rows], codec.bits,
+                             head_dim).int() for p in (parts_ours, parts_theirs)]
         y = x.double().transpose(0, 1).flatten(0, 1) @ codec.matrix.double()  # head-major, as rows
         unit = y / y.norm(dim=-1, keepdim=True)
         cb = codec.codebook.double()

@@ -14,8 +14,8 @@ KEYS = {"engine", "cache_type", "prompt_len", "concurrency", "ttft_ms", "prefill
 
 
 def kvserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=600,
-                          check=False)
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True,
+                          timeout=600, check=False)
 
 
 @pytest.mark.slow
@@ -109,7 +109,8 @@ FAKE_BATCHED = """#!/usr/bin/env python3
 import json, sys
 open(sys.argv[0] + ".calls", "a").write(" ".join(sys.argv[1:]) + "\\n")
 print("some log line")
-print(json.dumps({"pp": 128, "tg": 64, "pl": 16, "t_pp": 2.0, "speed_pp": 1024.0, "t_tg": 4.0, "speed_tg": 256.0, "t": 6.0}))
+print(json.dumps({"pp": 128, "tg": 64, "pl": 16, "t_pp": 2.0, "speed_pp": 1024.0, "t_tg": 4.0,
+                  "speed_tg": 256.0, "t": 6.0}))
 """
 
 

@@ -17,7 +17,8 @@ MODELS = """
 return {
   options: [...document.querySelectorAll('#model option')].map((o) => [o.value, o.dataset.state]),
   chosen: document.getElementById('model').value,
-  strip: [...document.querySelectorAll('#models li:not(.event)')].map((li) => [li.dataset.model, li.dataset.state]),
+  strip: [...document.querySelectorAll('#models li:not(.event)')]
+    .map((li) => [li.dataset.model, li.dataset.state]),
   events: [...document.querySelectorAll('#models li.event')].map((li) => li.textContent),
   conn: document.getElementById('conn').dataset.state,
   connText: document.getElementById('conn').textContent,
@@ -37,12 +38,14 @@ def test_the_page_follows_the_chosen_model(driver, two):
     driver.refresh()
 
     def models(predicate, what: str) -> dict:
-        return wait_for(driver, lambda _: predicate(driver.execute_script(MODELS)), what) and driver.execute_script(
+        return wait_for(driver, lambda _: predicate(driver.execute_script(MODELS)),
+                        what) and driver.execute_script(
             MODELS)
 
     first = models(lambda m: m["conn"] == "live" and m["options"], "the first model's pool")
     assert wait_for(driver, lambda s: s["pool"]["model"] == "smollm2", "smollm2's pool")
-    assert first["options"] == [["smollm2", "loaded"], ["gemma3-270m", "unloaded"]] and first["chosen"] == "smollm2"
+    assert first["options"] == [["smollm2", "loaded"],
+                                ["gemma3-270m", "unloaded"]] and first["chosen"] == "smollm2"
     assert first["strip"] == [["smollm2", "loaded"], ["gemma3-270m", "unloaded"]]
     Select(driver.find_element(By.ID, "model")).select_by_value("gemma3-270m")
     waiting = models(lambda m: m["conn"] == "idle", "the chosen model not loaded")
@@ -60,6 +63,8 @@ def test_the_page_follows_the_chosen_model(driver, two):
     drawn = wait_for(driver, lambda s: s["pool"]["model"] == "gemma3-270m" and s["pool"]["used"] == "0",
                      "gemma's pool drawn, the answer's blocks freed")
     assert drawn["numCells"] == gemma["num_blocks"]
-    errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE" and "409" not in e["message"]
+    errors = [
+        e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE" and "409" not in e[
+            "message"]
               and "401" not in e["message"]]
     assert not errors, errors

@@ -39,7 +39,8 @@ return {
   pool: {...document.getElementById('pool').dataset},
   conn: document.getElementById('conn').dataset.state,
   numCells: cells.length,
-  shared: cells.filter((c) => c.dataset.state === 'shared').map((c) => [Number(c.dataset.block), c.dataset.n]),
+  shared: cells.filter((c) => c.dataset.state === 'shared')
+    .map((c) => [Number(c.dataset.block), c.dataset.n]),
   requests: [...document.querySelectorAll('#requests tbody tr')].map((r) => r.dataset.requestId),
 };
 """

@@ -47,7 +47,8 @@ def test_save_and_load_a_conversation_with_its_kv(tiny_llama, tmp_path, capsys):
     prompt = [(i * 13) % 90 + 3 for i in range(60)]
     rid = a.add_request(prompt, params).request_id
     final = a.run_to_completion()[rid]
-    chat = ChatSession(params, "be brief", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+    chat = ChatSession(params, "be brief",
+                       [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
                        list(final.prompt_token_ids) + final.token_ids)
     path = tmp_path / "talk.kvc"
     _command(f"/save {path}", a, chat)

@@ -12,19 +12,20 @@ from kvserve import native
 
 
 def kvserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvserve", *args], input=stdin, capture_output=True, text=True,
-                          timeout=300, check=False)
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300, check=False)
 
 
 @pytest.mark.slow
 def test_run_answers_paris_with_json_stats():
     # exact weights: auto's q4-fast (CPUs without a fused dot product) answers as llama.cpp does (L'Étoile...)
-    r = kvserve("run", "smollm2", "What is the capital of France?", "--temperature", "0", "--json", "-c", "1024",
-                "--weights", "q4")
+    r = kvserve("run", "smollm2", "What is the capital of France?", "--temperature", "0", "--json", "-c",
+                "1024", "--weights", "q4")
     assert r.returncode == 0, r.stderr
     record = json.loads(r.stdout)  # stdout is exactly one JSON object
     assert "Paris" in record["text"]
-    for key in ("text", "prompt_tokens", "completion_tokens", "ttft_ms", "prefill_tok_s", "decode_tok_s", "kv_bytes"):
+    for key in ("text", "prompt_tokens", "completion_tokens", "ttft_ms", "prefill_tok_s", "decode_tok_s",
+                "kv_bytes"):
         assert key in record
     assert record["completion_tokens"] >= 2 and record["ttft_ms"] > 0
     # KV bytes in use: every token's K and V in every layer at the cache type's width (f16 by default)
@@ -59,7 +60,8 @@ def test_run_reports_kv_bytes_per_token_of_the_cache_types(k, v, bits):
     assert r.returncode == 0, r.stderr
     record = json.loads(r.stdout)
     assert (record["cache_type_k"], record["cache_type_v"]) == (k, v)
-    assert record["kv_bytes_per_token"] == 30 * 3 * 64 * bits / 8  # layers x kv_heads x head_dim x (K + V bits)
+    # layers x kv_heads x head_dim x (K + V bits)
+    assert record["kv_bytes_per_token"] == 30 * 3 * 64 * bits / 8
 
 
 @pytest.mark.slow
@@ -132,9 +134,10 @@ def test_cache_save_info_and_run_with_the_prompt_cache(tmp_path):
                 "--cache-type", "q8_0", "-c", "512")
     assert r.returncode == 0, r.stderr
     info = json.loads(kvserve("cache", "info", str(out), "--json").stdout)
-    assert info["cache_type_k"] == info["cache_type_v"] == "q8_0" and info["tokens"] % 16 == 0 and info["tokens"] > 100
-    r = kvserve("run", "smollm2", prompt + "Paper", "--prompt-cache", str(out), "--cache-type", "q8_0", "-c", "512",
-                "--raw", "--json", "-n", "4", "--temperature", "0")
+    assert info["cache_type_k"] == info["cache_type_v"] == "q8_0" and info["tokens"] % 16 == 0 and info[
+        "tokens"] > 100
+    r = kvserve("run", "smollm2", prompt + "Paper", "--prompt-cache", str(out), "--cache-type", "q8_0", "-c",
+                "512", "--raw", "--json", "-n", "4", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["cached_prompt_tokens"] == info["tokens"]
     r = kvserve("run", "smollm2", "Hi", "--prompt-cache", str(out), "--json", "-n", "2")  # f16: another setup

@@ -37,7 +37,8 @@ def test_instructor_tools_and_json_modes(live):
                                                  messages=[{"role": "user", "content": ASK}], max_tokens=120,
                                                  temperature=0)
         assert isinstance(answer, Weather)
-    partials = list(instructor.from_openai(client, mode=instructor.Mode.TOOLS).chat.completions.create_partial(
+    partials = list(instructor.from_openai(client,
+                                           mode=instructor.Mode.TOOLS).chat.completions.create_partial(
         model=model, response_model=Weather, max_retries=0, messages=[{"role": "user", "content": ASK}],
         max_tokens=120, temperature=0))
     # a streamed call comes whole in one delta (the server holds a call until it ends): one partial, complete
@@ -157,7 +158,8 @@ def test_openai_agents_with_a_tool_and_an_output_type(live):
     # tools and an output_type in one request (a 400 before); SmolLM2 calls the tool again after every
     # result, so the run stops at the first tool's answer
     agent = Agent(name="weather", instructions="Answer with the weather.", model=model, output_type=Weather,
-                  tools=[function_tool(get_weather)], model_settings=settings, tool_use_behavior="stop_on_first_tool")
+                  tools=[function_tool(get_weather)], model_settings=settings,
+                  tool_use_behavior="stop_on_first_tool")
 
     async def both():  # one event loop: the client's connections belong to it
         return [(await Runner.run(a, ASK, max_turns=2)).final_output for a in (plain, agent)]
@@ -171,10 +173,12 @@ def test_litellm_openai_and_ollama_chat(live):
     idle, model = live
     import litellm
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": Weather.model_json_schema()}}]
+    tools = [{"type": "function",
+              "function": {"name": "get_weather", "parameters": Weather.model_json_schema()}}]
     messages = [{"role": "user", "content": ASK}]
     r = litellm.completion(model=f"openai/{model}", api_base=f"{idle.url}/v1", api_key=idle.api_key,
-                           messages=messages, tools=tools, tool_choice="required", temperature=0, max_tokens=120)
+                           messages=messages, tools=tools, tool_choice="required", temperature=0,
+                           max_tokens=120)
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     chunks = list(litellm.completion(model=f"openai/{model}", api_base=f"{idle.url}/v1", api_key=idle.api_key,
@@ -185,7 +189,8 @@ def test_litellm_openai_and_ollama_chat(live):
     # tools beside a structured answer: a call or the schema's JSON
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": Weather.model_json_schema()}}
     both = litellm.completion(model=f"openai/{model}", api_base=f"{idle.url}/v1", api_key=idle.api_key,
-                              messages=messages, tools=tools, response_format=fmt, temperature=0, max_tokens=120)
+                              messages=messages, tools=tools, response_format=fmt, temperature=0,
+                              max_tokens=120)
     answer = both.choices[0].message
     assert answer.tool_calls or Weather.model_validate_json(answer.content)
     # the round trip through ollama_chat/: it sends back the call's id and type and a tool_call_id
@@ -215,12 +220,15 @@ def test_embeddings_through_litellm_langchain_and_llama_index(idle):
     vectors = [np.array([d["embedding"] for d in r.data]) for r in (via_openai, via_ollama)]
     chain_openai = OpenAIEmbeddings(model="all-minilm", base_url=f"{idle.url}/v1", api_key=idle.api_key,
                                     check_embedding_ctx_length=False)  # no tiktoken: the texts go as text
-    chain_ollama = OllamaEmbeddings(model="all-minilm", base_url=idle.url, client_kwargs={"headers": idle.headers})
+    chain_ollama = OllamaEmbeddings(model="all-minilm", base_url=idle.url,
+                                    client_kwargs={"headers": idle.headers})
     vectors += [np.array(chain_openai.embed_documents(texts)), np.array(chain_ollama.embed_documents(texts))]
     vectors.append(np.array([chain_ollama.embed_query(texts[0])]))
     index_openai = OpenAIEmbedding(model_name="all-minilm", api_base=f"{idle.url}/v1", api_key=idle.api_key)
-    index_ollama = OllamaEmbedding(model_name="all-minilm", base_url=idle.url, client_kwargs={"headers": idle.headers})
-    vectors += [np.array(index_openai.get_text_embedding_batch(texts)), np.array(index_ollama.get_text_embedding_batch(texts))]
+    index_ollama = OllamaEmbedding(model_name="all-minilm", base_url=idle.url,
+                                   client_kwargs={"headers": idle.headers})
+    vectors += [np.array(index_openai.get_text_embedding_batch(texts)),
+                np.array(index_ollama.get_text_embedding_batch(texts))]
     vectors.append(np.array([index_ollama.get_query_embedding(texts[0])]))
     for v in vectors:
         assert v.shape[1] == 384

@@ -35,7 +35,8 @@ def test_json_schema_output_validates_for_every_seed(smollm2_q4, check_no_leaks)
     check_no_leaks.append(engine)
     prompt = _prompt(engine, "Describe a person as JSON with name, age and city.")
     constraint = Constraint.json_schema(SCHEMA)
-    ids = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=80, constraint=constraint))
+    ids = [engine.add_request(prompt,
+                              SamplingParams(temperature=1.0, seed=s, max_tokens=80, constraint=constraint))
            .request_id for s in range(20)]
     final = engine.run_to_completion()
     for rid in ids:
@@ -47,7 +48,8 @@ def test_json_schema_output_validates_for_every_seed(smollm2_q4, check_no_leaks)
 def test_regex_and_any_json_object(smollm2_q4):
     engine = make_engine(smollm2_q4, num_ctx=512)
     prompt = _prompt(engine, "What is 6 times 7?")
-    regex = SamplingParams(temperature=0, max_tokens=20, constraint=Constraint("regex", r"The answer is [0-9]{1,3}\."))
+    regex = SamplingParams(temperature=0, max_tokens=20,
+                           constraint=Constraint("regex", r"The answer is [0-9]{1,3}\."))
     obj = SamplingParams(temperature=0.8, seed=3, max_tokens=60, constraint=Constraint("json_object"))
     a, b = engine.add_request(prompt, regex).request_id, engine.add_request(prompt, obj).request_id
     final = engine.run_to_completion()
@@ -58,7 +60,8 @@ def test_regex_and_any_json_object(smollm2_q4):
 
 
 def test_a_constrained_request_is_unchanged_by_preemption(smollm2_q4, check_no_leaks):
-    params = SamplingParams(temperature=0.9, seed=11, max_tokens=40, constraint=Constraint.json_schema(SCHEMA))
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=40,
+                            constraint=Constraint.json_schema(SCHEMA))
     alone = make_engine(smollm2_q4, num_ctx=512)
     prompt = _prompt(alone, "A person, as JSON.")
     rid = alone.add_request(prompt, params).request_id
@@ -68,7 +71,8 @@ def test_a_constrained_request_is_unchanged_by_preemption(smollm2_q4, check_no_l
     check_no_leaks.append(tight)
     rid = tight.add_request(prompt, params).request_id
     for s in range(3):
-        tight.add_request(_prompt(tight, f"Tell me about the number {s}."), SamplingParams(temperature=0, max_tokens=60))
+        tight.add_request(_prompt(tight, f"Tell me about the number {s}."),
+                          SamplingParams(temperature=0, max_tokens=60))
     out = tight.run_to_completion()[rid]
     assert tight.num_preemptions > 0
     assert out.token_ids == expected

@@ -53,7 +53,8 @@ def test_a_shifted_request_goes_on_as_if_started_from_the_shifted_tokens(smollm2
     assert shifts >= 2
     engine = _engine(smollm2_q4, num_keep=keep)
     check_no_leaks.append(engine)
-    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)).request_id
+    rid = engine.add_request(prompt,
+                             SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)).request_id
     out = engine.run_to_completion()[rid]
     assert out.token_ids == expected and out.finish_reason == "length"
     assert out.metrics.num_context_shifts == shifts == engine.scheduler.num_context_shifts

@@ -22,9 +22,11 @@ def test_dedent_at():
 def test_the_text_ends_where_it_leaves_the_hole(smollm2_q4, check_no_leaks):
     engine = make_engine(smollm2_q4, num_ctx=512)
     check_no_leaks.append(engine)
-    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Write three short Python functions."}])
+    prompt = engine.tokenizer.encode_chat([{"role": "user",
+                                            "content": "Write three short Python functions."}])
     free = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=120)).request_id
-    held = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=120, stop_at_dedent=1)).request_id
+    held = engine.add_request(prompt,
+                              SamplingParams(temperature=0, max_tokens=120, stop_at_dedent=1)).request_id
     pieces, finals = [], {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -141,7 +141,8 @@ def test_prompt_cache_file_round_trip_and_refusals(tiny_llama_hd64, tmp_path, ch
     a = make_engine(tiny_llama_hd64)
     out_a = _run(a, prompt)
     path = tmp_path / "s.kvc"
-    saved = save_prompt_cache(a.cache, prompt + out_a.token_ids, path, {"history": [{"role": "user", "content": "x"}]})
+    saved = save_prompt_cache(a.cache, prompt + out_a.token_ids, path,
+                              {"history": [{"role": "user", "content": "x"}]})
     assert saved == (len(prompt) + len(out_a.token_ids)) // 16 * 16
 
     b = make_engine(tiny_llama_hd64)
@@ -184,11 +185,13 @@ _WORKER = textwrap.dedent("""
     from kvserve.engine.sampling_params import SamplingParams
     from tests.support import make_engine
     folder, disk, seeds, size = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-    engine = make_engine(load_model(folder), disk_cache_dir=disk, disk_cache_size=size, num_ctx=256, max_num_seqs=2)
+    engine = make_engine(load_model(folder), disk_cache_dir=disk, disk_cache_size=size, num_ctx=256,
+                         max_num_seqs=2)
     out = {}
     for seed in seeds:
         prompt = [(i * 37 + seed * 11) % 90 + 3 for i in range(96)]
-        rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)).request_id
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        rid = engine.add_request(prompt, params).request_id
         out[seed] = engine.run_to_completion()[rid].token_ids
     engine.close()
     print(json.dumps({"tokens": out, "tier_hits": engine.kv.prefix_tier_hits}))
@@ -206,8 +209,9 @@ def test_processes_sharing_a_directory_agree_and_do_not_corrupt_it(tiny_llama, t
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
     def start(seeds, size=bound):
-        return subprocess.Popen([sys.executable, "-c", _WORKER, str(tiny_llama.path), str(disk), json.dumps(seeds),
-                                 str(size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        return subprocess.Popen([sys.executable, "-c", _WORKER, str(tiny_llama.path), str(disk),
+                                 json.dumps(seeds), str(size)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env=env, text=True)
 
     workers = [start([0, 1, 2, 3, 4, 5, 6, 7]), start([7, 6, 5, 4, 3, 2, 1, 0])]  # overlapping, at once
     results = []

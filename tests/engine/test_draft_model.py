@@ -19,7 +19,8 @@ from tests.support import make_engine, write_tiny_llama
 
 
 def _with_draft(engine, draft: str, k: int = 4) -> LLMEngine:
-    return LLMEngine(replace(engine.config, speculative=SpeculativeConfig("draft", k, draft_model=draft)), engine.loaded)
+    return LLMEngine(replace(engine.config, speculative=SpeculativeConfig("draft", k, draft_model=draft)),
+                     engine.loaded)
 
 
 def _run(engine, prompts, params):
@@ -59,7 +60,7 @@ def test_a_draft_that_guesses_badly_changes_nothing(tmp_path, check_no_leaks):
     # f32 weights through torch's matmul: a row's logits move with the rows beside it (~1e-6), so the
     # logprobs within that, the tokens the same
     assert [ids for ids, _ in got] == [ids for ids, _ in expected]
-    for (_, lp), (_, lp_ref) in zip(got, expected):
+    for (_, lp), (_, lp_ref) in zip(got, expected, strict=True):
         assert torch.allclose(torch.tensor(lp), torch.tensor(lp_ref), atol=1e-4)
     assert engine.num_draft_tokens > engine.num_accepted_tokens  # some guesses were rejected and rolled back
 

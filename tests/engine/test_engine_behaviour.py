@@ -26,7 +26,8 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_llama, check_n
     solo = alone.run_to_completion()[first].token_ids
     batched = make_engine(tiny_llama)
     check_no_leaks.append(batched)
-    others = [batched.add_request(_prompt(20, s), SamplingParams(temperature=1.0, max_tokens=20)) for s in range(5)]
+    others = [batched.add_request(_prompt(20, s),
+                                  SamplingParams(temperature=1.0, max_tokens=20)) for s in range(5)]
     rid = batched.add_request(_prompt(30), params).request_id
     assert others
     assert batched.run_to_completion()[rid].token_ids == solo
@@ -34,7 +35,8 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_llama, check_n
 
 def test_different_seeds_differ(tiny_llama):
     engine = make_engine(tiny_llama)
-    ids = [engine.add_request(_prompt(10), SamplingParams(temperature=1.5, seed=s, max_tokens=30, ignore_eos=True))
+    ids = [engine.add_request(_prompt(10),
+                              SamplingParams(temperature=1.5, seed=s, max_tokens=30, ignore_eos=True))
            .request_id for s in (1, 2)]
     final = engine.run_to_completion()
     assert final[ids[0]].token_ids != final[ids[1]].token_ids
@@ -42,11 +44,13 @@ def test_different_seeds_differ(tiny_llama):
 
 def test_max_tokens_and_stop_token_ids(tiny_llama):
     engine = make_engine(tiny_llama)
-    rid = engine.add_request(_prompt(10), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)).request_id
+    rid = engine.add_request(_prompt(10),
+                             SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)).request_id
     out = engine.run_to_completion()[rid]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
     stop_at = out.token_ids[3]
-    rid = engine.add_request(_prompt(10), SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[stop_at])).request_id
+    rid = engine.add_request(_prompt(10),
+                             SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[stop_at])).request_id
     out2 = engine.run_to_completion()[rid]
     first = out.token_ids.index(stop_at)
     assert out2.token_ids == out.token_ids[: first + 1]
@@ -55,7 +59,8 @@ def test_max_tokens_and_stop_token_ids(tiny_llama):
 
 def test_context_limit_finishes_with_length(tiny_llama):
     engine = make_engine(tiny_llama, num_ctx=40)
-    rid = engine.add_request(_prompt(30), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)).request_id
+    rid = engine.add_request(_prompt(30),
+                             SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)).request_id
     out = engine.run_to_completion()[rid]
     assert out.finish_reason == "length" and len(out.token_ids) == 10
 
@@ -96,10 +101,12 @@ def test_abort_mid_generation_frees_blocks(tiny_llama, check_no_leaks):
 
 def test_logprobs_of_chosen_and_top_tokens(tiny_llama):
     engine = make_engine(tiny_llama)
-    rid = engine.add_request(_prompt(10), SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)).request_id
+    rid = engine.add_request(_prompt(10),
+                             SamplingParams(temperature=0, max_tokens=5, logprobs=3,
+                                            ignore_eos=True)).request_id
     out = engine.run_to_completion()[rid]
     assert len(out.logprobs) == 5
-    for token, lp in zip(out.token_ids, out.logprobs):
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert lp.token_id == token and lp.logprob <= 0
         assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the chosen token is the most likely
         assert lp.top[0][2] >= lp.top[1][2] >= lp.top[2][2]
@@ -163,7 +170,8 @@ def test_async_engine_streams_and_aborts_on_disconnect(tiny_llama):
         outs = [o async for o in async_engine.generate(_prompt(20), params)]
         assert outs[-1].finished and len(outs[-1].token_ids) == 12
         assert [len(o.token_ids) for o in outs] == list(range(1, 13))
-        stream = async_engine.generate(_prompt(20, 3), SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        stream = async_engine.generate(_prompt(20, 3),
+                                       SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
         async for out in stream:
             if len(out.token_ids) == 3:
                 break

@@ -75,14 +75,15 @@ class Recorder:
         def recording(out):
             sizes = [s.num_new_tokens for s in out.scheduled]
             self.partial_prefills += sum(
-                s.request.num_computed_tokens + s.num_new_tokens < s.request.num_tokens for s in out.scheduled)
+                s.request.num_computed_tokens + s.num_new_tokens < s.request.num_tokens for s in out.scheduled
+            )
             self.mixed_steps += 1 in sizes and any(n > 1 for n in sizes)
             self.one_token_prompt_chunks += sum(
                 s.num_new_tokens == 1 and s.request.num_computed_tokens < s.request.num_prompt_tokens
                 for s in out.scheduled)
             ready, logits = execute(out)
             self.max_ready = max(self.max_ready, len(ready))
-            for request, row in zip(ready, logits):
+            for request, row in zip(ready, logits, strict=True):
                 self.rows.setdefault(request.request_id, []).append(row.clone())
             return ready, logits
 
@@ -109,7 +110,7 @@ def assert_no_blocks_held(engine) -> None:
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class NotBitIdentical(AssertionError):
@@ -119,9 +120,10 @@ class NotBitIdentical(AssertionError):
 
 def assert_identical(expected: list[Output], got: list[Output]) -> None:
     assert len(got) == len(expected)
-    for i, (want, have) in enumerate(zip(expected, got)):
+    for i, (want, have) in enumerate(zip(expected, got, strict=False)):
         if have.tokens != want.tokens:
-            raise NotBitIdentical(f"prompt {i}: tokens differ from {first_difference(want.tokens, have.tokens)}")
+            raise NotBitIdentical(
+                f"prompt {i}: tokens differ from {first_difference(want.tokens, have.tokens)}")
         if have.logprobs != want.logprobs:
             raise NotBitIdentical(f"prompt {i}: logprobs differ")
         if not torch.equal(have.logits, want.logits):
@@ -132,14 +134,16 @@ def assert_identical(expected: list[Output], got: list[Output]) -> None:
 def assert_same_tokens_close_logits(expected: list[Output], got: list[Output]) -> None:
     """Token ids equal, or the first difference is a near-tie within the bound; the logits rows up to
     it within RECOMPUTED_LOGITS_ATOL."""
-    for i, (want, have) in enumerate(zip(expected, got)):
+    for i, (want, have) in enumerate(zip(expected, got, strict=False)):
         n = first_difference(want.tokens, have.tokens)
         diff = float((have.logits[: n + 1] - want.logits[: n + 1]).abs().max())
         assert diff < RECOMPUTED_LOGITS_ATOL, f"prompt {i}: logits differ by {diff:.3g}"
         if n < len(want.tokens):
             top = want.logits[n].topk(2).values
             gap = float(top[0] - top[1])
-            assert gap < 2 * RECOMPUTED_LOGITS_ATOL, f"prompt {i}: token {n} differs, no near-tie (gap {gap:.3g})"
+            assert gap < 2 * RECOMPUTED_LOGITS_ATOL, (
+                f"prompt {i}: token {n} differs, no near-tie (gap {gap:.3g})"
+            )
         assert len(have.tokens) == len(want.tokens) == NUM_NEW
 
 
@@ -278,7 +282,8 @@ def test_preemption_gives_the_same_tokens(served, preempted_run):
 
 
 @pytest.mark.xfail(strict=True, raises=NotBitIdentical,
-                   reason="a preempted request's generated tokens are recomputed by the prefill attention kernel, "
+                   reason="a preempted request's generated tokens are recomputed by the prefill attention "
+                          "kernel, "
                    "which sums a row in another order than the decode kernel did")
 def test_preemption_is_bit_identical(served, preempted_run):
     assert_identical(served[2], preempted_run)
@@ -290,11 +295,14 @@ def second_turns(served):
     cache its blocks are the decode steps' own, without it a prefill recomputes them."""
     loaded, prompts, baseline, _ = served
     rng = random.Random(1)
-    turns = [p + o.tokens + [rng.randrange(3, 5000) for _ in range(10)] for p, o in zip(prompts[:3], baseline)]
+    turns = [
+        p + o.tokens + [rng.randrange(3, 5000) for _ in range(10)] for p, o in zip(
+            prompts[:3], baseline, strict=False)]
     cached = make_engine(loaded, max_num_seqs=1, prefix_caching=True)
     run_alone(cached, prompts[:3], "turn1-")
     with_cache = run_alone(cached, turns, "turn2-")
-    assert all(o.num_cached_tokens >= len(p) + NUM_NEW - 16 for o, p in zip(with_cache, prompts))
+    assert all(
+        o.num_cached_tokens >= len(p) + NUM_NEW - 16 for o, p in zip(with_cache, prompts, strict=False))
     without = run_alone(make_engine(loaded, max_num_seqs=1, prefix_caching=False), turns, "turn2-")
     return without, with_cache
 
@@ -325,7 +333,7 @@ def tiny_baseline(tiny_llama):
 
 def test_tiny_alone_matches_the_contiguous_reference(tiny_baseline):
     loaded, prompts, baseline = tiny_baseline
-    for p, o in zip(prompts, baseline):
+    for p, o in zip(prompts, baseline, strict=False):
         assert_same_or_near_tie(loaded, p, reference_greedy(loaded, p, NUM_NEW), o.tokens)
 
 

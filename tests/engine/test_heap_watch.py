@@ -36,7 +36,8 @@ def test_trims_only_after_growth_in_big_steps(fake_process):
 
 def test_no_statm_no_trims(monkeypatch):
     monkeypatch.setattr(malloc, "resident_bytes", lambda: None)
-    monkeypatch.setattr(malloc, "release_freed_memory", lambda: pytest.fail("trimmed without a resident size"))
+    monkeypatch.setattr(malloc, "release_freed_memory",
+                        lambda: pytest.fail("trimmed without a resident size"))
     malloc.HeapWatch().after_step(4096)
 
 

@@ -24,7 +24,8 @@ def run(engine, prompts: list[list[int]], late: list[int]) -> list:
     joins after a few steps (the batch grows past the step's first buffers)."""
     steps = recorded_steps(engine)
     for i, p in enumerate(prompts):
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True), request_id=f"r{i}")
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True),
+                           request_id=f"r{i}")
     for _ in range(4):
         engine.step()
     engine.add_request(late, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id="late")
@@ -45,7 +46,7 @@ def assert_same_logits_as_forward(loaded, cache_types, prompts, late, check_no_l
     assert native.runner.native_decode.calls >= 10  # the one-call path ran, at 1 to 4 sequences
     assert native.runner.native_decode.capacity >= 4
     assert len(got) == len(expected)
-    for (ids, logits), (ids_ref, logits_ref) in zip(got, expected):
+    for (ids, logits), (ids_ref, logits_ref) in zip(got, expected, strict=True):
         assert ids == ids_ref
         assert torch.equal(logits, logits_ref)
 
@@ -53,7 +54,8 @@ def assert_same_logits_as_forward(loaded, cache_types, prompts, late, check_no_l
 @pytest.mark.parametrize("cache_types", [("f32", "f32"), ("q8_0", "q4_0"), ("tq4", "tq3")])
 @pytest.mark.parametrize("weights", ["q4", "q4-fast"])
 def test_same_logits_as_forward(request, weights, cache_types, check_no_leaks):
-    loaded = request.getfixturevalue("smollm2_q4") if weights == "q4" else request.getfixturevalue("smollm2_q4_fast")
+    loaded = request.getfixturevalue("smollm2_q4") if weights == "q4" else request.getfixturevalue(
+        "smollm2_q4_fast")
     prompts = [[1, 504, 3458, 282, 4649, 314] * (1 + i) for i in range(3)]
     assert_same_logits_as_forward(loaded, cache_types, prompts, [1, 9690, 28, 1064, 281], check_no_leaks)
 
@@ -77,4 +79,5 @@ def test_gemma3_same_logits_as_forward(gemma3_q4, cache_types, check_no_leaks):
     """Gemma 3: q/k norms, post-norms, GELU gating, an embedding scale, int8 and 4-bit projections, and
     sliding layers with their own RoPE table and window (a prompt longer than the window of 512)."""
     prompts = [[2, 818, 5279, 529, 7001, 563] * n for n in (3, 7, 90)]
-    assert_same_logits_as_forward(gemma3_q4, cache_types, prompts, [2, 9259, 236764, 1217, 107], check_no_leaks)
+    assert_same_logits_as_forward(gemma3_q4, cache_types, prompts, [2, 9259, 236764, 1217, 107],
+                                  check_no_leaks)

@@ -26,9 +26,11 @@ def prompts(count: int = 6) -> list[list[int]]:
 
 
 def pooled(engine, batch: list[list[int]], pooling: str, beside: int = 0) -> list[torch.Tensor]:
-    """Each prompt's pooled state; ``beside``: that many generating requests, added first, grow beside them."""
+    """Each prompt's pooled state; ``beside``: that many generating requests, added first, grow beside
+    them."""
     for i in range(beside):
-        engine.add_request(list(range(100 + i, 140 + i)), SamplingParams(max_tokens=60, ignore_eos=True, temperature=0))
+        engine.add_request(list(range(100 + i, 140 + i)),
+                           SamplingParams(max_tokens=60, ignore_eos=True, temperature=0))
     requests = [engine.add_request(p, SamplingParams(pooling=pooling)) for p in batch]
     done = {}
     while engine.has_unfinished_requests():
@@ -46,7 +48,8 @@ def test_pooled_states_are_the_same_bits_however_the_prompt_is_run(smollm2_q4, p
     alone = [pooled(make_engine(smollm2_q4, prefix_caching=False), [p], pooling)[0] for p in batch]
     chunked = pooled(make_engine(smollm2_q4, budget=16), batch, pooling)
     # 12 blocks: two growing answers preempt the newest requests, the pooling ones, which start over
-    small = make_engine(smollm2_q4, budget=16, kv_cache_memory=12 * 16 * 30 * 2 * 3 * 64 * 4, prefix_caching=False)
+    small = make_engine(smollm2_q4, budget=16, kv_cache_memory=12 * 16 * 30 * 2 * 3 * 64 * 4,
+                        prefix_caching=False)
     preempted = pooled(small, batch, pooling, beside=2)
     assert small.num_preemptions > 0
     cached = make_engine(smollm2_q4)
@@ -54,14 +57,16 @@ def test_pooled_states_are_the_same_bits_however_the_prompt_is_run(smollm2_q4, p
     again = pooled(cached, batch, pooling)
     hits = cached.kv.prefix_hits
     for way in (chunked, preempted, again):
-        for got, expected in zip(way, alone):
+        for got, expected in zip(way, alone, strict=True):
             assert torch.equal(got, expected)
     assert (hits > 0) == (pooling != "mean")  # a mean needs every position: it reads no cache
     model = smollm2_q4.model
-    for p, got in zip(batch, alone):
+    for p, got in zip(batch, alone, strict=True):
         with torch.inference_mode():
-            hidden = model.forward(torch.tensor(p), torch.arange(len(p)), ContiguousKVCache(len(model.layers)))
-        expected = {"last": hidden[-1], "mean": hidden.mean(0), "logits": model.compute_logits(hidden[-1:])[0]}[pooling]
+            hidden = model.forward(torch.tensor(p), torch.arange(len(p)),
+                                   ContiguousKVCache(len(model.layers)))
+        expected = {"last": hidden[-1], "mean": hidden.mean(0),
+                    "logits": model.compute_logits(hidden[-1:])[0]}[pooling]
         assert got.shape == expected.shape
         assert torch.nn.functional.cosine_similarity(got, expected.float(), 0) > 0.99999
 
@@ -90,6 +95,6 @@ def test_a_failed_step_starts_the_pooling_over(smollm2_q4, pooling):
         return real(out)
 
     engine.runner.execute = execute
-    for got, want in zip(pooled(engine, batch, pooling), expected):
+    for got, want in zip(pooled(engine, batch, pooling), expected, strict=True):
         assert torch.equal(got, want)
     assert steps[2] > 1  # the failed step held several requests: they ran again as suspects

@@ -41,7 +41,8 @@ def test_colliding_hashes_do_not_serve_kv_of_another_prefix(tiny_llama, check_no
     assert again.token_ids == expected.token_ids
 
 
-def test_salted_requests_do_not_share_blocks_even_when_hashes_collide(tiny_llama, check_no_leaks, monkeypatch):
+def test_salted_requests_do_not_share_blocks_even_when_hashes_collide(tiny_llama, check_no_leaks,
+                                                                      monkeypatch):
     monkeypatch.setattr(hashing, "hash_block", lambda parent, token_ids, salt=None, key=None: hash(token_ids))
     engine = make_engine(tiny_llama)
     check_no_leaks.append(engine)

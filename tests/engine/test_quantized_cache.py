@@ -22,10 +22,10 @@ def run(engine, prompts):
 
 
 def assert_matches(reference, outputs):
-    for ref, out in zip(reference, outputs):
+    for ref, out in zip(reference, outputs, strict=True):
         if ref.token_ids == out.token_ids:
             continue
-        i = next(j for j, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b)
+        i = next(j for j, (a, b) in enumerate(zip(ref.token_ids, out.token_ids, strict=False)) if a != b)
         top = ref.logprobs[i].top
         gap = top[0][2] - top[1][2]  # a logprob gap is the logit gap
         assert gap < NEAR_TIE, f"token {i}: {ref.token_ids[i]} vs {out.token_ids[i]}, top-2 gap {gap}"
@@ -59,7 +59,8 @@ def test_quantized_cache_in_every_mode(tiny_llama_hd64, k_type, v_type, check_no
 @pytest.mark.slow
 def test_quantized_cache_on_smollm2_chunked_and_cached(smollm2, check_no_leaks):
     prompts = prompts_for(smollm2, 4, seed=4)
-    alone = make_engine(smollm2, cache_type_k="q8_0", cache_type_v="tq4", max_num_seqs=1, prefix_caching=False)
+    alone = make_engine(smollm2, cache_type_k="q8_0", cache_type_v="tq4", max_num_seqs=1,
+                        prefix_caching=False)
     reference = [run(alone, [p])[0] for p in prompts]
     mixed = make_engine(smollm2, cache_type_k="q8_0", cache_type_v="tq4", budget=32)
     check_no_leaks.extend([alone, mixed])

@@ -75,7 +75,8 @@ def test_a_budget_closes_the_thought_alone_batched_and_speculated(smollm2_q4, ch
     out = final[first].token_ids
     assert list(out[:6]) == list(final[plain].token_ids[:6])  # the thought as the model writes it
     assert tuple(out[6 : 6 + len(end)]) == end  # then closed
-    speculating = LLMEngine(replace(engine.config, speculative=SpeculativeConfig("ngram", 3, 1, 3)), engine.loaded)
+    speculating = LLMEngine(replace(engine.config, speculative=SpeculativeConfig("ngram", 3, 1, 3)),
+                            engine.loaded)
     check_no_leaks.append(speculating)
     again = speculating.add_request(prompt, params).request_id
     assert speculating.run_to_completion()[again].token_ids == out

@@ -68,7 +68,7 @@ def test_a_batch_takes_each_greedy_rows_argmax_and_leaves_the_others_to_their_ow
                 _request([2], temperature=0, repetition_penalty=10.0), _request([], temperature=0)]
     batched = [token for token, _ in s.sample(logits, requests)]
     assert batched == [1, 0, 3, 3]
-    assert batched == [s.sample(row[None], [r])[0][0] for row, r in zip(logits, requests)]
+    assert batched == [s.sample(row[None], [r])[0][0] for row, r in zip(logits, requests, strict=True)]
 
 
 def test_seeded_draws_follow_the_distribution():
@@ -103,6 +103,7 @@ def test_extreme_in_range_values_draw_a_token_instead_of_failing():
     [(token, _)] = s.sample(logits.clone(), [_request([], temperature=1.0, top_p=1e-46, seed=1)])
     assert token == 1  # only the most likely token is left
     # seen tokens 0 and 1 boosted to +inf by a tiny penalty: the draw stays among them
-    drawn = {s.sample(logits.clone(), [_request([0, 1], temperature=1.0, repetition_penalty=1e-300, seed=i)])[0][0]
+    drawn = {s.sample(logits.clone(),
+                      [_request([0, 1], temperature=1.0, repetition_penalty=1e-300, seed=i)])[0][0]
              for i in range(20)}
     assert drawn <= {0, 1}

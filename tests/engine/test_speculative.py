@@ -20,7 +20,8 @@ from tests.support import make_engine
 
 
 def test_proposals_follow_the_most_recent_longest_match():
-    p = NgramProposer(SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3))
+    p = NgramProposer(SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                        prompt_lookup_max=3))
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 0, 2, 3]
     assert p.propose("a", tokens, 10) == [7, 8, 0]  # "2 3" last continued with 7 (not 4): the most recent
     assert p.propose("a", tokens + [7], 10) == [8, 0, 2]  # the index grows with the tokens
@@ -74,7 +75,9 @@ def _prompts(tok):
     return [
         tok.encode(para * 3 + para[:60]),  # repeats itself: most drafts are right
         tok.encode_chat([{"role": "user", "content": "Write the numbers from one to twenty in words."}]),
-        tok.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"),
+        tok.encode(
+            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+        ),
     ]
 
 
@@ -111,7 +114,8 @@ def test_speculation_with_a_grammar_and_under_preemption(smollm2_q4, check_no_le
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
               "required": ["items"]}
     json_params = SamplingParams(temperature=0, max_tokens=60, constraint=Constraint.json_schema(schema))
-    prompt = tok.encode_chat([{"role": "user", "content": "List red, green, blue, red, green, blue as JSON."}])
+    prompt = tok.encode_chat([{"role": "user",
+                               "content": "List red, green, blue, red, green, blue as JSON."}])
     expected = _run(make_engine(smollm2_q4), [prompt], json_params)
     engine = _speculative(make_engine(smollm2_q4))
     check_no_leaks.append(engine)
@@ -133,7 +137,9 @@ def test_limits_hold_with_speculation(smollm2_q4, check_no_leaks):
     engine = _speculative(make_engine(smollm2_q4), k=8)
     check_no_leaks.append(engine)
     for max_tokens in (1, 2, 5, 9):
-        rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)).request_id
+        rid = engine.add_request(prompt,
+                                 SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True)).request_id
         assert len(engine.run_to_completion()[rid].token_ids) == max_tokens
     stop = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=["pool"])
     expected = _run(make_engine(smollm2_q4), [prompt], stop)
@@ -142,4 +148,6 @@ def test_limits_hold_with_speculation(smollm2_q4, check_no_leaks):
     assert engine.num_draft_tokens == before  # stop strings: one token at a time
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)).request_id
     out = engine.run_to_completion()[rid]
-    assert out.metrics.num_accepted_tokens <= out.metrics.num_draft_tokens and out.metrics.num_draft_tokens > 0
+    assert (
+        out.metrics.num_accepted_tokens <= out.metrics.num_draft_tokens and out.metrics.num_draft_tokens > 0
+    )

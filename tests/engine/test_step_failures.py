@@ -139,7 +139,8 @@ def test_an_engine_loop_failure_fails_every_waiter_and_later_calls(tiny_llama):
         async_engine.engine.scheduler.schedule = broken
         try:
             results = await asyncio.wait_for(
-                asyncio.gather(*[_drain(async_engine, _prompt(10, s)) for s in range(3)], return_exceptions=True), 30
+                asyncio.gather(*[_drain(async_engine, _prompt(10, s)) for s in range(3)],
+                               return_exceptions=True), 30
             )
             assert all(isinstance(r, EngineDeadError) for r in results), results
             with pytest.raises(EngineDeadError):

@@ -32,7 +32,8 @@ def prompts(gemma3):
     return [ids[: 2 * WINDOW + 90], ids[: 2 * WINDOW + 90] + ids[5:40], ids[:200]]
 
 
-def recorded_run(engine, prompts: list[list[int]], max_tokens: int = 12) -> list[tuple[list[str], torch.Tensor]]:
+def recorded_run(engine, prompts: list[list[int]],
+                 max_tokens: int = 12) -> list[tuple[list[str], torch.Tensor]]:
     """Every step's (ready request ids, logits): the first prompt alone for a few steps (so the second
     can hit its prefix), then the rest."""
     steps = recorded_steps(engine)
@@ -49,7 +50,7 @@ def recorded_run(engine, prompts: list[list[int]], max_tokens: int = 12) -> list
 
 def assert_same_steps(a, b) -> None:
     assert [ids for ids, _ in a] == [ids for ids, _ in b]
-    for (ids, x), (_, y) in zip(a, b):
+    for (ids, x), (_, y) in zip(a, b, strict=True):
         assert torch.equal(x, y), f"logits differ in a step of {ids}"
 
 
@@ -57,7 +58,8 @@ def assert_same_steps(a, b) -> None:
                                                  (("q8_0", "q4_0"), 512)])
 def test_same_logits_as_every_token_kept(gemma3, prompts, cache_types, budget, check_no_leaks):
     k, v = cache_types
-    windowed = make_engine(gemma3, num_ctx=2048, max_num_seqs=4, budget=budget, cache_type_k=k, cache_type_v=v)
+    windowed = make_engine(gemma3, num_ctx=2048, max_num_seqs=4, budget=budget, cache_type_k=k,
+                           cache_type_v=v)
     full = make_engine(gemma3, num_ctx=2048, max_num_seqs=4, budget=budget, cache_type_k=k, cache_type_v=v,
                        window_kv=False)
     check_no_leaks.extend([windowed, full])
@@ -74,7 +76,8 @@ def test_same_logits_as_every_token_kept(gemma3, prompts, cache_types, budget, c
 def test_window_pool_holds_a_window_per_request(gemma3, prompts, check_no_leaks):
     engine = make_engine(gemma3, num_ctx=2048, max_num_seqs=2)
     check_no_leaks.append(engine)
-    engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="r0")
+    engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       request_id="r0")
     for _ in range(5):
         engine.step()
     request = engine.scheduler.requests["r0"]
@@ -120,9 +123,11 @@ def test_the_pool_frame_shows_the_window_pool(gemma3, prompts, check_no_leaks):
 
     engine = make_engine(gemma3, num_ctx=2048, max_num_seqs=2)
     check_no_leaks.append(engine)
-    view = PoolView(SimpleNamespace(engine=engine, lock=threading.Lock(), num_pending_adds=0, dead_error=None),
+    view = PoolView(SimpleNamespace(engine=engine, lock=threading.Lock(), num_pending_adds=0,
+                                    dead_error=None),
                     "gemma3")
-    engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="r0")
+    engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       request_id="r0")
     for _ in range(4):
         engine.step()
     frame = view.frame()
@@ -134,6 +139,7 @@ def test_the_pool_frame_shows_the_window_pool(gemma3, prompts, check_no_leaks):
     assert frame.window_blocks.count("1") == held
     assert request.kv_bytes == (len(request.blocks) * storage.kv_group_bytes_per_block(0)
                                 + held * storage.kv_group_bytes_per_block(1))
-    assert request.kv_bytes < 0.6 * len(request.blocks) * 16 * frame.kv_bytes_per_token  # 1,114 tokens, window 512
+    # 1,114 tokens, window 512
+    assert request.kv_bytes < 0.6 * len(request.blocks) * 16 * frame.kv_bytes_per_token
     assert frame.kv_pool_bytes == storage.nbytes
     engine.run_to_completion()

@@ -66,7 +66,8 @@ def test_lloyd_max_levels_match_published_values():
 @given(bits=st.integers(1, 8), rows=st.integers(1, 5), seed=st.integers(0, 1000))
 def test_bit_packing_round_trips_exactly(bits, rows, seed):
     n = 64
-    codes = torch.randint(0, 2**bits, (rows, n), generator=torch.Generator().manual_seed(seed)).to(torch.uint8)
+    codes = torch.randint(0, 2**bits, (rows, n),
+                          generator=torch.Generator().manual_seed(seed)).to(torch.uint8)
     packed = pack_bits(codes, bits)
     assert packed.shape == (rows, n * bits // 8)
     assert torch.equal(unpack_bits(packed, bits, n), codes)
@@ -92,13 +93,15 @@ def test_attention_from_codes_equals_attention_on_dequantized(name):
     # prefill of 12 tokens, then one decode token
     pre = PagedAttentionMetadata((slots[:12],), [SequenceSlice(0, 12, 12, (table[:3],))])
     out_pre = PagedAttention(storage, pre).attend(0, q[:12], k[:12], v[:12], None, 0.125)
-    dec = PagedAttentionMetadata((slots[12:],), [], build_decode_batch([0], [[table.tolist()]], [13], torch.device("cpu")))
+    dec = PagedAttentionMetadata((slots[12:],), [],
+                                 build_decode_batch([0], [[table.tolist()]], [13], torch.device("cpu")))
     out_dec = PagedAttention(storage, dec).attend(0, q[12:], k[12:], v[12:], None, 0.125)
     codec_k, codec_v = storage.k_codec, storage.v_codec
     kd = codec_k.unrotate(codec_k.decode(codec_k.encode(k), torch.float32))
     vd = codec_v.unrotate(codec_v.decode(codec_v.encode(v), torch.float32))
     ref = sequence_attention(q, kd.transpose(0, 1), vd.transpose(0, 1), 0, None, 0.125)
-    # prefill scores q8_0/q4_0 keys against the query rounded to int16 (see tests/attention/test_native_paged.py)
+    # prefill scores q8_0/q4_0 keys against the query rounded to int16 (see
+    # tests/attention/test_native_paged.py)
     prefill_atol = 2e-4 if name in ("q8_0", "q4_0") else 1e-5
     assert torch.allclose(out_pre, ref[:12], atol=prefill_atol, rtol=1e-4)
     assert torch.allclose(out_dec, ref[12:], atol=1e-5, rtol=1e-4)
@@ -133,7 +136,8 @@ def test_rotated_decode_reads_the_codes_pack_bits_wrote(bits):
     from kvserve.kv.codecs import RotatedCodec
 
     codec = RotatedCodec(64, bits)
-    codes = torch.randint(0, 2**bits, (5, 3, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (5, 3, 64), generator=torch.Generator().manual_seed(bits),
+                          dtype=torch.uint8)
     packed = pack_bits(codes, bits)
     assert torch.equal(unpack_bits(packed, bits, 64), codes)
     assert torch.equal(codec._values(packed, torch.float32), codec.codebook[codes.long()])

@@ -58,7 +58,8 @@ def _file_of(tier, i):
     return tier.path(_key(i).block_hash)
 
 
-@pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "append", "empty", "header says another block",
+@pytest.mark.parametrize("damage",
+                         ["flip a payload byte", "truncate", "append", "empty", "header says another block",
                                     "another setup's file", "another directory's secret", "other magic"])
 def test_damaged_truncated_or_foreign_files_are_removed_not_served(tmp_path, damage):
     tier = _tier(tmp_path / "a")

@@ -29,8 +29,9 @@ def test_gate_matches_torch_and_rows_are_batch_invariant(act, rows, inter):
     gate_up = torch.randn(rows, 2 * inter, generator=g) * 6
     gate_up[0, :8] = torch.tensor([-100.0, -30.0, -1e-4, 0.0, 1e-4, 30.0, 100.0, -0.5])
     ours = gated(gate_up, act)
-    # against float64, relative to the value (a few f32 roundings), with an absolute floor far below anything a
-    # model sees for GELU's tail, x e^-1.6|x|^3 (torch's own f32 GELU is off by 100% there: 1 + tanh cancels)
+    # against float64, relative to the value (a few f32 roundings), with an absolute floor far below anything
+    # a model sees for GELU's tail, x e^-1.6|x|^3 (torch's own f32 GELU is off by 100% there: 1 + tanh
+    # cancels)
     torch.testing.assert_close(ours, reference(gate_up.double(), act).float(), rtol=4e-6, atol=1e-10)
     for r in (0, rows - 1):
         assert torch.equal(gated(gate_up[r : r + 1], act), ours[r : r + 1])
@@ -41,7 +42,8 @@ def test_the_kernel_runs_where_it_applies(monkeypatch, act):
     calls = []
     real = activations.gate_kernel(act)
     assert real is not None
-    monkeypatch.setattr(activations, "gate_kernel", lambda name: lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setattr(activations, "gate_kernel",
+                        lambda name: lambda *args: calls.append(args) or real(*args))
     gated(torch.randn(3, 64), act)
     assert len(calls) == 1
 

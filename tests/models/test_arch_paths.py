@@ -27,7 +27,8 @@ def q4_files(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             hf = ab.build_hf_model(name)
-            cache[name] = ab.write_gguf(tmp_path_factory.mktemp(name) / f"{name}-q4_1.gguf", hf, name, quantized=True)
+            cache[name] = ab.write_gguf(tmp_path_factory.mktemp(name) / f"{name}-q4_1.gguf", hf, name,
+                                        quantized=True)
         return cache[name]
 
     return get
@@ -58,7 +59,7 @@ def test_moe_decode_runs_only_the_chosen_experts(q4_files, name):
         route = m.route
         m.route = lambda h, route=route: h_in.append(h.clone()) or route(h)
     lm.model.forward(torch.tensor([token]), torch.tensor([len(prompt)]), cache)
-    for m, h in zip(moes, h_in):
+    for m, h in zip(moes, list(h_in), strict=True):  # a copy: route() below appends to h_in
         chosen = set(m.route(h)[1][0].tolist())
         assert [i for i, c in enumerate(m.expert_calls) if c] == sorted(chosen)
         assert sum(m.expert_calls) == ab.TOP_K
@@ -70,7 +71,7 @@ def test_moe_decode_runs_only_the_chosen_experts(q4_files, name):
     # within the kernel's activation rounding (a whole forward is no test of that: a near-tie in some
     # token's routing, flipped by any rounding, changes that token's MLP outright)
     h = torch.randn(16, ab.HIDDEN, generator=torch.Generator().manual_seed(0))
-    for m4, m32 in zip(moes, (layer.moe for layer in f32.model.layers)):
+    for m4, m32 in zip(moes, (layer.moe for layer in f32.model.layers), strict=True):
         assert torch.equal(m4.route(h)[1], m32.route(h)[1])
         assert rel_err(m4(h), m32(h)) < 1e-4
 
@@ -151,7 +152,7 @@ def test_gemma2_through_the_native_kernels_batched_and_chunked(gemma2_folder, mo
     if native_paged.for_storage(engine.storage) is None:
         pytest.skip("no native attention kernels on this machine")
     assert spy.calls > 0
-    for p, own, batched in zip(ps, alone, (final[i].token_ids for i in ids)):
+    for p, own, batched in zip(ps, alone, (final[i].token_ids for i in ids), strict=True):
         assert batched == own, p
         if cache_type == "f32":
             assert_same_or_near_tie(lm, p, hf_greedy(hf, p, 16), own)
@@ -172,16 +173,18 @@ def test_gemma2_capped_in_torch_without_native_attention(gemma2_folder, monkeypa
     ids = [engine.add_request(p, params).request_id for p in ps]
     final = engine.run_to_completion()
     assert spy.calls == 0  # no native attention ran: the torch path did
-    for p, rid in zip(ps, ids):
+    for p, rid in zip(ps, ids, strict=True):
         assert_same_or_near_tie(lm, p, hf_greedy(hf, p, 12), final[rid].token_ids)
 
 
-@pytest.mark.parametrize("name,one_call", [("mistral", True), ("qwen3", True), ("gemma2", True), ("phi3", False),
+@pytest.mark.parametrize("name,one_call",
+                         [("mistral", True), ("qwen3", True), ("gemma2", True), ("phi3", False),
                                            ("granite", False), ("qwen3moe", False)])
 def test_one_call_decode_step_only_where_its_kernels_cover_the_arch(q4_files, name, one_call):
     """The one-call native decode step (models/native_decode.py) runs Mistral (a plain Llama with a
-    window), Qwen3 (q/k norms per head) and Gemma 2 (capped scores, post-norms, GELU); partial rotary, Granite's multipliers and experts go through
-    ``forward``. Either way the engine's tokens are the reference path's."""
+    window), Qwen3 (q/k norms per head) and Gemma 2 (capped scores, post-norms, GELU); partial rotary,
+    Granite's multipliers and experts go through ``forward``. Either way the engine's tokens are the reference
+    path's."""
     lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
     engine = make_engine(lm, budget=16)
     step = engine.runner.native_decode

@@ -47,10 +47,10 @@ def test_logits_and_greedy_match_transformers(built, source):
     name, _, folder, gguf_model, (ps, ref_logits, ref_tokens) = built
     ours = folder if source == "folder" else gguf_model
     assert ours.config.architecture == ab.SPECS[name]["arch"]
-    errs = [rel_err(our_last_logits(ours, p), ref) for p, ref in zip(ps, ref_logits)]
+    errs = [rel_err(our_last_logits(ours, p), ref) for p, ref in zip(ps, ref_logits, strict=True)]
     print(f"{name} {source}: max rel err per prompt {errs}")
     assert max(errs) < LOGITS_RTOL, errs
-    for p, ref in zip(ps, ref_tokens):
+    for p, ref in zip(ps, ref_tokens, strict=True):
         assert our_greedy(ours, p, NEW_TOKENS) == ref, f"prompt {p}"
 
 
@@ -72,9 +72,9 @@ def _run(engine, ps, params):
 
 def _assert_matches(reference, outputs):
     """Same tokens, or the first difference is a near-tie in the reference run's own logprobs."""
-    for ref, out in zip(reference, outputs):
+    for ref, out in zip(reference, outputs, strict=True):
         if ref.token_ids != out.token_ids:
-            i = next(j for j, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b)
+            i = next(j for j, (a, b) in enumerate(zip(ref.token_ids, out.token_ids, strict=False)) if a != b)
             top = ref.logprobs[i].top
             assert top[0][2] - top[1][2] < NEAR_TIE, (i, ref.token_ids, out.token_ids)
 
@@ -91,7 +91,7 @@ def test_paged_engine_in_every_mode(built, cache_type):
     alone = make_engine(ours, max_num_seqs=1, prefix_caching=False, block_size=8, cache_type_k=cache_type)
     reference = [_run(alone, [p], params)[0] for p in ps]
     if cache_type == "f32":
-        for p, ref in zip(ps, reference):
+        for p, ref in zip(ps, reference, strict=True):
             assert_same_or_near_tie(ours, p, reference_greedy(ours, p, 12), ref.token_ids)
     engine = make_engine(ours, budget=16, max_num_seqs=3, block_size=8, cache_type_k=cache_type)
     _assert_matches(reference, _run(engine, ps, params))
@@ -126,7 +126,8 @@ def test_longrope_past_the_original_context(longrope, source):
     on_short = rel_err(our_last_logits(ours, prompt), ref)
     rope.fit_context(ab.CONTEXT)
     try:
-        errs = [rel_err(our_last_logits(ours, prompt), ref), rel_err(our_last_logits(ours, prompt, [100, 60, 40]), ref)]
+        errs = [rel_err(our_last_logits(ours, prompt), ref),
+                rel_err(our_last_logits(ours, prompt, [100, 60, 40]), ref)]
         greedy = our_greedy(ours, prompt, 8)
     finally:
         rope.fit_context(original)

@@ -18,11 +18,13 @@ from kvserve.models.linear import Int4Linear
 from kvserve.models.registry import resolve
 from tests.support import BLOCK_TYPES, random_blocks
 
-pytestmark = pytest.mark.skipif(not Int4Linear.native(), reason="no C compiler: the packed layouts need the kernel")
+pytestmark = pytest.mark.skipif(not Int4Linear.native(),
+                                reason="no C compiler: the packed layouts need the kernel")
 
 
 def dequantized(raw: np.ndarray, type_name: str, rows: int) -> torch.Tensor:
-    return torch.from_numpy(dequantize(raw.reshape(rows, -1), GGMLQuantizationType[type_name]).astype(np.float32))
+    return torch.from_numpy(dequantize(raw.reshape(rows, -1),
+                                       GGMLQuantizationType[type_name]).astype(np.float32))
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
@@ -33,7 +35,8 @@ def test_each_type_packs_to_its_file_bytes_and_back(type_name):
     assert torch.equal(lin.weight, dequantized(raw, type_name, rows))
     per_weight = lin.nbytes / (-(-rows // 16) * 16 * cols)  # outputs padded to panels of 16
     file_per_weight = raw.size / (rows * cols)
-    assert file_per_weight <= per_weight <= 1.04 * file_per_weight  # Q4_K, Q5_K, Q3_K: scales widened to a byte
+    # Q4_K, Q5_K, Q3_K: scales widened to a byte
+    assert file_per_weight <= per_weight <= 1.04 * file_per_weight
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
@@ -85,8 +88,10 @@ def test_the_loaded_qwen_holds_its_file(qwen):
     ids = torch.tensor([0, 17, 151_935, 17])
     table = qwen.load_tensor("token_embd.weight")
     assert torch.equal(model.embed_tokens(ids), table[ids])
-    assert isinstance(model.lm_head, Int8GroupLinear) and torch.equal(model.lm_head.weight, qwen.load_tensor("output.weight"))
-    for i in (0, 1):  # Q5_0 q/k with a Q8_0 v (layer 0: int8 groups), with a Q5_0 v (layer 1); Q6_K / Q4_K down
+    assert isinstance(model.lm_head, Int8GroupLinear) and torch.equal(model.lm_head.weight,
+                                                                      qwen.load_tensor("output.weight"))
+    # Q5_0 q/k with a Q8_0 v (layer 0: int8 groups), with a Q5_0 v (layer 1); Q6_K / Q4_K down
+    for i in (0, 1):
         layer, p = model.layers[i], f"blk.{i}."
         qkv = torch.cat([qwen.load_tensor(p + f"attn_{s}.weight") for s in "qkv"])
         assert torch.equal(layer.qkv.weight, qkv), i
@@ -123,7 +128,8 @@ def test_int8_groups_from_blocks_are_the_files_grid(type_name, tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
     for name, (qtype, rows) in parts.items():
         w = (rng.standard_normal((rows, 96)) * 0.1).astype(np.float32)
-        writer.add_tensor(name, gguf.quants.quantize(w, GGMLQuantizationType[qtype]), raw_dtype=GGMLQuantizationType[qtype])
+        writer.add_tensor(name, gguf.quants.quantize(w, GGMLQuantizationType[qtype]),
+                          raw_dtype=GGMLQuantizationType[qtype])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -152,7 +158,8 @@ def write_gguf(path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0"), ("Q6_K", "Q8_0", "Q4_K")])
+@pytest.mark.parametrize("types",
+                         [("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0"), ("Q6_K", "Q8_0", "Q4_K")])
 def test_a_stack_of_types_is_held_part_by_part(tmp_path, types):
     """q, k, v of different types (Q4_K_M's Q6_K v, Gemma's Q8_0 v): each run of parts in its own layout
     writing its columns of one output (the kernels' row stride), the columns the same bits as each part
@@ -167,7 +174,7 @@ def test_a_stack_of_types_is_held_part_by_part(tmp_path, types):
     cols, rows = 512, (64, 32, 40)
     names = [f"blk.0.attn_{s}.weight" for s in "qkv"]
     tensors = {}
-    for i, (name, type_name, n) in enumerate(zip(names, types, rows)):
+    for i, (name, type_name, n) in enumerate(zip(names, types, rows, strict=True)):
         if type_name == "Q8_0":
             w = np.random.default_rng(i).standard_normal((n, cols)).astype(np.float32)
             raw = gguf_quantize(w, type_name)
@@ -234,7 +241,8 @@ def test_q2_k_and_q3_k_from_a_file_are_held_in_their_bits(tmp_path, type_name):
     raw = random_blocks(type_name, rows, cols, seed=9).reshape(rows, -1)
     write_gguf(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": (type_name, raw)})
     gf = GGUFFile(tmp_path / "m.gguf")
-    lin = file_linears.projection(GGUFWeights(gf, SimpleNamespace(architecture="qwen2")), ["blk.0.ffn_down.weight"], None, "q4")
+    lin = file_linears.projection(GGUFWeights(gf, SimpleNamespace(architecture="qwen2")),
+                                  ["blk.0.ffn_down.weight"], None, "q4")
     assert isinstance(lin, Int4Linear) and lin.layout == layouts.GGUF_LAYOUTS[type_name][0]
     assert torch.equal(lin.weight, dequantized(raw.reshape(-1), type_name, rows))
     assert lin.nbytes == _from_file_blocks([gf.tensors["blk.0.ffn_down.weight"]]) <= 1.04 * raw.size

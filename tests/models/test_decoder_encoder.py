@@ -43,7 +43,8 @@ def test_a_decoder_embeds_as_transformers(tmp_path, pooling):
 def test_an_embedding_decoder_is_not_a_chat_model(tmp_path):
     from kvserve.models.loader import load_model
 
-    path = write_gguf(tmp_path / "embed.gguf", build_hf_model("qwen3"), "qwen3", pooling=gguf.PoolingType.LAST)
+    path = write_gguf(tmp_path / "embed.gguf", build_hf_model("qwen3"), "qwen3",
+                      pooling=gguf.PoolingType.LAST)
     with pytest.raises(ModelLoadError, match="sentence embeddings"):
         load_model(str(path))
     plain = write_gguf(tmp_path / "chat.gguf", build_hf_model("qwen3"), "qwen3")
@@ -56,7 +57,8 @@ def test_serve_takes_it_as_the_embedding_model(tmp_path):
     from kvserve.cli.serve import _encoder, _encoders_among_models
     from kvserve.embedding.decoder_encoder import DecoderEncoder
 
-    path = write_gguf(tmp_path / "qwen3-embed.gguf", build_hf_model("qwen3"), "qwen3", pooling=gguf.PoolingType.LAST)
+    path = write_gguf(tmp_path / "qwen3-embed.gguf", build_hf_model("qwen3"), "qwen3",
+                      pooling=gguf.PoolingType.LAST)
     args = SimpleNamespace(models=["smollm2", str(path)], embedding_model=None, rerank_model=None)
     _encoders_among_models(args)
     assert args.models == ["smollm2"] and args.embedding_model == str(path)
@@ -90,7 +92,8 @@ def test_inputs_of_many_callers_share_the_engines_steps(tmp_path):
     steps, each gets what it gets alone, and no KV block stays held."""
     import asyncio
 
-    path = write_gguf(tmp_path / "embed.gguf", build_hf_model("qwen3"), "qwen3", pooling=gguf.PoolingType.MEAN)
+    path = write_gguf(tmp_path / "embed.gguf", build_hf_model("qwen3"), "qwen3",
+                      pooling=gguf.PoolingType.MEAN)
     encoder = open_encoder(path, "embed")
     engine = encoder.engine.engine
     scheduled: list[int] = []
@@ -113,7 +116,7 @@ def test_inputs_of_many_callers_share_the_engines_steps(tmp_path):
             await asyncio.sleep(0.2)
         return await running
 
-    for got, expected in zip(asyncio.run(together()), alone):
+    for got, expected in zip(asyncio.run(together()), alone, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert max(scheduled) > len(TEXTS)  # several callers' inputs in one step
     assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks

@@ -66,12 +66,13 @@ def test_greedy_matches_transformers(tiny_gemma3):
 
 def test_paged_engine_with_window_and_chunked_prefill(tiny_gemma3):
     _, ours = tiny_gemma3
-    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 30, 61)]
+    prompts = [
+        torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 30, 61)]
     engine = make_engine(ours, budget=7, max_num_seqs=3)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ids = [engine.add_request(p, params).request_id for p in prompts]
     final = engine.run_to_completion()
-    for p, rid in zip(prompts, ids):
+    for p, rid in zip(prompts, ids, strict=True):
         assert_same_or_near_tie(ours, p, reference_greedy(ours, p, 20), final[rid].token_ids)
 
 

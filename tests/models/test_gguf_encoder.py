@@ -27,19 +27,22 @@ def phantom(token: str) -> str:
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
-def bert_writer(path, arch: str, vocab: list[str], pooling: gguf.PoolingType, context: int, hidden: int, ff: int,
-                layers: int, heads: int, eps: float) -> gguf.GGUFWriter:
+def bert_writer(path, arch: str, vocab: list[str], pooling: gguf.PoolingType, context: int, hidden: int,
+                ff: int, layers: int, heads: int, eps: float) -> gguf.GGUFWriter:
     """A GGUF writer holding an encoder's metadata and WordPiece vocabulary as llama.cpp's converter writes
     them; the caller adds the tensors."""
     w = gguf.GGUFWriter(str(path), arch)
-    for add, value in ((w.add_context_length, context), (w.add_embedding_length, hidden), (w.add_block_count, layers),
-                       (w.add_feed_forward_length, ff), (w.add_head_count, heads), (w.add_layer_norm_eps, eps),
-                       (w.add_causal_attention, False), (w.add_pooling_type, pooling), (w.add_token_type_count, 2)):
+    for add, value in ((w.add_context_length, context), (w.add_embedding_length, hidden),
+                       (w.add_block_count, layers), (w.add_feed_forward_length, ff),
+                       (w.add_head_count, heads), (w.add_layer_norm_eps, eps),
+                       (w.add_causal_attention, False), (w.add_pooling_type, pooling),
+                       (w.add_token_type_count, 2)):
         add(value)
     w.add_tokenizer_model("bert")
     w.add_token_list([phantom(t) for t in vocab])
     w.add_token_types([3 if t.startswith("[") and t.endswith("]") else 1 for t in vocab])
-    for add, token in ((w.add_sep_token_id, "[SEP]"), (w.add_unk_token_id, "[UNK]"), (w.add_pad_token_id, "[PAD]")):
+    for add, token in ((w.add_sep_token_id, "[SEP]"), (w.add_unk_token_id, "[UNK]"),
+                       (w.add_pad_token_id, "[PAD]")):
         add(vocab.index(token))
     return w
 
@@ -53,8 +56,8 @@ def finish(w: gguf.GGUFWriter) -> None:
 
 def write_bert_gguf(path, model, vocab: list[str], pooling: gguf.PoolingType) -> None:
     c = model.config
-    w = bert_writer(path, "bert", vocab, pooling, c.max_position_embeddings, c.hidden_size, c.intermediate_size,
-                    c.num_hidden_layers, c.num_attention_heads, c.layer_norm_eps)
+    w = bert_writer(path, "bert", vocab, pooling, c.max_position_embeddings, c.hidden_size,
+                    c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.layer_norm_eps)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, c.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name.startswith("pooler.") or name.endswith("position_ids"):
@@ -113,11 +116,13 @@ def test_serve_takes_a_bert_gguf_among_its_models_as_the_embedding_model(tmp_pat
     from kvserve.cli.serve import _encoders_among_models
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", "##s"]
-    model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=16, max_position_embeddings=16), add_pooling_layer=False)
+    model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=8, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=16, max_position_embeddings=16),
+                                 add_pooling_layer=False)
     path = tmp_path / "embed.gguf"
     write_bert_gguf(path, model, vocab, gguf.PoolingType.MEAN)
-    args = SimpleNamespace(models=["smollm2", str(path), "gemma3-270m"], embedding_model=None, rerank_model=None)
+    args = SimpleNamespace(models=["smollm2", str(path), "gemma3-270m"], embedding_model=None,
+                           rerank_model=None)
     _encoders_among_models(args)
     assert args.models == ["smollm2", "gemma3-270m"] and args.embedding_model == str(path)
     assert Encoder(path, "embed").tokenize(["hellos"]) == [[2, 4, 5, 3]]
@@ -164,8 +169,10 @@ def test_a_gguf_encoder_embeds_as_llama_cpp(tmp_path, folder, arch):
     path = tmp_path / f"tiny-{arch}.gguf"
     if arch == "bert":
         torch.manual_seed(0)
-        model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=128), add_pooling_layer=False)
+        model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=128),
+                                     add_pooling_layer=False)
         write_bert_gguf(path, model.eval(), vocab, gguf.PoolingType.MEAN)
     else:
         write_nomic_gguf(path, vocab)
@@ -176,7 +183,8 @@ def test_a_gguf_encoder_embeds_as_llama_cpp(tmp_path, folder, arch):
     for text in TEXTS[:5]:
         ids = ours.tokenize([text])[0]
         assert ids == theirs.tokenize(text.encode(), add_bos=True, special=False), text
-        cosine = torch.nn.functional.cosine_similarity(ours.embed([ids])[0], torch.tensor(theirs.embed(text)), dim=0)
+        cosine = torch.nn.functional.cosine_similarity(ours.embed([ids])[0], torch.tensor(theirs.embed(text)),
+                                                       dim=0)
         assert float(cosine) >= 0.99999, (text, float(cosine))
 
 
@@ -201,7 +209,9 @@ def nomic_reference(path, ids: list[int]) -> torch.Tensor:
 
     x = norm(t["token_embd.weight"][ids] + t["token_types.weight"][0], "token_embd_norm")
     n = len(ids)
-    angles = torch.arange(n, dtype=torch.float64)[:, None] / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(n, dtype=torch.float64)[:,
+                                                  None] / base ** (
+                                                      torch.arange(0, d, 2, dtype=torch.float64) / d)
     turn = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)[:, None, :]  # [n, 1, d / 2]
 
     def rope(v):  # [n, heads, d]: pairs (i, i + d/2) rotated as complex numbers

@@ -25,7 +25,8 @@ def gemma_weights():
     return gf, GGUFWeights(gf, read_model_config(gf.header))
 
 
-@pytest.mark.parametrize("name, qtype", [("blk.0.attn_output.weight", "Q4_K"), ("blk.0.ffn_down.weight", "Q6_K"),
+@pytest.mark.parametrize("name, qtype",
+                         [("blk.0.attn_output.weight", "Q4_K"), ("blk.0.ffn_down.weight", "Q6_K"),
                                          ("blk.2.ffn_down.weight", "Q4_K")])
 def test_gemma3_k_quant_tensors_are_held_exactly(gemma_weights, name, qtype):
     gf, weights = gemma_weights
@@ -48,11 +49,13 @@ def test_gemma3_k_quant_tensors_are_held_exactly(gemma_weights, name, qtype):
         groups = weight.view(weight.shape[0], -1, 32)
         step = groups.abs().amax(-1, keepdim=True) / 127  # d of each group of 32, before its f16 rounding
         error = (rounded.weight.view_as(groups) - groups).abs()
-        assert bool((error <= 0.501 * step).all())  # half a step, and the f16 scale's rounding (measured 0.5002)
+        # half a step, and the f16 scale's rounding (measured 0.5002)
+        assert bool((error <= 0.501 * step).all())
 
 
 def test_the_loaded_gemma3_holds_every_projection_exactly(gemma_weights):
-    """No tensor of the model rounded: each projection's weights are the file's (two layers checked: every type the file has)."""
+    """No tensor of the model rounded: each projection's weights are the file's (two layers checked: every
+    type the file has)."""
     from kvserve.models.loader import load_model
 
     gf, _ = gemma_weights
@@ -72,7 +75,8 @@ def test_groups16_arithmetic_with_offsets_against_float64():
     g = torch.Generator().manual_seed(7)
     n, k = 72, 160
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
-    scales, offsets = torch.rand(n, k // 16, generator=g) * 0.01 + 1e-4, -torch.rand(n, k // 16, generator=g) * 0.1
+    scales, offsets = torch.rand(n, k // 16, generator=g) * 0.01 + 1e-4, -torch.rand(
+        n, k // 16, generator=g) * 0.1
     weight = (codes.float().view(n, -1, 16) * scales[..., None] + offsets[..., None]).view(n, k)
     lin = Int8GroupLinear(weight, None, (codes, scales, offsets))
     assert lin.layout == "g16" and torch.equal(lin.weight, weight)
@@ -122,7 +126,8 @@ def test_grids_of_random_blocks_are_the_librarys_dequantization(qtype, size):
     scales = (rng.random((blocks.shape[0], 2)) * 0.02 + 1e-4).astype(np.float16)
     blocks[:, 0:4] = scales.view(np.uint8).reshape(-1, 4)  # d and dmin (or m) first in every type here
     weight = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType[qtype]))
-    lin = make_linear(weight, None, "int8", CPU, torch.float32, GRID_DECODERS[qtype](blocks.reshape(-1), rows, cols))
+    lin = make_linear(weight, None, "int8", CPU, torch.float32,
+                      GRID_DECODERS[qtype](blocks.reshape(-1), rows, cols))
     assert lin.layout == "g16" and torch.equal(lin.weight, weight)
 
 
@@ -143,7 +148,8 @@ def test_four_bit_grids_run_as_four_bit_groups(qtype, size, f32_scales):
     scales = (rng.random((blocks.shape[0], 2)) * 0.02 + 1e-4).astype(np.float16)
     blocks[:, 0:4] = scales.view(np.uint8).reshape(-1, 4)
     weight = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType[qtype]))
-    lin = make_linear(weight, None, "q4", CPU, torch.float32, lambda: GRID_DECODERS[qtype](blocks.reshape(-1), rows, cols))
+    lin = make_linear(weight, None, "q4", CPU, torch.float32,
+                      lambda: GRID_DECODERS[qtype](blocks.reshape(-1), rows, cols))
     assert isinstance(lin, Int4Linear) and (lin.layout == QL_F32) == f32_scales
     assert torch.equal(lin.weight, weight)
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(11)) * torch.linspace(0.01, 30, cols)

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(native.load("rope") is None, reason="no C compil
 
 def tables(head_dim: int, positions: torch.Tensor):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    return RotaryEmbedding(inv_freq, torch.device("cpu"), torch.float32).tables(positions, int(positions.max()))
+    return RotaryEmbedding(inv_freq, torch.device("cpu"), torch.float32).tables(
+        positions, int(positions.max()))
 
 
 @pytest.mark.parametrize("tokens, head_dim", [(1, 64), (9, 64), (130, 256)])  # 130: the threaded loop
@@ -76,6 +77,7 @@ def test_tables_grown_in_steps_are_the_tables_built_at_once(served):
         assert grown.cos.shape[0] <= (served or 10**9)
         whole = RotaryEmbedding(inv_freq, torch.device("cpu"), torch.float32)
         whole._grow(last + 1)
-        assert torch.equal(cos, whole.cos[: last + 1].unsqueeze(1)) and torch.equal(sin, whole.sin[: last + 1].unsqueeze(1))
+        assert torch.equal(cos, whole.cos[: last + 1].unsqueeze(1)) and torch.equal(
+            sin, whole.sin[: last + 1].unsqueeze(1))
     if served is not None:
         assert grown.cos.data_ptr() == grown._buffer[0].data_ptr()  # filled in place, never copied

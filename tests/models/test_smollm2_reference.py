@@ -157,7 +157,7 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
 # --- model -------------------------------------------------------------------------------------------
@@ -225,8 +225,9 @@ def served(gguf_path, smollm2_q4):
 
 
 def served_teacher_forced(engine, ids: list[int], num_prompt: int) -> torch.Tensor:
-    """The served engine's logits for ids[num_prompt:]: a prefill of the first num_prompt tokens, then a decode
-    step for each next token of the text, fed back in place of the sampled one. [len(ids) - num_prompt, vocab]"""
+    """The served engine's logits for ids[num_prompt:]: a prefill of the first num_prompt tokens, then a
+    decode step for each next token of the text, fed back in place of the sampled one. [len(ids) - num_prompt,
+    vocab]"""
     rows, forced = [], iter(ids[num_prompt:])
     sample = engine.sampler.sample
 
@@ -242,7 +243,8 @@ def served_teacher_forced(engine, ids: list[int], num_prompt: int) -> torch.Tens
         engine.run_to_completion()
     finally:
         engine.sampler.sample = sample
-    assert engine.runner.native_decode.calls - calls == len(rows) - 1  # every step after the prefill: one call
+    # every step after the prefill: one call
+    assert engine.runner.native_decode.calls - calls == len(rows) - 1
     return torch.cat(rows)
 
 

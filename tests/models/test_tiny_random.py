@@ -49,7 +49,8 @@ SPECS = {
         "rope_theta": 500_000.0,
         "tie": True,
         "scaling": {
-            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64
         },
     },
 }
@@ -184,7 +185,7 @@ def byte_level_symbols() -> list[str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    table = dict(zip(bs, (chr(c) for c in cs)))
+    table = dict(zip(bs, (chr(c) for c in cs), strict=True))
     return [table[b] for b in range(256)]
 
 
@@ -342,14 +343,14 @@ def test_folder_config(tiny, ours_from_folder):
 
 def test_folder_logits_match_transformers(tiny, hf_reference, ours_from_folder):
     ps, ref_logits, _ = hf_reference
-    errs = [rel_err(our_last_logits(ours_from_folder, p), ref) for p, ref in zip(ps, ref_logits)]
+    errs = [rel_err(our_last_logits(ours_from_folder, p), ref) for p, ref in zip(ps, ref_logits, strict=True)]
     print(f"{tiny[0]} HF folder: max rel err per prompt {errs}")
     assert max(errs) < LOGITS_RTOL, errs
 
 
 def test_folder_greedy_matches_transformers(tiny, hf_reference, ours_from_folder):
     ps, _, ref_tokens = hf_reference
-    for p, ref in zip(ps, ref_tokens):
+    for p, ref in zip(ps, ref_tokens, strict=True):
         assert len(ref) == NEW_TOKENS
         assert our_greedy(ours_from_folder, p, NEW_TOKENS) == ref, f"prompt {p}"
 
@@ -373,7 +374,7 @@ def test_folder_with_legacy_rope_theta_key(tiny, hf_reference, tmp_path):
     lm = load_model(str(legacy), device="cpu")
     assert lm.config.rope_theta == spec["rope_theta"]
     ps, ref_logits, ref_tokens = hf_reference
-    errs = [rel_err(our_last_logits(lm, p), ref) for p, ref in zip(ps, ref_logits)]
+    errs = [rel_err(our_last_logits(lm, p), ref) for p, ref in zip(ps, ref_logits, strict=True)]
     print(f"{name} HF folder (legacy rope_theta key): max rel err per prompt {errs}")
     assert max(errs) < LOGITS_RTOL, errs
     assert our_greedy(lm, ps[1], NEW_TOKENS) == ref_tokens[1]
@@ -409,21 +410,21 @@ def test_gguf_config(tiny, ours_from_gguf):
 
 def test_gguf_logits_match_transformers(tiny, hf_reference, ours_from_gguf):
     ps, ref_logits, _ = hf_reference
-    errs = [rel_err(our_last_logits(ours_from_gguf, p), ref) for p, ref in zip(ps, ref_logits)]
+    errs = [rel_err(our_last_logits(ours_from_gguf, p), ref) for p, ref in zip(ps, ref_logits, strict=True)]
     print(f"{tiny[0]} GGUF: max rel err per prompt {errs}")
     assert max(errs) < LOGITS_RTOL, errs
 
 
 def test_gguf_greedy_matches_transformers(tiny, hf_reference, ours_from_gguf):
     ps, _, ref_tokens = hf_reference
-    for p, ref in zip(ps, ref_tokens):
+    for p, ref in zip(ps, ref_tokens, strict=True):
         assert our_greedy(ours_from_gguf, p, NEW_TOKENS) == ref, f"prompt {p}"
 
 
 def test_gguf_weights_equal_folder_weights(tiny, ours_from_folder, ours_from_gguf):
     """After un-permuting, Q and K from the GGUF are exactly the HF projections."""
     a, b = ours_from_folder.model, ours_from_gguf.model
-    for la, lb in zip(a.layers, b.layers):
+    for la, lb in zip(a.layers, b.layers, strict=True):
         assert torch.equal(la.qkv.weight, lb.qkv.weight)
         assert (la.qkv.bias is None) == (lb.qkv.bias is None)
         if la.qkv.bias is not None:
@@ -452,7 +453,7 @@ def test_transformers_loads_our_tiny_gguf_the_same(tiny, hf_reference):
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
     ps, ref_logits, _ = hf_reference
-    errs = [rel_err(hf_last_logits(other, p), ref) for p, ref in zip(ps, ref_logits)]
+    errs = [rel_err(hf_last_logits(other, p), ref) for p, ref in zip(ps, ref_logits, strict=True)]
     if SPECS[arch]["scaling"]:
         assert max(errs) > 100 * LOGITS_RTOL, errs
     else:

@@ -27,7 +27,9 @@ def four_bit_weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
 
 
 def formats(weight):
-    return {fmt: make_linear(weight, None, fmt, CPU, torch.float32) for fmt in ("f32", "bf16", "int8", "q4", "q4-fast")}
+    return {
+        fmt: make_linear(weight, None, fmt, CPU, torch.float32) for fmt in (
+            "f32", "bf16", "int8", "q4", "q4-fast")}
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q4", "q4-fast"])
@@ -52,7 +54,9 @@ def test_q4_takes_four_bit_tensors_exactly_and_falls_back_to_int8():
     assert int4_groups(dense) is None
     tall = four_bit_weight(4200, 64, seed=3)  # two blocks of rows: the codes of both, the check of the second
     codes, scale, lo = int4_groups(tall)
-    assert torch.equal((lo[..., None] + scale[..., None] * codes.view(4200, -1, INT4_GROUP).float()).view(4200, 64), tall)
+    assert torch.equal((lo[..., None] + scale[..., None] * codes.view(4200, -1,
+                                                                      INT4_GROUP).float()).view(4200, 64),
+                                                                      tall)
     tall[4150, 5] += 1e-3
     assert int4_groups(tall) is None
     assert isinstance(make_linear(dense, None, "q4", CPU, torch.float32), Int8GroupLinear)
@@ -69,7 +73,8 @@ def test_symmetric_gguf_grids_are_held_exactly(qtype, fmt):
 
     x = torch.randn(96, 320, generator=torch.Generator().manual_seed(4)).numpy()
     x[3, :32] = 0.0  # an all-zero group
-    weight = torch.from_numpy(dequantize(quantize(x, GGMLQuantizationType[qtype]), GGMLQuantizationType[qtype]))
+    weight = torch.from_numpy(dequantize(quantize(x, GGMLQuantizationType[qtype]),
+                                         GGMLQuantizationType[qtype]))
     lin = make_linear(weight, None, fmt, CPU, torch.float32)
     assert isinstance(lin, Int8GroupLinear) and lin.kernel is not None
     assert torch.equal(lin.weight, weight)
@@ -81,7 +86,8 @@ def ran_as(lin, fmt: str) -> bool:
         return isinstance(lin, DenseLinear) and lin.dtype == torch.bfloat16
     if fmt == "int8":
         return isinstance(lin, Int8GroupLinear) and lin.kernel is not None
-    return isinstance(lin, Int4Linear) and lin.kernel is not None and lin.digits == (1 if fmt == "q4-fast" else 2)
+    return isinstance(lin,
+                      Int4Linear) and lin.kernel is not None and lin.digits == (1 if fmt == "q4-fast" else 2)
 
 
 @pytest.mark.parametrize("fmt, bound", [("bf16", 0.006), ("int8", 0.006), ("q4", 5e-4), ("q4-fast", 0.02)])
@@ -174,7 +180,8 @@ def test_a_q8_0_head_is_held_exactly(fmt):
     check_int8_head(head)
     ids = torch.tensor([0, 15, 16, 4095, 4096, 4199, 7, 7])  # panel and row-block edges, a repeat
     assert head.holds(weight) and torch.equal(head.rows(ids), weight[ids])  # a tied embedding's lookup
-    assert not head.holds(weight + 1e-3) and not make_linear(torch.randn(40, 64), None, fmt, CPU, torch.float32).holds(torch.randn(40, 64))
+    assert not head.holds(weight + 1e-3) and not make_linear(torch.randn(40, 64), None, fmt, CPU,
+                                                             torch.float32).holds(torch.randn(40, 64))
 
 
 def test_a_tied_q8_0_embedding_is_read_from_the_head(smollm2, smollm2_q4):
@@ -196,7 +203,8 @@ def exact_product(x: torch.Tensor, lin: Int4Linear, w: torch.Tensor) -> torch.Te
 def check_int4_kernel(lin: Int4Linear, w: torch.Tensor, bound: float) -> float:
     """Rows alone = batched across row tiles (6) and row blocks (96), one thread = two; the error
     against the exact product is the activation digits' alone (the weights are exact). Returns it."""
-    x = torch.randn(200, w.shape[1], generator=torch.Generator().manual_seed(4)) * torch.linspace(0.01, 30, w.shape[1])
+    x = torch.randn(200, w.shape[1], generator=torch.Generator().manual_seed(4)) * torch.linspace(
+        0.01, 30, w.shape[1])
     x[:, 7] *= 100  # an outlier channel, as SmolLM2's activations have
     batched = lin(x)
     for i in (0, 5, 6, 95, 96, 101, 199):
@@ -225,7 +233,8 @@ def test_int4_kernel_rows_invariant_and_exact_up_to_the_activation_digits(fmt):
 
 
 def test_int4_and_int8_kernels_without_avx512(monkeypatch, tmp_path):
-    """The portable C loops (what a CPU without AVX-512 VNNI compiles), built here by switching AVX-512 off."""
+    """The portable C loops (what a CPU without AVX-512 VNNI compiles), built here by switching AVX-512
+    off."""
     from kvserve import native
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
@@ -270,7 +279,8 @@ def test_a_models_packed_weights_live_in_one_arena(smollm2_q4):
     model = smollm2_q4.model
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert all(isinstance(lin, Int4Linear) for lin in linears) and isinstance(model.lm_head, Int8GroupLinear)
-    storages = {int(t.untyped_storage().data_ptr()) for t in [model.lm_head.packed] + [lin.packed for lin in linears]}
+    storages = {
+        int(t.untyped_storage().data_ptr()) for t in [model.lm_head.packed] + [lin.packed for lin in linears]}
     assert len(storages) == 1  # (ints: a failing assert must not print a storage of the whole region)
     ends = sorted((int(t.data_ptr()), int(t.data_ptr()) + t.numel())
                   for t in [model.lm_head.packed] + [lin.packed for lin in linears])

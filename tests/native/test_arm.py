@@ -31,7 +31,8 @@ from tests.native.test_isa_paths import (
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 DRIVER = Path(__file__).with_name("arm_driver.c")
 ATTENTION_DRIVER = Path(__file__).with_name("arm_attention_driver.c")
-ARM_PATHS = {"neon-dotprod": native.ISA_FLAGS["neon"], "neon": ["-march=armv8-a"], "portable": ["-DKVSERVE_PORTABLE"]}
+ARM_PATHS = {"neon-dotprod": native.ISA_FLAGS["neon"], "neon": ["-march=armv8-a"],
+             "portable": ["-DKVSERVE_PORTABLE"]}
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which(CROSS_CC) and shutil.which(QEMU)),
@@ -47,14 +48,15 @@ def arm_programs(tmp_path_factory) -> dict[str, Path]:
         program = out / f"kernels-{path}"
         sources = [native.SOURCE_DIR / "int4_matmul.c", native.SOURCE_DIR / "int8_matmul.c", DRIVER]
         base = [f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
-        subprocess.run([CROSS_CC, *base, *native.SOURCE_FLAGS["int4_matmul"], *flags, f"-I{native.SOURCE_DIR}",
-                        "-static", *map(str, sources), "-o", str(program)],
+        subprocess.run([CROSS_CC, *base, *native.SOURCE_FLAGS["int4_matmul"], *flags,
+                        f"-I{native.SOURCE_DIR}", "-static", *map(str, sources), "-o", str(program)],
                        check=True, capture_output=True, text=True, timeout=300)
         programs[path] = program
     return programs
 
 
-def run_arm(program: Path, tmp_path: Path, kind: int, x, packed, bias, n: int, digits: int = 0, layout: int = 0) -> tuple:
+def run_arm(program: Path, tmp_path: Path, kind: int, x, packed, bias, n: int, digits: int = 0,
+            layout: int = 0) -> tuple:
     m, k = x.shape
     header = np.array([kind, m, n, k, digits, layout, packed.numel(), bias is not None], dtype=np.int32)
     parts = [header.tobytes(), x.numpy().tobytes(), packed.numpy().tobytes()]
@@ -108,8 +110,8 @@ def arm_attention_programs(tmp_path_factory) -> dict[str, Path]:
     for path, flags in ARM_PATHS.items():
         programs[path] = out / f"attention-{path}"
         sources = [native.SOURCE_DIR / "paged_attention.c", ATTENTION_DRIVER]
-        subprocess.run([CROSS_CC, *base, *flags, f"-I{native.SOURCE_DIR}", "-static", *map(str, sources), "-o",
-                        str(programs[path])], check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([CROSS_CC, *base, *flags, f"-I{native.SOURCE_DIR}", "-static", *map(str, sources),
+                        "-o", str(programs[path])], check=True, capture_output=True, text=True, timeout=300)
     return programs
 
 
@@ -123,13 +125,16 @@ def run_arm_attention(program: Path, tmp_path: Path, prefill: bool, q, k, v, tab
     code_bytes = codes.shape[-1] * codes.element_size()
     scale_bytes = scales[0].shape[-1] * scales[0].element_size() if scales else 0
     kind = native_paged.KV_KIND_CODES[codec.name if codec else "f32"]
-    header = np.array([prefill, n, heads, kv_heads, d, blocks, block_size, window, ctx, kind, code_bytes, scale_bytes],
+    header = np.array([prefill, n, heads, kv_heads, d, blocks, block_size, window, ctx, kind, code_bytes,
+                       scale_bytes],
                       dtype=np.int32)
-    parts = [header.tobytes(), np.array([scale, softcap], dtype=np.float32).tobytes(), q.contiguous().numpy().tobytes()]
+    parts = [header.tobytes(), np.array([scale, softcap], dtype=np.float32).tobytes(),
+             q.contiguous().numpy().tobytes()]
     for codes, *scales in stored:
         parts += [codes.contiguous().view(torch.uint8).numpy().tobytes(),
                   b"".join(s.contiguous().view(torch.uint8).numpy().tobytes() for s in scales)]
-    parts.append(np.resize(table.numpy().astype(np.int64), blocks).tobytes())  # the driver reads num_blocks entries
+    # the driver reads num_blocks entries
+    parts.append(np.resize(table.numpy().astype(np.int64), blocks).tobytes())
     (tmp_path / "in").write_bytes(b"".join(parts))
     subprocess.run([QEMU, str(program), str(tmp_path / "in"), str(tmp_path / "out")], check=True, timeout=300)
     raw = (tmp_path / "out").read_bytes()
@@ -152,8 +157,8 @@ def test_arm_attention_capped_and_not_matches_float64(arm_attention_programs, tm
     for window, softcap in ((0, 0.0), (0, 5.0), (37, 5.0)):
         cap = softcap or 1e9  # no cap: tanh(s / 1e9) * 1e9 is s to float64's rounding
         for prefill, chunk in ((False, q[-1:]), (True, q)):
-            out, isa = run_arm_attention(arm_attention_programs[path], tmp_path, prefill, chunk, k, v, table, window,
-                                         ctx, 0.125, softcap)
+            out, isa = run_arm_attention(arm_attention_programs[path], tmp_path, prefill, chunk, k, v, table,
+                                         window, ctx, 0.125, softcap)
             assert isa == path
             positions = torch.arange(ctx - chunk.shape[0], ctx)
             reference = capped_reference(chunk, keys, values, positions, window or None, 0.125, cap)
@@ -173,13 +178,14 @@ def test_arm_attention_reads_each_kv_type_in_place(arm_attention_programs, tmp_p
     codec = make_codec(cache_type, d)
     k, v = (torch.randn(kv_heads, blocks, block_size, d, generator=g) for _ in range(2))
     table = torch.randperm(blocks, generator=g)[: -(-ctx // block_size)]
-    keys, values = (codec.decode(codec.encode(x), torch.float32)[:, table].reshape(kv_heads, -1, d)[:, :ctx].double()
+    keys, values = (
+        codec.decode(codec.encode(x), torch.float32)[:, table].reshape(kv_heads, -1, d)[:, :ctx].double()
                     for x in (k, v))
     q = 4 * torch.randn(20, heads, d, generator=g)
     for window in (0, 37):
         for prefill, chunk in ((False, q[-1:]), (True, q)):
-            out, isa = run_arm_attention(arm_attention_programs[path], tmp_path, prefill, chunk, k, v, table, window,
-                                         ctx, 0.125, 0.0, codec)
+            out, isa = run_arm_attention(arm_attention_programs[path], tmp_path, prefill, chunk, k, v, table,
+                                         window, ctx, 0.125, 0.0, codec)
             assert isa == path
             positions = torch.arange(ctx - chunk.shape[0], ctx)
             reference = capped_reference(chunk, keys, values, positions, window or None, 0.125, 1e9)

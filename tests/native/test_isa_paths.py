@@ -23,7 +23,8 @@ FAST_PATHS = [isa for isa in native.ISA_FLAGS if isa != "portable"]
 
 def skip_unless_runnable(isa: str) -> None:
     if isa not in native.runnable_isas():
-        pytest.skip(f"not run: this CPU cannot run the {isa} path (it runs {', '.join(native.runnable_isas())})")
+        pytest.skip(
+            f"not run: this CPU cannot run the {isa} path (it runs {', '.join(native.runnable_isas())})")
 
 
 def kernel(source: str, name: str, isa: str):
@@ -32,7 +33,8 @@ def kernel(source: str, name: str, isa: str):
     lib = native.load(source, isa)
     assert lib is not None, f"the {isa} build of {source}.c failed"
     if hasattr(lib, "simd_isa"):  # the kernels written against simd.h say which path they took
-        assert abi.bind(lib, "simd_isa")().decode().startswith(isa), "the build took another path than asked for"
+        assert abi.bind(lib,
+                        "simd_isa")().decode().startswith(isa), "the build took another path than asked for"
     return abi.bind(lib, name)
 
 
@@ -66,7 +68,8 @@ def layout_code(layout: str) -> int:
     return layouts.LAYOUT_NAMES.index(layout) if layout in ("F16", "F32") else layouts.GGUF_LAYOUTS[layout][0]
 
 
-def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int, layout: str | bool = "F16") -> torch.Tensor:
+def run_int4(isa: str, x, packed, bias, n: int, digits: int, threads: int,
+             layout: str | bool = "F16") -> torch.Tensor:
     """layout: a name of layout_inputs (True / False: "F32" / "F16")."""
     fn = kernel("int4_matmul", "int4_matmul", isa)
     m, k = x.shape
@@ -151,7 +154,9 @@ def test_kvserve_isa_picks_the_build(monkeypatch):
     assert native.requested_isa() == "portable" and native.isa() == "portable"
     assert "-DKVSERVE_PORTABLE" in native.build_flags("int4_matmul", native.requested_isa())
     monkeypatch.setenv("KVSERVE_ISA", "avx3")
-    with pytest.raises(ValueError, match="KVSERVE_ISA='avx3': use one of native, avx512vnni, avxvnni, avx2, neon, portable"):
+    with pytest.raises(ValueError,
+                       match="KVSERVE_ISA='avx3': use one of native, avx512vnni, avxvnni, avx2, neon, "
+                             "portable"):
         native.requested_isa()
     monkeypatch.delenv("KVSERVE_ISA")
     assert native.isa() == native.runnable_isas()[0]
@@ -171,7 +176,8 @@ def test_a_path_the_cpu_cannot_run_is_not_built(monkeypatch, caplog):
 
 @pytest.fixture
 def path_build(monkeypatch):
-    """Selects a path for every kernel built while the test runs (KVSERVE_ISA), and forgets the builds after."""
+    """Selects a path for every kernel built while the test runs (KVSERVE_ISA), and forgets the builds
+    after."""
 
     def select(isa: str) -> None:
         skip_unless_runnable(isa)
@@ -230,7 +236,8 @@ def test_clang_without_openmp_same_bits_as_gcc(isa, monkeypatch, tmp_path, caplo
 
     def outputs() -> list[torch.Tensor]:
         native.load.cache_clear()
-        return [run_int4(isa, x, packed, bias, 72, 2, 2), run_int8(isa, gx, gpacked, 56, 2, "int8_matmul_g16")]
+        return [run_int4(isa, x, packed, bias, 72, 2, 2),
+                run_int8(isa, gx, gpacked, 56, 2, "int8_matmul_g16")]
 
     with_gcc = outputs()
     monkeypatch.setenv("CC", "clang")
@@ -245,7 +252,7 @@ def test_clang_without_openmp_same_bits_as_gcc(isa, monkeypatch, tmp_path, caplo
         monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "no-openmp"))
         with_clang = outputs()
         native.load.cache_clear()
-    assert all(torch.equal(a, b) for a, b in zip(with_gcc, with_clang))
+    assert all(torch.equal(a, b) for a, b in zip(with_gcc, with_clang, strict=True))
 
 
 def test_portable_float_to_half_rounds_as_torch(tmp_path):
@@ -255,14 +262,17 @@ def test_portable_float_to_half_rounds_as_torch(tmp_path):
 
     probe = tmp_path / "probe.c"
     probe.write_text('#include "half.h"\n'
-                     "void convert(const float *x, uint16_t *h, int n) { for (int i = 0; i < n; i++) h[i] = float_to_half(x[i]); }\n")
+                     "void convert(const float *x, uint16_t *h, int n) { for (int i = 0; i < n; i++) h[i] = "
+                     "float_to_half(x[i]); }\n")
     lib = tmp_path / "probe.so"
-    subprocess.run([native.compiler(), "-O2", "-fPIC", "-shared", "-DKVSERVE_PORTABLE", f"-I{native.SOURCE_DIR}",
-                    str(probe), "-o", str(lib)], check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run([native.compiler(), "-O2", "-fPIC", "-shared", "-DKVSERVE_PORTABLE",
+                    f"-I{native.SOURCE_DIR}", str(probe), "-o", str(lib)], check=True, capture_output=True,
+                    text=True, timeout=120)
     convert = ctypes.CDLL(str(lib)).convert
     g = torch.Generator().manual_seed(0)
     bits = torch.cat([torch.randint(0, 2**31, (200_000,), generator=g, dtype=torch.int64),  # every exponent
-                      torch.arange(0x33000000 - 64, 0x33000000 + 64),  # around 2^-25, f16's smallest half step
+                      # around 2^-25, f16's smallest half step
+                      torch.arange(0x33000000 - 64, 0x33000000 + 64),
                       torch.arange(0x477FE000 - 64, 0x477FE000 + 64)])  # around 65520, overflow's edge
     x = bits.to(torch.int32).view(torch.float32)
     x = torch.cat([x, -x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504.0, 6.1035156e-05])])

@@ -32,7 +32,8 @@ def exported(library: Path) -> set[str]:
     """The names a shared library defines in its dynamic symbol table."""
     if shutil.which("nm") is None:
         pytest.skip("not run: no nm on this machine (Debian: binutils)")
-    out = subprocess.run(["nm", "-D", "--defined-only", str(library)], check=True, capture_output=True, text=True)
+    out = subprocess.run(["nm", "-D", "--defined-only", str(library)], check=True, capture_output=True,
+                         text=True)
     return {line.split()[-1] for line in out.stdout.splitlines() if line.strip()} - LINKER_SYMBOLS
 
 
@@ -75,7 +76,8 @@ def test_every_prototype_names_a_source():
 def test_a_definition_that_disagrees_with_the_header_does_not_compile(tmp_path):
     header = (native.SOURCE_DIR / "kernels.h").read_text()
     assert build_with_header("rms_norm", header, tmp_path).returncode == 0
-    wrong = header.replace("float eps, int n, int hidden, float *out);", "float eps, int n, int64_t hidden, float *out);")
+    wrong = header.replace("float eps, int n, int hidden, float *out);",
+                           "float eps, int n, int64_t hidden, float *out);")
     assert wrong != header
     built = build_with_header("rms_norm", wrong, tmp_path)
     assert built.returncode != 0 and "conflicting types for" in built.stderr and "rms_norm" in built.stderr
@@ -98,9 +100,9 @@ def test_a_decode_step_call_that_disagrees_with_the_header_does_not_compile(tmp_
 
 def python_bindings() -> dict[str, object]:
     """Every native function the package calls through ctypes, as it binds it."""
-    storage = PagedKVStorage(ModelConfig(architecture="llama", num_layers=1, hidden_size=64, intermediate_size=8,
-                                         num_heads=2, num_kv_heads=1, head_dim=32, vocab_size=8,
-                                         max_position_embeddings=64),
+    storage = PagedKVStorage(ModelConfig(architecture="llama", num_layers=1, hidden_size=64,
+                                         intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=32,
+                                         vocab_size=8, max_position_embeddings=64),
                              4, 16, "f32", torch.device("cpu"))
     attention, writer = native_paged.for_storage(storage), native_paged.writer_for_storage(storage)
     return {
@@ -111,9 +113,11 @@ def python_bindings() -> dict[str, object]:
         "int4_matmul": linear._int4_matmul_kernel(),
         "int8_matmul": linear._int8_matmul_kernel("int8_matmul"),
         "int8_matmul_g16": linear._int8_matmul_kernel("int8_matmul_g16"),
-        "int8_rows": linear._int8_rows_kernel("int8_rows"), "int8_rows_g16": linear._int8_rows_kernel("int8_rows_g16"),
-        "paged_decode_attention": attention.decode_kernel, "paged_prefill_attention": attention.prefill_kernel,
-        "kv_write": writer.kernel, "decode_step": native_decode._step_function(),
+        "int8_rows": linear._int8_rows_kernel("int8_rows"),
+        "int8_rows_g16": linear._int8_rows_kernel("int8_rows_g16"),
+        "paged_decode_attention": attention.decode_kernel,
+        "paged_prefill_attention": attention.prefill_kernel, "kv_write": writer.kernel,
+        "decode_step": native_decode._step_function(),
     }
 
 
@@ -135,11 +139,13 @@ def test_no_module_writes_a_kernel_signature_by_hand():
 
 def test_a_hand_written_signature_that_disagrees_raises():
     p, i = ctypes.c_void_p, ctypes.c_int
-    assert native.function("rms_norm", "rms_norm", (p, p, ctypes.c_float, i, i, p)) is not None  # as bench writes
+    # as bench writes
+    assert native.function("rms_norm", "rms_norm", (p, p, ctypes.c_float, i, i, p)) is not None
     with pytest.raises(TypeError, match=r"rms_norm: ctypes signature .* disagrees with kernels.h's"):
         native.function("rms_norm", "rms_norm", (p, p, i, i, i, p))
     with pytest.raises(TypeError, match="int4_matmul"):
-        native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i, i, i))  # its int result left out
+        # its int result left out
+        native.function("int4_matmul", "int4_matmul", (p, p, p, i, i, i, p, i, i, i, i))
     with pytest.raises(LookupError, match="no_such_kernel: no prototype in native/kernels.h"):
         native.function("rms_norm", "no_such_kernel")
 
@@ -154,7 +160,8 @@ def test_the_parser_reads_only_its_form():
     assert probe.ctypes_restype is ctypes.c_int and header.prototypes["none"].argtypes == []
     for bad, message in (("void f(double x);", "type 'double'"), ("void f(int);", "a type and a name"),
                          ("void f(size_t n);", "type 'size_t'"), ("typedef int word;", "not a prototype"),
-                         ("void f(int x);\nvoid f(int x);", "declared twice"), ("enum { A };", "enum entries")):
+                         ("void f(int x);\nvoid f(int x);", "declared twice"),
+                         ("enum { A };", "enum entries")):
         with pytest.raises(ValueError, match=message):
             abi.parse(bad)
 
@@ -185,8 +192,9 @@ def probe_source() -> str:
 def probes(tmp_path_factory):
     out = tmp_path_factory.mktemp("probes")
     (out / "probes.c").write_text(probe_source())
-    subprocess.run([native.compiler(), "-O1", "-fPIC", "-shared", f"-I{native.SOURCE_DIR}", str(out / "probes.c"),
-                    "-o", str(out / "probes.so")], check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run([native.compiler(), "-O1", "-fPIC", "-shared", f"-I{native.SOURCE_DIR}",
+                    str(out / "probes.c"), "-o", str(out / "probes.so")], check=True, capture_output=True,
+                    text=True, timeout=120)
     return ctypes.CDLL(str(out / "probes.so"))
 
 
@@ -233,10 +241,10 @@ def layout_mismatches(probes, corrupt=lambda name, words: words) -> list[str]:
     calls = run_operations(probes, ops)
     assert len(calls) == len(names)
     wrong = []
-    for name, got in zip(names, calls):
+    for name, got in zip(names, calls, strict=True):
         want = expected_words(name, args[name])
         params = ["(which function)", *(p.name for p in abi.prototype(name).params)]
-        wrong += [f"{name}.{params[i]}" for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        wrong += [f"{name}.{params[i]}" for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w]
     return wrong
 
 

@@ -17,7 +17,8 @@ from tests.attention.test_native_paged import config, filled_storage
 from tests.native import test_isa_paths
 
 path_build = test_isa_paths.path_build  # the fixture that selects an ISA path for the builds
-pytestmark = pytest.mark.skipif(native.load("paged_attention") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(native.load("paged_attention") is None,
+                                reason="no C compiler on this machine")
 
 CAP, SCALE = 5.0, 0.125
 LENS = [1, 17, 255, 256, 257, 333]  # around the 256-position partitions and 16-token blocks
@@ -76,7 +77,8 @@ def test_capped_decode_matches_float64(isa, cache_type, path_build):
         ours = kernels(storage).decode(layer, q, padded(tables), torch.tensor(LENS), window, SCALE, CAP)
         for i, n in enumerate(LENS):
             keys, values = stored_rows(storage, layer, tables[i], n)
-            reference = capped_reference(q[i : i + 1], keys, values, torch.tensor([n - 1]), window, SCALE, CAP)
+            reference = capped_reference(q[i : i + 1], keys, values, torch.tensor([n - 1]), window, SCALE,
+                                         CAP)
             assert_near(ours[i : i + 1], reference)
         uncapped = kernels(storage).decode(layer, q, padded(tables), torch.tensor(LENS), window, SCALE)
         assert (uncapped - ours).abs().max() > 1e-2  # the cap changed the result
@@ -95,7 +97,8 @@ def test_capped_prefill_matches_float64(isa, cache_type, path_build):
         keys, values = stored_rows(storage, layer, tables[0], 333)
         reference = capped_reference(q, keys, values, torch.arange(333), window, SCALE, CAP)
         for start in (0, 200):
-            ours = kernels(storage).prefill(layer, q[start:], start, torch.tensor(tables[0]), window, SCALE, CAP)
+            ours = kernels(storage).prefill(layer, q[start:], start, torch.tensor(tables[0]), window, SCALE,
+                                            CAP)
             assert_near(ours, reference[start:], int_keys)
 
 
@@ -109,7 +112,8 @@ def test_capped_decode_same_bits_alone_and_batched(cache_type):
     for window in (None, 70):
         batched = attention.decode(0, q, padded(tables), torch.tensor(lens), window, SCALE, CAP)
         for i, n in enumerate(lens):
-            alone = attention.decode(0, q[i : i + 1], padded([tables[i]]), torch.tensor([n]), window, SCALE, CAP)
+            alone = attention.decode(0, q[i : i + 1], padded([tables[i]]), torch.tensor([n]), window, SCALE,
+                                     CAP)
             assert torch.equal(alone[0], batched[i]), (i, window)
 
 

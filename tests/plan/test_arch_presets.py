@@ -9,7 +9,8 @@ from kvserve.kv.kv_types import kv_bytes_per_token
 from kvserve.models.arch import SUPPORTED_ARCHITECTURES
 from kvserve.plan.presets import PRESETS
 
-# name: (architecture, layers, hidden, intermediate, heads, kv_heads, head_dim, vocab, max_position_embeddings,
+# name: (architecture, layers, hidden, intermediate, heads, kv_heads, head_dim, vocab,
+# max_position_embeddings,
 #        sliding_window, rope_theta, experts, experts per token, f16 KV bytes per token) as published
 ARCH_PUBLISHED = {
     "Qwen3-0.6B": ("qwen3", 28, 1024, 3072, 16, 8, 128, 151936, 40960, None, 1e6, 0, 0, 114_688),
@@ -28,8 +29,8 @@ ARCH_PUBLISHED = {
 @pytest.mark.parametrize("name", list(ARCH_PUBLISHED))
 def test_preset_matches_published_config(name):
     c = PRESETS[name].config
-    got = (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
-           c.vocab_size, c.max_position_embeddings, c.sliding_window, c.rope_theta, c.num_experts,
+    got = (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+           c.head_dim, c.vocab_size, c.max_position_embeddings, c.sliding_window, c.rope_theta, c.num_experts,
            c.num_experts_per_tok, kv_bytes_per_token(c, "f16", "f16"))
     assert got == ARCH_PUBLISHED[name]
     assert c.architecture in SUPPORTED_ARCHITECTURES

@@ -23,7 +23,8 @@ def test_quality_order_is_sorted_by_measured_kld():
 
 
 @pytest.mark.parametrize("budget_mib,expected", [(100, ("f16", "f16")), (30, ("q8_0", "q8_0")),
-                                                 (20, ("q8_0", "tq4")), (12, ("tq4", "tq4")), (7, ("tq2", "tq2"))])
+                                                 (20, ("q8_0", "tq4")), (12, ("tq4", "tq4")),
+                                                 (7, ("tq2", "tq2"))])
 def test_auto_picks_the_best_type_that_fits(budget_mib, expected):
     k, v, reason = choose_cache_types(SMOLLM2, 2048, 1, 16, budget_mib * MiB)
     assert (k, v) == expected
@@ -60,7 +61,8 @@ def test_nothing_fits_names_the_fixes():
 def test_context_advice_gives_a_context_and_its_cost_per_type():
     advice = context_advice(SMOLLM2, 3000, "f16", "f16")
     assert "--num-ctx 4096" in advice
-    assert "90.0 MiB with f16/f16" in advice and "47.8 MiB with q8_0/q8_0" in advice  # 4096 x 23,040 B; x 12,240 B
+    # 4096 x 23,040 B; x 12,240 B
+    assert "90.0 MiB with f16/f16" in advice and "47.8 MiB with q8_0/q8_0" in advice
 
 
 def test_kv_cache_memory_auto_shrinks_to_the_budget_with_a_note(monkeypatch):

@@ -46,7 +46,8 @@ def test_json_with_a_context_list():
 
 
 def test_disk_tier_tokens_per_kv_type():
-    r = kvserve("plan", "smollm2", "--json", "--ctx", "1024", "--cache-types", "f16,q8_0", "--kv-disk-cache-size", "1GiB")
+    r = kvserve("plan", "smollm2", "--json", "--ctx", "1024", "--cache-types", "f16,q8_0",
+                "--kv-disk-cache-size", "1GiB")
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert plan["settings"]["disk_cache_bytes"] == 1 << 30
@@ -70,9 +71,12 @@ def test_all_cache_types():
     by_name = {t["name"]: t for t in types}
     assert by_name["f16"]["bytes_per_token"] == 131_072 and by_name["q8_0"]["bits_per_element_k"] == 8.5
     assert by_name["f16"]["contexts"][0]["kv_bytes"] == 17_179_869_184
-    assert by_name["tq2"]["max_ctx"] > by_name["f16"]["max_ctx"]  # 15 GiB of weights + 16 GiB of f16 KV > 28 GiB
-    torch_path = json.loads(kvserve("plan", "Llama-3.1-8B", "--ctx", "131072", "--attention", "torch", "--json").stdout)
-    native = json.loads(kvserve("plan", "Llama-3.1-8B", "--ctx", "131072", "--attention", "native", "--json").stdout)
+    # 15 GiB of weights + 16 GiB of f16 KV > 28 GiB
+    assert by_name["tq2"]["max_ctx"] > by_name["f16"]["max_ctx"]
+    torch_path = json.loads(kvserve("plan", "Llama-3.1-8B", "--ctx", "131072", "--attention", "torch",
+                                    "--json").stdout)
+    native = json.loads(kvserve("plan", "Llama-3.1-8B", "--ctx", "131072", "--attention", "native",
+                                "--json").stdout)
     (t,), (n,) = ([c["activations"] for c in p["kv_types"][0]["contexts"]] for p in (torch_path, native))
     assert (t["attention_kernels"], n["attention_kernels"]) == ("torch", "native")
     assert t["attention"] > 20 * 2**30 and n["attention"] < 64 * 2**20  # the 23.6 GiB of torch tiles

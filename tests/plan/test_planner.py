@@ -84,9 +84,11 @@ def _gemma_style(**kw):
 
 @pytest.mark.parametrize(
     "num_ctx, max_num_seqs, max_num_batched_tokens, cache_type",
-    [(1024, 2, 512, "f16"), (4096, 1, 64, "q8_0"), (300, 3, 32, "tq3"), (64, 1, 512, "f32"), (100, 4, 16, "f16")],
+    [(1024, 2, 512, "f16"), (4096, 1, 64, "q8_0"), (300, 3, 32, "tq3"), (64, 1, 512, "f32"),
+     (100, 4, 16, "f16")],
 )
-def test_planned_window_pool_is_what_the_engine_allocates(num_ctx, max_num_seqs, max_num_batched_tokens, cache_type):
+def test_planned_window_pool_is_what_the_engine_allocates(num_ctx, max_num_seqs, max_num_batched_tokens,
+                                                          cache_type):
     import torch
 
     from kvserve.config import CacheConfig
@@ -113,7 +115,8 @@ def test_planned_window_pool_is_what_the_engine_allocates(num_ctx, max_num_seqs,
 def test_the_plan_counts_the_engines_window_pool():
     gemma = PRESETS["Gemma-3-4B"].config  # 34 layers: 29 sliding (window 1024), 5 global; 4 KV heads x 256
     per_block_layer = 16 * 4 * 2 * 256 * 2  # tokens x kv_heads x (K + V) x head_dim x f16
-    window_blocks = 2 * (1024 // 16 + 2) + 256 // 16 + 1  # 2 sequences' windows, one step of 256, the null block
+    # 2 sequences' windows, one step of 256, the null block
+    window_blocks = 2 * (1024 // 16 + 2) + 256 // 16 + 1
     size, nbytes = engine_pool(gemma, 131072, 2, 16, "f16", "f16", max_num_batched_tokens=256)
     assert (size.num_blocks, size.num_window_blocks, len(size.window_layers)) == (2 * 8192, window_blocks, 29)
     assert nbytes == (5 * 2 * 8192 + 29 * window_blocks) * per_block_layer
@@ -121,7 +124,8 @@ def test_the_plan_counts_the_engines_window_pool():
     every_token = planned_kv_pool_bytes(gemma, 131072, 2, 16, "f16", window_kv=False)
     assert every_token == 34 * 2 * 8192 * per_block_layer
     all_sliding = PRESETS["Mistral-7B"].config  # no global layer to tie a window group to: every token
-    assert planned_kv_pool_bytes(all_sliding, 32768, 1, 16, "f16") == 32768 * kv_bytes_per_token(all_sliding, "f16")
+    assert planned_kv_pool_bytes(all_sliding, 32768, 1, 16, "f16") == 32768 * kv_bytes_per_token(
+        all_sliding, "f16")
 
 
 def test_sliding_layers_hold_their_window():
@@ -138,7 +142,8 @@ def test_totals_add_up_and_differ_only_in_the_weights():
     spec = resolve_model("Gemma-3-12B")
     s = PlanSettings(contexts=(8192, 131072), kv_types=(("q8_0", "q8_0"),), memory=64 << 30, max_num_seqs=2)
     plan = make_plan(spec, s)
-    assert plan.engine_weight_bytes == spec.num_params * 4  # a preset has no tensor list: dequantized to float32
+    # a preset has no tensor list: dequantized to float32
+    assert plan.engine_weight_bytes == spec.num_params * 4
     overhead = RUNTIME_OVERHEAD_BYTES + TOKENIZER_BYTES_PER_TOKEN * spec.config.vocab_size
     assert plan.runtime_overhead == overhead
     for p in plan.kv[0].contexts:
@@ -147,7 +152,11 @@ def test_totals_add_up_and_differ_only_in_the_weights():
         assert p.engine_kv_pool_bytes == planned_kv_pool_bytes(spec.config, p.ctx, 2, 16, "q8_0", "q8_0")
         assert p.total == spec.stored_bytes + p.engine_kv_pool_bytes + p.activations.total + overhead
         assert p.engine_total == (
-            plan.engine_weight_bytes + spec.mapped_bytes + p.engine_kv_pool_bytes + p.activations.total + overhead
+            plan.engine_weight_bytes
+            + spec.mapped_bytes
+            + p.engine_kv_pool_bytes
+            + p.activations.total
+            + overhead
         )
 
 
@@ -162,14 +171,16 @@ def test_activations_by_formula():
     assert (a.attention, a.attention_path) == (scores + kernel_copies + gathered, "prefill")
     assert a.logits == 32000 * 4
     many = activations(
-        c, 8192, "f16", "f16", PlanSettings((8192,), (("f16", "f16"),), 1 << 40, max_num_seqs=64, attention="torch")
+        c, 8192, "f16", "f16",
+        PlanSettings((8192,), (("f16", "f16"),), 1 << 40, max_num_seqs=64, attention="torch")
     )
     assert many.attention_path == "decode" and many.logits == 64 * 32000 * 4
 
 
 def test_native_attention_plans_the_kernels_workspace_not_torchs_tiles():
     c = llama(num_layers=32, num_kv_heads=8)  # 32 heads x 128, groups of 4
-    s = PlanSettings(contexts=(131072,), kv_types=(("f16", "f16"),), memory=1 << 40, attention="native", threads=2)
+    s = PlanSettings(contexts=(131072,), kv_types=(("f16", "f16"),), memory=1 << 40, attention="native",
+                     threads=2)
     a = activations(c, 131072, "f16", "f16", s)
     prefill = 2 * (4 * (128 * 258 + 64 * 128 * 3) + 2 * (128 * 128 + 64 * 128) + 4 * (128 + 256))
     decode = 4 * 8 * 512 * 4 * 130 + 2 * 4 * (4 * 256 + 16 * 128) + 4 * 32 * 128  # 512 partitions of 256
@@ -206,7 +217,8 @@ def test_largest_fit_is_exact():
 
 def test_largest_context_fits_and_one_more_does_not():
     spec = resolve_model("Llama-3.1-8B")
-    s = PlanSettings(contexts=(8192,), kv_types=(("f16", "f16"), ("tq3", "tq3")), memory=18 << 30, attention="native")
+    s = PlanSettings(contexts=(8192,), kv_types=(("f16", "f16"), ("tq3", "tq3")), memory=18 << 30,
+                     attention="native")
     plan = make_plan(spec, s)
     f16, tq3 = plan.kv
     assert 0 < f16.max_ctx < tq3.max_ctx < 131072

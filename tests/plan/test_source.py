@@ -38,7 +38,8 @@ def test_unassembled_registry_model_is_planned_from_its_chunks(tmp_path, monkeyp
     from kvserve.models.registry import REGISTRY, installed_path
 
     entry = REGISTRY["gemma3-270m"]
-    assert installed_path(entry, assemble=False) is not None, "gemma3-270m is not installed (make test pulls it)"
+    assert installed_path(entry,
+                          assemble=False) is not None, "gemma3-270m is not installed (make test pulls it)"
     module = importlib.import_module(entry.module)
     monkeypatch.setattr(module, "default_output_path", lambda base_dir=None: tmp_path / "not-assembled.gguf")
     monkeypatch.setattr(
@@ -112,7 +113,8 @@ def test_held_bytes_are_what_the_loaded_model_holds(name):
     model = load_model(name, weight_format="q4").model
     linears = [model.lm_head] + [lin for layer in model.layers for lin in layer.linears]
     norms = [model.final_norm] + [t for layer in model.layers for t in (
-        layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_ffn_norm)
+        layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm, layer.post_attn_norm,
+        layer.post_ffn_norm)
         if isinstance(t, torch.Tensor)]
     held = sum(lin.nbytes for lin in linears) + sum(4 * t.numel() for t in norms)
     held += 0 if model.embed is None else model.embed.numel() * model.embed.element_size()

@@ -12,7 +12,8 @@ import torch
 from kvserve.quality.evaluate import evaluate, parse_type_pairs
 from kvserve.quality.teacher_forced import chunk_logprobs
 
-KEYS = {"cache_type_k", "cache_type_v", "bits_per_element", "kld", "top1_agreement", "ppl", "delta_ppl", "needle"}
+KEYS = {"cache_type_k", "cache_type_v", "bits_per_element", "kld", "top1_agreement", "ppl", "delta_ppl",
+        "needle"}
 
 
 def test_parse_type_pairs():
@@ -23,8 +24,8 @@ def test_parse_type_pairs():
 
 def test_rows_on_tiny_model(tiny_llama_hd64):
     tokens = [(i * 7919) % 90 + 3 for i in range(200)]
-    rows = evaluate(tiny_llama_hd64, tokens, [("f32", "f32"), ("q8_0", "q8_0"), ("tq4", "tq4"), ("tq2", "tq2")],
-                    chunk=64)
+    rows = evaluate(tiny_llama_hd64, tokens,
+                    [("f32", "f32"), ("q8_0", "q8_0"), ("tq4", "tq4"), ("tq2", "tq2")], chunk=64)
     by = {r.cache_type_k: r for r in rows}
     assert set(by["q8_0"].as_dict()) == KEYS
     assert by["f32"].kld == 0 and by["f32"].top1_agreement == 100 and by["f32"].delta_ppl == 0
@@ -77,7 +78,7 @@ def test_weight_formats_stay_close_to_f32(smollm2, smollm2_q4, fmt, bound):
     ids = smollm2.tokenizer.encode(default_text())[:384]
     kld = n = 0.0
     for (_, a), (_, b) in zip(chunk_logprobs(smollm2.model, ids, "f32", "f32", 128),
-                              chunk_logprobs(other.model, ids, "f32", "f32", 128)):
+                              chunk_logprobs(other.model, ids, "f32", "f32", 128), strict=True):
         kld += float((a.exp() * (a - b)).sum())
         n += a.shape[0]
     assert kld / n < bound

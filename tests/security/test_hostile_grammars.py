@@ -20,7 +20,8 @@ ASK = [{"role": "user", "content": "Hi"}]
 def _bodies(schema):
     return [
         ("/v1/chat/completions", {"model": "smollm2", "messages": ASK, "max_tokens": 8,
-                                  "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}),
+                                  "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "s", "schema": schema}}}),
         ("/v1/messages", {"model": "smollm2", "messages": ASK, "max_tokens": 8,
                           "output_config": {"format": {"type": "json_schema", "schema": schema}}}),
         ("/api/chat", {"model": "smollm2", "messages": ASK, "format": schema, "options": {"num_predict": 8}}),
@@ -31,7 +32,8 @@ def _bodies(schema):
 def test_unfollowable_schemas_are_400s(idle, schema):
     for path, body in _bodies(schema):
         for stream in (False, True):
-            r = httpx.post(f"{idle.url}{path}", json={**body, "stream": stream}, headers=idle.headers, timeout=60)
+            r = httpx.post(f"{idle.url}{path}", json={**body, "stream": stream}, headers=idle.headers,
+                           timeout=60)
             assert r.status_code == 400, (path, stream, r.text)
             assert "<state>" not in r.text and len(r.text) < 1000 and "cannot be followed" in r.text
     ok = httpx.post(f"{idle.url}/v1/chat/completions", headers=idle.headers, timeout=60,

@@ -61,8 +61,10 @@ def test_a_forged_file_is_refused_and_poisons_nothing(tiny_llama_hd64, saved, tm
         load_prompt_cache(engine.cache, unkeyed)
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                        st.text(max_size=6), inner, max_size=4),
                     max_leaves=12)
 
 
@@ -85,7 +87,8 @@ def test_crafted_fields_are_one_line_refusals(tiny_llama_hd64, saved, tmp_path_f
 def test_the_cli_and_the_chat_refuse_crafted_files(saved, tmp_path):
     _, header, payload, _ = saved
     crafted = tmp_path / "crafted.kvc"
-    write_atomically(crafted, pack(MAGIC, {**header, "extra": [1, 2], "tokens": ["a"]}, payload, prompt_cache._key()))
+    write_atomically(crafted,
+                     pack(MAGIC, {**header, "extra": [1, 2], "tokens": ["a"]}, payload, prompt_cache._key()))
     r = subprocess.run([sys.executable, "-m", "kvserve", "cache", "info", str(crafted)], capture_output=True,
                        text=True, timeout=120, check=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "'tokens'" in r.stderr, r.stderr
@@ -102,5 +105,6 @@ def test_a_genuine_file_still_loads(tiny_llama_hd64, saved):
     path, header, _, prompt = saved
     engine = make_engine(tiny_llama_hd64)
     tokens, _ = load_prompt_cache(engine.cache, path)
-    assert tokens == 64 and _run(engine, prompt).metrics.num_cached_tokens == 48  # the last block is recomputed
+    # the last block is recomputed
+    assert tokens == 64 and _run(engine, prompt).metrics.num_cached_tokens == 48
     assert json.loads(json.dumps(unpack(path.read_bytes(), MAGIC, prompt_cache._key())[0])) == header

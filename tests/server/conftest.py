@@ -93,8 +93,8 @@ def serve(tmp_path_factory, model: str | list[str], *args: str):
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     models = [model] if isinstance(model, str) else model
-    cmd = [sys.executable, "-m", "kvserve", "serve", *models, "--host", "127.0.0.1", "--port", str(port), *args,
-           "--api-key", API_KEY, "--no-access-log"]
+    cmd = [sys.executable, "-m", "kvserve", "serve", *models, "--host", "127.0.0.1", "--port", str(port),
+           *args, "--api-key", API_KEY, "--no-access-log"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -34,15 +34,18 @@ def test_claude_codes_first_request_is_answered(idle):
     """A mid-conversation system turn, context_management, adaptive thinking, effort, billing metadata, a tool
     whose schema has keywords the grammar cannot enforce and the tool fields Anthropic's tool search reads."""
     tool = {**METADATA_TOOL, "eager_input_streaming": True, "defer_loading": False, "strict": False,
-            "input_examples": [{"subject": "x"}], "allowed_callers": ["direct"], "cache_control": {"type": "ephemeral"}}
+            "input_examples": [{"subject": "x"}], "allowed_callers": ["direct"],
+            "cache_control": {"type": "ephemeral"}}
     body = _message(
-        system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.6c5; cc_entrypoint=sdk-cli;"},
+        system=[{"type": "text",
+                 "text": "x-anthropic-billing-header: cc_version=2.1.197.6c5; cc_entrypoint=sdk-cli;"},
                 {"type": "text", "text": "You are a helpful agent.", "cache_control": {"type": "ephemeral"}}],
         messages=[*ASK, {"role": "system", "content": "Available agent types: none."}],
         tools=[tool], thinking={"type": "adaptive"}, output_config={"effort": "high"},
         context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         metadata={"user_id": json.dumps({"session_id": "s"})}, stream=True)
-    r = _post(idle, "/v1/messages?beta=true", body, **{"anthropic-beta": "mid-conversation-system-2026-04-07"})
+    r = _post(idle, "/v1/messages?beta=true", body,
+              **{"anthropic-beta": "mid-conversation-system-2026-04-07"})
     assert r.status_code == 200, r.text
     events = [line.removeprefix("event: ") for line in r.text.splitlines() if line.startswith("event: ")]
     assert events[0] == "message_start" and events[-1] == "message_stop"
@@ -53,7 +56,8 @@ def test_a_strict_tool_with_unenforceable_keywords_is_a_400(idle):
                                              tool_choice={"type": "any"}))
     assert r.status_code == 400 and "propertyNames" in r.json()["error"]["message"]
     r = _post(idle, "/v1/messages", _message(tools=[METADATA_TOOL], tool_choice={"type": "any"}))
-    assert r.status_code == 200, r.text  # not strict: the keyword is left out of the grammar, the call follows the rest
+    # not strict: the keyword is left out of the grammar, the call follows the rest
+    assert r.status_code == 200, r.text
     [use] = [b for b in r.json()["content"] if b["type"] == "tool_use"] or [None]
     assert use is None or use["name"] == "TaskCreate"
 
@@ -67,10 +71,12 @@ def test_clearing_tool_results_is_refused_by_name(idle):
 def test_the_billing_header_is_not_part_of_the_prompt(idle):
     """Its hash changes with each session: kept, it would sit in front of the whole prompt."""
     def count(system):
-        return _post(idle, "/v1/messages/count_tokens", {"model": "smollm2", "messages": ASK, "system": system}).json()
+        return _post(idle, "/v1/messages/count_tokens",
+                     {"model": "smollm2", "messages": ASK, "system": system}).json()
 
     plain = count([{"type": "text", "text": "You are a helpful agent."}])
-    for header in ("cc_version=2.1.197.6c5; cc_entrypoint=cli;", "cc_version=2.1.197.a01; cc_entrypoint=sdk-cli;"):
+    for header in ("cc_version=2.1.197.6c5; cc_entrypoint=cli;",
+                   "cc_version=2.1.197.a01; cc_entrypoint=sdk-cli;"):
         assert count([{"type": "text", "text": f"x-anthropic-billing-header: {header}"},
                       {"type": "text", "text": "You are a helpful agent."}]) == plain
 
@@ -107,7 +113,8 @@ NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-
 
 def test_codexs_request_namespaced_and_hosted_tools(idle):
     body = {"model": "smollm2", "input": [{"type": "message", "role": "developer", "content": [
-        {"type": "input_text", "text": "You are a coding agent."}]}, {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "You are a coding agent."}]},
+        {"type": "message", "role": "user", "content": [
             {"type": "input_text", "text": "Close agent a1."}]}],
         "tools": [NAMESPACE, {"type": "web_search", "external_web_access": False}], "tool_choice": "required",
         "parallel_tool_calls": True, "reasoning": {"summary": "auto"}, "store": False, "stream": False,
@@ -120,20 +127,22 @@ def test_codexs_request_namespaced_and_hosted_tools(idle):
     assert (call["namespace"], call["name"]) == ("multi_agent_v1", "close_agent")
     # the call sent back as Codex echoes it, with its result
     follow = {**body, "tool_choice": "auto", "input": [*body["input"], call,
-                                                       {"type": "function_call_output", "call_id": call["call_id"],
-                                                        "output": "closed"}]}
+                                                       {"type": "function_call_output",
+                                                        "call_id": call["call_id"], "output": "closed"}]}
     assert _post(idle, "/v1/responses", follow).status_code == 200
 
 
 def test_an_incomplete_response_has_an_incomplete_message(idle):
-    r = _post(idle, "/v1/responses", {"model": "smollm2", "input": "Tell me a long story.", "max_output_tokens": 3,
+    r = _post(idle, "/v1/responses",
+              {"model": "smollm2", "input": "Tell me a long story.", "max_output_tokens": 3,
                                       "temperature": 0})
     response = r.json()
     assert response["status"] == "incomplete"
     assert [item["status"] for item in response["output"]] == ["incomplete"]
 
 
-# --- the policy for fields that change nothing ----------------------------------------------------------------
+# --- the policy for fields that change nothing
+# ----------------------------------------------------------------
 def test_fields_that_cannot_change_the_answer_are_ignored_and_others_named():
     import logging
 

@@ -28,13 +28,15 @@ def client(server):
 
 
 def test_a_message_and_its_usage(client, idle):
-    r = client.messages.create(model="smollm2", max_tokens=12, extra_body={"temperature": 0}, system="Be brief.",
+    r = client.messages.create(model="smollm2", max_tokens=12, extra_body={"temperature": 0},
+                               system="Be brief.",
                                messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
     assert r.content[0].type == "text" and "Paris" in r.content[0].text
     assert r.stop_reason in ("end_turn", "max_tokens")
     assert 1 <= r.usage.output_tokens <= 12 and r.usage.input_tokens > 10
-    again = client.messages.create(model="smollm2", max_tokens=12, extra_body={"temperature": 0}, system="Be brief.",
+    again = client.messages.create(model="smollm2", max_tokens=12, extra_body={"temperature": 0},
+                                   system="Be brief.",
                                    messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert again.content[0].text == r.content[0].text
     assert again.usage.cache_read_input_tokens > 0  # the prefix cache served the repeated prompt
@@ -61,7 +63,8 @@ def test_stop_sequences_say_which_one_stopped(client, idle):
 
 
 def test_tool_use_blocks_validate_streamed_or_not(client, idle):
-    kw = {"model": "smollm2", "max_tokens": 80, "extra_body": {"temperature": 0}, "messages": ASK, "tools": TOOLS,
+    kw = {"model": "smollm2", "max_tokens": 80, "extra_body": {"temperature": 0}, "messages": ASK,
+          "tools": TOOLS,
               "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
     r = client.messages.create(**kw)
     assert r.stop_reason == "tool_use"
@@ -72,7 +75,9 @@ def test_tool_use_blocks_validate_streamed_or_not(client, idle):
         final = stream.get_final_message()
     [streamed] = [b for b in final.content if b.type == "tool_use"]
     assert (streamed.name, streamed.input) == (use.name, use.input) and final.stop_reason == "tool_use"
-    named = client.messages.create(**{**kw, "tool_choice": {"type": "tool", "name": "add", "disable_parallel_tool_use": True}})
+    named = client.messages.create(**{**kw,
+                                      "tool_choice": {"type": "tool", "name": "add",
+                                                      "disable_parallel_tool_use": True}})
     uses = [b for b in named.content if b.type == "tool_use"]
     assert uses and all(b.name == "add" for b in uses)
     for b in uses:
@@ -84,11 +89,12 @@ def test_a_tool_result_is_answered(client, idle):
         *ASK,
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                                            "input": {"city": "Paris", "unit": "celsius"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 degrees"},
+        {"role": "user",
+         "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 degrees"},
                                      {"type": "text", "text": "So, should I take a coat?"}]},
     ]
-    r = client.messages.create(model="smollm2", max_tokens=20, extra_body={"temperature": 0}, messages=messages,
-                               tools=TOOLS)
+    r = client.messages.create(model="smollm2", max_tokens=20, extra_body={"temperature": 0},
+                               messages=messages, tools=TOOLS)
     assert r.content and r.usage.input_tokens + r.usage.cache_read_input_tokens > 60
     count = client.messages.count_tokens(model="smollm2", messages=messages, tools=TOOLS)
     assert count.input_tokens == r.usage.input_tokens + r.usage.cache_read_input_tokens
@@ -99,7 +105,8 @@ def test_output_config_format_answers_validate(client, idle):
                                                 "age": {"type": "integer", "minimum": 0, "maximum": 120}},
               "required": ["name", "age"], "additionalProperties": False}
     for seed in range(3):
-        r = client.messages.create(model="smollm2", max_tokens=60, messages=[{"role": "user", "content": "A person."}],
+        r = client.messages.create(model="smollm2", max_tokens=60,
+                                   messages=[{"role": "user", "content": "A person."}],
                                    output_config={"format": {"type": "json_schema", "schema": person}},
                                    extra_body={"temperature": 1.0, "top_k": 40 + seed})
         assert r.stop_reason == "end_turn"
@@ -118,4 +125,5 @@ def test_errors_have_anthropics_shape(client, server, idle):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{server.url}/v1/messages", json={"model": "smollm2", "messages": ASK, "max_tokens": 4})
     assert r.status_code == 401 and r.json() == {"type": "error", "error": {"type": "authentication_error",
-                                                                             "message": r.json()["error"]["message"]}}
+                                                                             "message": r.json()["error"][
+                                                                                 "message"]}}

@@ -25,8 +25,10 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"]}
 CLOSED = {**WEATHER, "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+TOOLS = [{"type": "function",
+          "function": {"name": "forecast", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function",
+          "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
 ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 QWEN3_CODER = """{%- if tools %}<|im_start|>system
@@ -79,7 +81,8 @@ Do not use variables.
 {%- for m in messages %}
 {%- if m.role == "assistant" and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
 
-{{ {"name": m.tool_calls[0].function.name, "parameters": m.tool_calls[0].function.arguments} | tojson }}<|eot_id|>
+{{ {"name": m.tool_calls[0].function.name,
+    "parameters": m.tool_calls[0].function.arguments} | tojson }}<|eot_id|>
 {%- elif m.role == "tool" %}<|start_header_id|>ipython<|end_header_id|>
 
 {{ m.content }}<|eot_id|>
@@ -96,8 +99,8 @@ MISTRAL = """{{- bos_token }}
 {%- for m in messages %}
 {%- if m.role == "user" %}{% if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]\
 {% endif %}[INST]{{ m.content }}[/INST]
-{%- elif m.role == "assistant" and m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | map(attribute="function") | list \
-| tojson }}</s>
+{%- elif m.role == "assistant" and m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls
+| map(attribute="function") | list | tojson }}</s>
 {%- elif m.role == "tool" %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
 {%- elif m.role == "assistant" %}{{ m.content }}</s>
 {%- else %}[INST]{{ m.content }}[/INST]
@@ -141,12 +144,14 @@ def test_each_template_picks_its_format():
 def test_markers_that_are_one_token_are_named_by_id():
     class Tok:
         chat_template = "{{ messages }}"
-        backend = type("B", (), {"token_to_id": staticmethod({"<tool_call>": 151657, "</tool_call>": 151658}.get)})()
+        backend = type("B", (),
+                       {"token_to_id": staticmethod({"<tool_call>": 151657, "</tool_call>": 151658}.get)})()
 
     rules = call_format(Tok()).rules([Tool("forecast", parameters=WEATHER)], 1)
     assert "call: <[151657]> NL (tool0) NL <[151658]>" in rules
     Tok.backend = type("B", (), {"token_to_id": staticmethod(lambda t: None)})()
-    assert 'call: "<tool_call>" NL (tool0) NL "</tool_call>"' in call_format(Tok()).rules([Tool("forecast")], 1)
+    assert 'call: "<tool_call>" NL (tool0) NL "</tool_call>"' in call_format(Tok()).rules(
+        [Tool("forecast")], 1)
 
 
 def test_a_bare_call_is_read_alone_or_in_a_json_block():
@@ -156,7 +161,8 @@ def test_a_bare_call_is_read_alone_or_in_a_json_block():
     body = '{"name": "forecast", "arguments": {"city": "Paris", "days": 3}}'
     for text in (body, f"```json\n{body}\n```", f"  {body}\n"):
         text_left, calls = fmt.parse(text, tools)
-        assert text_left == "" and [(c.name, c.arguments) for c in calls] == [("forecast", {"city": "Paris", "days": 3})]
+        assert text_left == "" and [(c.name, c.arguments) for c in calls] == [
+            ("forecast", {"city": "Paris", "days": 3})]
     for text in ('{"name": "other", "arguments": {}}', f"Here: {body}", "```python\nprint(1)\n```"):
         assert fmt.parse(text, tools) == (text, [])
     assert fmt.parse(body) == (body, [])  # no tools offered: text
@@ -202,10 +208,11 @@ def test_forced_calls_parse_and_validate(family):
         assert whole.choices[0].message.tool_calls[0].function.arguments == \
             streamed.choices[0].message.tool_calls[0].function.arguments
     # written in the family's own form (the tokens as sampled)
-    r = client.chat.completions.create(model=name, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
-                                       max_tokens=200, logprobs=True)
+    r = client.chat.completions.create(model=name, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=200, logprobs=True)
     written = "".join(t.token for t in r.choices[0].logprobs.content)
-    marker = {"qwen3-coder": "<tool_call>\n<function=", "llama3-json": '{"name": "', "mistral": "[TOOL_CALLS][{"}[name]
+    marker = {"qwen3-coder": "<tool_call>\n<function=", "llama3-json": '{"name": "',
+              "mistral": "[TOOL_CALLS][{"}[name]
     assert written.startswith(marker), written
 
 
@@ -216,7 +223,8 @@ def test_a_round_trip_and_auto_answers(family):
             "function": {"name": "forecast", "arguments": json.dumps({"city": "Paris", "days": 3})}}
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    r = client.chat.completions.create(model=name, messages=messages, tools=TOOLS, temperature=0, max_tokens=40)
+    r = client.chat.completions.create(model=name, messages=messages, tools=TOOLS, temperature=0,
+                                       max_tokens=40)
     assert r.usage.prompt_tokens > 40 and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     for seed in range(3):
         r = client.chat.completions.create(model=name, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
@@ -227,7 +235,8 @@ def test_a_round_trip_and_auto_answers(family):
         else:
             assert message.content is not None
     ollama = httpx.post(f"{server.url}/api/chat", headers=server.headers, timeout=120, json={
-        "model": name, "messages": ASK, "tools": TOOLS, "stream": False, "options": {"temperature": 0, "num_predict": 60}})
+        "model": name, "messages": ASK, "tools": TOOLS, "stream": False,
+        "options": {"temperature": 0, "num_predict": 60}})
     assert ollama.status_code == 200
 
 
@@ -238,13 +247,15 @@ def test_an_echoed_call_is_rendered_as_written_only_when_unchanged():
     call = ToolCall("forecast", {"city": "Paris", "days": 3}, "call_abc")
     raw = '{"name": "forecast", "arguments": {"city": "Paris", "days": 3}}'
     written.remember(raw, "", [call])
-    echo = {"role": "assistant", "content": "", "tool_calls": [ToolCall("forecast", {"city": "Paris", "days": 3},
+    echo = {"role": "assistant", "content": "",
+            "tool_calls": [ToolCall("forecast", {"city": "Paris", "days": 3},
                                                                          "toolu_abc")]}
     assert written.written(echo) == raw  # the Anthropic id of the same call
     changed = {**echo, "tool_calls": [ToolCall("forecast", {"city": "Lyon", "days": 3}, "call_abc")]}
     assert written.written(changed) is None
     assert written.written({**echo, "content": "Let me look."}) is None
-    messages, _ = messages_for_template([{"role": "user", "content": "hi"}, echo], [Tool("forecast")], True, written)
+    messages, _ = messages_for_template([{"role": "user", "content": "hi"}, echo], [Tool("forecast")], True,
+                                        written)
     assert messages[1] == {"role": "assistant", "content": raw}
     for i in range(3):  # the oldest answers are forgotten
         written.remember("x", "", [ToolCall("noop", {}, f"call_{i}")])

@@ -18,13 +18,15 @@ from tests.server.conftest import serve
 
 pytestmark = pytest.mark.slow
 
-TEXTS = ["Hello, world!", "a", "The first snow of winter fell on the mountains.", "x" * 60, "Paris is in France."]
+TEXTS = ["Hello, world!", "a", "The first snow of winter fell on the mountains.", "x" * 60,
+         "Paris is in France."]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("decoders")
-    embed = write_gguf(folder / "qwen3-embed.gguf", build_hf_model("qwen3"), "qwen3", pooling=gguf.PoolingType.LAST)
+    embed = write_gguf(folder / "qwen3-embed.gguf", build_hf_model("qwen3"), "qwen3",
+                       pooling=gguf.PoolingType.LAST)
     judge = write_gguf(folder / "qwen3-judge.gguf", build_hf_model("qwen3"), "qwen3")
     return embed, judge
 

@@ -17,8 +17,8 @@ PROMPT = "A short history of paper: " + "papyrus, parchment, rag paper and wood 
 
 def _serve(disk, log):
     port = free_port()
-    cmd = [sys.executable, "-m", "kvserve", "serve", "smollm2", "--port", str(port), "-c", "512", "--max-num-seqs", "2",
-           "--cache-type", "f32", "--kv-disk-cache", str(disk), "--no-access-log"]
+    cmd = [sys.executable, "-m", "kvserve", "serve", "smollm2", "--port", str(port), "-c", "512",
+           "--max-num-seqs", "2", "--cache-type", "f32", "--kv-disk-cache", str(disk), "--no-access-log"]
     with open(log, "ab") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

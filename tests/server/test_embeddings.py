@@ -57,13 +57,15 @@ def test_base64_dimensions_and_token_ids(idle):
                                                      encoding_format="base64").http_response.json()
     decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     assert np.allclose(decoded, floats, atol=1e-7)
-    short = np.array(client.embeddings.create(model="all-minilm", input="Hello world", dimensions=64).data[0].embedding)
+    short = np.array(client.embeddings.create(model="all-minilm", input="Hello world",
+                                              dimensions=64).data[0].embedding)
     assert short.shape == (64,) and np.isclose(np.linalg.norm(short), 1, atol=1e-5)
     assert np.allclose(short, np.array(floats[:64]) / np.linalg.norm(floats[:64]), atol=1e-6)
     ids = [101, 7592, 2088, 102]  # [CLS] hello world [SEP] in the model's vocabulary
     by_ids = client.embeddings.create(model="all-minilm", input=[ids]).data[0].embedding
     assert np.allclose(by_ids, floats, atol=1e-5)
-    for bad in ({"model": "llama3", "input": "x"}, {"model": "all-minilm", "input": ""}, {"model": "all-minilm",
+    for bad in ({"model": "llama3", "input": "x"}, {"model": "all-minilm", "input": ""},
+                {"model": "all-minilm",
                 "input": [[10**9]]}, {"model": "all-minilm", "input": "x", "dimensions": 1000}):
         with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
             client.embeddings.create(**bad)
@@ -78,7 +80,8 @@ def test_ollama_embed_and_the_older_route(idle):
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="all-minilm", input="word " * 400, truncate=False)
     assert e.value.status_code == 400 and "truncate" in e.value.error
-    assert len(client.embed(model="all-minilm", input="word " * 400).embeddings[0]) == 384  # cut at 256 tokens
+    # cut at 256 tokens
+    assert len(client.embed(model="all-minilm", input="word " * 400).embeddings[0]) == 384
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="nomic-embed-text", input="x")
     assert e.value.status_code == 404
@@ -106,7 +109,8 @@ def test_a_chat_model_embeds_through_its_engine(idle, smollm2_q4):
         done |= {o.request_id: o.embedding for o in engine.step() if o.finished}
     expected = torch.nn.functional.normalize(torch.stack([done[r.request_id] for r in requests]), dim=-1)
     assert np.allclose(got, expected.numpy(), atol=1e-6)
-    [dropped] = client.embed(model="smollm2", input="\x13").embeddings  # nothing the tokenizer keeps: EOS alone
+    # nothing the tokenizer keeps: EOS alone
+    [dropped] = client.embed(model="smollm2", input="\x13").embeddings
     assert len(dropped) == 576 and np.isclose(np.linalg.norm(dropped), 1, atol=1e-5)
 
 

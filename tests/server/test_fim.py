@@ -28,7 +28,8 @@ PAIRS = [
     ("import json\n\n\ndef load_config(path):\n    with open(path) as f:\n        ",
      "\n\n\nconfig = load_config('settings.json')\n"),
     ("def merge_dicts(a, b):\n    result = dict(a)\n    ", "\n    return result\n"),
-    ("def celsius_to_fahrenheit(c):\n    ", "\n\n\nfor c in (0, 37, 100):\n    print(celsius_to_fahrenheit(c))\n"),
+    ("def celsius_to_fahrenheit(c):\n    ",
+     "\n\n\nfor c in (0, 37, 100):\n    print(celsius_to_fahrenheit(c))\n"),
 ]
 
 
@@ -75,12 +76,15 @@ def test_infill_middles_parse(coder):
 def test_suffix_on_openai_and_ollama_parses_and_is_the_same_middle(coder):
     # no n_indent on these APIs: the middle ends at the hole's own indentation (the prefix's last line)
     for prefix, suffix in PAIRS:
-        openai = _post(coder, "/v1/completions", {"model": "qwen2.5-coder-0.5b", "prompt": prefix, "suffix": suffix,
+        openai = _post(coder, "/v1/completions",
+                       {"model": "qwen2.5-coder-0.5b", "prompt": prefix, "suffix": suffix,
                                                   "max_tokens": 96, "temperature": 0}).json()
         middle = openai["choices"][0]["text"]
         _parses(prefix, middle, suffix)
-        ollama = _post(coder, "/api/generate", {"model": "qwen2.5-coder-0.5b", "prompt": prefix, "suffix": suffix,
-                                               "stream": False, "options": {"temperature": 0, "num_predict": 96}})
+        ollama = _post(coder, "/api/generate",
+                       {"model": "qwen2.5-coder-0.5b", "prompt": prefix, "suffix": suffix,
+                                               "stream": False,
+                                               "options": {"temperature": 0, "num_predict": 96}})
         assert ollama.json()["response"] == middle
         infill = _post(coder, "/infill", {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 96,
                                           "temperature": 0, "n_indent": _indent(prefix)}).json()
@@ -91,8 +95,8 @@ def test_infill_streams_and_reads_other_files(coder):
     extra = [{"filename": "units.py", "text": "FACTOR = 1.8\nOFFSET = 32\n"}]
     prefix, suffix = PAIRS[9]
     with httpx.stream("POST", f"{coder.url}/infill", headers=coder.headers, timeout=300,
-                      json={"input_prefix": prefix, "input_suffix": suffix, "input_extra": extra, "n_predict": 64,
-                            "temperature": 0, "stream": True, "n_indent": 4}) as r:
+                      json={"input_prefix": prefix, "input_suffix": suffix, "input_extra": extra,
+                            "n_predict": 64, "temperature": 0, "stream": True, "n_indent": 4}) as r:
         assert r.status_code == 200
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     pieces = [json.loads(e[6:]) for e in events]
@@ -104,20 +108,22 @@ def test_infill_streams_and_reads_other_files(coder):
 # tokens: the prompt is read into the cache)
 LLAMA_VIM = {"input_prefix": "def mean(numbers):\n", "input_suffix": "\n\nprint(mean([1, 2]))\n",
              "input_extra": [{"text": "TOTAL = 0\n", "time": [1764300000, 1234], "filename": "util.py"}],
-             "prompt": "    ", "n_predict": 32, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90, "stream": False,
-             "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
-             "t_max_predict_ms": 1000, "response_fields": [
+             "prompt": "    ", "n_predict": 32, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90,
+             "stream": False, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
+             "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "response_fields": [
                  "content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
                  "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
-                 "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]}
+                 "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated",
+                 "tokens_cached"]}
 LLAMA_VIM_RING = {"input_prefix": "", "input_suffix": "", "prompt": "", "n_predict": 0, "temperature": 0.0,
                   "input_extra": [{"text": "TOTAL = 0\n", "time": [1764300000, 1234], "filename": "util.py"}],
-                  "stream": False, "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1, "t_max_predict_ms": 1,
-                  "response_fields": [""]}
+                  "stream": False, "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1,
+                  "t_max_predict_ms": 1, "response_fields": [""]}
 LLAMA_VSCODE = {"input_prefix": "def mean(numbers):\n", "input_suffix": "\n", "prompt": "    ",
-                "input_extra": [{"text": "TOTAL = 0\n", "time": 1764300000, "filename": "util.py"}], "n_predict": 32,
-                "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
-                "cache_prompt": True, "n_indent": 4, "t_max_prompt_ms": 500, "t_max_predict_ms": 2500}
+                "input_extra": [{"text": "TOTAL = 0\n", "time": 1764300000, "filename": "util.py"}],
+                "n_predict": 32, "top_k": 40, "top_p": 0.99, "stream": False,
+                "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "n_indent": 4,
+                "t_max_prompt_ms": 500, "t_max_predict_ms": 2500}
 LLAMA_VSCODE_RING = {"input_prefix": "", "input_suffix": "", "prompt": "", "n_predict": 0, "samplers": [],
                      "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1,
                      "input_extra": [{"text": "TOTAL = 0\n", "time": 1764300000, "filename": "util.py"}]}
@@ -133,7 +139,9 @@ def test_the_editor_plugins_bodies_are_answered(editor):
     r = _post(editor, "/infill", LLAMA_VIM)
     assert r.status_code == 200, r.text
     assert set(r.json()) == set(LLAMA_VIM["response_fields"])  # only those, nested ones under their path
-    assert r.json()["timings/predicted_n"] <= 32 and r.json()["tokens_cached"] > r.json()["timings/prompt_n"] > 0
+    assert (
+        r.json()["timings/predicted_n"] <= 32 and r.json()["tokens_cached"] > r.json()["timings/prompt_n"] > 0
+    )
     r = _post(editor, "/infill", LLAMA_VSCODE)
     assert r.status_code == 200 and r.json()["model"] == "qwen2.5-coder-0.5b" and "content" in r.json()
     for ring in (LLAMA_VIM_RING, LLAMA_VSCODE_RING):
@@ -145,12 +153,13 @@ def test_the_editor_plugins_bodies_are_answered(editor):
     r = _post(editor, "/infill", {**LLAMA_VSCODE, "samplers": ["top_k", "magic"]})
     assert r.status_code == 400 and "magic" in r.text
     r = _post(editor, "/infill", {**LLAMA_VSCODE, "lora": [{"id": 0, "scale": 0.5}]})
-    assert r.status_code == 400 and "lora" in r.text  # it would change the answer, and there are no adapters here
+    # it would change the answer, and there are no adapters here
+    assert r.status_code == 400 and "lora" in r.text
 
 
 def test_t_max_predict_ms_ends_a_middle_at_a_line_end(editor):
-    body = {"input_prefix": "def numbers():\n    return [\n", "input_suffix": "    ]\n", "prompt": "        1,\n",
-            "n_predict": 200, "temperature": 0, "t_max_predict_ms": 1, "stop": []}
+    body = {"input_prefix": "def numbers():\n    return [\n", "input_suffix": "    ]\n",
+            "prompt": "        1,\n", "n_predict": 200, "temperature": 0, "t_max_predict_ms": 1, "stop": []}
     r = _post(editor, "/infill", body).json()
     assert r["stop_type"] == "limit" and "\n" in r["content"] and r["tokens_predicted"] < 200
     r = _post(editor, "/infill", {**body, "stream": True})
@@ -167,9 +176,11 @@ def test_ollama_show_says_the_files_mix_and_insert(editor):
 
 def test_a_model_without_fim_tokens_is_a_400(idle):
     assert _post(idle, "/infill", {"input_prefix": "def f():\n    ", "input_suffix": "\n"}).status_code == 400
-    r = _post(idle, "/v1/completions", {"model": "smollm2", "prompt": "def f():", "suffix": "\n", "max_tokens": 4})
+    r = _post(idle, "/v1/completions",
+              {"model": "smollm2", "prompt": "def f():", "suffix": "\n", "max_tokens": 4})
     assert r.status_code == 400 and "fill-in-the-middle" in r.text
-    r = _post(idle, "/api/generate", {"model": "smollm2", "prompt": "def f():", "suffix": "x", "stream": False})
+    r = _post(idle, "/api/generate",
+              {"model": "smollm2", "prompt": "def f():", "suffix": "x", "stream": False})
     assert r.status_code == 400
 
 

@@ -21,7 +21,8 @@ BODIES = {
 @pytest.mark.parametrize("path", list(BODIES))
 def test_a_lone_surrogate_is_a_400_and_the_connection_goes_on(idle, path):
     with idle.client() as c:
-        r = c.post(path, content=json.dumps(BODIES[path]).encode(), headers={"content-type": "application/json"})
+        r = c.post(path, content=json.dumps(BODIES[path]).encode(),
+                   headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         message = error if isinstance(error, str) else error["message"]

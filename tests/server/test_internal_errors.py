@@ -135,7 +135,8 @@ def test_a_dead_engine_is_503_and_unhealthy():
 def test_an_answer_ended_by_an_unload_is_a_503(path, body):
     """A stream ended mid-answer (its model unloaded, the server stopping) sent as one object: a 503 saying
     why, not a 500."""
-    client, _ = make_client(EngineShutdownError("model 'stub' was unloaded (evicted); retry"), after_first=True)
+    client, _ = make_client(EngineShutdownError("model 'stub' was unloaded (evicted); retry"),
+                            after_first=True)
     r = client.post(path, json=body)
     assert r.status_code == 503 and "unloaded" in r.text and "internal" not in r.text
 

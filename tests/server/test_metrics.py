@@ -82,7 +82,10 @@ def test_constrained_requests_and_their_mask_times_are_counted(idle):
         answer = c.post("/v1/chat/completions", json=body).json()
         c.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
     after = idle.metrics()
-    constrained, count = 'kvserve_constrained_requests_total{model="smollm2"}', 'kvserve_constraint_mask_seconds_count{model="smollm2"}'
+    constrained, count = (
+        'kvserve_constrained_requests_total{model="smollm2"}',
+        'kvserve_constraint_mask_seconds_count{model="smollm2"}',
+    )
     assert after[constrained] - before.get(constrained, 0) == 1
     masks = after[count] - before.get(count, 0)
     assert masks == answer["usage"]["completion_tokens"]  # one mask a sampled token

@@ -27,8 +27,8 @@ from tests.server.conftest import serve
 
 
 @pytest.mark.parametrize("value, seconds", [
-    (None, 60.0), (0, 0.0), ("0", 0.0), (-1, None), ("-1", None), ("-5m", None), ("5m", 300.0), ("1h30m", 5400.0),
-    ("10s", 10.0), ("1.5s", 1.5), (30, 30.0), ("250ms", 0.25), ("300", 300.0)])
+    (None, 60.0), (0, 0.0), ("0", 0.0), (-1, None), ("-1", None), ("-5m", None), ("5m", 300.0),
+    ("1h30m", 5400.0), ("10s", 10.0), ("1.5s", 1.5), (30, 30.0), ("250ms", 0.25), ("300", 300.0)])
 def test_keep_alive_reads_ollamas_forms(value, seconds):
     assert keep_alive_seconds(value, 60.0) == seconds
 
@@ -61,7 +61,8 @@ def models(budget=None, max_loaded=0, keep_alive=None, sizes=None, first=0) -> t
 
     sizes = sizes or {"a": 100, "b": 100, "c": 100}
     others = {n: (n if n != "x" else "broken", size, card(n)) for n, size in sizes.items()}
-    return ServedModels(fake_serving("main"), others, load, budget, max_loaded, keep_alive, first_planned=first), loads
+    return ServedModels(fake_serving("main"), others, load, budget, max_loaded, keep_alive,
+                        first_planned=first), loads
 
 
 def test_models_load_when_named_and_evict_the_least_recently_used(monkeypatch):
@@ -121,7 +122,8 @@ def test_keep_alive_unloads_an_idle_model(monkeypatch):
         assert {s.name for s in served.loaded()} == {"main", "b"}
         assert await served.release("b") and {s.name for s in served.loaded()} == {"main"}
         first = served.find("main").serving
-        assert await served.release("main") and served.loaded() == [] and first.async_engine.shut  # the first too
+        # the first too
+        assert await served.release("main") and served.loaded() == [] and first.async_engine.shut
         with pytest.raises(APIError) as none:
             served.shown(None)  # a view never loads a model
         assert none.value.status == 409
@@ -129,7 +131,8 @@ def test_keep_alive_unloads_an_idle_model(monkeypatch):
         assert [(e.model, e.event) for e in served.recent()] == [
             ("a", "loaded"), ("b", "loaded"), ("a", "unloaded"), ("b", "unloaded"), ("main", "unloaded"),
             ("main", "loaded")]
-        assert {m.name: m.state for m in served.states()} == {"main": "loaded", "a": "unloaded", "b": "unloaded",
+        assert {m.name: m.state for m in served.states()} == {"main": "loaded", "a": "unloaded",
+                                                              "b": "unloaded",
                                                              "c": "unloaded"}
         await served.stop()
 
@@ -143,7 +146,11 @@ def test_too_big_or_broken_models_are_clear_errors():
     async def go():
         with pytest.raises(APIError) as big:
             await served.serving("big")
-        assert big.value.status == 503 and "needs 200 MiB" in big.value.message and "of 150 MiB" in big.value.message
+        assert (
+            big.value.status == 503
+            and "needs 200 MiB" in big.value.message
+            and "of 150 MiB" in big.value.message
+        )
         with pytest.raises(APIError) as broken:
             await served.serving("x")
         assert broken.value.status == 503 and "not a GGUF file" in broken.value.message
@@ -154,10 +161,10 @@ def test_too_big_or_broken_models_are_clear_errors():
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    """smollm2 (loaded at start), Gemma 3 and Qwen2.5-Coder on demand, at most two loaded at once; all-minilm's
-    embeddings beside them."""
-    yield from serve(tmp_path_factory, ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "all-minilm"], "-c", "512",
-                     "--max-num-seqs", "2", "--max-loaded-models", "2", "--weights", "q4")
+    """smollm2 (loaded at start), Gemma 3 and Qwen2.5-Coder on demand, at most two loaded at once;
+    all-minilm's embeddings beside them."""
+    yield from serve(tmp_path_factory, ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "all-minilm"], "-c",
+                     "512", "--max-num-seqs", "2", "--max-loaded-models", "2", "--weights", "q4")
 
 
 def loaded(client: ollama.Client) -> list[str]:
@@ -186,7 +193,8 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
     assert shown.capabilities == ["embedding"] and shown.details.family == "bert"
     assert shown.modelinfo["bert.embedding_length"] == 384
     assert loaded(client) == ["smollm2:latest"]
-    # at most two: qwen evicts gemma, then gemma the least recently used, smollm2 (the first is a model like any)
+    # at most two: qwen evicts gemma, then gemma the least recently used, smollm2 (the first is a model like
+    # any)
     generated: dict[str, int] = {}
     for model in ("gemma3-270m", "smollm2", "qwen2.5-coder-0.5b", "gemma3-270m"):
         reply = client.chat(model, [{"role": "user", "content": "Say hi."}], options={"num_predict": 3})
@@ -220,10 +228,12 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
         assert c.get("/health").json() == {"status": "ok", "model": "smollm2",
                                            "loaded": ["gemma3-270m", "qwen2.5-coder-0.5b"]}
         listed = c.get("/v1/kvserve/models").json()  # the same, without a loaded model's stream
-        assert [(m["name"], m["state"]) for m in listed["models"]] == [(m["name"], m["state"]) for m in frame["models"]]
+        assert [(m["name"], m["state"]) for m in listed["models"]] == [
+            (m["name"], m["state"]) for m in frame["models"]]
         assert listed["events"][-1]["model"] == "gemma3-270m" and listed["events"][-1]["event"] == "loaded"
-    top = subprocess.run([sys.executable, "-m", "kvserve", "top", three.url, "--api-key", three.api_key, "--once",
-                          "--model", "qwen2.5-coder-0.5b"], capture_output=True, text=True, timeout=120,
+    top = subprocess.run([sys.executable, "-m", "kvserve", "top", three.url, "--api-key", three.api_key,
+                          "--once", "--model", "qwen2.5-coder-0.5b"], capture_output=True, text=True,
+                          timeout=120,
                          env={**os.environ, "COLUMNS": "160"}, check=False)
     assert top.returncode == 0, top.stderr
     assert "○ smollm2 (unloaded" in top.stdout and "● qwen2.5-coder-0.5b (loaded" in top.stdout
@@ -236,17 +246,22 @@ def test_the_ollama_client_alternates_models_and_ps_tells_the_truth(three):
     ids = [m["id"] for m in httpx.get(f"{three.url}/v1/models", headers=three.headers).json()["data"]]
     assert ids[:3] == ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"]
     r = httpx.post(f"{three.url}/v1/chat/completions", headers=three.headers,  # the first, loaded again
-                   json={"model": "smollm2", "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2})
+                   json={"model": "smollm2", "messages": [{"role": "user", "content": "1+1="}],
+                         "max_tokens": 2})
     assert r.status_code == 200 and r.json()["model"] == "smollm2"
     unloaded = client.generate("qwen2.5-coder-0.5b", "", keep_alive=0)
     assert unloaded.done_reason == "unload" and loaded(client) == ["smollm2:latest"]
     metrics = httpx.get(f"{three.url}/metrics", headers=three.headers).text
     assert 'kvserve_model_loads_total{model="gemma3-270m"} 2.0' in metrics
-    assert 'kvserve_model_loads_total{model="smollm2"} 1.0' in metrics  # loaded again (at start is not counted)
+    # loaded again (at start is not counted)
+    assert 'kvserve_model_loads_total{model="smollm2"} 1.0' in metrics
     assert 'kvserve_model_unloads_total{model="gemma3-270m",reason="evicted"} 1.0' in metrics
     assert 'kvserve_model_unloads_total{model="smollm2",reason="evicted"} 1.0' in metrics
     assert 'kvserve_model_unloads_total{model="qwen2.5-coder-0.5b",reason="asked"} 1.0' in metrics
-    assert 'kvserve_model_loaded{model="smollm2"} 1.0' in metrics and 'kvserve_model_loaded{model="gemma3-270m"} 0.0' in metrics
+    assert (
+        'kvserve_model_loaded{model="smollm2"} 1.0' in metrics
+        and 'kvserve_model_loaded{model="gemma3-270m"} 0.0' in metrics
+    )
     vectors = client.embed("all-minilm", ["a red apple", "a green pear"]).embeddings  # named among the models
     assert len(vectors) == 2 and len(vectors[0]) == 384
 
@@ -263,7 +278,8 @@ def test_the_memory_budget_leaves_the_embedding_models_their_share():
     beside = 90 * mib  # all-minilm's weights, as f32
 
     def args(budget: int):
-        return build_parser().parse_args(["serve", "smollm2", "gemma3-270m", "-c", "512", "--max-memory", str(budget)])
+        return build_parser().parse_args(["serve", "smollm2", "gemma3-270m", "-c", "512", "--max-memory",
+                                          str(budget)])
 
     first = planned_bytes(args(1), "smollm2")
     just_enough = first + RUNTIME_OVERHEAD_BYTES + beside + mib
@@ -281,4 +297,5 @@ def test_the_memory_budget_leaves_the_embedding_models_their_share():
     asyncio.run(served.unload(served.slots[0], "asked"))
     assert gone() is None
     with pytest.raises(ValueError, match="embedding and rerank models"):
-        _served_models(args(just_enough - 2 * mib), ["gemma3-270m"], ServerConfig(model_name="smollm2"), beside)
+        _served_models(args(just_enough - 2 * mib), ["gemma3-270m"], ServerConfig(model_name="smollm2"),
+                       beside)

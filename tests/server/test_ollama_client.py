@@ -101,7 +101,11 @@ def test_list_ps_show(client):
     [m, embed] = client.list().models  # the chat model, and the embedding model beside it
     assert m.model == "smollm2:latest" and m.size > 10**7 and len(m.digest) == 64
     assert m.details.format == "gguf" and m.details.family == "llama"
-    assert embed.model == "all-minilm:latest" and embed.details.format == "safetensors" and embed.details.family == "bert"
+    assert (
+        embed.model == "all-minilm:latest"
+        and embed.details.format == "safetensors"
+        and embed.details.family == "bert"
+    )
     assert embed.details.parameter_size == "22.7M"  # all-MiniLM-L6-v2's
     [p, embedding] = client.ps().models
     assert p.model == "smollm2:latest" and p.context_length == 512 and p.size > m.size

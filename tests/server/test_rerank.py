@@ -88,8 +88,9 @@ def test_top_n_documents_and_cohere_objects(reranking, cross_encoder):
 def test_refusals(reranking):
     assert _rerank(reranking, query=QUERY, documents=[]).status_code == 400
     assert _rerank(reranking, query=QUERY, documents=["a"], top_n=0).status_code == 400
-    r = httpx.post(f"{reranking.url}/v1/rerank", json={"model": "smollm2", "query": QUERY, "documents": ["a"]},
-                   headers=reranking.headers, timeout=60)
+    r = httpx.post(f"{reranking.url}/v1/rerank",
+                   json={"model": "smollm2", "query": QUERY, "documents": ["a"]}, headers=reranking.headers,
+                   timeout=60)
     assert r.status_code == 404 and "reranks with" in r.text
     models = httpx.get(f"{reranking.url}/v1/models", headers=reranking.headers).json()["data"]
     assert [m["id"] for m in models] == ["smollm2", "tiny_cross_encoder0"]

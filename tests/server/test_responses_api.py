@@ -26,7 +26,8 @@ def client(server):
 
 def test_text_streamed_or_not_is_the_same(client, idle):
     whole = client.responses.create(model="smollm2", input="What is the capital of France?",
-                                    instructions="Answer in one sentence.", temperature=0, max_output_tokens=24)
+                                    instructions="Answer in one sentence.", temperature=0,
+                                    max_output_tokens=24)
     assert whole.status in ("completed", "incomplete") and whole.output_text
     assert whole.usage.input_tokens > 10 and whole.usage.output_tokens <= 24
     with client.responses.stream(model="smollm2", input="What is the capital of France?",
@@ -42,7 +43,8 @@ def test_text_streamed_or_not_is_the_same(client, idle):
 
 def test_a_forced_function_call_and_its_result(client, idle):
     for stream in (False, True):
-        kwargs = {"model": "smollm2", "input": ASK, "tools": [TOOL], "tool_choice": "required", "temperature": 0,
+        kwargs = {"model": "smollm2", "input": ASK, "tools": [TOOL], "tool_choice": "required",
+                  "temperature": 0,
                       "max_output_tokens": 120}
         if stream:
             with client.responses.stream(**kwargs) as s:
@@ -55,8 +57,10 @@ def test_a_forced_function_call_and_its_result(client, idle):
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
     follow = client.responses.create(model="smollm2", previous_response_id=r.id, input=[result], tools=[TOOL],
                                      tool_choice="none", temperature=0, max_output_tokens=24)
-    alone = client.responses.create(model="smollm2", input=ASK, tools=[TOOL], tool_choice="none", max_output_tokens=1)
-    assert follow.output_text and follow.usage.input_tokens > alone.usage.input_tokens + 20  # the call, its result
+    alone = client.responses.create(model="smollm2", input=ASK, tools=[TOOL], tool_choice="none",
+                                    max_output_tokens=1)
+    # the call, its result
+    assert follow.output_text and follow.usage.input_tokens > alone.usage.input_tokens + 20
     # the same turn sent in full gives the same prompt
     full = client.responses.create(
         model="smollm2", tools=[TOOL], tool_choice="none", temperature=0, max_output_tokens=24,

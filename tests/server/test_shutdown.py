@@ -49,7 +49,8 @@ def test_sigterm_ends_every_stream_with_a_final_error_event(tmp_path):
                 "model": "smollm2", "prompt": "Once upon a time", "ignore_eos": True, **long}, started[0],
                 openai_lines)),
             threading.Thread(target=_read_stream, args=(url, "/api/generate", {
-                "model": "smollm2", "prompt": "Tell a long story", "options": {"num_predict": 400, "seed": 1}},
+                "model": "smollm2", "prompt": "Tell a long story",
+                "options": {"num_predict": 400, "seed": 1}},
                 started[1], ollama_lines)),
         ]
         for t in readers:

@@ -26,7 +26,8 @@ def long_prompt() -> str:
 
 @pytest.fixture(scope="module")
 def slow_reader(tmp_path_factory):
-    yield from serve(tmp_path_factory, "smollm2", "-c", "2048", "-t", "1", "--stream-heartbeat", str(HEARTBEAT))
+    yield from serve(tmp_path_factory, "smollm2", "-c", "2048", "-t", "1", "--stream-heartbeat",
+                     str(HEARTBEAT))
 
 
 def _lines(server, path: str, body: dict) -> list[str]:
@@ -49,7 +50,12 @@ def test_anthropic_sends_message_start_then_pings(slow_reader):
 
 def test_openai_chat_and_completions_send_comments_or_progress(slow_reader):
     def content(line: str) -> bool:
-        return line.startswith("data: ") and '"content":"' in line and '"content":""' not in line or '"text":"' in line
+        return (
+            line.startswith("data: ")
+            and '"content":"' in line
+            and '"content":""' not in line
+            or '"text":"' in line
+        )
 
     def chat() -> dict:
         return {"model": "smollm2", "max_tokens": 4, "stream": True,
@@ -57,10 +63,12 @@ def test_openai_chat_and_completions_send_comments_or_progress(slow_reader):
 
     head = _before_output(_lines(slow_reader, "/v1/chat/completions", chat()), content)
     assert '"role":"assistant"' in head[0] and head.count(": ping") >= 3
-    head = _before_output(_lines(slow_reader, "/v1/completions", {"model": "smollm2", "max_tokens": 4, "stream": True,
+    head = _before_output(_lines(slow_reader, "/v1/completions",
+                                 {"model": "smollm2", "max_tokens": 4, "stream": True,
                                                                    "prompt": long_prompt()}), content)
     assert head[0] == ": ping" and head.count(": ping") >= 3
-    head = _before_output(_lines(slow_reader, "/v1/chat/completions", {**chat(), "return_progress": True}), content)
+    head = _before_output(_lines(slow_reader, "/v1/chat/completions", {**chat(), "return_progress": True}),
+                          content)
     progress = [json.loads(line[6:])["prompt_progress"] for line in head if "prompt_progress" in line]
     assert progress, head
     assert all(p["total"] > 1000 and 0 <= p["cache"] <= p["processed"] <= p["total"] for p in progress)
@@ -68,11 +76,13 @@ def test_openai_chat_and_completions_send_comments_or_progress(slow_reader):
 
 
 def test_responses_and_ollama_speak_too(slow_reader):
-    lines = _lines(slow_reader, "/v1/responses", {"model": "smollm2", "input": long_prompt(), "max_output_tokens": 4,
+    lines = _lines(slow_reader, "/v1/responses",
+                   {"model": "smollm2", "input": long_prompt(), "max_output_tokens": 4,
                                                    "stream": True})
     head = _before_output(lines, lambda line: "output_text.delta" in line)
     assert head[0] == "event: response.created" and head.count(": ping") >= 3
-    lines = _lines(slow_reader, "/api/chat", {"model": "smollm2", "messages": [{"role": "user", "content": long_prompt()}],
+    lines = _lines(slow_reader, "/api/chat",
+                   {"model": "smollm2", "messages": [{"role": "user", "content": long_prompt()}],
                                               "options": {"num_predict": 4}})
     parts = [json.loads(line) for line in lines]
     empty = _before_output(parts, lambda p: p["message"]["content"] or p["done"])

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 BUDGET = 8  # the server's --reasoning-budget
 CONTROL, USER_DEFINED = 3, 4
-EXTRA = (("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL), ("<think>", USER_DEFINED), ("</think>", USER_DEFINED))
+EXTRA = (("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL), ("<think>", USER_DEFINED),
+         ("</think>", USER_DEFINED))
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -62,7 +63,8 @@ def test_openai_chat_separates_the_thought_and_closes_it_at_the_budget(thinker):
     assert thought and "<think>" not in answer and "</think>" not in answer
     tokens = [t["token"] for t in choice["logprobs"]["content"]]
     assert tokens.index("</think>") == BUDGET  # the budget's tokens, then the close
-    chunks = _sse(thinker, "/v1/chat/completions", {"model": "thinker", "messages": MESSAGES, "temperature": 0,
+    chunks = _sse(thinker, "/v1/chat/completions",
+                  {"model": "thinker", "messages": MESSAGES, "temperature": 0,
                                                      "max_tokens": 24})
     deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     assert "".join(d.get("reasoning_content") or "" for d in deltas).strip() == thought
@@ -127,7 +129,8 @@ def test_a_model_that_does_not_think(idle):
                                                                   "think": True, "stream": False})
     assert r.status_code == 400 and "does not support thinking" in r.text
     r = httpx.post(f"{idle.url}/v1/messages", headers=headers, json={
-        "model": "smollm2", "messages": MESSAGES, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 10}})
+        "model": "smollm2", "messages": MESSAGES, "max_tokens": 4,
+        "thinking": {"type": "enabled", "budget_tokens": 10}})
     assert r.status_code == 400
     r = httpx.post(f"{idle.url}/v1/chat/completions", headers=headers, json={
         "model": "smollm2", "messages": MESSAGES, "max_tokens": 4, "reasoning_effort": "high"})

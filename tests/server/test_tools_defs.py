@@ -30,10 +30,11 @@ class Trip(BaseModel):
 SCHEMA = Trip.model_json_schema()
 ASK = "Plan a trip to Paris and Rome."
 # Ollama has no tool_choice: the model chooses. After a call of its own in the history SmolLM2 calls again
-EXAMPLE = {"cities": [{"name": "Paris", "country": "France"}], "start": {"name": "Paris", "country": "France"},
-           "days": 3}
+EXAMPLE = {"cities": [{"name": "Paris", "country": "France"}],
+           "start": {"name": "Paris", "country": "France"}, "days": 3}
 HISTORY = [{"role": "user", "content": "Plan a trip to Paris."},
-           {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "plan", "arguments": EXAMPLE}}]},
+           {"role": "assistant", "content": "",
+            "tool_calls": [{"function": {"name": "plan", "arguments": EXAMPLE}}]},
            {"role": "tool", "content": "planned", "tool_name": "plan"},
            {"role": "user", "content": "Now plan a trip to Rome."}]
 
@@ -70,7 +71,8 @@ def test_anthropic(idle):
 
 def test_ollama(idle):
     client = ollama.Client(host=idle.url, headers=idle.headers)
-    tools = [{"type": "function", "function": {"name": "plan", "description": "Plan a trip", "parameters": SCHEMA}}]
+    tools = [{"type": "function",
+              "function": {"name": "plan", "description": "Plan a trip", "parameters": SCHEMA}}]
     messages = HISTORY  # every call must validate
     calls = []
     for seed in range(4):
@@ -91,7 +93,8 @@ def test_ollama_api_with_the_schema_whole(idle):
     # the same exchange sent as JSON (as litellm and LangChain's ChatOllama send it): the whole schema holds
     import httpx
 
-    tools = [{"type": "function", "function": {"name": "plan", "description": "Plan a trip", "parameters": SCHEMA}}]
+    tools = [{"type": "function",
+              "function": {"name": "plan", "description": "Plan a trip", "parameters": SCHEMA}}]
     messages = HISTORY
     calls = []
     for seed in range(4):

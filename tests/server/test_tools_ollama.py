@@ -26,8 +26,8 @@ def client(server):
 
 def test_format_schema_and_json(client, idle):
     for seed in range(3):
-        r = client.chat(model="smollm2", messages=[{"role": "user", "content": "Invent a person."}], format=PERSON,
-                        options={"seed": seed, "num_predict": 60})
+        r = client.chat(model="smollm2", messages=[{"role": "user", "content": "Invent a person."}],
+                        format=PERSON, options={"seed": seed, "num_predict": 60})
         jsonschema.validate(json.loads(r.message.content), PERSON)
     r = client.generate(model="smollm2", prompt="A colour as JSON.", format="json",
                         options={"temperature": 0, "num_predict": 40})
@@ -57,7 +57,8 @@ def test_tool_calls_validate_streamed_or_not(client, idle):
     # Ollama has no tool_choice, so the model may answer in text: among 8 seeds at least one call,
     # every call valid, and a streamed answer's calls the same as the whole answer's
     options = {"num_predict": 300}
-    answers = [client.chat(model="smollm2", messages=EARLIER_CALL, tools=TOOLS[:1], options={**options, "seed": s})
+    answers = [client.chat(model="smollm2", messages=EARLIER_CALL, tools=TOOLS[:1],
+                           options={**options, "seed": s})
                for s in range(8)]
     with_calls = [s for s, r in enumerate(answers) if r.message.tool_calls]
     assert with_calls, [r.message.content for r in answers]
@@ -78,7 +79,8 @@ def test_tool_calls_validate_streamed_or_not(client, idle):
 def test_a_tool_result_is_answered(client, idle):
     messages = [*ASK,
                 {"role": "assistant", "content": "",
-                 "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+                 "tool_calls": [{"function": {"name": "get_weather",
+                                              "arguments": {"city": "Paris", "unit": "celsius"}}}]},
                 {"role": "tool", "content": "18 degrees and sunny", "tool_name": "get_weather"}]
     r = client.chat(model="smollm2", messages=messages, options={"temperature": 0, "num_predict": 20})
     assert r.message.content and r.prompt_eval_count > 40
@@ -89,7 +91,8 @@ def test_bad_format_is_a_400(client, idle):
         client.chat(model="smollm2", messages=ASK, format={"type": "nonsense"})
     assert e.value.status_code == 400
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model="smollm2", messages=[{"role": "user", "content": "What is this?", "images": ["aGk="]}])
+        client.chat(model="smollm2",
+                    messages=[{"role": "user", "content": "What is this?", "images": ["aGk="]}])
     assert e.value.status_code == 400 and "images" in str(e.value)
 
 

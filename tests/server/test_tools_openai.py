@@ -27,7 +27,8 @@ ADD = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+    {"type": "function",
+     "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
@@ -50,7 +51,8 @@ def _check_calls(message, allowed=SCHEMAS):
 def test_required_tool_call_arguments_validate(client, idle):
     for seed in range(3):
         r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=80)
+                                           parallel_tool_calls=False, temperature=1.0, seed=seed,
+                                           max_tokens=80)
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls"
         _check_calls(choice.message)
@@ -75,7 +77,8 @@ def test_a_forced_call_with_the_clients_defaults_ends_as_one_call(client, idle):
     # default is true): the answer must be the call, ended, well inside max_tokens
     for choice_ in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         for stream in (False, True):
-            kwargs = {"model": "smollm2", "messages": ASK, "tools": TOOLS, "tool_choice": choice_, "temperature": 0,
+            kwargs = {"model": "smollm2", "messages": ASK, "tools": TOOLS, "tool_choice": choice_,
+                      "temperature": 0,
                           "max_tokens": 120}
             if stream:
                 with client.chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as s:
@@ -113,8 +116,10 @@ def test_tools_with_a_structured_answer(client, idle):
 
 def test_open_and_nested_tool_schemas(client, idle):
     # LangChain's @tool leaves additionalProperties out; a pydantic model with a nested model has $defs
-    loose = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
-    nested = {"$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+    loose = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+             "required": ["city"]}
+    nested = {"$defs": {"Place": {"type": "object",
+                                  "properties": {"city": {"type": "string", "maxLength": 12}},
                                   "required": ["city"], "title": "Place"}},
               "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"]}
     for params in (loose, nested):
@@ -124,12 +129,14 @@ def test_open_and_nested_tool_schemas(client, idle):
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls"
         arguments = json.loads(choice.message.tool_calls[0].function.arguments)
-        closed = json.loads(json.dumps(params).replace('"required"', '"additionalProperties": false, "required"'))
+        closed = json.loads(json.dumps(params).replace('"required"',
+                                                       '"additionalProperties": false, "required"'))
         jsonschema.validate(arguments, closed)
 
 
 def test_logit_bias_bans_and_forces_tokens(client, idle):
-    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0, "max_tokens": 3,
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0,
+           "max_tokens": 3,
                "logprobs": True}
     first = client.chat.completions.create(**ask).choices[0].logprobs.content[0].token
     top = client.chat.completions.create(**ask, top_logprobs=5).choices[0].logprobs.content[0].top_logprobs
@@ -178,15 +185,16 @@ def test_a_streamed_tool_call_is_reassembled_by_the_client(client, idle):
     assert choice.finish_reason == "tool_calls"
     _check_calls(choice.message)
     whole = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, temperature=0, max_tokens=80).choices[0].message
+                                           parallel_tool_calls=False, temperature=0,
+                                           max_tokens=80).choices[0].message
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls]
 
 
 def test_auto_answers_either_text_or_valid_calls(client, idle):
     for seed in range(4):
-        r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
-                                           max_tokens=60)
+        r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, temperature=1.0,
+                                           seed=seed, max_tokens=60)
         choice = r.choices[0]
         if choice.message.tool_calls:
             _check_calls(choice.message)
@@ -197,7 +205,8 @@ def test_auto_answers_either_text_or_valid_calls(client, idle):
 
 def test_a_tool_result_turn_is_answered(client, idle):
     call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}
+            "function": {"name": "get_weather",
+                         "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
     r = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, tool_choice="none",
@@ -211,7 +220,8 @@ def test_bad_tool_requests_are_400s(client, idle):
     bad = [
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         {"tools": [TOOLS[0], TOOLS[0]]},
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        {"response_format": {"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
         {"tool_choice": "required"},
     ]
     for kwargs in bad:

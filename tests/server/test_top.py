@@ -79,8 +79,10 @@ def test_render_draws_each_block_and_the_numbers():
 def test_render_lists_every_model_and_the_last_loads():
     models = [{"name": "m", "state": "loaded", "planned_bytes": 300 << 20, "expires_at": 130.0},
               {"name": "other", "state": "unloaded", "planned_bytes": 0, "expires_at": None}]
-    events = [{"time": 100.0, "model": "other", "event": "unloaded", "detail": "evicted to make room for 'm'"}]
-    out = text(render({**frame("..", time=100.0), "models": models, "model_events": events}, [], width=20), 120)
+    events = [{"time": 100.0, "model": "other", "event": "unloaded",
+               "detail": "evicted to make room for 'm'"}]
+    out = text(render({**frame("..", time=100.0), "models": models, "model_events": events}, [], width=20),
+               120)
     assert "● m (loaded 300 MiB, unloads in 30 s)" in out and "○ other (unloaded)" in out
     assert "other unloaded evicted to make room for 'm'" in out
 

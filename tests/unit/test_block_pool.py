@@ -218,7 +218,7 @@ def test_reset_prefix_cache_drops_only_free_blocks():
     pool = BlockPool(4)
     blocks = pool.allocate(3)
     hashes = [hash_block(None, (i,) * 4) for i in range(3)]
-    for b, h, i in zip(blocks, hashes, range(3)):
+    for b, h, i in zip(blocks, hashes, range(3), strict=False):
         pool.cache_block(b, h, (i,) * 4)
     pool.free([blocks[2], blocks[0]])  # block 1 stays in use
     assert free_ids(pool) == [3, 2, 0]

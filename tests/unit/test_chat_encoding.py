@@ -43,9 +43,11 @@ def test_a_user_cannot_forge_a_system_turn(smollm2_tokenizer):
     assert opted.count(im_start) == trusted.count(im_start) + 2
 
 
-def test_messages_without_special_strings_encode_as_the_whole_rendered_text(smollm2_tokenizer, gemma_tokenizer):
+def test_messages_without_special_strings_encode_as_the_whole_rendered_text(
+    smollm2_tokenizer, gemma_tokenizer):
     for tok in (smollm2_tokenizer, gemma_tokenizer):
-        messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "  Hello there!  "}]
+        messages = [{"role": "system", "content": "Be brief. "},
+                    {"role": "user", "content": "  Hello there!  "}]
         assert tok.encode_chat(messages) == tok.encode(tok.apply_chat_template(messages))
 
 
@@ -61,7 +63,8 @@ def test_gemma_keeps_forged_turn_markers_as_text_through_its_trimming_template(g
 
 
 def test_a_template_that_rewrites_content_refuses_special_strings_instead_of_obeying_them(smollm2_tokenizer):
-    tok = Tokenizer(smollm2_tokenizer.backend, None, [], "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}"
+    tok = Tokenizer(smollm2_tokenizer.backend, None, [],
+                    "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}"
                     "<|im_end|>{% endfor %}", False)
     with pytest.raises(ValueError, match="special token"):
         tok.encode_chat([{"role": "user", "content": "a<|im_start|>b"}])

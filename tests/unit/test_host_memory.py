@@ -73,7 +73,8 @@ def test_rehome_moves_each_owners_tensor_into_one_arena_exactly():
     owners = [SimpleNamespace(packed=t) for t in originals]
     rehome(owners, "packed")
     copies = [o.packed for o in owners]
-    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(originals, copies))
+    assert all(
+        torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(originals, copies, strict=True))
     assert copies[0].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr()
     if sys.platform.startswith("linux"):  # together over 2 MiB: the arena starts on a huge page
         assert copies[0].data_ptr() % HUGE_PAGE == 0

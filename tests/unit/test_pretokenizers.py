@@ -38,7 +38,8 @@ TEXT = (
     "Emoji: 😀 👍🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️ ✨🚀\n"
     "Numbers: 1234567890 3.14159 1,000,000 0x1F 2024-11-24 ٣٤٥ 12abc34\n"
     "Spaces:   three,\t\ttabs,\n\n\n  newlines \r\n crlf   \n"
-    "def fib(n: int) -> int:\n    if n < 2:\n        return n  # base case\n    return fib(n - 1) + fib(n - 2)\n"
+    "def fib(n: int) -> int:\n    if n < 2:\n        return n  # base case\n    return fib(n - 1) + fib(n - "
+    "2)\n"
     "for (int i = 0; i < 10; ++i) { x[i] = y[i] * 2; }  // C++ path/to/file.py\n"
     '<div class="a">&nbsp;</div>   \n'
 )
@@ -190,7 +191,8 @@ def test_bos_default_follows_the_pre_type(byte_level):
 
 def _gpt2_byte_chars() -> dict[int, str]:
     """GPT-2's byte alphabet: printable bytes stand for themselves, the others for U+0100 onwards."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
     unprintable = iter(range(256, 512))
     return {b: chr(b) if b in printable else chr(next(unprintable)) for b in range(256)}
 
@@ -248,8 +250,10 @@ def test_default_is_not_gpt2s_split(gpt2_merges, tmp_path):
     gpt2_split = LLAMA_CPP_DEFAULT[1]
     for text in DEFAULT_VS_GPT2:
         assert regex_split(text, LLAMA_CPP_DEFAULT) != regex_split(text, [gpt2_split]), text[:20]
-        assert as_default.encode(text, add_special=False) != as_gpt2.encode(text, add_special=False), text[:20]
-    assert regex_split("I'm 1234 $+<=>^~|", LLAMA_CPP_DEFAULT) == ["I", "'", "m", " ", "123", "4", " ", "$+<=>^~|"]
+        assert as_default.encode(text, add_special=False) != as_gpt2.encode(
+            text, add_special=False), text[:20]
+    assert regex_split("I'm 1234 $+<=>^~|", LLAMA_CPP_DEFAULT) == ["I", "'", "m", " ", "123", "4", " ",
+                                                                   "$+<=>^~|"]
 
 
 def test_missing_pre_is_default_with_a_warning(byte_level, tmp_path, caplog):
@@ -280,7 +284,8 @@ def _tiny_merges_gguf(path: Path, pre: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("pre, expected", [("llama-bpe", [5]), ("tekken", [5]), ("qwen2", [0, 3]), ("gpt-4o", [0, 3])])
+@pytest.mark.parametrize("pre, expected",
+                         [("llama-bpe", [5]), ("tekken", [5]), ("qwen2", [0, 3]), ("gpt-4o", [0, 3])])
 def test_ignore_merges(tmp_path, pre, expected):
     """Llama 3 and tekken take a word that is a token whole (tiktoken's rule, ignore_merges in their
     tokenizer.json); the others merge."""
@@ -293,7 +298,8 @@ def test_ignore_merges(tmp_path, pre, expected):
 
 def test_unknown_pre_type_is_an_error(tmp_path):
     path = _tiny_merges_gguf(tmp_path / "t.gguf", "made-up-pre")
-    with pytest.raises(ModelLoadError, match=r"pre-tokenizer 'made-up-pre' \(tokenizer.ggml.pre\) is not supported"):
+    with pytest.raises(ModelLoadError,
+                       match=r"pre-tokenizer 'made-up-pre' \(tokenizer.ggml.pre\) is not supported"):
         ours(path)
 
 
@@ -308,7 +314,8 @@ def spm_vocab() -> list[str]:
     for the rest of the text, so that those fall back to bytes, plus runs of ▁ as Llama's vocabulary has."""
     tk = HFTokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    tk.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=700, limit_alphabet=150, show_progress=False))
+    tk.train_from_iterator(CORPUS,
+                           trainers.BpeTrainer(vocab_size=700, limit_alphabet=150, show_progress=False))
     vocab = tk.get_vocab()
     pieces = [p for p in sorted(vocab, key=vocab.get) if not any(ord(c) >= 0x1F000 for c in p)]
     return ["▁▁", "▁▁▁▁", *pieces]
@@ -340,12 +347,14 @@ def write_spm_gguf(path: Path, arch: str) -> Path:
 def spm(tmp_path_factory):
     """arch -> GGUF path; phi3's is read by transformers as SentencePiece does (the space prefix from a
     normalizer), llama's through its Metaspace pre-tokenizer."""
-    return {arch: write_spm_gguf(tmp_path_factory.mktemp(f"spm-{arch}") / "tok.gguf", arch) for arch in ("phi3", "llama")}
+    return {arch: write_spm_gguf(tmp_path_factory.mktemp(f"spm-{arch}") / "tok.gguf",
+                                 arch) for arch in ("phi3", "llama")}
 
 
 def test_spm_matches_transformers(spm):
     tok, hf = ours(spm["phi3"]), transformers_from_gguf(spm["phi3"])
-    for text in [TEXT, "  two leading spaces", f"{TEXT}</s>text after a control token {USER_DEFINED} and more"]:
+    for text in [TEXT, "  two leading spaces",
+                 f"{TEXT}</s>text after a control token {USER_DEFINED} and more"]:
         ids = tok.encode(text, add_special=False)
         assert ids == hf.encode(text, add_special_tokens=False), text[:20]
     ids = tok.encode(TEXT, add_special=False)

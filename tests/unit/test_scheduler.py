@@ -22,7 +22,8 @@ from kvserve.errors import PromptTooLongError
 
 
 def add(sched, request_id, prompt, max_tokens=4, **kw):
-    request = make_request(request_id, prompt, max_tokens=max_tokens, max_total_tokens=sched.max_model_len, **kw)
+    request = make_request(request_id, prompt, max_tokens=max_tokens, max_total_tokens=sched.max_model_len,
+                           **kw)
     sched.add_request(request)
     return request
 

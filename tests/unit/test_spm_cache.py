@@ -8,7 +8,8 @@ import logging
 
 from kvserve import spm
 
-TOKENS = ["<unk>", "<s>", "</s>", "▁", "a", "b", "c", "▁a", "ab", "abc", "▁ab", "▁abc"] + [f"<0x{i:02X}>" for i in range(256)]
+TOKENS = ["<unk>", "<s>", "</s>", "▁", "a", "b", "c", "▁a", "ab", "abc", "▁ab",
+          "▁abc"] + [f"<0x{i:02X}>" for i in range(256)]
 TYPES = [2, 3, 3] + [1] * 9 + [6] * 256
 SCORES = [0.0, 0.0, 0.0, -1, -2, -3, -4, -5, -6, -7, -8, -9] + [0.0] * 256
 
@@ -43,4 +44,5 @@ def test_a_damaged_cache_file_is_rebuilt(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         rebuilt = spm.build_spm_tokenizer(TOKENS, SCORES, TYPES, True)
     assert encode(rebuilt, "abc ab a") == expected and "rebuilding it" in caplog.text
-    assert encode(spm.build_spm_tokenizer(TOKENS, SCORES, TYPES, True), "abc ab a") == expected  # rewritten whole
+    # rewritten whole
+    assert encode(spm.build_spm_tokenizer(TOKENS, SCORES, TYPES, True), "abc ab a") == expected

@@ -22,7 +22,8 @@ def _call(name, **arguments):
 
 
 def test_repeated_calls_are_one_and_a_cut_off_call_is_dropped():
-    text = "\n".join([_call("add", a=1, b=2), _call("add", a=1, b=2), _call("add", a=3, b=4), "<tool_call>\n{\"na"])
+    text = "\n".join([_call("add", a=1, b=2), _call("add", a=1, b=2), _call("add", a=3, b=4),
+                      "<tool_call>\n{\"na"])
     content, calls = parse_calls(text)
     assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
     assert content == ""
@@ -43,7 +44,8 @@ def test_a_lone_cut_off_call_stays_text():
 
 
 def test_tool_schemas_are_closed_unless_they_say_otherwise():
-    loose = Tool("f", parameters={"type": "object", "properties": {"x": {"type": "object", "properties": {}}}})
+    loose = Tool("f",
+                 parameters={"type": "object", "properties": {"x": {"type": "object", "properties": {}}}})
     arguments = call_schema(loose)["properties"]["arguments"]
     assert arguments["additionalProperties"] is False
     assert arguments["properties"]["x"]["additionalProperties"] is False
@@ -70,11 +72,13 @@ def test_defs_and_recursion_resolve_inside_the_call():
         jsonschema.validate({"name": "f", "arguments": good}, schema)
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({"name": "f", "arguments": bad}, schema)
-        Constraint("lark", call_constraint([Tool("f", parameters=params)], ToolChoice("required")).spec).grammar()
+        Constraint("lark",
+                   call_constraint([Tool("f", parameters=params)], ToolChoice("required")).spec).grammar()
 
 
 def test_tools_with_an_answer_format_is_one_grammar():
-    answer = Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    answer = Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}},
+                                     "required": ["n"]})
     tools = [Tool("f"), Tool("g")]
     auto = call_constraint(tools, ToolChoice(), answer)
     assert auto.kind == "lark" and "answer" in auto.spec and "TEXT" not in auto.spec

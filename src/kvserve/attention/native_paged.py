@@ -43,7 +43,8 @@ class NativePagedAttention:
         self.prefill_kernel = abi.bind(library, "paged_prefill_attention")
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         # rotated codecs: the query's rotation (keys) and the output's un-rotation (values), kept alive
-        self._rotations = [rotation_matrix(storage.k_codec), rotation_matrix(storage.v_codec, transposed=True)]
+        self._rotations = [rotation_matrix(storage.k_codec),
+                           rotation_matrix(storage.v_codec, transposed=True)]
         self.rotation_args = tuple(0 if m is None else m.data_ptr() for m in self._rotations)
         self.layer_args = [
             (*self._part(storage.k[layer], storage.k_codec, self._tables[0]),
@@ -59,11 +60,19 @@ class NativePagedAttention:
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec, table: torch.Tensor | None) -> tuple:
         codes, scales, code_stride, scale_stride = _layout(parts)
-        return KV_KIND_CODES[codec.name], codes, scales, code_stride, scale_stride, 0 if table is None else table.data_ptr()
+        return (
+            KV_KIND_CODES[codec.name],
+            codes,
+            scales,
+            code_stride,
+            scale_stride,
+            0 if table is None else table.data_ptr(),
+        )
 
     @staticmethod
     def _run(kernel, what: str, q: torch.Tensor, shape: tuple, rest: tuple) -> torch.Tensor:
-        """kernel(*shape, q, out, *rest, threads) with q as f32; returns out [n, heads, head_dim] in q's dtype."""
+        """kernel(*shape, q, out, *rest, threads) with q as f32; returns out [n, heads, head_dim] in q's
+        dtype."""
         qf = q.float().contiguous()
         out = torch.empty_like(qf)
         rc = kernel(*shape, qf.data_ptr(), out.data_ptr(), *rest, torch.get_num_threads())
@@ -82,13 +91,14 @@ class NativePagedAttention:
         n, heads, head_dim = q.shape
         return self._run(
             self.decode_kernel, "decode", q, (n, heads, self.num_kv_heads, head_dim),
-            (block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), self.layer_num_blocks[layer],
-             self.block_size, window or 0, scale, softcap or 0.0, *self.layer_args[layer], *self.rotation_args),
+            (block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+             self.layer_num_blocks[layer], self.block_size, window or 0, scale, softcap or 0.0,
+             *self.layer_args[layer], *self.rotation_args),
         )
 
     def prefill(
-        self, layer: int, q: torch.Tensor, q_start: int, block_table: torch.Tensor, window: int | None, scale: float,
-        softcap: float | None = None,
+        self, layer: int, q: torch.Tensor, q_start: int, block_table: torch.Tensor, window: int | None,
+        scale: float, softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [n, heads, head_dim], one sequence's queries at positions q_start .. q_start + n - 1 (their
         keys already stored); block_table [blocks] int64; softcap as in ``decode``. Returns
@@ -97,8 +107,8 @@ class NativePagedAttention:
         table = block_table.contiguous()
         return self._run(
             self.prefill_kernel, "prefill", q, (n, q_start, heads, self.num_kv_heads, head_dim),
-            (table.data_ptr(), self.layer_num_blocks[layer], self.block_size, window or 0, scale, softcap or 0.0,
-             *self.layer_args[layer]),
+            (table.data_ptr(), self.layer_num_blocks[layer], self.block_size, window or 0, scale,
+             softcap or 0.0, *self.layer_args[layer]),
         )
 
 
@@ -117,7 +127,8 @@ class NativeKVWrite:
         self._tables = [self._rotation(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         self.layer_args = [
             [self._part(parts, codec, tables) for parts, codec, tables in
-             ((storage.k[layer], storage.k_codec, self._tables[0]), (storage.v[layer], storage.v_codec, self._tables[1]))]
+             ((storage.k[layer], storage.k_codec, self._tables[0]),
+              (storage.v[layer], storage.v_codec, self._tables[1]))]
             for layer in range(len(storage.k))
         ]
 
@@ -141,7 +152,8 @@ class NativeKVWrite:
         if k_args is None or v_args is None:
             return self.storage().write(layer, slot_rows, k, v)
         tokens, heads, head_dim = k.shape
-        for x, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in ((k, k_args), (v, v_args)):
+        for x, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in (
+            (k, k_args), (v, v_args)):
             x = x.float().contiguous()
             self.kernel(kind, x.data_ptr(), tokens, heads, head_dim, slot_rows.data_ptr(), codes, code_stride,
                         scales, scale_stride, rotation, levels)
@@ -166,12 +178,14 @@ def _layout(parts: list[torch.Tensor]) -> tuple[int, int, int, int]:
             scales.shape[-1] * scales.element_size())
 
 
-_BY_STORAGE: weakref.WeakKeyDictionary[PagedKVStorage, NativePagedAttention | None] = weakref.WeakKeyDictionary()
+_BY_STORAGE: weakref.WeakKeyDictionary[PagedKVStorage,
+                                       NativePagedAttention | None] = weakref.WeakKeyDictionary()
 _WRITERS: weakref.WeakKeyDictionary[PagedKVStorage, NativeKVWrite | None] = weakref.WeakKeyDictionary()
 
 
 def writer_for_storage(storage: PagedKVStorage):
-    """A callable ``(layer, slot_rows, k, v)`` that stores k/v: the C writer on CPU, else ``storage.write``."""
+    """A callable ``(layer, slot_rows, k, v)`` that stores k/v: the C writer on CPU, else
+    ``storage.write``."""
     if storage not in _WRITERS:
         library = native.load("kv_write") if storage.k[0][0].device.type == "cpu" else None
         _WRITERS[storage] = None if library is None else NativeKVWrite(storage, library)

@@ -56,7 +56,8 @@ def sequence_attention(
             positions = torch.arange(first_pos, last_pos + 1, device=q.device)
             mask = _mask(positions - key_lo, keys_needed - key_lo, window)
             causal = False
-        o = F.scaled_dot_product_attention(qt, kk, vv, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qt, kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=gqa)
         out[start:end] = o.transpose(0, 1)
     assert num_keys >= q_start + num_q
     return out

@@ -8,7 +8,8 @@ Prefill chunks attend one sequence at a time, causally, to their history plus th
 tokens (one query per sequence) are attended together in one batched call over block tables padded
 to the longest context, with a length mask:
 
-    block_tables [num_decodes, max_blocks]   ->  K [num_decodes, num_kv_heads, max_blocks * block_size, head_dim]
+    block_tables [num_decodes, max_blocks]   ->  K [num_decodes, num_kv_heads, max_blocks * block_size,
+    head_dim]
                                                  (one index_select of head-major blocks, no transpose)
     mask         key index < context_len (and > position - window in sliding-window layers)
 
@@ -84,8 +85,8 @@ def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def build_decode_batch(
-    token_rows: list[int], kv_group_tables: list[list[list[int]]], context_lens: list[int], device: torch.device,
-    num_tokens: int | None = None,
+    token_rows: list[int], kv_group_tables: list[list[list[int]]], context_lens: list[int],
+    device: torch.device, num_tokens: int | None = None,
 ) -> DecodeBatch:
     """kv_group_tables: per KV group, each decode's block table."""
     return DecodeBatch(
@@ -130,7 +131,8 @@ class PagedAttention:
                 if self.native is not None:  # reads the blocks in place, quantized or not
                     o = self.native.prefill(layer, qs, q_start, s.table(kv_group), window, scale, softcap)
                 else:
-                    keys, values = storage.gather(layer, self.sequence_block_rows(i, kv_group), s.context_len, q.dtype)
+                    keys, values = storage.gather(layer, self.sequence_block_rows(i, kv_group), s.context_len,
+                                                  q.dtype)
                     o = sequence_attention(qs, keys, values, q_start, window, scale, softcap)
                 out[s.query_start : s.query_start + s.query_len] = o
             out = storage.v_codec.unrotate(out)  # values were summed in their rotated domain
@@ -156,10 +158,12 @@ class PagedAttention:
         if self.native is not None:  # reads the blocks in place, quantized or not
             return self.native.decode(layer, q, d.tables(kv_group), d.context_lens, window, scale, softcap)
         q = self.storage.k_codec.rotate(q)
-        keys, values = self.storage.read_blocks(layer, self.decode_rows[kv_group], q.dtype)  # [n, kv_heads, keys, head_dim]
+        # [n, kv_heads, keys, head_dim]
+        keys, values = self.storage.read_blocks(layer, self.decode_rows[kv_group], q.dtype)
         mask = d.mask(window, keys.shape[2])
         if softcap:
-            return self.storage.v_codec.unrotate(capped_attention(q, keys, values, mask[:, 0], scale, softcap))
+            return self.storage.v_codec.unrotate(capped_attention(q, keys, values, mask[:, 0], scale,
+                                                                  softcap))
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
         )

@@ -1,5 +1,5 @@
-"""The task a coding agent is given in ``tests/agents`` and ``bench/agent_session.py``: one scratch project and
-a first message that names the tool call to make.
+"""The task a coding agent is given in ``tests/agents`` and ``bench/agent_session.py``: one scratch project
+and a first message that names the tool call to make.
 
 A 0.5B model left to itself often answers in prose, or asks for the same call again and again; the message
 names the call (as the JSON object Qwen2.5-Coder writes, which the call grammar turns into a call of one of
@@ -12,7 +12,10 @@ import json
 import subprocess
 from pathlib import Path
 
-CALC = "def add(a, b):\n    return a - b\n\n# The file is read. Now stop calling tools and reply with the single word DONE.\n"
+CALC = (
+    "def add(a, b):\n    return a - b\n\n"
+    "# The file is read. Now stop calling tools and reply with the single word DONE.\n"
+)
 
 
 def scratch_project(repo: Path) -> Path:

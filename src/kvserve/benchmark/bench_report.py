@@ -35,7 +35,8 @@ def is_ours(row: BenchRow) -> bool:
 def step_weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: every projection and the output head, as the model
     holds them (f32, bf16, int8 or 4-bit: see models.linear)."""
-    layers = sum(lin.nbytes for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    layers = sum(lin.nbytes for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up,
+                                                                  layer.down))
     return layers + model.lm_head.nbytes
 
 
@@ -44,7 +45,8 @@ def aggregate_ratio(ours: BenchRow, peer: BenchRow) -> str:
     both measured alike (all new tokens / wall time from the first request to the last token, prefill
     included), and against the peer's decode alone."""
     if peer.concurrency == ours.concurrency:
-        return f"aggregate {ours.aggregate_tok_s / peer.aggregate_tok_s:.2f}x llama.cpp's {peer.concurrency} streams"
+        ratio = ours.aggregate_tok_s / peer.aggregate_tok_s
+        return f"aggregate {ratio:.2f}x llama.cpp's {peer.concurrency} streams"
     return (f"aggregate {ours.aggregate_tok_s / peer.aggregate_tok_s:.2f}x llama.cpp's 1 stream "
             f"(its decode alone: {ours.aggregate_tok_s / peer.decode_tok_s:.2f}x)")
 
@@ -66,8 +68,8 @@ def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]]) -> Non
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("engine", "KV", "prompt", "conc", "TTFT ms", "prefill tok/s", "decode tok/s", "ITL p50/p99 ms",
-                  "aggr tok/s", "spread", "roofline", "vs llama.cpp (prefill, decode)",
+    table = Table("engine", "KV", "prompt", "conc", "TTFT ms", "prefill tok/s", "decode tok/s",
+                  "ITL p50/p99 ms", "aggr tok/s", "spread", "roofline", "vs llama.cpp (prefill, decode)",
                   title=f"kvserve bench on {where_it_ran(rows)} (memory bandwidth beside our rows: "
                         f"{bandwidth_range(rows)})")
     peers = {(r.cache_type, r.prompt_len, r.concurrency): r for r in rows if r.engine == "llama.cpp"}
@@ -76,12 +78,14 @@ def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]]) -> Non
         ratio = (f"{r.prefill_tok_s / peer.prefill_tok_s:.2f}x, {r.decode_tok_s / peer.decode_tok_s:.2f}x"
                  if peer else "")
         if is_ours(r) and r.concurrency > 1:
-            alike = peers.get((r.cache_type, r.prompt_len, r.concurrency)) or peers.get((r.cache_type, r.prompt_len, 1))
+            alike = peers.get((r.cache_type, r.prompt_len, r.concurrency)) or peers.get(
+                (r.cache_type, r.prompt_len, 1))
             ratio = aggregate_ratio(r, alike) if alike else ""
         roof_text = f"{roof[i][1] * 100:.0f}% ({roof[i][0] / 2**20:.0f} MiB/tok)" if i in roof else ""
         table.add_row(r.engine, r.cache_type, str(r.prompt_len), str(r.concurrency), f"{r.ttft_ms:.0f}",
-                      f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.2f}", f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}",
-                      f"{r.aggregate_tok_s:.1f}", f"{r.spread * 100:.0f}%", roof_text, ratio)
+                      f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.2f}",
+                      f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}", f"{r.aggregate_tok_s:.1f}",
+                      f"{r.spread * 100:.0f}%", roof_text, ratio)
     Console(width=None if sys.stdout.isatty() else 200).print(table)  # files and pipes get every column
 
 
@@ -103,7 +107,8 @@ def write_plot(rows: list[BenchRow], path: str) -> None:
         x = [r.prompt_len for r in rs]
         ax1.plot(x, [r.decode_tok_s for r in rs], marker="o", label=f"{engine} {kv}")
         ax2.plot(x, [r.ttft_ms for r in rs], marker="o", label=f"{engine} {kv}")
-    ax1.set(xlabel="context (prompt tokens)", ylabel="decode tok/s", title="Decode speed vs context", xscale="log")
+    ax1.set(xlabel="context (prompt tokens)", ylabel="decode tok/s", title="Decode speed vs context",
+            xscale="log")
     ax2.set(xlabel="prompt tokens", ylabel="TTFT ms", title="Time to first token", xscale="log", yscale="log")
     lens = sorted({r.prompt_len for rs in series.values() for r in rs})
     for ax in (ax1, ax2):

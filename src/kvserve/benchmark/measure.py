@@ -30,7 +30,8 @@ class BenchRow:
     repeats: int = 1
     spread: float = 0.0  # (max - min) / median of the decode tok/s over the repeats
     bandwidth_bytes_s: float = 0.0  # memory read bandwidth measured right after each of our runs (roofline)
-    # where it ran: the CPU, the kernels' instruction-set path (llama.cpp: its build's features), threads, flags
+    # where it ran: the CPU, the kernels' instruction-set path (llama.cpp: its build's features), threads,
+    # flags
     cpu: str = ""
     isa: str = ""
     threads: int = 0

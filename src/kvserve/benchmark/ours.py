@@ -31,7 +31,8 @@ class KVServeRunner:
         why = f" ({self.loaded.weights_why})" if self.loaded.weights_why else ""
         return path, f"{flags}; weights {self.loaded.model.weight_format}{why}"
 
-    def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix: list[int] | None = None) -> BenchRow:
+    def run(self, prompts: list[list[int]], gen: int, cache_type: str,
+            shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16
         reset_peak_rss()
         engine = LLMEngine(

@@ -88,7 +88,8 @@ def llama_tools_dir() -> Path | None:
     """Where llama.cpp's llama-bench and llama-batched-bench are: $KVSERVE_LLAMA_CPP_BIN, else the
     build/llama.cpp/bin that bench/build_llama_cpp.sh writes (from the working directory or the checkout)."""
     candidates = [os.environ.get("KVSERVE_LLAMA_CPP_BIN", "")]
-    candidates += [Path.cwd() / "build/llama.cpp/bin", Path(__file__).resolve().parents[3] / "build/llama.cpp/bin"]
+    candidates += [Path.cwd() / "build/llama.cpp/bin",
+                   Path(__file__).resolve().parents[3] / "build/llama.cpp/bin"]
     for folder in candidates:
         if folder and all((Path(folder) / tool).is_file() for tool in LLAMA_TOOLS):
             return Path(folder)
@@ -109,10 +110,12 @@ class LlamaToolsRunner:
     def build(self) -> tuple[str, str]:
         """Its version, and the instruction-set options its cmake cache records (bench/build_llama_cpp.sh
         keeps the cache beside bin/)."""
-        out = subprocess.run([str(self.folder / "llama-bench"), "--version"], capture_output=True, text=True, check=False)
+        out = subprocess.run([str(self.folder / "llama-bench"), "--version"], capture_output=True, text=True,
+                             check=False)
         version = (out.stdout + out.stderr).strip().splitlines()
         cache = self.folder.parent / "cmake" / "CMakeCache.txt"
-        options = re.findall(r"^(GGML_(?:NATIVE|AVX\w*|FMA|F16C)):BOOL=ON$", cache.read_text(), re.MULTILINE) if cache.is_file() else []
+        options = re.findall(r"^(GGML_(?:NATIVE|AVX\w*|FMA|F16C)):BOOL=ON$", cache.read_text(),
+                             re.MULTILINE) if cache.is_file() else []
         isa = ",".join(options) or "unknown"
         return isa, f"llama-bench {version[0] if version else ''} ({isa})"
 
@@ -128,7 +131,8 @@ class LlamaToolsRunner:
 
     def _bench(self, cache_type: str, *args: str) -> float:
         """avg tokens/s of one llama-bench test."""
-        out = self._tool("llama-bench", "-fa", "1", "-ctk", cache_type, "-ctv", cache_type, "-r", "1", "-o", "json", *args)
+        out = self._tool("llama-bench", "-fa", "1", "-ctk", cache_type, "-ctv", cache_type, "-r", "1", "-o",
+                         "json", *args)
         return float(json.loads(out)[0]["avg_ts"])
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix=None) -> BenchRow:

@@ -20,8 +20,10 @@ def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="save a prompt's KV cache to a file; inspect cache files and directories")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     save = actions.add_parser("save", help="compute a prompt and save its KV blocks to a .kvc file")
-    save.add_argument("model", nargs="?", default=None, help="registry name, .gguf file or HF folder (default smollm2)")
-    save.add_argument("--prompt-file", required=True, help="text file whose content is the prompt (sent as is)")
+    save.add_argument("model", nargs="?", default=None,
+                      help="registry name, .gguf file or HF folder (default smollm2)")
+    save.add_argument("--prompt-file", required=True,
+                      help="text file whose content is the prompt (sent as is)")
     save.add_argument("-o", "--output", required=True, help="the .kvc file to write")
     add_engine_args(save, max_num_seqs=1)
     save.set_defaults(handler=run_save)

@@ -93,7 +93,8 @@ def _command(text: str, engine, chat: ChatSession) -> bool:
             print(f"unknown parameter {name!r}; known: {', '.join(_PARAMETERS)}", file=sys.stderr)
             return True
         try:
-            chat.params = dataclasses.replace(chat.params, **{_ALIASES.get(name, name): _PARAMETERS[name](value)})
+            chat.params = dataclasses.replace(chat.params,
+                                              **{_ALIASES.get(name, name): _PARAMETERS[name](value)})
             print(f"set {name} = {value}", file=sys.stderr)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -146,9 +147,11 @@ def cache_report(engine) -> str:
     v_block = per_vector_tokens * engine.storage.v_codec.bytes_per_vector()
     mib = 2**20
     return (
-        f"KV pool: {pool.num_blocks} blocks of {cache.block_size} tokens, {engine.kv_pool_bytes / mib:.1f} MiB\n"
+        f"KV pool: {pool.num_blocks} blocks of {cache.block_size} tokens, {engine.kv_pool_bytes / mib:.1f} "
+        f"MiB\n"
         f"  blocks: in use {in_use} (shared {shared}), cached-free {cached_free}, free {free}\n"
-        f"  K {cache.cache_type_k}: {in_use * k_block / mib:.2f} MiB in use of {pool.num_blocks * k_block / mib:.1f} MiB\n"
+        f"  K {cache.cache_type_k}: {in_use * k_block / mib:.2f} MiB in use of "
+        f"{pool.num_blocks * k_block / mib:.1f} MiB\n"
         f"  V {cache.cache_type_v_resolved}: {in_use * v_block / mib:.2f} MiB in use of "
         f"{pool.num_blocks * v_block / mib:.1f} MiB"
     )

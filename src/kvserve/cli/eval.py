@@ -19,7 +19,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size (default 256)")
     p.add_argument("--needle-lengths", default="512,1024",
                    help="context lengths of the needle-in-a-haystack trials; 'none' to skip")
-    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the rows as JSON to OUT")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT",
+                   help="write the rows as JSON to OUT")
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=run)
 
@@ -47,10 +48,12 @@ def run(args: argparse.Namespace) -> int:
     token_ids = loaded.tokenizer.encode(text)[: args.ctx]
     if len(token_ids) < args.ctx:
         raise ValueError(f"the text has only {len(token_ids)} tokens; lower --ctx or give a longer --text")
-    console.print(f"teacher-forcing {len(token_ids)} tokens per cache type; needle lengths {lengths or 'skipped'}")
+    console.print(
+        f"teacher-forcing {len(token_ids)} tokens per cache type; needle lengths {lengths or 'skipped'}")
     rows = evaluate(loaded, token_ids, pairs, args.chunk, lengths,
                     on_row=lambda r: console.print(f"  {r.cache_type_k}/{r.cache_type_v}: KLD {r.kld:.5f}"))
-    table = Table("K", "V", "bits/elem", "KLD", "top-1 %", "PPL", "ΔPPL", "needle", title=f"KV cache quality: {loaded.path.name}")
+    table = Table("K", "V", "bits/elem", "KLD", "top-1 %", "PPL", "ΔPPL", "needle",
+                  title=f"KV cache quality: {loaded.path.name}")
     for r in rows:
         table.add_row(r.cache_type_k, r.cache_type_v, f"{r.bits_per_element:.2f}", f"{r.kld:.5f}",
                       f"{r.top1_agreement:.2f}", f"{r.ppl:.3f}", f"{r.delta_ppl:+.3f}",

@@ -37,7 +37,8 @@ class LiveAnswer:
         self.engine = engine
         self.console = Console()
         self.text = ""
-        self.live = Live(console=self.console, transient=True, auto_refresh=False, vertical_overflow="visible")
+        self.live = Live(console=self.console, transient=True, auto_refresh=False,
+                         vertical_overflow="visible")
 
     def __enter__(self) -> Self:
         self.live.__enter__()
@@ -53,7 +54,8 @@ class LiveAnswer:
         self.console.file.flush()
 
 
-def generate_streaming(engine, prompt_ids: list[int], params: SamplingParams, echo: bool = True) -> RequestOutput:
+def generate_streaming(engine, prompt_ids: list[int], params: SamplingParams,
+                       echo: bool = True) -> RequestOutput:
     """Run one request to the end, echoing its text: with a live status line on a terminal, plainly
     otherwise. Ctrl-C stops the answer (the request is aborted) rather than the program."""
     request = engine.add_request(prompt_ids, params)

@@ -23,7 +23,8 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="Run and measure LLMs around their KV cache.")
+    parser = argparse.ArgumentParser(prog="kvserve",
+                                     description="Run and measure LLMs around their KV cache.")
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():

@@ -20,7 +20,11 @@ def add_parser(sub, name: str) -> None:
 
 def _size(path: Path) -> int:
     """A model file's bytes, or a model folder's (an HF folder: its files)."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+    return (
+        sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if path.is_dir()
+        else path.stat().st_size
+    )
 
 
 def run_pull(args: argparse.Namespace) -> int:

@@ -22,7 +22,9 @@ def parse_bytes(text: str) -> int | str:
             return int(float(t[:-1]) * units[t[-1]])
         return int(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB or a byte count)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (use e.g. 512MiB, 2GiB or a byte count)"
+        ) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
@@ -56,17 +58,21 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
                         "faster batches and prefill, KLD 0.002), int8, bf16, f32 (the exact reference); "
                         "auto = q4 for a GGUF on CPU, else f32")
     g.add_argument("--context-overflow", default=None, choices=["error", "shift"],
-                   help="a conversation that outgrows --num-ctx: 'shift' keeps the first --num-keep tokens and "
-                        "drops the older half of the rest (kvserve run's chat), 'error' ends it (the default elsewhere)")
+                   help="a conversation that outgrows --num-ctx: 'shift' keeps the first --num-keep tokens "
+                        "and "
+                        "drops the older half of the rest (kvserve run's chat), 'error' ends it (the default "
+                        "elsewhere)")
     g.add_argument("--num-keep", type=int, default=4, help="tokens a context shift keeps at the start (4)")
     g.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: 'ngram' proposes the tokens that followed the context's last "
-                        "tokens where they occurred before (prompt lookup); 'draft' the guesses of --draft-model; "
+                        "tokens where they occurred before (prompt lookup); 'draft' the guesses of "
+                        "--draft-model; "
                         "the same output, faster where the guesses are often right")
     g.add_argument("--draft-model", default=None,
                    help="a smaller model with the same tokenizer whose greedy guesses are verified "
                         "(implies --speculative draft)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts verified per step at most (4)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="drafts verified per step at most (4)")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched (2)")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (4)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
@@ -91,9 +97,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         from kvserve.plan.auto import resolve_auto
 
         auto = resolve_auto(args.model or DEFAULT_MODEL, args.num_ctx, args.max_num_seqs, args.block_size,
-                            args.max_num_batched_tokens, "float32", cache_type_k, cache_type_v, kv_cache_memory,
-                            not args.no_window_kv)
-        cache_type_k, cache_type_v, kv_cache_memory = auto.cache_type_k, auto.cache_type_v, auto.kv_cache_memory
+                            args.max_num_batched_tokens, "float32", cache_type_k, cache_type_v,
+                            kv_cache_memory, not args.no_window_kv)
+        cache_type_k, cache_type_v, kv_cache_memory = (
+            auto.cache_type_k,
+            auto.cache_type_v,
+            auto.kv_cache_memory,
+        )
         print(auto.message, file=sys.stderr)
     return EngineConfig(
         model=args.model or DEFAULT_MODEL,
@@ -108,12 +118,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             disk_cache_size=args.kv_disk_cache_size,
             window_kv=not args.no_window_kv,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting=args.max_waiting, context_overflow=args.context_overflow or "error",
-                                  num_keep=args.num_keep),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_waiting=args.max_waiting,
+                                  context_overflow=args.context_overflow or "error", num_keep=args.num_keep),
         speculative=SpeculativeConfig(args.speculative or ("draft" if args.draft_model else None),
-                                      args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max,
-                                      args.draft_model),
+                                      args.num_speculative_tokens, args.prompt_lookup_min,
+                                      args.prompt_lookup_max, args.draft_model),
         device=args.device,
         weights=args.weights,
         num_threads=args.threads,
@@ -140,8 +151,9 @@ def _build_engine(args: argparse.Namespace):
     config = engine_config(args)
     if not sys.stderr.isatty():
         return LLMEngine.from_config(config, auto_pull=True)
-    with Progress(TextColumn("loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), transient=True, console=_stderr_console()) as progress:
+    with Progress(TextColumn("loading {task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), transient=True,
+                  console=_stderr_console()) as progress:
         task = progress.add_task(config.model, total=None)
 
         def on_tensor(done: int, total: int) -> None:

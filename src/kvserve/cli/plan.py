@@ -57,7 +57,8 @@ def add_parser(sub, name: str) -> None:
                    help="the attention kernels to plan for: auto = the native ones where they build here "
                         "(they read K/V in place), torch = torch's path (gathers K/V, scores per query tile)")
     p.add_argument("--kv-disk-cache-size", default=None,
-                   help="plan the prefix cache's disk tier too: tokens a directory of this size holds (e.g. 20GiB)")
+                   help="plan the prefix cache's disk tier too: tokens a directory of this size holds (e.g. "
+                        "20GiB)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(handler=run)
 
@@ -135,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         weights=args.weights,
         window_kv=not args.no_window_kv,
         attention=args.attention,
-        disk_cache_bytes=parse_size(args.kv_disk_cache_size, "--kv-disk-cache-size") if args.kv_disk_cache_size else None,
+        disk_cache_bytes=parse_size(args.kv_disk_cache_size,
+                                    "--kv-disk-cache-size") if args.kv_disk_cache_size else None,
     )
     plan = make_plan(spec, settings)
     if args.json:

@@ -16,8 +16,10 @@ if TYPE_CHECKING:  # the engine's modules are imported when a command runs, not 
 
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser("run", help="generate from a prompt, or chat when no prompt is given")
-    p.add_argument("model", nargs="?", default=None, help="registry name, .gguf file or HF folder (default smollm2)")
-    p.add_argument("prompt", nargs="?", default=None, help="prompt (default: read stdin, or chat on a terminal)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="registry name, .gguf file or HF folder (default smollm2)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="prompt (default: read stdin, or chat on a terminal)")
     p.add_argument("--max-tokens", "-n", type=int, default=512, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)

@@ -26,18 +26,22 @@ def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="serve models over OpenAI-, Ollama- and Anthropic-compatible HTTP APIs")
     p.add_argument(
         "models", nargs="*", metavar="MODEL", action=_Models,
-        help="registry name, .gguf file or HF folder (default smollm2); the first is loaded at start and answers "
+        help="registry name, .gguf file or HF folder (default smollm2); the first is loaded at start and "
+             "answers "
         "requests that name no model, the others load when a request names them",
     )
     p.add_argument("--models-dir", "--models", dest="models_dir", default=None, metavar="DIR",
-                   help="also serve every .gguf file in DIR (named by its file name less .gguf), loaded on demand")
+                   help="also serve every .gguf file in DIR (named by its file name less .gguf), loaded on "
+                        "demand")
     p.add_argument("--keep-alive", default="-1", metavar="DURATION",
-                   help="how long a model stays loaded once idle, the first too: 5m, 1h, 30s, 0 (unload after "
+                   help="how long a model stays loaded once idle, the first too: 5m, 1h, 30s, 0 (unload "
+                        "after "
                    "each answer) or -1 (until evicted; default); a request's keep_alive overrides it")
     p.add_argument("--max-loaded-models", type=int, default=0, metavar="N",
                    help="models loaded at once, the first included (0: as many as --max-memory holds)")
     p.add_argument("--max-memory", type=parse_bytes, default=None, metavar="SIZE",
-                   help="memory the server may take with all its loaded models, as kvserve plan counts each (default: "
+                   help="memory the server may take with all its loaded models, as kvserve plan counts each "
+                        "(default: "
                    "the first model's plan and what this machine has available after loading it); the least "
                    "recently used idle model is unloaded to make room")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
@@ -62,7 +66,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument(
         "--special-tokens-in-messages",
         action="store_true",
-        help="read special-token strings in chat messages (e.g. '<|im_start|>') as control tokens; by default "
+        help="read special-token strings in chat messages (e.g. '<|im_start|>') as control tokens; by "
+             "default "
         "they are plain text, so a client cannot forge a system turn",
     )
     p.add_argument(
@@ -76,7 +81,8 @@ def add_parser(sub, name: str) -> None:
         "--embedding-weights",
         default="f32",
         choices=["f32", "int8"],
-        help="the encoders' projections: f32 (sentence-transformers' vectors; default) or int8 (about twice as "
+        help="the encoders' projections: f32 (sentence-transformers' vectors; default) or int8 (about twice "
+             "as "
         "fast, cosine >= 0.9997 to them)",
     )
     p.add_argument(
@@ -117,11 +123,14 @@ def add_parser(sub, name: str) -> None:
         "Ray instance on this machine",
     )
     p.add_argument("--temperature", "--temp", type=float, default=None, metavar="T",
-                   help="the temperature of a request that sets none (llama.cpp's --temp; 0: greedy); default: "
+                   help="the temperature of a request that sets none (llama.cpp's --temp; 0: greedy); "
+                        "default: "
                    "each API's own (OpenAI and Anthropic 1, Ollama and /infill 0.8)")
     p.add_argument("--stream-heartbeat", type=float, default=5.0, metavar="SECONDS",
-                   help="a streamed answer sends a ping (an Anthropic ping event, an SSE comment, an empty Ollama "
-                   "line) this often while its prompt is read, so agents do not drop a silent stream (default 5)")
+                   help="a streamed answer sends a ping (an Anthropic ping event, an SSE comment, an empty "
+                        "Ollama "
+                   "line) this often while its prompt is read, so agents do not drop a silent stream "
+                   "(default 5)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_engine_args(p, max_num_seqs=8)
@@ -191,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     before = resident_bytes()
     encoder = _encoder(args.embedding_model, "--embedding-model", False, args.embedding_weights)
     reranker = _encoder(args.rerank_model, "--rerank-model", True, args.embedding_weights)
-    after = resident_bytes()  # what the encoders took (weights as held, tokenizer tables), and a decoder's KV pool,
+    # what the encoders took (weights as held, tokenizer tables), and a decoder's KV pool,
+    after = resident_bytes()
     # which is not resident until written
     beside = after - before if before is not None and after is not None else 0
     beside += sum(e.engine.engine.kv_pool_bytes for e in (encoder, reranker) if hasattr(e, "engine"))
@@ -280,8 +290,8 @@ def planned_bytes(args: argparse.Namespace, source: str, with_runtime: bool = Fa
 
     spec = spec or resolve_model(source)
     k, v = args.cache_type_k or args.cache_type, args.cache_type_v or args.cache_type
-    settings = PlanSettings(contexts=(min(args.num_ctx, spec.config.max_position_embeddings),), kv_types=((k, v),),
-                            memory=1 << 60, max_num_seqs=args.max_num_seqs,
+    settings = PlanSettings(contexts=(min(args.num_ctx, spec.config.max_position_embeddings),),
+                            kv_types=((k, v),), memory=1 << 60, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                             weights=args.weights, window_kv=not args.no_window_kv)
     total = make_plan(spec, settings).kv[0].contexts[0].engine_total
@@ -311,7 +321,8 @@ def _served_models(args: argparse.Namespace, others: list[str], config, beside: 
         if name in slots or name == config.model_name:
             raise ValueError(f"two models would be served as '{name}': rename a file")
         spec = resolve_model(source)  # its header, read once for the plan and the card
-        slots[name] = (source, planned_bytes(args, source, spec=spec), ModelCard.from_file(source, name, args.num_ctx,
+        slots[name] = (source, planned_bytes(args, source, spec=spec),
+                       ModelCard.from_file(source, name, args.num_ctx,
                                                                                            spec))
     first_source = args.model or DEFAULT_MODEL
     first = planned_bytes(args, first_source) if slots else 0  # alone, no budget to keep
@@ -320,11 +331,13 @@ def _served_models(args: argparse.Namespace, others: list[str], config, beside: 
     if isinstance(args.max_memory, int):
         budget = args.max_memory - RUNTIME_OVERHEAD_BYTES - beside
         if budget < first:
-            raise ValueError(f"--max-memory holds less than the first model, the runtime and the embedding and "
+            raise ValueError(
+                f"--max-memory holds less than the first model, the runtime and the embedding and "
                              f"rerank models: {(first + RUNTIME_OVERHEAD_BYTES + beside) / 2**20:.0f} MiB")
 
     def make(primary: Serving) -> ServedModels:
-        metrics, config = primary.metrics, primary.config  # not the first Serving: it must be freed when unloaded
+        # not the first Serving: it must be freed when unloaded
+        metrics, config = primary.metrics, primary.config
 
         def load(source: str, name: str) -> Serving:
             engine = load_engine(argparse.Namespace(**{**vars(args), "model": source}))

@@ -42,7 +42,8 @@ def check_cores(num_replicas: int, num_threads: int) -> None:
     cores = os.cpu_count() or 1
     if num_replicas * num_threads > cores:
         raise ValueError(
-            f"{num_replicas} replica{'s' if num_replicas > 1 else ''} of {num_threads} threads need {num_replicas * num_threads} cores; this "
+            f"{num_replicas} replica{'s' if num_replicas > 1 else ''} of {num_threads} threads need "
+            f"{num_replicas * num_threads} cores; this "
             f"machine has {cores}: lower --replicas or -t, or join a cluster with --ray-address"
         )
 

@@ -32,7 +32,8 @@ def add_parser(sub, name: str) -> None:
         default=os.environ.get("KVSERVE_API_KEY"),
         help="the server's --api-key (default: $KVSERVE_API_KEY)",
     )
-    p.add_argument("--model", default=None, help="the loaded model whose pool to show (default: the server's first, "
+    p.add_argument("--model", default=None,
+                   help="the loaded model whose pool to show (default: the server's first, "
                    "else the last used)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.set_defaults(handler=run)
@@ -50,7 +51,8 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def frames(url: str, api_key: str | None, max_events: int | None = None, model: str | None = None) -> Iterator[dict]:
+def frames(url: str, api_key: str | None, max_events: int | None = None,
+           model: str | None = None) -> Iterator[dict]:
     import httpx
 
     headers = _headers(api_key)
@@ -153,7 +155,8 @@ def render(frame: dict, rates: list[float], width: int = 80):
         f"  {frame['num_running']} running, {frame['num_waiting']} waiting  |  KV {kv}, "
         f"{frame['kv_bytes_per_token'] / 1024:.1f} KiB/token, pool {frame['kv_pool_bytes'] / mib:.1f} MiB\n",
         f"blocks {frame['num_used_blocks']}/{frame['num_blocks']} in use ({100 * frame['usage']:.0f}%), "
-        f"{frame['num_shared_blocks']} shared, {frame['num_cached_free_blocks']} cached  |  prefix hits {hits}\n",
+        f"{frame['num_shared_blocks']} shared, {frame['num_cached_free_blocks']} cached  |  prefix hits "
+        f"{hits}\n",
         f"room before a preemption {room} tokens  |  preemptions {frame['num_preemptions']}\n",
         f"{rate} tok/s ",
         (sparkline(rates[-(width - 12) :]), "green"),

@@ -22,7 +22,8 @@ from kvserve.errors import ModelLoadError
 from kvserve.models.encoder_config import EncoderConfig
 from kvserve.models.gguf_encoder import header_pooling
 
-NUM_CTX = 2048  # tokens an input may have (less where the model has fewer positions): Ollama's default context
+# tokens an input may have (less where the model has fewer positions): Ollama's default context
+NUM_CTX = 2048
 MAX_NUM_SEQS = 32  # inputs prefilled together
 CHUNK = 512  # tokens a step reads
 
@@ -52,22 +53,25 @@ def _own_engine(path: Path, weight_format: str, what: str, num_ctx: int):
 
 class _Decoder:
     """A decoder read for what its last hidden states say: the engine's tokenizer and scheduler, each input a
-    pooling request to ``engine`` (its own, or a chat model's: ``owns_engine`` says whether closing stops it)."""
+    pooling request to ``engine`` (its own, or a chat model's: ``owns_engine`` says whether closing stops
+    it)."""
 
-    def __init__(self, engine, name: str, pooling: str, normalize: bool, num_labels: int, owns_engine: bool) -> None:
+    def __init__(self, engine, name: str, pooling: str, normalize: bool, num_labels: int,
+                 owns_engine: bool) -> None:
         loaded = engine.engine.loaded
         self.path, self.name = Path(loaded.path), name
         self.engine, self.loaded, self.pooling, self._owns_engine = engine, loaded, pooling, owns_engine
         c = loaded.config
         self.config = EncoderConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, num_heads=c.num_heads,
-            intermediate_size=c.intermediate_size, max_positions=c.max_position_embeddings, type_vocab_size=0,
-            eps=c.rms_norm_eps, max_seq_length=engine.engine.max_model_len, pooling=pooling, normalize=normalize,
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
+            num_heads=c.num_heads, intermediate_size=c.intermediate_size,
+            max_positions=c.max_position_embeddings, type_vocab_size=0, eps=c.rms_norm_eps,
+            max_seq_length=engine.engine.max_model_len, pooling=pooling, normalize=normalize,
             num_labels=num_labels)
 
     async def _pooled(self, batch: list[list[int]], pooling: str) -> torch.Tensor:
-        """[len(batch), ...] each input's pooled final state (or last logits), as many in the engine at once as
-        it runs."""
+        """[len(batch), ...] each input's pooled final state (or last logits), as many in the engine at once
+        as it runs."""
         params = SamplingParams(pooling=pooling, max_tokens=1)
 
         async def one(ids: list[int]) -> torch.Tensor:
@@ -84,7 +88,8 @@ class _Decoder:
         pooled = []
         for i in range(0, len(batch), wave):
             try:
-                async with asyncio.TaskGroup() as group:  # one failing cancels the others: their requests abort
+                # one failing cancels the others: their requests abort
+                async with asyncio.TaskGroup() as group:
                     tasks = [group.create_task(one(ids)) for ids in batch[i : i + wave]]
             except ExceptionGroup as failed:  # the first failure, as one request would raise it (the task
                 # group has cancelled this task to stop the others: a cancellation check here would
@@ -110,13 +115,15 @@ class DecoderEncoder(_Decoder):
         pooling = header_pooling(header)
         if pooling is None:
             raise ModelLoadError(f"{path}: a decoder without a pooling type is not an embedding model")
-        super().__init__(_own_engine(path, weight_format, "an embedding model", num_ctx), name, pooling, True, 0, True)
+        super().__init__(_own_engine(path, weight_format, "an embedding model", num_ctx), name, pooling, True,
+                         0, True)
         self.add_eos = bool(header.get("tokenizer.ggml.add_eos_token", False))
 
     @classmethod
     def of_chat_model(cls, engine, name: str) -> DecoderEncoder:
         """A chat model's own embeddings, through its engine (Ollama and llama.cpp's server embed with any
-        model): the mean of the prompt's final hidden states, normalized, the tokenizer's BOS as it adds it."""
+        model): the mean of the prompt's final hidden states, normalized, the tokenizer's BOS as it adds
+        it."""
         self = cls.__new__(cls)
         _Decoder.__init__(self, engine, name, "mean", True, 0, False)
         self.add_eos = False
@@ -150,10 +157,12 @@ class DecoderEncoder(_Decoder):
 
 
 # Qwen3-Reranker's prompt (its model card's): the query and document judged, the answer "yes" or "no"
-RERANK_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+RERANK_SYSTEM = (
+    'Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
                  'Note that the answer can only be "yes" or "no".')
 RERANK_INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
-RERANK_PROMPT = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<Instruct>: {instruct}\n<Query>: {query}\n"
+RERANK_PROMPT = (
+    "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<Instruct>: {instruct}\n<Query>: {query}\n"
                  "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
@@ -165,7 +174,8 @@ class DecoderReranker(_Decoder):
     ``score``, ``config``."""
 
     def __init__(self, path: Path, name: str, weight_format: str = "f32", num_ctx: int = NUM_CTX) -> None:
-        super().__init__(_own_engine(path, weight_format, "a reranker", num_ctx), name, "last", False, 2, True)
+        super().__init__(_own_engine(path, weight_format, "a reranker", num_ctx), name, "last", False, 2,
+                         True)
         self.yes, self.no = (self.loaded.tokenizer.encode(w, add_special=False)[0] for w in ("yes", "no"))
 
     def tokenize_pairs(self, query: str, documents: list[str]) -> list[tuple[list[int], list[int]]]:
@@ -177,7 +187,8 @@ class DecoderReranker(_Decoder):
         after = tokenizer.encode(tail, add_special=False)
         room = most - len(before) - len(after)
         if room < 1:
-            raise ValueError(f"the query is {len(before)} tokens in its prompt; this model reads at most {most}")
+            raise ValueError(
+                f"the query is {len(before)} tokens in its prompt; this model reads at most {most}")
         return [(before + tokenizer.encode(d, add_special=False)[:room] + after, []) for d in documents]
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,8 @@ class AsyncLLMEngine:
             return None
         total = request.num_prompt_tokens
         cached = max(request.num_cached_tokens, 0)
-        return PromptProgress(total, cached, min(request.num_computed_tokens, total), request.metrics.arrival_time)
+        return PromptProgress(total, cached, min(request.num_computed_tokens, total),
+                              request.metrics.arrival_time)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream (if still read) ends with finish_reason "abort"."""

@@ -38,7 +38,8 @@ class Constraint:
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:
-            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
+            raise ValueError(
+                f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> Constraint:
@@ -103,9 +104,9 @@ def _first_line(message: str) -> str:
 
 # JSON Schema keywords the grammar engine cannot enforce: a schema using them is refused (OpenAI's strict
 # mode refuses them too), rather than followed in part
-UNENFORCED_KEYWORDS = ("if", "then", "else", "not", "dependentSchemas", "dependentRequired", "unevaluatedProperties",
-                       "unevaluatedItems", "contains", "minContains", "maxContains", "propertyNames", "uniqueItems",
-                       "$dynamicRef", "$dynamicAnchor")
+UNENFORCED_KEYWORDS = ("if", "then", "else", "not", "dependentSchemas", "dependentRequired",
+                       "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
+                       "propertyNames", "uniqueItems", "$dynamicRef", "$dynamicAnchor")
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 
@@ -144,7 +145,8 @@ def compiled(constraint: Constraint, grammar_tokenizer: GrammarTokenizer):
             cache.move_to_end(key)
             return cache[key]
     if len(constraint.spec) > MAX_SPEC_BYTES:
-        raise ValueError(f"the {constraint.kind.replace('_', ' ')} is {len(constraint.spec):,} bytes; at most "
+        raise ValueError(
+            f"the {constraint.kind.replace('_', ' ')} is {len(constraint.spec):,} bytes; at most "
                          f"{MAX_SPEC_BYTES:,} are compiled")
     from llguidance import LLMatcher
 
@@ -179,10 +181,12 @@ def _probe(matcher, kind: str, vocab_size: int) -> None:
         if allowed.size == 0:
             if probe.is_accepting():
                 return
-            raise GrammarError(f"the {kind} admits no output: {_first_line(probe.get_error() or 'no token fits')}")
+            raise GrammarError(
+                f"the {kind} admits no output: {_first_line(probe.get_error() or 'no token fits')}")
         if not probe.consume_token(int(allowed[0])) or probe.is_error():
             raise GrammarError(f"the {kind} cannot be followed (a property that requires itself without end, "
-                               f"or a part too large for the grammar engine): {_first_line(probe.get_error())}")
+                               f"or a part too large for the grammar engine): "
+                               f"{_first_line(probe.get_error())}")
 
 
 class TokenConstraint:

@@ -84,7 +84,7 @@ class DraftModelProposer:
         if state is None:
             state = self._states[request_id] = _DraftState(self.model.config.num_layers)
         held = 0
-        for a, b in zip(state.tokens, tokens):
+        for a, b in zip(state.tokens, tokens, strict=False):
             if a != b:
                 break
             held += 1

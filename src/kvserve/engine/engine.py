@@ -19,7 +19,7 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampler import Sampler
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.speculative import NgramProposer
 from kvserve.errors import PromptTooLongError
 from kvserve.kv.auto_type import context_advice
@@ -53,8 +53,8 @@ class LLMEngine:
                          config.scheduler.max_num_batched_tokens)
         self.max_model_len = size.max_model_len
         self.storage = PagedKVStorage(
-            loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_type_k, loaded.model.device,
-            config.cache.cache_type_v, size.window_layers, size.num_window_blocks,
+            loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_type_k,
+            loaded.model.device, config.cache.cache_type_v, size.window_layers, size.num_window_blocks,
         )
         self._identity: dict | None = None
         self.disk: DiskTier | None = None
@@ -62,21 +62,26 @@ class LLMEngine:
         hash_key = PROCESS_KEY
         if config.cache.disk_cache_dir and config.cache.enable_prefix_caching:
             try:
-                self.disk = DiskTier(config.cache.disk_cache_dir, config.cache.disk_cache_size, self.cache_identity)
+                self.disk = DiskTier(config.cache.disk_cache_dir, config.cache.disk_cache_size,
+                                     self.cache_identity)
             except OSError as e:
-                raise ValueError(f"cannot use {config.cache.disk_cache_dir} as the disk KV cache: {e}") from None
+                raise ValueError(
+                    f"cannot use {config.cache.disk_cache_dir} as the disk KV cache: {e}"
+                ) from None
             self.offload = DiskOffload(self.storage, self.disk)
             hash_key = cache_key(self.disk.secret, self.cache_identity)
         window = None
         if size.window_layers:
-            window = WindowBlocks(size.num_window_blocks, config.cache.block_size, loaded.config.sliding_window,
-                                  config.cache.enable_prefix_caching)
+            window = WindowBlocks(size.num_window_blocks, config.cache.block_size,
+                                  loaded.config.sliding_window, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  hash_key, self.offload, window)
-        # the cache as one typed object, for what reads and writes its blocks outside the engine (prompt-cache files)
+        # the cache as one typed object, for what reads and writes its blocks outside the engine (prompt-cache
+        # files)
         self.cache = KVCache(self.kv, self.storage, lambda: self.cache_identity, loaded.config.vocab_size,
                              self.offload)
-        self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len, self._proposer(config, loaded))
+        self.scheduler = Scheduler(config.scheduler, self.kv, size.max_model_len,
+                                   self._proposer(config, loaded))
         self.num_draft_tokens = 0  # speculative tokens proposed, verified and kept (all requests)
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0  # request-steps that verified drafts
@@ -163,7 +168,8 @@ class LLMEngine:
             self.scheduler.check_prompt(request)
         except PromptTooLongError as e:
             cache = self.config.cache
-            advice = context_advice(self.model_config, e.num_prompt_tokens, cache.cache_type_k, cache.cache_type_v_resolved)
+            advice = context_advice(self.model_config, e.num_prompt_tokens, cache.cache_type_k,
+                                    cache.cache_type_v_resolved)
             raise PromptTooLongError(f"{e}; {advice}", e.num_prompt_tokens, e.limit) from None
 
     def add_prepared(self, request: Request) -> Request:
@@ -215,21 +221,29 @@ class LLMEngine:
         self.heap.after_step(out.num_tokens)
         if self.offload is not None:
             self.offload.save_computed(self.kv, [s.request for s in out.scheduled])
+        return self._sampled_outputs(out, ready, logits) + self._pooled_outputs(out)
+
+    def _sampled_outputs(self, out: SchedulerOutput, ready: list[Request],
+                         logits: torch.Tensor) -> list[RequestOutput]:
+        """Draw each ready request's next token (and check its drafts), then its output; a request whose
+        draw fails ends with an error, the others go on."""
         drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}
         first_rows, row = [], 0  # each ready request's first logits row (a request with drafts has more)
         for r in ready:
             first_rows.append(row)
             row += 1 + len(drafts.get(r.request_id, ()))
-        firsts = logits if row == len(ready) else logits.index_select(0, torch.tensor(first_rows, device=logits.device))
+        firsts = logits
+        if row != len(ready):
+            firsts = logits.index_select(0, torch.tensor(first_rows, device=logits.device))
         sampled = self.sampler.sample(firsts, ready) if ready else []
         now = time.perf_counter()
         results = []
-        for request, first, (token, logprob) in zip(ready, first_rows, sampled):
+        for request, first, (token, logprob) in zip(ready, first_rows, sampled, strict=True):
             if not isinstance(token, Exception):
                 self._take_token(request, token, logprob, now)
                 if request.request_id in drafts:
                     self._verify(request, drafts[request.request_id], logits, first, token, now)
-            if isinstance(token, Exception) or request.error is not None:  # this request fails; the others go on
+            if isinstance(token, Exception) or request.error is not None:
                 if isinstance(token, GrammarError):
                     request.error, request.error_status = str(token), 400
                 request.error = request.error or f"sampling failed: {token}"
@@ -239,7 +253,13 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 self.scheduler.finish(request, request.status)
             results.append(output)
-        for s in out.scheduled:  # pooling requests whose whole prompt is read: their embedding ends them
+        return results
+
+    def _pooled_outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Pooling requests whose whole prompt is read: their embedding ends them."""
+        now = time.perf_counter()
+        results = []
+        for s in out.scheduled:
             request = s.request
             if request.embedding is not None and not request.is_finished:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -264,7 +284,8 @@ class LLMEngine:
         accepted = 0
         while accepted < len(draft) and token == draft[accepted] and not request.is_finished:
             accepted += 1
-            ((token, logprob),) = self.sampler.sample(logits[first + accepted : first + accepted + 1], [request])
+            ((token, logprob),) = self.sampler.sample(logits[first + accepted : first + accepted + 1],
+                                                      [request])
             if isinstance(token, Exception):
                 request.error = str(token) if isinstance(token, GrammarError) else f"sampling failed: {token}"
                 request.error_status = 400 if isinstance(token, GrammarError) else 500
@@ -365,7 +386,8 @@ class LLMEngine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model_config, self.config.cache.cache_type_k, self.config.cache.cache_type_v)
+        return kv_bytes_per_token(self.model_config, self.config.cache.cache_type_k,
+                                  self.config.cache.cache_type_v)
 
     @property
     def kv_pool_bytes(self) -> int:

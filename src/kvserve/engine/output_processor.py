@@ -57,7 +57,8 @@ class OutputProcessor:
     def process(self, request: Request) -> RequestOutput:
         """Call after a token was appended (and the stop-token check ran), or when a request ends."""
         state = self.states.get(request.request_id)
-        new_ids = request.output_token_ids[state.num_emitted_tokens :] if state else request.output_token_ids[-1:]
+        new_ids = request.output_token_ids[state.num_emitted_tokens :] if state else request.output_token_ids[
+            -1:]
         delta = ""
         if state is not None:
             self._advance_text(request, state, new_ids)
@@ -86,7 +87,8 @@ class OutputProcessor:
             metrics=request.metrics.snapshot(),
             stop_reason=request.stop_reason,
             logprobs=list(logprobs) if logprobs is not None else None,
-            new_logprobs=logprobs[-len(new_ids):] if logprobs and new_ids else ([] if logprobs is not None else None),
+            new_logprobs=logprobs[-len(new_ids):] if logprobs and new_ids else (
+                [] if logprobs is not None else None),
             error=request.error,
             error_status=request.error_status,
             embedding=request.embedding,

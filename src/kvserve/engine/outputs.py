@@ -94,4 +94,5 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_status: int = 500  # 400: the request's own grammar could not be followed (its fault, not ours)
-    embedding: torch.Tensor | None = None  # a pooling request's pooled final hidden state ([hidden] float32, CPU)
+    # a pooling request's pooled final hidden state ([hidden] float32, CPU)
+    embedding: torch.Tensor | None = None

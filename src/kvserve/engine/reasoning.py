@@ -85,7 +85,8 @@ class ThoughtState:
         return self.phase == self.DONE
 
 
-def split_thought(text: str, opened: bool, start: str = "<think>", end: str = "</think>") -> tuple[str | None, str]:
+def split_thought(text: str, opened: bool, start: str = "<think>", end: str = "</think>") -> tuple[
+    str | None, str]:
     """(the thought, the answer) of an output: ``opened`` when the prompt opened the thought, else a thought
     only where the output starts with ``start``. A thought never closed (cut off by the token limit) is all
     thought. None: no thought."""
@@ -101,7 +102,8 @@ def split_thought(text: str, opened: bool, start: str = "<think>", end: str = "<
     return body[:close].strip(), body[close + len(end) :].lstrip()
 
 
-def thought_so_far(text: str, opened: bool, start: str = "<think>", end: str = "</think>") -> tuple[str | None, str, bool]:
+def thought_so_far(text: str, opened: bool, start: str = "<think>",
+                   end: str = "</think>") -> tuple[str | None, str, bool]:
     """For a stream: (the thought so far, the answer so far, settled). Text that may still become a tag
     (``"</thi"``, or a start that is not yet a whole ``<think>``) is held back: not settled."""
     if not opened:

@@ -58,7 +58,8 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.stop_reason: str | int | None = None
         self.error: str | None = None
-        self.error_status = 500  # the HTTP status its error maps to: 400 where the request's own grammar failed
+        # the HTTP status its error maps to: 400 where the request's own grammar failed
+        self.error_status = 500
         self.num_step_failures = 0  # failed forwards this request was part of
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         limit = max_total_tokens
@@ -73,7 +74,8 @@ class Request:
         self.generator: torch.Generator | None = None  # created by the sampler on first use
         self.constraint: TokenConstraint | None = None  # params.constraint's state, set by the engine
         self.thought = ThoughtState(params.reasoning) if params.reasoning is not None else None
-        # a pooling request (params.pooling): the mean's final hidden states so far, a tensor a chunk, then the result
+        # a pooling request (params.pooling): the mean's final hidden states so far, a tensor a chunk, then
+        # the result
         self.pooled_rows: list[torch.Tensor] = []
         self.embedding: torch.Tensor | None = None  # [hidden] float32, once the whole prompt is read
 

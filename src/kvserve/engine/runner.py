@@ -6,7 +6,7 @@ import torch
 
 from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice, build_decode_batch
 from kvserve.engine.request import Request
-from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.models import native_decode
@@ -32,84 +32,107 @@ class ModelRunner:
         prompt is read its ``embedding`` is set."""
         # every step, as engines of other contexts may share the model: a no-op unless LongRoPE switches
         self.model.fit_context(self.num_ctx)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        kv_groups = range(len(self.storage.kv_group_blocks))  # every layer's blocks, then the sliding layers'
-        slots: list[list[int]] = [[] for _ in kv_groups]  # per group, each token's slot
-        sequences: list[SequenceSlice] = []
-        logit_rows: list[int] = []
-        ready: list[Request] = []
-        bs = self.block_size
-        decode_rows: list[int] = []
-        decode_tables: list[list[list[int]]] = [[] for _ in kv_groups]  # per group, each decode's table
-        decode_lens: list[int] = []
-        pooling: list[tuple[Request, int, int]] = []  # (request, its first row, rows)
-        pooled_logits: list[tuple[Request, int]] = []  # a "logits" pooling request's place among logit_rows
-
-        def decode(row: int, blocks: int, context: int) -> None:
-            decode_rows.append(row)
-            for g in kv_groups:
-                decode_tables[g].append(tables[g][:blocks])
-            decode_lens.append(context)
-
+        step = StepInputs(range(len(self.storage.kv_group_blocks)))
         for s in out.scheduled:
-            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            tables = self.kv.kv_group_block_ids(r.request_id)
-            end = start + n
-            num_blocks = -(-end // bs)
-            input_ids.extend(r.all_token_ids[start:end] + s.draft_token_ids if s.draft_token_ids
-                             else r.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            for g in kv_groups:
-                slots[g].extend(tables[g][p // bs] * bs + p % bs for p in range(start, end))
-            if s.draft_token_ids:  # each a decode row of its own: the bits decoding one at a time gives
-                for p in range(start, end):
-                    decode(len(input_ids) - end + p, p // bs + 1, p + 1)
-                    logit_rows.append(len(input_ids) - end + p)
-                ready.append(r)
-                continue
-            # generated tokens are attended together in one padded call (the decode kernel); a prompt
-            # chunk of one token goes with the prompts, so that it gets the bits a whole prefill gives
-            if n == 1 and end > r.num_prompt_tokens:
-                decode(len(input_ids) - 1, num_blocks, end)
-            else:
-                sequences.append(SequenceSlice(len(input_ids) - n, n, end, tuple(
-                    torch.tensor(tables[g][:num_blocks], dtype=torch.long, device=self.device) for g in kv_groups)))
-            if r.params.pooling == "logits":  # its last row's logits, computed with the sampled requests'
-                if end == r.num_prompt_tokens:
-                    pooled_logits.append((r, len(logit_rows)))
-                    logit_rows.append(len(input_ids) - 1)
-            elif r.params.pooling is not None:
-                pooling.append((r, len(input_ids) - n, n))
-            elif end == r.num_tokens:
-                logit_rows.append(len(input_ids) - 1)
-                ready.append(r)
-        device = self.device
-        decodes = None
-        if decode_rows:
-            decodes = build_decode_batch(decode_rows, decode_tables, decode_lens, device, len(input_ids))
-        kv_group_slots = tuple(torch.tensor(slots[g], dtype=torch.long, device=device) for g in kv_groups)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
-        if decodes is not None and decodes.only_decodes and self.native_decode is not None:
-            hidden = self.native_decode(ids, pos, [decodes.tables(g) for g in kv_groups], decodes.context_lens,
-                                        [self.storage.slot_rows(kv_group_slots[g], g) for g in kv_groups])
-        else:
-            metadata = PagedAttentionMetadata(kv_group_slots, sequences, decodes)
-            hidden = self.model.forward(ids, pos, PagedAttention(self.storage, metadata))
-        for r, row, n in pooling:
+            self._add(step, s)
+        hidden = self._forward(step)
+        for r, row, n in step.pooling:
             pooled = _pool(r, hidden[row : row + n])
             if pooled is not None:
                 r.embedding = pooled.float().cpu()
-        if not logit_rows:
+        if not step.logit_rows:
             return [], hidden.new_empty((0, 0))
-        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_rows, device=device)))
-        if pooled_logits:
-            for r, i in pooled_logits:
+        logits = self.model.compute_logits(hidden.index_select(0,
+                                                               torch.tensor(
+                                                                   step.logit_rows, device=self.device)))
+        if step.pooled_logits:
+            for r, i in step.pooled_logits:
                 r.embedding = logits[i].float().cpu()
-            taken = {i for _, i in pooled_logits}
-            logits = logits[[i for i in range(len(logit_rows)) if i not in taken]]
-        return ready, logits
+            taken = {i for _, i in step.pooled_logits}
+            logits = logits[[i for i in range(len(step.logit_rows)) if i not in taken]]
+        return step.ready, logits
+
+    def _add(self, step: StepInputs, s: ScheduledRequest) -> None:
+        """One scheduled request's tokens, slots, attention rows and outputs, appended to the step."""
+        bs = self.block_size
+        r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+        tables = self.kv.kv_group_block_ids(r.request_id)
+        end = start + n
+        step.input_ids.extend(r.all_token_ids[start:end] + s.draft_token_ids if s.draft_token_ids
+                              else r.all_token_ids[start:end])
+        step.positions.extend(range(start, end))
+        for g in step.kv_groups:
+            step.slots[g].extend(tables[g][p // bs] * bs + p % bs for p in range(start, end))
+        first_row = len(step.input_ids) - n
+        if s.draft_token_ids:  # each a decode row of its own: the bits decoding one at a time gives
+            for p in range(start, end):
+                step.add_decode(tables, first_row + p - start, p // bs + 1, p + 1)
+                step.logit_rows.append(first_row + p - start)
+            step.ready.append(r)
+            return
+        # generated tokens are attended together in one padded call (the decode kernel); a prompt
+        # chunk of one token goes with the prompts, so that it gets the bits a whole prefill gives
+        num_blocks = -(-end // bs)
+        if n == 1 and end > r.num_prompt_tokens:
+            step.add_decode(tables, first_row, num_blocks, end)
+        else:
+            step.sequences.append(SequenceSlice(first_row, n, end, tuple(
+                torch.tensor(tables[g][:num_blocks], dtype=torch.long, device=self.device)
+                for g in step.kv_groups)))
+        last_row = len(step.input_ids) - 1
+        if r.params.pooling == "logits":  # its last row's logits, computed with the sampled requests'
+            if end == r.num_prompt_tokens:
+                step.pooled_logits.append((r, len(step.logit_rows)))
+                step.logit_rows.append(last_row)
+        elif r.params.pooling is not None:
+            step.pooling.append((r, first_row, n))
+        elif end == r.num_tokens:
+            step.logit_rows.append(last_row)
+            step.ready.append(r)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The final hidden states of every row: one native call where only decodes run, else the model's
+        forward over the paged attention."""
+        device, kv_groups = self.device, step.kv_groups
+        decodes = None
+        if step.decode_rows:
+            decodes = build_decode_batch(step.decode_rows, step.decode_tables, step.decode_lens, device,
+                                         len(step.input_ids))
+        kv_group_slots = tuple(torch.tensor(step.slots[g], dtype=torch.long,
+                                            device=device) for g in kv_groups)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=device)
+        if decodes is not None and decodes.only_decodes and self.native_decode is not None:
+            return self.native_decode(ids, pos, [decodes.tables(g) for g in kv_groups], decodes.context_lens,
+                                      [self.storage.slot_rows(kv_group_slots[g], g) for g in kv_groups])
+        metadata = PagedAttentionMetadata(kv_group_slots, sequences=step.sequences, decodes=decodes)
+        return self.model.forward(ids, pos, PagedAttention(self.storage, metadata))
+
+
+class StepInputs:
+    """One step's inputs, gathered once from the scheduler's output (nano-vllm's ``prepare_prefill`` and
+    ``prepare_decode`` in one): rows are tokens in scheduled order; per KV group (every layer's blocks,
+    then the sliding layers') each token's slot and each decode row's block table."""
+
+    def __init__(self, kv_groups: range) -> None:
+        self.kv_groups = kv_groups
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[list[int]] = [[] for _ in kv_groups]
+        self.sequences: list[SequenceSlice] = []  # prompt chunks, attended by the prefill path
+        self.decode_rows: list[int] = []  # rows attended by the decode kernel, one query each
+        self.decode_tables: list[list[list[int]]] = [[] for _ in kv_groups]
+        self.decode_lens: list[int] = []
+        self.logit_rows: list[int] = []  # rows whose logits are computed
+        self.ready: list[Request] = []  # the requests those logits are sampled for, in order
+        self.pooling: list[tuple[Request, int, int]] = []  # (request, its first row, rows)
+        self.pooled_logits: list[tuple[Request, int]] = []  # a "logits" pooling request's place in logit_rows
+
+    def add_decode(self, tables: list[list[int]], row: int, blocks: int, context: int) -> None:
+        self.decode_rows.append(row)
+        for g in self.kv_groups:
+            self.decode_tables[g].append(tables[g][:blocks])
+        self.decode_lens.append(context)
 
 
 def _pool(request: Request, hidden: torch.Tensor) -> torch.Tensor | None:

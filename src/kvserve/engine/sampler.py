@@ -25,7 +25,8 @@ def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
     if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
         ids, counts = torch.tensor(request.output_token_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
-    if p.logit_bias:  # after the penalties, as OpenAI and llama.cpp add it: -100 bans a token, +100 all but forces it
+    # after the penalties, as OpenAI and llama.cpp add it: -100 bans a token, +100 all but forces it
+    if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
         logits[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
     return logits
@@ -61,15 +62,17 @@ class Sampler:
     def __init__(self, decode_token) -> None:
         self.decode_token = decode_token  # token id -> text, for logprob records
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int | Exception, TokenLogprob | None]]:
+    def sample(self, logits: torch.Tensor,
+               requests: list[Request]) -> list[tuple[int | Exception, TokenLogprob | None]]:
         """logits: [len(requests), vocab] float32. A request whose draw fails gets the exception
         instead of a token, so one bad request cannot stop the batch."""
         results = []
-        plain_greedy = [r.params.greedy and not _needs_penalty(r.params) and r.constraint is None and r.thought is None
+        plain_greedy = [
+            r.params.greedy and not _needs_penalty(r.params) and r.constraint is None and r.thought is None
                         for r in requests]
         # one argmax over the batch's rows (a call per row cost ~50 us at SmolLM2's 49k vocabulary)
         argmaxes = logits.argmax(-1).tolist() if sum(plain_greedy) > 1 else None
-        for i, (row, request) in enumerate(zip(logits, requests)):
+        for i, (row, request) in enumerate(zip(logits, requests, strict=True)):
             try:
                 forced = None
                 if request.thought is not None:
@@ -86,13 +89,15 @@ class Sampler:
             except (RuntimeError, ValueError) as e:  # e.g. a distribution with no finite entry
                 results.append((e, None))
                 continue
-            logprob = self._logprob(row, token, request.params.logprobs) if request.params.logprobs is not None else None
+            logprob = self._logprob(row, token,
+                                    request.params.logprobs) if request.params.logprobs is not None else None
             results.append((token, logprob))
         return results
 
     def _sample_one(self, row: torch.Tensor, request: Request) -> int:
         p = request.params
-        if request.constraint is not None and _grammar_applies(request):  # first: penalties and filters then see only valid tokens
+        # first: penalties and filters then see only valid tokens
+        if request.constraint is not None and _grammar_applies(request):
             start = time.perf_counter()
             forbidden = torch.from_numpy(request.constraint.forbidden(row.shape[-1])).to(row.device)
             request.metrics.mask_times.append(time.perf_counter() - start)
@@ -116,5 +121,5 @@ class Sampler:
         top = []
         if top_k > 0:
             values, ids = torch.topk(logprobs, top_k)
-            top = [(int(i), self.decode_token(int(i)), float(v)) for v, i in zip(values, ids)]
+            top = [(int(i), self.decode_token(int(i)), float(v)) for v, i in zip(values, ids, strict=True)]
         return TokenLogprob(token, self.decode_token(token), float(logprobs[token]), top)

@@ -16,8 +16,9 @@ POOLINGS = (None, "last", "mean", "logits")
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature`` below ``GREEDY_BELOW_TEMPERATURE`` (0 included) means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable
-    those filters. ``max_tokens=None`` generates until a stop or the context limit."""
+    """``temperature`` below ``GREEDY_BELOW_TEMPERATURE`` (0 included) means greedy. ``top_k <= 0`` and
+    ``top_p == 1`` and ``min_p == 0`` disable those filters. ``max_tokens=None`` generates until a stop or the
+    context limit."""
 
     max_tokens: int | None = 256
     temperature: float = 1.0
@@ -55,13 +56,15 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         checks = [
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
@@ -71,8 +74,10 @@ class SamplingParams:
              "logit_bias maps token ids (>= 0) to values in [-100, 100]"),
             (self.num_keep is None or self.num_keep >= 0, f"num_keep must be >= 0, got {self.num_keep}"),
             (self.stop_at_dedent >= 0, f"stop_at_dedent must be >= 0, got {self.stop_at_dedent}"),
-            (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
-            (self.pooling in POOLINGS, f"pooling must be one of {', '.join(map(str, POOLINGS))}, got {self.pooling!r}"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64,
+             f"seed must fit in 64 bits, got {self.seed}"),
+            (self.pooling in POOLINGS,
+             f"pooling must be one of {', '.join(map(str, POOLINGS))}, got {self.pooling!r}"),
         ]
         for ok, message in checks:
             if not ok:

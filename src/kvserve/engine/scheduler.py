@@ -30,7 +30,8 @@ class QueueFullError(KVServeError):
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
+    # tokens computed this step, starting at request.num_computed_tokens (drafts included)
+    num_new_tokens: int
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens after the request's own
 
 
@@ -58,7 +59,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, proposer: Proposer | None = None
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+        proposer: Proposer | None = None
     ) -> None:
         self.config = config
         self.proposer = proposer
@@ -101,7 +103,8 @@ class Scheduler:
                 f"{already} requests are already waiting and this one needs {count} more "
                 f"(limit {self.config.max_waiting} waiting); try again later"
                 if count > 1
-                else f"{already} requests are already waiting (limit {self.config.max_waiting}); try again later"
+                else f"{already} requests are already waiting (limit {self.config.max_waiting}); try again "
+                     f"later"
             )
 
     def add_request(self, request: Request) -> None:
@@ -189,13 +192,15 @@ class Scheduler:
                 or request.params.stop):  # stop strings end a request mid-token-list: decode one at a time
             return []
         left = request.num_outputs_left
-        limit = min(budget - 1, self.max_model_len - request.num_tokens, (left if left is not None else budget) - 1)
+        limit = min(budget - 1, self.max_model_len - request.num_tokens,
+                    (left if left is not None else budget) - 1)
         return self.proposer.propose(request.request_id, request.all_token_ids, limit)
 
     def _shift(self, request: Request) -> None:
         """Context shift (llama.cpp's and Ollama's): keep the first ``num_keep`` tokens, drop the older
         half of the rest, and recompute the request from there (its kept prefix from the prefix cache)."""
-        request.all_token_ids = shifted_context(request.all_token_ids, self.num_keep(request), self.max_model_len)
+        request.all_token_ids = shifted_context(request.all_token_ids, self.num_keep(request),
+                                                self.max_model_len)
         request.block_hashes = []
         request.metrics.num_context_shifts += 1
         self.num_context_shifts += 1

@@ -49,7 +49,8 @@ def choose_cache_types(
         tried.append((f"{k}/{v}", need))
     smallest = tried[-1] if tried else ("?", 0)
     raise ValueError(
-        f"no KV cache type fits {max_num_seqs} x {num_ctx} tokens in {_mib(budget)} (even {smallest[0]} needs "
+        f"no KV cache type fits {max_num_seqs} x {num_ctx} tokens in {_mib(budget)} (even {smallest[0]} "
+        f"needs "
         f"{_mib(smallest[1])}); lower --num-ctx or --max-num-seqs, or give more --kv-cache-memory"
     )
 

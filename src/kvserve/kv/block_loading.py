@@ -88,7 +88,7 @@ class BlockLoader:
             loaded = source.load([b.block_id for b in blocks], keys)
             parent = hits[-1].ref if hits else None
             cached = 0
-            for block, key in zip(blocks[:loaded], keys):
+            for block, key in zip(blocks[:loaded], keys, strict=False):
                 ref = self.pool.cache_block(block, key.block_hash, key.token_ids, parent, request.cache_salt)
                 if ref != block.ref:  # the pool holds this hash for another chain: stop here
                     break
@@ -107,7 +107,8 @@ class BlockLoader:
     # --- the window group's parts ---------------------------------------------------------------------
     def window_hit(self, request: CacheableRequest, hits: list[KVBlock], index: int) -> KVBlock | None:
         """The window pool's cached part of block ``index``, tied to the full group's ``hits[index]``."""
-        return self.window.lookup(index, hits, request.block_hashes, request.all_token_ids, request.cache_salt)
+        return self.window.lookup(index, hits, request.block_hashes, request.all_token_ids,
+                                  request.cache_salt)
 
     def load_window_parts(self, request: CacheableRequest, hits: list[KVBlock], source: BlockSource) -> None:
         """Load from ``source`` the window parts a query after ``hits`` reads (``first_live`` .. the
@@ -118,9 +119,10 @@ class BlockLoader:
         while end > 0:
             live = range(self.window.first_live(end * self.block_size), end)
             found = [self.window_hit(request, hits, i) for i in live]
-            missing = [i for i, block in zip(live, found) if block is None]
+            missing = [i for i, block in zip(live, found, strict=True) if block is None]
             held = [block for block in found if block is not None]
-            absent = next((i for i in missing if not source.contains(window_part_hash(request.block_hashes[i]))),
+            absent = next(
+                (i for i in missing if not source.contains(window_part_hash(request.block_hashes[i]))),
                           None)
             if absent is not None:  # checked before allocating: an allocation evicts cached window blocks
                 end = absent
@@ -150,7 +152,7 @@ class BlockLoader:
             keys = [self.block_key(request, i).window_part() for i in indices]
             loaded = source.load([b.block_id for b in blocks], keys, WINDOW_KV_GROUP)
             cached = 0
-            for block, key in zip(blocks[:loaded], keys):
+            for block, key in zip(blocks[:loaded], keys, strict=False):
                 full_ref = hits[key.index].ref
                 ref = pool.cache_block(block, key.parent_hash, key.token_ids, full_ref, request.cache_salt)
                 if ref != block.ref:  # the hash is held by a block in use under another full block

@@ -90,7 +90,8 @@ class Q8_0Codec(KVCodec):
         return [codes.flatten(-2), scale]
 
     def decode(self, parts, dtype):
-        codes, scale = parts  # int8 codes times the f32 scale: type promotion converts inside the one multiply
+        # int8 codes times the f32 scale: type promotion converts inside the one multiply
+        codes, scale = parts
         return (codes.unflatten(-1, (-1, GROUP)) * scale.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
@@ -151,7 +152,8 @@ def lloyd_max_codebook(bits: int, iterations: int = 200) -> torch.Tensor:
     levels = torch.linspace(-2.5, 2.5, n, dtype=torch.float64) * (1 if bits > 1 else 0.4)
     normal = torch.distributions.Normal(0.0, 1.0)
     for _ in range(iterations):
-        edges = torch.cat([torch.tensor([-math.inf]), (levels[1:] + levels[:-1]) / 2, torch.tensor([math.inf])])
+        edges = torch.cat([torch.tensor([-math.inf]), (levels[1:] + levels[:-1]) / 2,
+                           torch.tensor([math.inf])])
         cdf = normal.cdf(edges)
         pdf = torch.exp(normal.log_prob(edges)).nan_to_num(0.0)
         mass = (cdf[1:] - cdf[:-1]).clamp_min(1e-30)
@@ -292,5 +294,7 @@ def make_codec(name: str, head_dim: int) -> KVCodec:
     spec = kv_type(name)
     spec.check(head_dim)
     codec = RotatedCodec(head_dim, spec.code_bits) if spec.rotated else _SIMPLE[name](head_dim)
-    assert codec.bytes_per_vector() == spec.bytes_per_vector(head_dim), f"{name} layout disagrees with KV_TYPES"
+    assert codec.bytes_per_vector() == spec.bytes_per_vector(head_dim), (
+        f"{name} layout disagrees with KV_TYPES"
+    )
     return codec

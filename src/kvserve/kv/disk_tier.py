@@ -59,7 +59,8 @@ STALE_TEMP_SECONDS = 3600.0  # a temporary file this old belongs to a writer tha
 SECONDS_PER_POSITION = 1e-3
 
 
-HEADER_ALLOWANCE = 2048  # framing, the JSON header (identity, hashes, tokens) and the checksum of one file, at most about
+# framing, the JSON header (identity, hashes, tokens) and the checksum of one file, at most about
+HEADER_ALLOWANCE = 2048
 
 
 def capacity(max_bytes: int, bytes_per_token: int, block_size: int) -> tuple[int, int]:
@@ -88,7 +89,8 @@ class BlockKey:
     def in_chain(cls, hashes: list[int], index: int, token_ids: tuple[int, ...], salt_digest: str | None,
                  used_at: float | None = None) -> BlockKey:
         """The key of block ``index`` of a chain whose block hashes are ``hashes``."""
-        return cls(hashes[index], hashes[index - 1] if index else None, token_ids, salt_digest, index, used_at)
+        return cls(hashes[index], hashes[index - 1] if index else None, token_ids, salt_digest, index,
+                   used_at)
 
     def window_part(self) -> BlockKey:
         """The key of this block's window-group part: named by a hash derived from the block's, whose
@@ -252,7 +254,8 @@ class DiskTier:
         atexit.unregister(self.close)
 
     def _write_loop(self) -> None:
-        if sys.platform == "linux":  # on Linux a thread has its own nice value: yield the cores to the forward
+        # on Linux a thread has its own nice value: yield the cores to the forward
+        if sys.platform == "linux":
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while (job := self._queue.get()) is not None:

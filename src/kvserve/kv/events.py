@@ -74,14 +74,16 @@ class KVEventLog:
     medium: str = "CPU"  # where the pool lives: vLLM says "GPU" for device memory, "CPU" for host
     events: list[KVEvent] = field(default_factory=list)
 
-    def stored(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> None:
+    def stored(self, block_hash: BlockHash, parent_hash: BlockHash | None,
+               token_ids: tuple[int, ...]) -> None:
         last = self.events[-1] if self.events else None
         if (isinstance(last, BlockStored) and last.block_hashes[-1] == parent_hash
                 and last.block_size == len(token_ids)):
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
             return
-        self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids), self.medium))
+        self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids),
+                                       self.medium))
 
     def removed(self, block_hash: BlockHash) -> None:
         last = self.events[-1] if self.events else None

@@ -17,7 +17,8 @@ from kvserve.kv.storage import PagedKVStorage
 class KVCache:
     manager: KVCacheManager
     storage: PagedKVStorage
-    identity: Callable[[], dict]  # everything that makes the blocks' K/V what they are (computed once, on use)
+    # everything that makes the blocks' K/V what they are (computed once, on use)
+    identity: Callable[[], dict]
     vocab_size: int  # token ids a cached prefix may hold
     offload: DiskOffload | None  # the disk tier, when on
 

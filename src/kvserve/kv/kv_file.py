@@ -38,10 +38,12 @@ class KVFileError(ValueError):
 
 
 def _checksum(head: bytes | memoryview, key: bytes | None) -> bytes:
-    return hashlib.blake2b(head, key=key or b"", digest_size=CHECKSUM_BYTES, person=b"kvserve-kvfile").digest()
+    return hashlib.blake2b(head, key=key or b"", digest_size=CHECKSUM_BYTES,
+                           person=b"kvserve-kvfile").digest()
 
 
-def pack(magic: bytes, header: dict, payload: bytes | memoryview, key: bytes | None = None) -> list[bytes | memoryview]:
+def pack(magic: bytes, header: dict, payload: bytes | memoryview,
+         key: bytes | None = None) -> list[bytes | memoryview]:
     """The file's bytes, as pieces to write one after the other (the payload is not copied)."""
     assert len(magic) == 8
     body = json.dumps({**header, "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload)},
@@ -62,14 +64,17 @@ def unpack(data: bytes | memoryview, magic: bytes, key: bytes | None = None) -> 
         raise KVFileError(f"truncated or corrupt: header of {header_len} bytes in a file of {len(view)}")
     head_end = 12 + header_len
     if _checksum(view[:head_end], key) != bytes(view[-CHECKSUM_BYTES:]):
-        raise KVFileError("checksum mismatch: the file was changed, damaged, truncated or written under another key")
+        raise KVFileError(
+            "checksum mismatch: the file was changed, damaged, truncated or written under another key")
     try:
         header = json.loads(bytes(view[12:head_end]))
         payload_bytes, crc = int(header["payload_bytes"]), int(header["payload_crc32"])
     except (ValueError, KeyError, TypeError) as e:
         raise KVFileError(f"corrupt header: {e}") from None
     if len(view) != head_end + payload_bytes + CHECKSUM_BYTES:
-        raise KVFileError(f"truncated or corrupt: {len(view)} bytes, the header says {head_end + payload_bytes + CHECKSUM_BYTES}")
+        raise KVFileError(
+            f"truncated or corrupt: {len(view)} bytes, the header says "
+            f"{head_end + payload_bytes + CHECKSUM_BYTES}")
     payload = view[head_end : head_end + payload_bytes]
     if zlib.crc32(payload) != crc:
         raise KVFileError("payload CRC mismatch: the K/V bytes were changed or damaged")

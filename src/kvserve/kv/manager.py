@@ -36,7 +36,8 @@ class KVCacheManager:
         window: WindowBlocks | None = None,
     ) -> None:
         self.block_size = block_size
-        self.window = window or NoWindow(block_size)  # the sliding-window layers' group, or one holding nothing
+        # the sliding-window layers' group, or one holding nothing
+        self.window = window or NoWindow(block_size)
         self.enable_caching = enable_caching
         self.hash_key = hash_key
         self.tier = tier if enable_caching else None
@@ -94,7 +95,8 @@ class KVCacheManager:
 
     def _find(self, request: CacheableRequest, max_blocks: int) -> list[KVBlock]:
         hits = self._pool_hits(request, [], max_blocks)
-        if self.tier is not None and len(hits) < max_blocks and self._load_from_tier(request, hits, max_blocks):
+        if self.tier is not None and len(hits) < max_blocks and self._load_from_tier(
+            request, hits, max_blocks):
             hits = self._pool_hits(request, hits, max_blocks)
         return hits
 
@@ -104,7 +106,8 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hits), max_blocks):
             chunk = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-            block = self.pool.lookup(request.block_hashes[i], chunk, hits[-1].ref if hits else None, request.cache_salt)
+            block = self.pool.lookup(request.block_hashes[i], chunk, hits[-1].ref if hits else None,
+                                     request.cache_salt)
             if block is None:
                 break
             hits.append(block)
@@ -115,7 +118,8 @@ class KVCacheManager:
         cache them there (as cached-free blocks, like any hit not taken yet). Returns how many."""
         count = self.loader.num_held(self.tier, request, len(hits), max_blocks)
         cached = self.loader.load(request, hits, count, self.tier)
-        self._tier_tokens[request.request_id] = self._tier_tokens.get(request.request_id, 0) + cached * self.block_size
+        self._tier_tokens[request.request_id] = self._tier_tokens.get(request.request_id,
+                                                                      0) + cached * self.block_size
         return cached
 
     def install_prefix(self, token_ids: list[int], source: BlockSource, salt: str | None = None) -> int:
@@ -189,7 +193,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         tokens = request.all_token_ids
-        extend_block_hashes(request.block_hashes, tokens[:num_tokens], self.block_size, request.cache_salt, self.hash_key)
+        extend_block_hashes(request.block_hashes, tokens[:num_tokens], self.block_size, request.cache_salt,
+                            self.hash_key)
         blocks = self.req_blocks[request.request_id]
         start = self.num_cached_blocks[request.request_id]
         num_full = min(num_tokens, len(tokens)) // self.block_size  # speculative drafts are no tokens yet
@@ -197,8 +202,10 @@ class KVCacheManager:
         for i in range(start, num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             parent = chain[i - 1] if i else None
-            chain.append(self.pool.cache_block(blocks[i], request.block_hashes[i], chunk, parent, request.cache_salt))
-            self.window.cache_block(request.request_id, i, request.block_hashes[i], chunk, chain[i], request.cache_salt)
+            chain.append(self.pool.cache_block(blocks[i], request.block_hashes[i], chunk, parent,
+                                               request.cache_salt))
+            self.window.cache_block(request.request_id, i, request.block_hashes[i], chunk, chain[i],
+                                    request.cache_salt)
         self.num_cached_blocks[request.request_id] = max(start, num_full)
 
     def unsaved_blocks(self, request: CacheableRequest) -> list[tuple[int, KVBlock]]:
@@ -241,7 +248,8 @@ class KVCacheManager:
         return self.window.block(request_id, index)
 
     def window_block_ids(self, request_id: str) -> list[int] | None:
-        """The request's window table (the null block where blocks fell out), or None without a window group."""
+        """The request's window table (the null block where blocks fell out), or None without a window
+        group."""
         return self.window.block_ids(request_id)
 
     def kv_group_block_ids(self, request_id: str) -> list[list[int]]:

@@ -44,7 +44,8 @@ class DiskOffload:
                 break
             payloads.append(payload)
         if payloads:
-            data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), size)
+            data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(
+                len(payloads), size)
             self.storage.import_blocks(block_ids[: len(payloads)], data, kv_group)
         return len(payloads)
 
@@ -80,9 +81,9 @@ class DiskOffload:
         self._save([b for _, b in parts], [keys[i].window_part() for i, _ in parts], WINDOW_KV_GROUP)
 
     def _save(self, blocks: list, keys: list[BlockKey], kv_group: int = 0) -> None:
-        todo = [(b, k) for b, k in zip(blocks, keys) if not self.tier.contains(k.block_hash)]
+        todo = [(b, k) for b, k in zip(blocks, keys, strict=True) if not self.tier.contains(k.block_hash)]
         if not todo:
             return
         data = self.storage.export_blocks([b.block_id for b, _ in todo], kv_group)
-        for (_, key), row in zip(todo, data.numpy()):
+        for (_, key), row in zip(todo, data.numpy(), strict=True):
             self.tier.put(key, memoryview(row), owner=data)

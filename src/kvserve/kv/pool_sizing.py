@@ -32,7 +32,8 @@ def window_group_layers(model: ModelConfig, cache: CacheConfig) -> frozenset[int
     return sliding if len(sliding) < model.num_layers else frozenset()
 
 
-def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int, max_num_batched_tokens: int = 512) -> PoolSize:
+def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int,
+              max_num_batched_tokens: int = 512) -> PoolSize:
     """Blocks in the pool: ``kv_cache_memory`` bytes when given, else room for ``max_num_seqs``
     sequences of ``num_ctx`` tokens each. Sliding-window layers get a pool of their own sized for their
     windows (``window_pool_blocks``) where that is smaller than keeping every token."""
@@ -41,7 +42,8 @@ def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int, max_num
         raise ValueError(f"num_ctx must be >= 1, got {cache.num_ctx}")
     layer_block = bs * kv_bytes_per_token_per_layer(model, cache.cache_type_k, cache.cache_type_v)
     window = window_group_layers(model, cache)
-    num_window = window_pool_blocks(model.sliding_window, bs, max_num_seqs, max_num_batched_tokens) if window else 0
+    num_window = window_pool_blocks(model.sliding_window, bs, max_num_seqs,
+                                    max_num_batched_tokens) if window else 0
     if cache.kv_cache_memory is not None:
         per_block = model.num_layers * layer_block
         num_blocks = cache.kv_cache_memory // per_block
@@ -65,9 +67,12 @@ def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int, max_num
 def pool_nbytes(model: ModelConfig, cache: CacheConfig, size: PoolSize) -> int:
     """Bytes of the pool ``size`` (what ``PagedKVStorage.nbytes`` allocates for it): each layer's blocks
     times one block of one layer."""
-    layer_block = cache.block_size * kv_bytes_per_token_per_layer(model, cache.cache_type_k, cache.cache_type_v)
+    layer_block = cache.block_size * kv_bytes_per_token_per_layer(model, cache.cache_type_k,
+                                                                  cache.cache_type_v)
     num_window_layers = len(size.window_layers)
-    blocks = (model.num_layers - num_window_layers) * size.num_blocks + num_window_layers * size.num_window_blocks
+    blocks = (
+        model.num_layers - num_window_layers
+    ) * size.num_blocks + num_window_layers * size.num_window_blocks
     return blocks * layer_block
 
 
@@ -86,6 +91,7 @@ def context_pool_bytes(
     model: ModelConfig, num_ctx: int, max_num_seqs: int, block_size: int, cache_type_k: str,
     cache_type_v: str | None = None, max_num_batched_tokens: int = 512, window_kv: bool = True,
 ) -> int:
-    """Bytes of the pool the engine allocates for ``max_num_seqs`` x ``num_ctx`` tokens (``context_pool``'s)."""
-    return context_pool(model, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v, max_num_batched_tokens,
-                        window_kv)[1]
+    """Bytes of the pool the engine allocates for ``max_num_seqs`` x ``num_ctx`` tokens
+    (``context_pool``'s)."""
+    return context_pool(model, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v,
+                        max_num_batched_tokens, window_kv)[1]

@@ -6,12 +6,12 @@ The framing is ``kv_file``'s (magic KVSPC02), its digest keyed with this user's 
 (``CACHE_DIR/prompt-cache/secret``, made on first use, mode 0600): a file that labels one prompt's K/V
 with another prompt's tokens cannot be made without the secret, so it cannot poison the prefix cache (or,
 through it, the disk tier). To use a file on another machine, copy the secret with it. Every header field
-is checked before use; a bad one is a one-line ``PromptCacheError``. Header: the engine identity it was computed under, the tokens, the block count, and an
-optional ``extra`` object; payload: the blocks' bytes as the pool stores them, one after another.
-With a window group (``kv.window_blocks``) the header's ``window_blocks`` lists the blocks whose
-window parts (the sliding layers' bytes) follow, in that order, after all the blocks: at least the
-window a query after the last block reads, so a prefix loaded whole is a hit whole. A file without
-the key (any model without a window group) has no window parts.
+is checked before use; a bad one is a one-line ``PromptCacheError``. Header: the engine identity it was
+computed under, the tokens, the block count, and an optional ``extra`` object; payload: the blocks' bytes as
+the pool stores them, one after another. With a window group (``kv.window_blocks``) the header's
+``window_blocks`` lists the blocks whose window parts (the sliding layers' bytes) follow, in that order, after
+all the blocks: at least the window a query after the last block reads, so a prefix loaded whole is a hit
+whole. A file without the key (any model without a window group) has no window parts.
 A file is used only by an engine with the same identity (same model file, weight format, KV
 types, block size and kernels); the error says which of these differ.
 
@@ -50,7 +50,8 @@ class PromptCacheError(KVServeError):
     """A prompt-cache file that cannot be used by this engine."""
 
 
-def save_prompt_cache(cache: KVCache, token_ids: list[int], path: str | os.PathLike, extra: dict | None = None) -> int:
+def save_prompt_cache(cache: KVCache, token_ids: list[int], path: str | os.PathLike,
+                      extra: dict | None = None) -> int:
     """Write the cached blocks of ``token_ids`` (as far as the pool or the disk tier hold them, and
     with a window group as far as their window parts make them a hit) to ``path``, atomically.
     Returns the number of tokens saved (whole blocks)."""
@@ -159,7 +160,8 @@ def load_prompt_cache(cache: KVCache, path: str | os.PathLike) -> tuple[int, dic
         differs = [k for k in sorted(ours) if identity.get(k) != ours[k]]
         if any(k not in ours for k in identity):
             differs.append("fields this version does not know")
-        raise PromptCacheError(f"{path} was saved by another engine setup (differs in: {', '.join(differs)}); "
+        raise PromptCacheError(
+            f"{path} was saved by another engine setup (differs in: {', '.join(differs)}); "
                                f"load it with the same model file, --weights, KV types and block size")
     if not cache.prefix_caching:
         raise PromptCacheError("a prompt cache needs prefix caching (drop --no-prefix-caching)")

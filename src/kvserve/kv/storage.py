@@ -61,7 +61,8 @@ class PagedKVStorage:
         def specs(codec: KVCodec, blocks: int) -> list:
             return [((heads, blocks, block_size, w), d) for w, d in codec.part_specs()]
 
-        layer_specs = [specs(self.k_codec, self.kv_group_blocks[g]) + specs(self.v_codec, self.kv_group_blocks[g])
+        layer_specs = [
+            specs(self.k_codec, self.kv_group_blocks[g]) + specs(self.v_codec, self.kv_group_blocks[g])
                        for g in self.kv_group_of_layer]
         parts = iter(arena([spec for layer in layer_specs for spec in layer], device))
         num_k = len(self.k_codec.part_specs())
@@ -71,7 +72,8 @@ class PagedKVStorage:
             self.k.append(mine[:num_k])
             self.v.append(mine[num_k:])
         # per group, [heads, 1]: the first row of each head's blocks
-        self._kv_group_offsets = [torch.arange(heads, device=device)[:, None] * n for n in self.kv_group_blocks]
+        self._kv_group_offsets = [torch.arange(heads, device=device)[:,
+                                                                     None] * n for n in self.kv_group_blocks]
         self._head_offsets = self._kv_group_offsets[0]
 
     @property
@@ -104,8 +106,14 @@ class PagedKVStorage:
             "cache_type_v": self.v_codec.name,
             "parts": [[p.shape[-1], str(p.dtype).removeprefix("torch.")] for p in self.k[0] + self.v[0]],
             "bytes_per_block": self.bytes_per_block,
-        } | ({"window_layers": sorted(self.window_layers),
-              "window_bytes_per_block": self.kv_group_bytes_per_block(WINDOW_KV_GROUP)} if self.windowed else {})
+        } | (
+            {
+                "window_layers": sorted(self.window_layers),
+                "window_bytes_per_block": self.kv_group_bytes_per_block(WINDOW_KV_GROUP),
+            }
+            if self.windowed
+            else {}
+        )
 
     def _kv_group_parts(self, kv_group: int) -> list[torch.Tensor]:
         return [p for layer in self.kv_group_layers(kv_group) for p in self.k[layer] + self.v[layer]]
@@ -113,10 +121,14 @@ class PagedKVStorage:
     def export_blocks(self, block_ids: list[int], kv_group: int = 0) -> torch.Tensor:
         """The stored bytes of whole blocks of ``kv_group``, as they are held (a q8_0 block stays q8_0): a
         CPU ``[len(block_ids), kv_group_bytes_per_block(group)]`` uint8 copy, layer by layer, K's parts then
-        V's, each part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of blocks."""
+        V's, each part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of
+        blocks."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self._head_offsets.device)
         # gathering from the transposed view writes each block's heads in order: one pass, no reorder copy
-        rows = [p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1) for p in self._kv_group_parts(kv_group)]
+        rows = [
+            p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1)
+            for p in self._kv_group_parts(kv_group)
+        ]
         return torch.cat(rows, dim=1).cpu()
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor, kv_group: int = 0) -> None:
@@ -132,26 +144,30 @@ class PagedKVStorage:
         for p in self._kv_group_parts(kv_group):
             heads, _, bs, width = p.shape
             size = heads * bs * width * p.element_size()
-            chunk = data[:, offset : offset + size].contiguous().view(p.dtype).view(len(block_ids), heads, bs, width)
+            chunk = data[:, offset : offset + size].contiguous().view(p.dtype).view(
+                len(block_ids), heads, bs, width)
             p.index_copy_(1, ids, chunk.transpose(0, 1))
             offset += size
 
     def slot_rows(self, slot_mapping: torch.Tensor, kv_group: int = 0) -> torch.Tensor:
         """The flat row of each (head, token) slot of ``kv_group``: computed once per forward, used by
         every layer of the group."""
-        return (self._kv_group_offsets[kv_group] * self.block_size + slot_mapping[None, :]).flatten()  # [heads * tokens]
+        # [heads * tokens]
+        return (self._kv_group_offsets[kv_group] * self.block_size + slot_mapping[None, :]).flatten()
 
     def block_rows(self, block_tables: torch.Tensor, kv_group: int = 0) -> BlockRows:
         """The head-major block rows of ``kv_group``'s block_tables [..., n]: computed once per forward."""
-        rows = (self._kv_group_offsets[kv_group] + block_tables.unsqueeze(-2)).flatten()  # [..., heads, n] -> block rows
+        # [..., heads, n] -> block rows
+        rows = (self._kv_group_offsets[kv_group] + block_tables.unsqueeze(-2)).flatten()
         shape = (*block_tables.shape[:-1], self.num_kv_heads, block_tables.shape[-1] * self.block_size, -1)
         return BlockRows(rows, shape)
 
     def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim] encoded and stored at their ``slot_rows``."""
         for parts, codec, x in ((self.k[layer], self.k_codec, k), (self.v[layer], self.v_codec, v)):
-            for stored, encoded in zip(parts, codec.encode(x)):
-                stored.view(-1, stored.shape[-1]).index_copy_(0, slot_rows, encoded.transpose(0, 1).flatten(0, 1))
+            for stored, encoded in zip(parts, codec.encode(x), strict=True):
+                stored.view(-1, stored.shape[-1]).index_copy_(0, slot_rows,
+                                                              encoded.transpose(0, 1).flatten(0, 1))
 
     def _read(self, parts: list[torch.Tensor], codec: KVCodec, block_rows: BlockRows, dtype) -> torch.Tensor:
         blocks = [p.view(-1, self.block_size * p.shape[-1]).index_select(0, block_rows.rows) for p in parts]

@@ -77,7 +77,8 @@ def switches(spec: ArchSpec, hidden_size: int) -> dict:
     """The ModelConfig fields an architecture sets whatever its file says."""
     fields: dict = {
         "architecture": spec.name, "attention_bias": spec.attention_bias, "qk_norm": bool(spec.qk_norm),
-        "qk_norm_per_head": spec.qk_norm != "full", "post_norms": spec.post_norms, "hidden_act": spec.hidden_act,
+        "qk_norm_per_head": spec.qk_norm != "full", "post_norms": spec.post_norms,
+        "hidden_act": spec.hidden_act,
     }
     if spec.embedding_scale_sqrt:
         fields["embedding_scale"] = float(hidden_size) ** 0.5

@@ -67,10 +67,6 @@ class LayerWeights:
         return [lin for lin in (self.qkv, self.o, self.gate_up, self.down) if lin is not None] + experts
 
 
-# the steps that name a layer (``DecoderLM.steps``)
-LAYER_STEPS = frozenset({"qkv", "qk_norm", "rope", "attend", "o", "mlp", "moe"})
-
-
 class DecoderLM:
     def __init__(
         self,
@@ -85,77 +81,83 @@ class DecoderLM:
         self.dtype = dtype
         self.weight_format = weight_format
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return make_linear(weight, bias, weight_format, device, dtype)
-
-        self._linear, self._weights = linear, weights
-
-        from_file = file_linears.applies(weights, weight_format, device, dtype)
-
-        def projection(names: list[str], bias: torch.Tensor | None = None) -> Linear:
-            """The tensors ``names`` stacked as one projection: from the file's blocks where they allow
-            (``file_linears``), else through f32; where the file states the grid of one of them
-            (``GGUFWeights.grid16``), the stacked grid, so the int8 groups can hold every part exactly."""
-            held = file_linears.projection(weights, names, bias, weight_format) if from_file else None
-            if held is not None:
-                return held
-            stated = [weights.grid16(n) if hasattr(weights, "grid16") else None for n in names]
-            parts = [w(n) for n in names]
-            weight = parts[0] if len(parts) == 1 else torch.cat(parts)
-
-            def stacked_grid() -> tuple[torch.Tensor, ...] | None:
-                grids = [g() if g is not None else int8_groups16(p) for g, p in zip(stated, parts)]
-                return tuple(torch.cat(t) for t in zip(*grids)) if all(g is not None for g in grids) else None
-
-            grid16 = stacked_grid if any(g is not None for g in stated) else None
-            return make_linear(weight, bias, weight_format, device, dtype, grid16)
-
-        def w(name: str) -> torch.Tensor:
-            # popped so each source tensor is freed as soon as its (fused) copy exists: the load
-            # never holds the weights twice
-            return weights.pop(name).to(device=device, dtype=dtype)
-
-        def opt(name: str) -> torch.Tensor | None:
-            return w(name) if name in weights else None
-
-        self.final_norm = w("output_norm.weight")
+        self._weights = weights
+        self._from_file = file_linears.applies(weights, weight_format, device, dtype)
+        self.final_norm = self._w("output_norm.weight")
         # every packed weight straight into one 2 MiB-page region (host_memory.PackingArena), sized for the
         # worst widening (4-bit blocks as int8 groups: 2x); what the model leaves unused stays virtual
-        capacity = 2 * sum(t.num_bytes for t in weights.gf.tensors.values()) if from_file else 0
-        tied = "output.weight" not in weights
+        capacity = 2 * sum(t.num_bytes for t in weights.gf.tensors.values()) if self._from_file else 0
         with packing_arena(capacity):
-            # the head and the embedding table from the file's blocks where the format allows: a tied block
-            # type (Q4_0 ... Q6_K) as its own layout with the table kept as the file's bytes (QuantRows), a
-            # tied Q8_0 table as the int8 head (rows from it), an untied table as the file's bytes beside it
-            self.embed, self.embed_rows, self.lm_head = None, None, None
-            if tied:
-                if from_file:  # a block type: its own layout, rows from the file's bytes
-                    found = file_linears.tied_head(weights, weight_format)
-                    self.lm_head, self.embed_rows = found or (None, None)
-                if self.lm_head is None:
-                    self.lm_head = self._tied_int8_head(weights)
-            elif from_file:
-                self.embed_rows = weights.quant_rows("token_embd.weight")
-                self.lm_head = file_linears.projection(weights, ["output.weight"], None, weight_format)
-            self._head_from_grid = self.lm_head is not None  # in its own 2 MiB-page buffer already
-            if self.lm_head is None:
-                if self.embed_rows is None:
-                    self.embed = w("token_embd.weight")  # [vocab, hidden]
-                self.lm_head = linear(self.embed if tied else w("output.weight"))
-                if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
-                    self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
-            self.layers = [self._layer(f"blk.{i}.", w, opt, projection) for i in range(config.num_layers)]
+            self._head_and_embedding(weights)
+            self.layers = [self._layer(f"blk.{i}.") for i in range(config.num_layers)]
             # a head built from the file's grid already sits in its own 2 MiB-page buffer
             head = [] if self._head_from_grid else [self.lm_head]
             pack_into_arena(head + [lin for layer in self.layers for lin in layer.linears])
         self.rope = rotary_embedding(config, weights, device, dtype)
         self.rope_local = self.rope
         if config.rope_theta_local is not None:
-            self.rope_local = RotaryEmbedding(inverse_frequencies(config, config.rope_theta_local), device, dtype)
+            self.rope_local = RotaryEmbedding(inverse_frequencies(config, config.rope_theta_local), device,
+                                              dtype)
         self.scale = config.attn_scale or config.head_dim**-0.5
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
         del self._weights  # the loader's dict: not kept past the load
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return make_linear(weight, bias, self.weight_format, self.device, self.dtype)
+
+    def _w(self, name: str) -> torch.Tensor:
+        # popped so each source tensor is freed as soon as its (fused) copy exists: the load never holds
+        # the weights twice
+        return self._weights.pop(name).to(device=self.device, dtype=self.dtype)
+
+    def _opt(self, name: str) -> torch.Tensor | None:
+        return self._w(name) if name in self._weights else None
+
+    def _projection(self, names: list[str], bias: torch.Tensor | None = None) -> Linear:
+        """The tensors ``names`` stacked as one projection: from the file's blocks where they allow
+        (``file_linears``), else through f32; where the file states the grid of one of them
+        (``GGUFWeights.grid16``), the stacked grid, so the int8 groups can hold every part exactly."""
+        weights = self._weights
+        held = file_linears.projection(weights, names, bias, self.weight_format) if self._from_file else None
+        if held is not None:
+            return held
+        stated = [weights.grid16(n) if hasattr(weights, "grid16") else None for n in names]
+        parts = [self._w(n) for n in names]
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        def stacked_grid() -> tuple[torch.Tensor, ...] | None:
+            grids = [g() if g is not None else int8_groups16(p) for g, p in zip(stated, parts, strict=True)]
+            if not all(g is not None for g in grids):
+                return None
+            return tuple(torch.cat(t) for t in zip(*grids, strict=True))
+
+        grid16 = stacked_grid if any(g is not None for g in stated) else None
+        return make_linear(weight, bias, self.weight_format, self.device, self.dtype, grid16)
+
+    def _head_and_embedding(self, weights) -> None:
+        """The head and the embedding table from the file's blocks where the format allows: a tied block
+        type (Q4_0 ... Q6_K) as its own layout with the table kept as the file's bytes (QuantRows), a
+        tied Q8_0 table as the int8 head (rows from it), an untied table as the file's bytes beside it;
+        else the f32 table and a head in the model's format."""
+        tied = "output.weight" not in weights
+        self.embed, self.embed_rows, self.lm_head = None, None, None
+        if tied:
+            if self._from_file:  # a block type: its own layout, rows from the file's bytes
+                found = file_linears.tied_head(weights, self.weight_format)
+                self.lm_head, self.embed_rows = found or (None, None)
+            if self.lm_head is None:
+                self.lm_head = self._tied_int8_head(weights)
+        elif self._from_file:
+            self.embed_rows = weights.quant_rows("token_embd.weight")
+            self.lm_head = file_linears.projection(weights, ["output.weight"], None, self.weight_format)
+        self._head_from_grid = self.lm_head is not None  # in its own 2 MiB-page buffer already
+        if self.lm_head is None:
+            if self.embed_rows is None:
+                self.embed = self._w("token_embd.weight")  # [vocab, hidden]
+            self.lm_head = self._linear(self.embed if tied else self._w("output.weight"))
+            if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
+                self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
 
     def _tied_int8_head(self, weights) -> Int8GroupLinear | None:
         """The tied head as int8 groups repacked from the file's blocks where the format holds the head as
@@ -166,43 +168,46 @@ class DecoderLM:
             return None
         return file_linears.int8_groups(weights, ["token_embd.weight"], None)
 
-    def _layer(self, p: str, w, opt, projection) -> LayerWeights:
+    def _layer(self, p: str) -> LayerWeights:
         """Layer ``p``'s weights by their GGUF names: q, k, v stacked (or the file's fused attn_qkv), gate
         and up stacked (or phi3's fused ffn_up), or the experts of a mixture."""
         bias = None
         if p + "attn_q.bias" in self._weights:
-            bias = torch.cat([w(p + "attn_q.bias"), w(p + "attn_k.bias"), w(p + "attn_v.bias")])
+            bias = torch.cat([self._w(p + "attn_q.bias"), self._w(p + "attn_k.bias"),
+                              self._w(p + "attn_v.bias")])
         fused_qkv = p + "attn_qkv.weight" in self._weights
-        qkv = [p + "attn_qkv.weight"] if fused_qkv else [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        qkv = [p + "attn_qkv.weight"] if fused_qkv else [p + "attn_q.weight", p + "attn_k.weight",
+                                                         p + "attn_v.weight"]
         layer = LayerWeights(
-            attn_norm=w(p + "attn_norm.weight"),
-            qkv=projection(qkv, bias),
-            o=projection([p + "attn_output.weight"]),
-            ffn_norm=w(p + "ffn_norm.weight"),
+            attn_norm=self._w(p + "attn_norm.weight"),
+            qkv=self._projection(qkv, bias),
+            o=self._projection([p + "attn_output.weight"]),
+            ffn_norm=self._w(p + "ffn_norm.weight"),
             gate_up=None,
             down=None,
-            q_norm=opt(p + "attn_q_norm.weight"),
-            k_norm=opt(p + "attn_k_norm.weight"),
-            post_attn_norm=opt(p + "post_attention_norm.weight"),
-            post_ffn_norm=opt(p + "post_ffw_norm.weight"),
+            q_norm=self._opt(p + "attn_q_norm.weight"),
+            k_norm=self._opt(p + "attn_k_norm.weight"),
+            post_attn_norm=self._opt(p + "post_attention_norm.weight"),
+            post_ffn_norm=self._opt(p + "post_ffw_norm.weight"),
         )
         if self.config.num_experts:
-            layer.moe = self._experts(p, w)
+            layer.moe = self._experts(p)
             return layer
         fused_gate_up = p + "ffn_gate.weight" not in self._weights  # phi3: ffn_up holds gate then up
-        layer.gate_up = projection([p + "ffn_up.weight"] if fused_gate_up else [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        layer.down = projection([p + "ffn_down.weight"])
+        layer.gate_up = self._projection(
+            [p + "ffn_up.weight"] if fused_gate_up else [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        layer.down = self._projection([p + "ffn_down.weight"])
         return layer
 
-    def _experts(self, p: str, w) -> MoE:
+    def _experts(self, p: str) -> MoE:
         """The router (f32) and each expert's gate_up and down in the model's weight format, from the
         stacked [experts, out, in] tensors (GGUF's *_exps; the HF loader stacks its per-expert tensors)."""
         cfg = self.config
         router = self._weights.pop(p + "ffn_gate_inp.weight").to(self.device, torch.float32)
-        gate, up = w(p + "ffn_gate_exps.weight"), w(p + "ffn_up_exps.weight")
+        gate, up = self._w(p + "ffn_gate_exps.weight"), self._w(p + "ffn_up_exps.weight")
         gate_up = [self._linear(torch.cat([gate[e], up[e]])) for e in range(cfg.num_experts)]
         del gate, up
-        down_all = w(p + "ffn_down_exps.weight")
+        down_all = self._w(p + "ffn_down_exps.weight")
         down = [self._linear(down_all[e]) for e in range(cfg.num_experts)]
         return MoE(router, gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
 
@@ -210,7 +215,8 @@ class DecoderLM:
         """The embedding rows of input_ids [num_tokens] (into out when given): from the f32 table, or from
         the tied int8 head that holds it exactly."""
         if self.embed is not None:
-            return torch.index_select(self.embed, 0, input_ids, out=out) if out is not None else self.embed[input_ids]
+            return torch.index_select(self.embed, 0, input_ids,
+                                      out=out) if out is not None else self.embed[input_ids]
         if self.embed_rows is not None:
             return self.embed_rows.rows(input_ids, out).to(self.dtype)
         if out is not None and out.dtype == torch.float32 and out.is_contiguous():
@@ -267,42 +273,13 @@ class DecoderLM:
             x = x * torch.tensor(cfg.embedding_scale, dtype=x.dtype, device=x.device)
         max_pos = int(positions.max()) if n else 0
         rope_tables = self.rope.tables(positions, max_pos)
-        local_tables = self.rope_local.tables(positions, max_pos) if self.rope_local is not self.rope else rope_tables
-        eps = cfg.rms_norm_eps
-        heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
-        h = qkv = q = k = v = o = None
-        pending = None  # the last block's output, added to the residual stream by the next norm
+        local_tables = rope_tables
+        if self.rope_local is not self.rope:
+            local_tables = self.rope_local.tables(positions, max_pos)
+        run = _ForwardPass(self, x, rope_tables, local_tables, attn)
         for kind, *args in self.steps:
-            layer = self.layers[args[0]] if kind in LAYER_STEPS else None
-            if kind == "norm":
-                if pending is None:
-                    h = rms_norm(x, args[0], eps)
-                else:
-                    x, h = add_rms_norm(x, pending, args[0], eps)
-                    pending = None
-                if args[1]:
-                    return h
-            elif kind == "qkv":
-                qkv = layer.qkv(h).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-            elif kind == "qk_norm":
-                qkv = self._qk_norm(layer, qkv, heads)
-            elif kind == "rope":
-                cos, sin = local_tables if cfg.is_sliding(args[0]) else rope_tables
-                q, k, v = rotate_heads(qkv, heads[0] + heads[1], cos, sin).split(heads, dim=1)  # q and k in one go
-            elif kind == "attend":
-                window = cfg.sliding_window if cfg.is_sliding(args[0]) else None
-                o = attn.attend(args[0], q, k, v, window, self.scale, cfg.attn_logit_softcap or None)
-            elif kind == "o":
-                pending = layer.o(o.reshape(n, self.q_dim))
-            elif kind == "pending_norm":
-                pending = rms_norm(pending, args[0], eps)
-            elif kind == "scale":
-                pending = pending * cfg.residual_scale
-            elif kind == "mlp":
-                pending = layer.down(gated(layer.gate_up(h), cfg.hidden_act))
-            else:  # "moe"
-                pending = layer.moe(h)
-        raise AssertionError("steps ends with the final norm")
+            getattr(run, "step_" + kind)(*args)
+        return run.h
 
     def _qk_norm(self, layer: LayerWeights, qkv: torch.Tensor, heads: list[int]) -> torch.Tensor:
         """RMSNorm of q and k per head (head_dim weights; in place where the kernel runs), or over all
@@ -327,3 +304,61 @@ class DecoderLM:
         if cfg.final_logit_softcap:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
         return logits
+
+
+class _ForwardPass:
+    """One ``DecoderLM.forward``'s working values and its steps in torch, one method per kind of step
+    (``step_<kind>``, taking the step's arguments; ``DecoderLM.steps`` says what each does):
+    the residual stream ``x``, its normalized ``h``, the layer's q/k/v and attention output, and
+    ``pending``, the last block's output, which the next norm adds to the stream."""
+
+    def __init__(self, model: DecoderLM, x: torch.Tensor, rope_tables: tuple, local_tables: tuple,
+                 attn: AttentionBackend) -> None:
+        self.model, self.cfg, self.attn = model, model.config, attn
+        self.x, self.n, self.rope_tables, self.local_tables = x, x.shape[0], rope_tables, local_tables
+        self.heads = [self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.num_kv_heads]
+        self.h = self.qkv = self.q = self.k = self.v = self.o = self.pending = None
+
+    def step_norm(self, w: torch.Tensor, last: bool) -> None:
+        eps = self.cfg.rms_norm_eps
+        if self.pending is None:
+            self.h = rms_norm(self.x, w, eps)
+        else:
+            self.x, self.h = add_rms_norm(self.x, self.pending, w, eps)
+            self.pending = None
+
+    def step_qkv(self, i: int) -> None:
+        cfg = self.cfg
+        self.qkv = self.model.layers[i].qkv(self.h).view(self.n, cfg.num_heads + 2 * cfg.num_kv_heads,
+                                                         cfg.head_dim)
+
+    def step_qk_norm(self, i: int) -> None:
+        self.qkv = self.model._qk_norm(self.model.layers[i], self.qkv, self.heads)
+
+    def step_rope(self, i: int) -> None:
+        cos, sin = self.local_tables if self.cfg.is_sliding(i) else self.rope_tables
+        # q and k in one go
+        self.q, self.k, self.v = rotate_heads(self.qkv, self.heads[0] + self.heads[1], cos, sin).split(
+            self.heads, dim=1)
+
+    def step_attend(self, i: int) -> None:
+        cfg = self.cfg
+        window = cfg.sliding_window if cfg.is_sliding(i) else None
+        self.o = self.attn.attend(i, self.q, self.k, self.v, window, self.model.scale,
+                                  cfg.attn_logit_softcap or None)
+
+    def step_o(self, i: int) -> None:
+        self.pending = self.model.layers[i].o(self.o.reshape(self.n, self.model.q_dim))
+
+    def step_pending_norm(self, w: torch.Tensor) -> None:
+        self.pending = rms_norm(self.pending, w, self.cfg.rms_norm_eps)
+
+    def step_scale(self) -> None:
+        self.pending = self.pending * self.cfg.residual_scale
+
+    def step_mlp(self, i: int) -> None:
+        layer = self.model.layers[i]
+        self.pending = layer.down(gated(layer.gate_up(self.h), self.cfg.hidden_act))
+
+    def step_moe(self, i: int) -> None:
+        self.pending = self.model.layers[i].moe(self.h)

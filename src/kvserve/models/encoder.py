@@ -111,21 +111,23 @@ class Encoder:
         def fused(names: list[str]):  # the parts leave ``self.w``: the linear holds their weights now
             biases = [w.pop(n + ".bias", None) for n in names]
             bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            return make_linear(torch.cat([w.pop(n + ".weight") for n in names]), bias, self.weights, cpu, torch.float32)
+            return make_linear(torch.cat([w.pop(n + ".weight") for n in names]), bias, self.weights, cpu,
+                               torch.float32)
 
         names = ["pooler.dense", "classifier"] if self.config.num_labels else []
         linears = {}
         for i in range(self.config.num_layers):
             p = f"encoder.layer.{i}."
-            linears[p + "attention.self.qkv"] = fused([p + f"attention.self.{n}" for n in ("query", "key", "value")])
+            linears[p + "attention.self.qkv"] = fused(
+                [p + f"attention.self.{n}" for n in ("query", "key", "value")])
             if self.config.gated:
                 linears[p + "intermediate.dense"] = fused([p + "intermediate.gate", p + "intermediate.dense"])
             else:
                 names.append(p + "intermediate.dense")
             names += [p + "attention.output.dense", p + "output.dense"]
         for name in names:
-            linears[name] = make_linear(w.pop(name + ".weight"), w.pop(name + ".bias", None), self.weights, cpu,
-                                        torch.float32)
+            linears[name] = make_linear(w.pop(name + ".weight"), w.pop(name + ".bias", None), self.weights,
+                                        cpu, torch.float32)
         return linears
 
     def tokenize(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
@@ -149,7 +151,8 @@ class Encoder:
             if len(ids) > most:
                 first = types.index(1) if 1 in types else len(ids)
                 if first + 1 >= most:
-                    raise ValueError(f"the query is {first} tokens; this model reads at most {most} with a document")
+                    raise ValueError(
+                        f"the query is {first} tokens; this model reads at most {most} with a document")
                 ids, types = [*ids[: most - 1], ids[-1]], [*types[: most - 1], types[-1]]
             pairs.append((ids, types))
         return pairs
@@ -174,13 +177,15 @@ class Encoder:
 
     @torch.inference_mode()
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-        """[len(pairs)] relevance in [0, 1] of each (ids, types) pair (``tokenize_pairs``), by a cross-encoder."""
+        """[len(pairs)] relevance in [0, 1] of each (ids, types) pair (``tokenize_pairs``), by a
+        cross-encoder."""
         x, _ = self._hidden([ids for ids, _ in pairs], [types for _, types in pairs])
         pooled = torch.tanh(self._linear(x[:, 0], "pooler.dense"))
         logits = self._linear(pooled, "classifier")
         return torch.sigmoid(logits[:, 0]) if logits.shape[1] == 1 else logits.softmax(-1)[:, -1]
 
-    def _hidden(self, batch: list[list[int]], types: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden(self, batch: list[list[int]], types: list[list[int]] | None) -> tuple[
+        torch.Tensor, torch.Tensor]:
         """The last layer's hidden states [n, length, hidden] of the padded batch, and its mask. Only the
         real tokens go through the projections (a batch's padding costs attention alone)."""
         c, w = self.config, self.w
@@ -196,7 +201,8 @@ class Encoder:
         real = mask.view(-1).nonzero().squeeze(1)  # the real tokens' places in the padded [n * length]
         positions = torch.arange(length).repeat(n)[real]
         flat_ids, flat_kinds = ids.view(-1)[real], kinds.view(-1)[real]
-        x = w["embeddings.word_embeddings.weight"][flat_ids] + w["embeddings.token_type_embeddings.weight"][flat_kinds]
+        x = w["embeddings.word_embeddings.weight"][flat_ids] + w["embeddings.token_type_embeddings.weight"][
+            flat_kinds]
         if c.rotary_base is None:
             x = x + w["embeddings.position_embeddings.weight"][positions]  # [tokens, hidden]
             rotate = None
@@ -219,12 +225,14 @@ class Encoder:
             q, k, v = padded(q), padded(k), padded(v)
             attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys)
             attended = attended.transpose(1, 2).reshape(n * length, c.hidden_size)[real]
-            x = self._norm(x + self._linear(attended, p + "attention.output.dense"), p + "attention.output.LayerNorm")
+            x = self._norm(x + self._linear(attended, p + "attention.output.dense"),
+                           p + "attention.output.LayerNorm")
             if c.gated:  # nomic-bert: down(silu(gate) * up)
                 gate, up = self._linear(x, p + "intermediate.dense").chunk(2, dim=-1)
                 inner = torch.nn.functional.silu(gate) * up
             else:
-                inner = torch.nn.functional.gelu(self._linear(x, p + "intermediate.dense"))  # BERT's exact (erf) GELU
+                # BERT's exact (erf) GELU
+                inner = torch.nn.functional.gelu(self._linear(x, p + "intermediate.dense"))
             x = self._norm(x + self._linear(inner, p + "output.dense"), p + "output.LayerNorm")
         out = x.new_zeros(n * length, c.hidden_size)
         out[real] = x
@@ -234,5 +242,5 @@ class Encoder:
         return self.linears[name](x)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],
-                                              self.config.eps)
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"],
+                                              self.w[name + ".bias"], self.config.eps)

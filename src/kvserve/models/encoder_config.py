@@ -28,7 +28,8 @@ class EncoderConfig:
     pooling: str  # "mean" or "cls"
     normalize: bool
     num_labels: int = 0  # a cross-encoder's classes (a reranker); 0: a sentence-embedding model
-    rotary_base: float | None = None  # nomic-bert: rotary positions (half-split) instead of position embeddings
+    # nomic-bert: rotary positions (half-split) instead of position embeddings
+    rotary_base: float | None = None
     gated: bool = False  # nomic-bert: a SwiGLU feed-forward (down(silu(gate) * up)) instead of GELU
 
     @property
@@ -60,8 +61,9 @@ def read_encoder_config(path: Path) -> EncoderConfig:
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
         num_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
         max_positions=c["max_position_embeddings"], type_vocab_size=c.get("type_vocab_size", 2),
-        eps=c.get("layer_norm_eps", 1e-12), max_seq_length=min(st.get("max_seq_length", 512), c["max_position_embeddings"]),
-        pooling=mode, normalize=any(m.get("type", "").endswith("Normalize") for m in modules),
+        eps=c.get("layer_norm_eps", 1e-12),
+        max_seq_length=min(st.get("max_seq_length", 512), c["max_position_embeddings"]), pooling=mode,
+        normalize=any(m.get("type", "").endswith("Normalize") for m in modules),
         num_labels=len(c.get("id2label", {0: ""})) if any(
             a.endswith("ForSequenceClassification") for a in c.get("architectures", [])) else 0,
     )

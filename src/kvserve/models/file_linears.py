@@ -31,7 +31,8 @@ def applies(weights, weight_format: str, device: torch.device, dtype: torch.dtyp
             and dtype == torch.float32)
 
 
-def projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None, weight_format: str) -> Linear | None:
+def projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None,
+               weight_format: str) -> Linear | None:
     """The tensors ``names`` stacked by rows as one projection held in the file's bits, or None."""
     held = _projection(weights, names, bias, weight_format)
     if held is not None:
@@ -39,9 +40,12 @@ def projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None
     return held
 
 
-def _projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None, weight_format: str) -> Linear | None:
+def _projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None,
+                weight_format: str) -> Linear | None:
     shapes = [weights.matrix(n) for n in names]
-    if any(s is None or weights.reordered(n) and holder(s[0], s[2]) == "int8" for s, n in zip(shapes, names)):
+    if any(
+        s is None or weights.reordered(n) and holder(s[0], s[2]) == "int8" for s, n in zip(
+            shapes, names, strict=True)):
         return None
     found = runs(shapes)
     if found is None or not Int4Linear.native() or not Int8GroupLinear.native():
@@ -55,7 +59,8 @@ def _projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | Non
         if kind == "int8":
             part = int8_groups(weights, names[first:end], part_bias)
         else:
-            part = _blocks(weights, names[first:end], kind, rows, shapes[0][2], part_bias, weight_format == "q4-fast")
+            part = _blocks(weights, names[first:end], kind, rows, shapes[0][2], part_bias,
+                           weight_format == "q4-fast")
         if part is None:
             return None
         parts.append(part)
@@ -63,8 +68,10 @@ def _projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | Non
     return parts[0] if len(parts) == 1 else StackedLinear(parts)
 
 
-def _blocks(weights: GGUFWeights, names: list[str], type_name: str, rows: int, cols: int, bias, fast: bool) -> Int4Linear:
-    return weights.packed(names, lambda raw, on_rows: Int4Linear.from_blocks(raw, type_name, rows, cols, bias, fast, on_rows))
+def _blocks(weights: GGUFWeights, names: list[str], type_name: str, rows: int, cols: int, bias,
+            fast: bool) -> Int4Linear:
+    return weights.packed(names, lambda raw,
+                          on_rows: Int4Linear.from_blocks(raw, type_name, rows, cols, bias, fast, on_rows))
 
 
 REPACK_ROWS = 4096  # rows repacked between two page drops of the mapped file
@@ -75,7 +82,9 @@ def int8_groups(weights: GGUFWeights, names: list[str], bias: torch.Tensor | Non
     states it) stacked as int8 groups, repacked from the file's blocks (``native/block_repack.c``); None
     for other types or where the kernels cannot be built."""
     shapes = [weights.matrix(n) for n in names]
-    if not all(s is not None and s[0] in INT8_SOURCES and not weights.reordered(n) for s, n in zip(shapes, names)):
+    if not all(
+        s is not None and s[0] in INT8_SOURCES and not weights.reordered(n) for s, n in zip(
+            shapes, names, strict=True)):
         return None  # (the int8 repack reads rows in file order: a reordered tensor goes through f32)
     repack = native.function("block_repack", "pack_gguf_int8")
     if repack is None or not Int8GroupLinear.native() or len({s[2] for s in shapes}) != 1:
@@ -86,12 +95,13 @@ def int8_groups(weights: GGUFWeights, names: list[str], bias: torch.Tensor | Non
     panels, groups = -(-rows // 16), cols // 32
     out = packed_bytes(panels * groups * 544).view(panels, groups * 544)
     first = 0
-    for name, (type_name, part_rows, _) in zip(names, shapes):
+    for name, (type_name, part_rows, _) in zip(names, shapes, strict=True):
 
         def pack(raw, on_rows, code=INT8_SOURCES[type_name], n=part_rows, at=first // 16, name=name) -> None:
             for r in range(0, n, REPACK_ROWS):
                 count = min(REPACK_ROWS, n - r)
-                if repack(raw[r:].ctypes.data, code, count, cols, out[at + r // 16].data_ptr(), torch.get_num_threads()):
+                if repack(raw[r:].ctypes.data, code, count, cols, out[at + r // 16].data_ptr(),
+                          torch.get_num_threads()):
                     raise ValueError(f"native repack refused {name}")
                 if on_rows is not None:
                     on_rows(r + count)

@@ -34,7 +34,11 @@ def _file_digest(path: Path, h) -> None:
 def model_fingerprint(path: str | os.PathLike) -> str:
     path = Path(path)
     h = hashlib.blake2b(digest_size=16, person=b"kvserve-model")
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in FOLDER_SUFFIXES) if path.is_dir() else [path]
+    files = (
+        sorted(p for p in path.iterdir() if p.is_file() and p.suffix in FOLDER_SUFFIXES)
+        if path.is_dir()
+        else [path]
+    )
     for f in files:
         _file_digest(f, h)
     return h.hexdigest()

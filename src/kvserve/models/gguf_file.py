@@ -1,4 +1,5 @@
-"""Read a GGUF file: metadata into a ``ModelConfig``, tensors dequantized (with the `gguf` library) into torch.
+"""Read a GGUF file: metadata into a ``ModelConfig``, tensors dequantized (with the `gguf` library) into
+torch.
 
 Tensor names stay in GGUF spelling (``token_embd.weight``, ``blk.3.attn_q.weight``); the HF loader
 maps its names onto the same spelling, so the model code knows one set of names.
@@ -22,7 +23,8 @@ from kvserve.models.arch import ARCHS
 from kvserve.models.gguf_config import read_model_config  # noqa: F401  (re-exported)
 from kvserve.models.gguf_header import read_gguf_header
 
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0",
+                          "Q5_1", "Q2_K", "Q3_K")
 
 
 class GGUFFile:
@@ -87,7 +89,8 @@ class GGUFFile:
         return torch.from_numpy(out.reshape(shape))
 
 
-def k_quant_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def k_quant_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF Q4_K / Q5_K blocks (256 inputs: d, dmin f16, 6-bit scales and minimums per 32, codes of 4 or 5
     bits) as their grid: codes (int8 [rows, cols]), and per 16 inputs the scale d * sc and offset
     -(dmin * m) (f32 [rows, cols / 16]; each 32-input sub-block's, twice). scale * code + offset rounds as
@@ -110,7 +113,8 @@ def k_quant_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torc
     return torch.from_numpy(codes.reshape(rows, cols).astype(np.int8)), per16[0], per16[1]
 
 
-def affine_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def affine_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF Q4_1 / Q5_1 blocks (d, m f16; codes of 4 or 5 bits per 32 inputs, w = d * q + m) as their grid,
     the same layout and rounding as k_quant_grid's."""
     size = 20 if bits == 4 else 24
@@ -126,7 +130,8 @@ def affine_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[torch
     return torch.from_numpy(codes.reshape(rows, cols).astype(np.int8)), per16[0], per16[1]
 
 
-def symmetric_grid(raw: np.ndarray, rows: int, cols: int, type_name: str) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def symmetric_grid(raw: np.ndarray, rows: int, cols: int,
+                   type_name: str) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """GGUF Q8_0 / Q5_0 / Q4_0 blocks (an f16 d, then 32 codes of 8, 5 or 4 bits; w = d * code) as their grid,
     decoded from the bytes 4,096 rows at a time: (first row, codes int8 [n, cols], d f32 [n, cols / 32]).
     d * code is exact in f32, so the grid gives the gguf library's dequantization back bit for bit, and
@@ -148,7 +153,8 @@ def symmetric_grid(raw: np.ndarray, rows: int, cols: int, type_name: str) -> Ite
                 qh = blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)
                 q = q | ((qh & np.uint32(1)).astype(np.uint8) << np.uint8(4))
             q = q.astype(np.int8) - np.int8(16 if type_name == "Q5_0" else 8)
-        yield r, torch.from_numpy(np.ascontiguousarray(q).reshape(n, cols)), torch.from_numpy(d.reshape(n, per_row))
+        yield r, torch.from_numpy(np.ascontiguousarray(q).reshape(n, cols)), torch.from_numpy(
+            d.reshape(n, per_row))
 
 
 SYMMETRIC_TYPES = ("Q8_0", "Q5_0", "Q4_0")
@@ -189,7 +195,8 @@ class QuantRows:
         from gguf.quants import dequantize
 
         picked = self.raw[ids.to(torch.int64).cpu().numpy()]
-        values = torch.from_numpy(dequantize(picked, GGMLQuantizationType[self.type_name]).reshape(-1, self.cols))
+        values = torch.from_numpy(
+            dequantize(picked, GGMLQuantizationType[self.type_name]).reshape(-1, self.cols))
         return values if out is None else out.copy_(values)
 
 
@@ -200,7 +207,8 @@ class GGUFWeights:
     not every tensor at f32 at once (SmolLM2 with q4 weights: the load peaks ~370 MiB above the bare
     process, 1,040 before; an 8B model's f32 copies alone would be 32 GB)."""
 
-    def __init__(self, gf: GGUFFile, config: ModelConfig, on_tensor: Callable[[int, int], None] | None = None):
+    def __init__(self, gf: GGUFFile, config: ModelConfig,
+                 on_tensor: Callable[[int, int], None] | None = None):
         self.gf, self.config, self.on_tensor = gf, config, on_tensor
         self.names = {("rope_freqs" if n == "rope_freqs.weight" else n): n for n in gf.tensors}
         self.total, self.taken = len(self.names), 0
@@ -231,7 +239,8 @@ class GGUFWeights:
         if t.type_name not in GRID_DECODERS:
             return None
         rows, cols, decode = t.num_elements // t.dims[0], t.dims[0], GRID_DECODERS[t.type_name]
-        return lambda: tuple(self._fix_rows(name, part) for part in decode(self.gf.tensor_bytes(stored), rows, cols))
+        return lambda: tuple(
+            self._fix_rows(name, part) for part in decode(self.gf.tensor_bytes(stored), rows, cols))
 
     def matrix(self, name: str) -> tuple[str, int, int] | None:
         """(type, rows, cols) of a 2-D tensor not yet taken; None for anything else."""
@@ -248,21 +257,23 @@ class GGUFWeights:
         """Whether the architecture reorders this tensor's rows (see ``_fix_rows``)."""
         return self._permuted(name)
 
-    def packed(self, names: list[str], pack: Callable[[np.ndarray, Callable[[int], None] | None], Any]) -> Any:
+    def packed(self, names: list[str],
+               pack: Callable[[np.ndarray, Callable[[int], None] | None], Any]) -> Any:
         """``pack(raw, on_rows)`` of the named tensors' file bytes, stacked by rows in order ([rows, bytes per
         row], rows as ``pop`` gives them: the architecture's reordering applied), each tensor counted as taken
         and its pages dropped once packed (``on_rows(n)``, where given: the first n rows are packed): never
         dequantized."""
         stored = [self._take(name) for name in names]
         parts = []
-        for name, file_name in zip(names, stored):
+        for name, file_name in zip(names, stored, strict=True):
             t = self.gf.tensors[file_name]
             rows = self.gf.tensor_bytes(file_name).reshape(t.dims[1], -1)
             if self._permuted(name):
                 heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads
                 rows = unpermute_rope_rows(torch.from_numpy(np.array(rows)), heads).numpy()
             parts.append(rows)
-        if len(parts) == 1 and not self._permuted(names[0]):  # the mapped file itself: pages dropped as rows are packed
+        # the mapped file itself: pages dropped as rows are packed
+        if len(parts) == 1 and not self._permuted(names[0]):
             row_bytes = parts[0].shape[1]
             result = pack(parts[0], lambda done: self.gf.release(stored[0], done * row_bytes))
         else:
@@ -276,7 +287,12 @@ class GGUFWeights:
         tensors, types the gguf library does not read, or rows the architecture reorders."""
         stored = self.names.get(name)
         t = None if stored is None else self.gf.tensors[stored]
-        if t is None or len(t.dims) != 2 or t.type_name in ("F32", "F16") or t.type_name not in SUPPORTED_TENSOR_TYPES:
+        if (
+            t is None
+            or len(t.dims) != 2
+            or t.type_name in ("F32", "F16")
+            or t.type_name not in SUPPORTED_TENSOR_TYPES
+        ):
             return None
         if self._permuted(name):
             return None
@@ -290,8 +306,10 @@ class GGUFWeights:
         return self._fix_rows(name, self.gf.load_tensor(self.names[name]))  # a KeyError for a missing tensor
 
     def _permuted(self, name: str) -> bool:
-        """Whether the architecture reorders this tensor's rows (the q/k RoPE permutation of llama and granite)."""
-        return ARCHS[self.config.architecture].gguf_permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight"))
+        """Whether the architecture reorders this tensor's rows (the q/k RoPE permutation of llama and
+        granite)."""
+        return ARCHS[self.config.architecture].gguf_permuted_qk and name.endswith(
+            ("attn_q.weight", "attn_k.weight"))
 
     def _fix_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """The architecture's fix-ups of a tensor's rows (the q/k RoPE permutation of llama and granite)."""

@@ -62,7 +62,8 @@ def _config_from_dict(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
-        raise ModelLoadError(f"{folder}: architecture {archs or '?'} is not supported ({', '.join(ARCHITECTURES)})")
+        raise ModelLoadError(
+            f"{folder}: architecture {archs or '?'} is not supported ({', '.join(ARCHITECTURES)})")
     spec = ARCHS[arch]
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
@@ -107,7 +108,8 @@ def _config_from_dict(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
     if arch == "granite":
         fields.update(embedding_scale=cfg.get("embedding_multiplier", 1.0),
                       residual_scale=cfg.get("residual_multiplier", 1.0),
-                      attn_scale=cfg.get("attention_multiplier"), logits_divisor=cfg.get("logits_scaling", 1.0))
+                      attn_scale=cfg.get("attention_multiplier"),
+                      logits_divisor=cfg.get("logits_scaling", 1.0))
     if arch in ("gemma2", "gemma3"):
         fields["attn_scale"] = cfg.get("query_pre_attn_scalar", head_dim) ** -0.5
     if arch == "gemma2":
@@ -182,7 +184,8 @@ def load_hf_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor
             weights[mapped] = t
     for mapped, by_expert in experts.items():  # stacked as GGUF's *_exps tensors: [experts, out, in]
         if sorted(by_expert) != list(range(config.num_experts)):
-            raise ModelLoadError(f"{folder}: {mapped} has experts {sorted(by_expert)}, not 0..{config.num_experts - 1}")
+            raise ModelLoadError(
+                f"{folder}: {mapped} has experts {sorted(by_expert)}, not 0..{config.num_experts - 1}")
         weights[mapped] = torch.stack([by_expert[e] for e in range(config.num_experts)])
     if "output.weight" not in weights and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight missing and embeddings are not tied")

@@ -9,7 +9,8 @@ from __future__ import annotations
 QL_F16, QL_F32, QL_Q4_0, QL_Q5_0, QL_Q5_1, QL_Q4_K, QL_Q5_K, QL_Q6_K, QL_Q2_K, QL_Q3_K = range(10)
 LAYOUT_NAMES = ("F16", "F32", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 GROUP_BYTES = (320, 384, 288, 352, 384, 288, 352, 416, 160, 224)  # a panel's group of 32 inputs x 16 outputs
-SUPER_BYTES = (0, 0, 0, 0, 0, 64, 64, 32, 64, 32)  # the K-quants' d (and dmin) for 16 outputs, before each 8 groups
+# the K-quants' d (and dmin) for 16 outputs, before each 8 groups
+SUPER_BYTES = (0, 0, 0, 0, 0, 64, 64, 32, 64, 32)
 CODE_BITS = (4, 4, 4, 5, 5, 4, 5, 6, 2, 3)
 HALVES = (QL_Q6_K, QL_Q2_K, QL_Q3_K)  # a scale (and offset) per 16 inputs, not per 32
 

@@ -55,7 +55,8 @@ from kvserve.models.weight_grids import (
     unpack_int4,
 )
 
-WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4", "q4-fast")  # config.WEIGHT_CHOICES adds "auto", resolved by the loader
+# config.WEIGHT_CHOICES adds "auto", resolved by the loader
+WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4", "q4-fast")
 # The exact integer format, whose logits are f32's within KLD 1e-6; "auto" picks it or q4-fast
 # (llama.cpp's activations) by the CPU and the file: models/weight_choice.py.
 CPU_GGUF_FORMAT = "q4"
@@ -162,7 +163,8 @@ class Int8GroupLinear(Int8Linear):
         return _int8_matmul_kernel() is not None
 
     @classmethod
-    def from_packed(cls, rows: int, cols: int, packed: torch.Tensor, bias: torch.Tensor | None = None) -> Int8GroupLinear:
+    def from_packed(cls, rows: int, cols: int, packed: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> Int8GroupLinear:
         """Around weights already in the g32 layout (``file_linears.int8_groups`` repacks a file's blocks
         into it). Needs the kernel."""
         lin = cls.__new__(cls)
@@ -215,7 +217,8 @@ class Int8GroupLinear(Int8Linear):
         if self.kernel is None or tuple(weight.shape) != (self.out_features, self.in_features):
             return False
         n = weight.shape[0]
-        return all(torch.equal(self.rows(torch.arange(r, min(r + ROW_BLOCK, n))), weight[r : r + ROW_BLOCK].float())
+        return all(torch.equal(self.rows(torch.arange(r, min(r + ROW_BLOCK, n))),
+                               weight[r : r + ROW_BLOCK].float())
                    for r in range(0, n, ROW_BLOCK))
 
 
@@ -292,14 +295,16 @@ class Int4Linear:
             x = x.to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
             return y if self.bias is None else y + self.bias
-        return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features, (self.digits, self.layout))
+        return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features,
+                           (self.digits, self.layout))
 
     def into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """``self(x)`` written into ``out`` (f32 [tokens, out_features], rows of unit stride)."""
         if self.kernel is None:
             out.copy_(self(x))
         else:
-            _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features, (self.digits, self.layout), out)
+            _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features,
+                        (self.digits, self.layout), out)
 
 
 class StackedLinear:
@@ -336,8 +341,8 @@ def _int4_matmul_kernel():
 
 
 def _run_matmul(
-    kernel, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None, out_features: int, options: tuple = (),
-    out: torch.Tensor | None = None,
+    kernel, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None, out_features: int,
+    options: tuple = (), out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [tokens, out] f32 = kernel(x, *weights, bias, M, N, K, y, threads, *options, ldy), the calling
     convention of ``native/int4_matmul.c`` and ``native/int8_matmul.c``; into ``out`` where given (f32,
@@ -357,7 +362,8 @@ def pack_into_arena(linears: list) -> None:
     pages on a Linux CPU), so a decode step streams them with a TLB entry per 2 MiB, not per 4 KiB."""
     flat = [part for lin in linears for part in getattr(lin, "parts", [lin])]
     owners = [lin for lin in flat
-              if getattr(lin, "kernel", None) is not None and isinstance(getattr(lin, "packed", None), torch.Tensor)]
+              if getattr(lin, "kernel", None) is not None and isinstance(
+                  getattr(lin, "packed", None), torch.Tensor)]
     rehome(owners, "packed")
 
 

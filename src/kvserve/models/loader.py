@@ -59,7 +59,8 @@ def load_model(
 
     def not_an_encoder(is_encoder: bool) -> None:
         if is_encoder and not embedding:
-            raise ModelLoadError(f"{model} is an encoder for sentence embeddings, not a model to generate with; "
+            raise ModelLoadError(
+                f"{model} is an encoder for sentence embeddings, not a model to generate with; "
                                  f"serve it beside one: kvserve serve MODEL {model}")
 
     if path.is_dir():

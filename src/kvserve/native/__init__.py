@@ -292,9 +292,11 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
     source = SOURCE_DIR / f"{name}.c"
     flags = build_flags(name, chosen)
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30,
+                                 check=False).stdout
         # the sources and flags as a prebuilt library is keyed, and the compiler and CPU it was built by
-        key = hashlib.sha256("\0".join([source_key(name, flags), version, _cpu_flags()]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([source_key(name, flags), version,
+                                        _cpu_flags()]).encode()).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         how = "cached" if target.exists() else "compiled"
         if not target.exists():

@@ -59,7 +59,9 @@ def operation(kernel: str, address: int, kv_group: int = 0, **args: float | None
         raise TypeError(f"decode operation {kernel}: kernels.h's parameters are {wanted} "
                         f"(missing {sorted(missing)}, not parameters {sorted(unknown)})")
     words = [abi.header().constants[f"OP_{kernel.upper()}"], address]
-    words += [(kv_group if step[p.name] in PER_KV_GROUP else 0) if p.name in step else _word(kernel, p, args[p.name])
+    words += [
+        (kv_group if step[p.name] in PER_KV_GROUP else 0) if p.name in step else _word(
+            kernel, p, args[p.name])
               for p in proto.params]
     if len(words) > op_fields():
         raise ValueError(f"decode operation {kernel}: {len(words)} words, OP_FIELDS is {op_fields()}")

@@ -34,13 +34,15 @@ class AutoCache:
     message: str
 
 
-def memory_budget(model: str, num_ctx: int, max_num_seqs: int, max_num_batched_tokens: int, dtype: str) -> tuple[int, str]:
+def memory_budget(model: str, num_ctx: int, max_num_seqs: int, max_num_batched_tokens: int,
+                  dtype: str) -> tuple[int, str]:
     """Bytes left for the KV pool on this machine, and how that was worked out."""
     spec = resolve_model(model)
     available, source = available_memory()
     weights = spec.num_params * DTYPE_BYTES[dtype]
     settings = PlanSettings(contexts=(num_ctx,), kv_types=(("f16", "f16"),), memory=max(available, 1),
-                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype)
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            dtype=dtype)
     act = activations(spec.config, num_ctx, "f16", "f16", settings).total
     budget = int(SAFETY * (available - weights - act - RUNTIME_OVERHEAD_BYTES))
     how = (f"{source} {available / 2**30:.2f} GiB - weights {weights / 2**30:.2f} GiB - activations "
@@ -61,8 +63,8 @@ def resolve_auto(
         budget, how = memory_budget(model, num_ctx, max_num_seqs, max_num_batched_tokens, dtype)
         notes.append(f"KV budget {budget / 2**20:.0f} MiB ({how})")
     if "auto" in (cache_type_k, cache_type_v):
-        cache_type_k, cache_type_v, reason = choose_cache_types(config, num_ctx, max_num_seqs, block_size, budget,
-                                                                max_num_batched_tokens, window_kv)
+        cache_type_k, cache_type_v, reason = choose_cache_types(config, num_ctx, max_num_seqs, block_size,
+                                                                budget, max_num_batched_tokens, window_kv)
         notes.append(f"--cache-type auto picked {reason}")
     if kv_cache_memory == "auto":
         need = context_pool_bytes(config, num_ctx, max_num_seqs, block_size, cache_type_k, cache_type_v,
@@ -73,5 +75,6 @@ def resolve_auto(
                          f"{need / 2**20:.0f} MiB; using {budget / 2**20:.0f} MiB, so the context shrinks "
                          f"(a quantized --cache-type or a smaller --num-ctx would keep it)")
         else:
-            notes.append(f"--kv-cache-memory auto: {need / 2**20:.0f} MiB for {max_num_seqs} x {num_ctx} tokens")
+            notes.append(
+                f"--kv-cache-memory auto: {need / 2**20:.0f} MiB for {max_num_seqs} x {num_ctx} tokens")
     return AutoCache(cache_type_k, cache_type_v, kv_cache_memory, "; ".join(notes))

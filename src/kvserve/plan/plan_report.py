@@ -61,9 +61,13 @@ def _leading(plan: Plan):
 def sliding_note(plan: Plan) -> str:
     """How the engine keeps the sliding-window layers' K/V, and what that saves."""
     c, s = plan.model.config, plan.settings
-    head = f"{_num_sliding(plan)} of {c.num_layers} layers attend to a {c.sliding_window}-token sliding window: "
+    head = (
+        f"{_num_sliding(plan)} of {c.num_layers} layers attend to a {c.sliding_window}-token sliding window: "
+    )
     if _num_sliding(plan) == c.num_layers:
-        return head + "every layer keeps every token (a window group needs global layers to tie its blocks to)"
+        return (
+            head + "every layer keeps every token (a window group needs global layers to tie its blocks to)"
+        )
     if not s.window_kv:
         return head + "--no-window-kv keeps every token in every layer"
     windowed = _windowed(plan)
@@ -72,8 +76,10 @@ def sliding_note(plan: Plan) -> str:
     last = windowed[-1]
     seqs = f"{s.max_num_seqs} sequence" + ("s" if s.max_num_seqs > 1 else "")
     return (
-        head + f"the engine keeps them in a pool of their own, {last.engine_pool.num_window_blocks} blocks of "
-        f"{s.block_size} tokens per layer (the windows of {seqs} and one step's {s.max_num_batched_tokens} tokens)"
+        head + f"the engine keeps them in a pool of their own, {last.engine_pool.num_window_blocks} blocks "
+               f"of "
+        f"{s.block_size} tokens per layer (the windows of {seqs} and one step's {s.max_num_batched_tokens} "
+        f"tokens)"
         + ("" if len(windowed) == len(s.contexts) else
            f", from ctx {windowed[0].ctx:,} on (below, a window pool would be no smaller)")
         + f"; at ctx {last.ctx:,} the KV cache is {fmt_bytes(last.engine_kv_pool_bytes)} instead of "
@@ -109,7 +115,8 @@ def notes(plan: Plan) -> list[str]:
         f"activations: one step of at most {s.max_num_batched_tokens} tokens (--max-num-batched-tokens), "
         f"{s.dtype}; "
         + ("the native attention kernels read K/V blocks in place: their workspace grows with ctx only by "
-           "a softmax state per 256 positions of each decoding sequence (--attention torch plans torch's path)"
+           "a softmax state per 256 positions of each decoding sequence (--attention torch plans torch's "
+           "path)"
            if kernels == "native" else
            "torch's attention: scores of one query tile and the K/V gathered for attention grow with ctx")
     )
@@ -121,7 +128,8 @@ def notes(plan: Plan) -> list[str]:
         )
     if s.disk_cache_bytes:
         out.append(
-            f"disk tier: {fmt_bytes(s.disk_cache_bytes)} of block files (--kv-disk-cache-size) hold the tokens "
+            f"disk tier: {fmt_bytes(s.disk_cache_bytes)} of block files (--kv-disk-cache-size) hold the "
+            f"tokens "
             "of the 'disk tier' column; not counted in memory (the OS caches what it can in free RAM)"
         )
     out += [f"KV type {name} skipped: {why}" for name, why in plan.skipped]
@@ -177,7 +185,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
                 "max_ctx": t.max_ctx,
                 "engine_max_ctx": t.engine_max_ctx,
                 "disk_tier": None if not s.disk_cache_bytes else dict(
-                    zip(("file_bytes", "tokens"), t.disk_tier(s.disk_cache_bytes, s.block_size))),
+                    zip(("file_bytes", "tokens"), t.disk_tier(s.disk_cache_bytes, s.block_size),
+                        strict=True)),
                 "contexts": [
                     {
                         "ctx": p.ctx,
@@ -256,7 +265,8 @@ def render(plan: Plan, console) -> None:
     row(
         "activations",
         [p.activations.total for p in first.contexts],
-        f"chunk {s.max_num_batched_tokens} tokens, {first.contexts[0].activations.attention_kernels} attention",
+        f"chunk {s.max_num_batched_tokens} tokens, {first.contexts[0].activations.attention_kernels} "
+        f"attention",
     )
     row("runtime overhead", [plan.runtime_overhead] * n, "torch + Python + the tokenizer")
     row("total (plan)", [p.total for p in first.contexts], "weights as stored", style="bold")

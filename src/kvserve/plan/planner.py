@@ -9,7 +9,8 @@ their windows (``kv.window_blocks.window_pool_blocks``), unless --no-window-kv.
 Two totals, which differ only in the weights:
 
     total (plan)    weights as stored + the pool
-    total (engine)  weights as the engine holds them (--weights: auto = q4 for a GGUF) + a chunk of rows of the
+    total (engine)  weights as the engine holds them (--weights: auto = q4 for a GGUF) + a chunk of rows of
+    the
                     file mapped while loading + the pool
 
 Both add the same activations and runtime overhead.
@@ -70,7 +71,8 @@ class PlanSettings:
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
-            raise ValueError(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
+            raise ValueError(
+                f"--attention must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
         if self.disk_cache_bytes is not None and self.disk_cache_bytes < 1:
             raise ValueError(f"--kv-disk-cache-size must be >= 1, got {self.disk_cache_bytes}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "memory"):
@@ -132,7 +134,8 @@ class ContextPlan:
     engine_pool: PoolSize
     activations: Activations
     total: int  # weights as stored + engine_kv_pool_bytes + activations + overhead
-    engine_total: int  # weights as held + a chunk of rows in flight + engine_kv_pool_bytes + activations + overhead
+    # weights as held + a chunk of rows in flight + engine_kv_pool_bytes + activations + overhead
+    engine_total: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +247,8 @@ def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) 
 
 
 def rope_table_bytes(c: ModelConfig, ctx: int, float_bytes: int) -> int:
-    """The RoPE tables at ``ctx`` positions: cos and sin, per base (a second one for Gemma's sliding layers)."""
+    """The RoPE tables at ``ctx`` positions: cos and sin, per base (a second one for Gemma's sliding
+    layers)."""
     num_tables = 1 + (c.rope_theta_local is not None)
     return num_tables * 2 * ctx * (c.rotary_dim or c.head_dim) * float_bytes
 

@@ -79,8 +79,9 @@ def _from_file_blocks(parts) -> float | None:
 
 def held_bytes(tensors, weights: str) -> int:
     """Bytes the engine holds of a GGUF's tensors in ``weights`` ("q4", "q4-fast" or "int8"): norms and other
-    1-D tensors in f32; in the q4 formats projections and the head from the file's blocks (models/file_linears.py)
-    and a quantized embedding table as the file's bytes, else (and in int8) as the f32 path makes them."""
+    1-D tensors in f32; in the q4 formats projections and the head from the file's blocks
+    (models/file_linears.py) and a quantized embedding table as the file's bytes, else (and in int8) as the
+    f32 path makes them."""
     from kvserve.models import layouts
 
     by_name = {t.name: t for t in tensors}
@@ -107,7 +108,11 @@ def held_bytes(tensors, weights: str) -> int:
             continue
         prefix, _, suffix = t.name.rpartition("blk.")[2].partition(".")
         stack = next((s for s in _STACKS if suffix in s), (suffix,))
-        parts = [by_name[n] for n in (f"blk.{prefix}.{s}" for s in stack) if n in by_name] if t.name.startswith("blk.") else [t]
+        parts = (
+            [by_name[n] for n in (f"blk.{prefix}.{s}" for s in stack) if n in by_name]
+            if t.name.startswith("blk.")
+            else [t]
+        )
         done.update(p.name for p in parts)
         held = _from_file_blocks(parts) if file_blocks else None
         total += held if held is not None else sum(_through_f32(p, weights) for p in parts)
@@ -160,7 +165,8 @@ def _from_registry(name: str) -> ModelSpec:
         raise ModelNotFoundError(f"model '{name}' is not installed; run: kvserve pull {name}")
     if path.is_file():
         return _from_gguf(path, str(path))
-    chunks = part_paths(entry) if entry.parts else [Path(p) for p in importlib.import_module(entry.module).chunk_paths()]
+    chunks = part_paths(entry) if entry.parts else [
+        Path(p) for p in importlib.import_module(entry.module).chunk_paths()]
     return _from_gguf(chunks, f"{chunks[0]} (+{len(chunks) - 1} chunks, not assembled)")
 
 

@@ -32,7 +32,11 @@ def needle_score(engine, filler: list[int], lengths: list[int], depths: list[flo
         for depth in depths:
             number = str(rng.randrange(10000, 99999))
             prompt = build_prompt(engine.tokenizer, filler, length, depth, number)
-            prompt = prompt[-(engine.max_model_len - params.max_tokens) :] if len(prompt) >= engine.max_model_len else prompt
+            prompt = (
+                prompt[-(engine.max_model_len - params.max_tokens) :]
+                if len(prompt) >= engine.max_model_len
+                else prompt
+            )
             trials.append((engine.add_request(prompt, params).request_id, number))
     final = engine.run_to_completion()
     found = sum(1 for rid, number in trials if number in final[rid].text)

@@ -44,7 +44,8 @@ def _nll(model: DecoderLM, context: list[int], scored_from: int, chunk: int) -> 
     return out[scored_from - 1 :]
 
 
-def shift_scores(model: DecoderLM, token_ids: list[int], num_ctx: int, num_keep: int, chunk: int = 256) -> ShiftScores:
+def shift_scores(model: DecoderLM, token_ids: list[int], num_ctx: int, num_keep: int,
+                 chunk: int = 256) -> ShiftScores:
     """token_ids: the text (longer than num_ctx). Reads it through successive shifts of a num_ctx context."""
     context, position, shifts, stretch = list(token_ids[:num_ctx]), num_ctx, 0, 0
     stretch_nll: list[float] = []

@@ -29,7 +29,8 @@ def chunk_logprobs(model: DecoderLM, token_ids: list[int], cache_type_k: str, ca
     for start in range(0, len(token_ids) - 1, chunk):
         end = min(start + chunk, len(token_ids) - 1)
         positions = torch.arange(start, end, device=model.device)
-        metadata = PagedAttentionMetadata((positions.clone(),), [SequenceSlice(0, end - start, end, (table,))])
+        metadata = PagedAttentionMetadata((positions.clone(),),
+                                          [SequenceSlice(0, end - start, end, (table,))])
         hidden = model.forward(ids[start:end], positions, PagedAttention(storage, metadata))
         yield start, model.compute_logits(hidden).log_softmax(-1)
 
@@ -47,13 +48,14 @@ def reference_run(model: DecoderLM, token_ids: list[int], chunk: int) -> list[to
 
 
 def score(
-    model: DecoderLM, token_ids: list[int], reference: list[torch.Tensor], cache_type_k: str, cache_type_v: str,
-    chunk: int,
+    model: DecoderLM, token_ids: list[int], reference: list[torch.Tensor], cache_type_k: str,
+    cache_type_v: str, chunk: int,
 ) -> QualityScores:
     kld_sum = agree = nll_sum = 0.0
     count = 0
     targets = torch.tensor(token_ids[1:], device=model.device)
-    for (start, logprobs), ref in zip(chunk_logprobs(model, token_ids, cache_type_k, cache_type_v, chunk), reference):
+    for (start, logprobs), ref in zip(chunk_logprobs(model, token_ids, cache_type_k, cache_type_v, chunk),
+                                      reference, strict=True):
         n = logprobs.shape[0]
         kld_sum += float((ref.exp() * (ref - logprobs)).sum())
         agree += int((ref.argmax(-1) == logprobs.argmax(-1)).sum())

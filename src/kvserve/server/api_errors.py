@@ -2,7 +2,8 @@
 
     OpenAI     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}   (the default)
     Ollama     {"error": "..."}                                          (server/ollama/ollama_errors.py)
-    Anthropic  {"type": "error", "error": {"type": ..., "message": ...}}  (server/anthropic/anthropic_errors.py)
+    Anthropic  {"type": "error", "error": {"type": ..., "message": ...}} 
+    (server/anthropic/anthropic_errors.py)
 
 Each API package registers its ``ErrorShape`` (the paths it owns, an error's body, the status it sends,
 the body's OpenAPI model) when imported; a path no package owns (kvserve's own routes, llama.cpp's, the
@@ -74,7 +75,8 @@ def generation_error(out) -> APIError:
     """The error of a request that finished with one: a 400 where its own grammar could not be followed,
     else a 500 (the engine's fault)."""
     if getattr(out, "error_status", 500) == 400:
-        return APIError(400, out.error or "the request's grammar could not be followed", code="grammar_failed")
+        return APIError(400, out.error or "the request's grammar could not be followed",
+                        code="grammar_failed")
     return APIError(500, f"generation failed: {out.error or 'unknown engine error'}")
 
 

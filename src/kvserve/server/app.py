@@ -67,7 +67,8 @@ class Health(BaseModel):
 @ops.get(
     "/health",
     response_model=None,
-    responses=ok(Health, "Every loaded engine runs") | {503: {"model": Health, "description": "An engine stopped"}},
+    responses=ok(Health,
+                 "Every loaded engine runs") | {503: {"model": Health, "description": "An engine stopped"}},
 )
 async def health(request: Request) -> JSONResponse:
     models: ServedModels = request.app.state.models
@@ -77,8 +78,10 @@ async def health(request: Request) -> JSONResponse:
             return JSONResponse({"status": "error", "model": slot.name, "error": str(dead)}, 503)
         if dead is not None:
             return JSONResponse({"status": "error", "model": slot.name,
-                                 "error": f"model '{slot.name}''s engine stopped after an internal error"}, 503)
-    return JSONResponse({"status": "ok", "model": models.slots[0].name, "loaded": [s.name for s in models.loaded()]})
+                                 "error": f"model '{slot.name}''s engine stopped after an internal error"},
+                                 503)
+    return JSONResponse({"status": "ok", "model": models.slots[0].name,
+                         "loaded": [s.name for s in models.loaded()]})
 
 
 @ops.get(
@@ -94,7 +97,8 @@ async def metrics(request: Request) -> Response:
     responses=ok(EngineSnapshot, "The KV cache's block accounting") | openai_errors(404, 409),
 )
 async def cache(request: Request, model: str | None = Query(
-        None, description="the loaded model whose pool to show (default: the first model, else the last used)")
+        None,
+        description="the loaded model whose pool to show (default: the first model, else the last used)")
 ) -> dict:
     """Exact block accounting, taken between engine steps: ``held_blocks`` is the union of the
     live requests' block tables, and every other block is free."""
@@ -108,7 +112,8 @@ class ModelsView(BaseModel):
     events: list[ModelEvent]  # the last loads and unloads, oldest first
 
 
-@ops.get("/v1/kvserve/models", response_model=None, responses=ok(ModelsView, "Every model, and the last loads"))
+@ops.get("/v1/kvserve/models", response_model=None,
+         responses=ok(ModelsView, "Every model, and the last loads"))
 async def model_states(request: Request) -> dict:
     """Every chat model the server holds (loaded, loading or unloaded; planned size; when it unloads if
     idle) and the last load and unload events: what the web page and ``kvserve top`` list."""
@@ -171,7 +176,8 @@ def build_app(
     app.state.models = models(first) if models is not None else ServedModels(first)
     # what the OpenAPI document's examples read, kept apart from the model (which may be unloaded)
     dimensions = [first.hidden_size] + [e.config.dimensions for e in (encoder, reranker) if e is not None]
-    examples = {"token_id": first.vocab_size - 1, "n": config.max_n, "dimensions": max(dimensions, default=1)}, \
+    examples = {"token_id": first.vocab_size - 1, "n": config.max_n,
+                "dimensions": max(dimensions, default=1)}, \
         first.features
     del first
     install_error_handlers(app)

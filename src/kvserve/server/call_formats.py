@@ -1,8 +1,9 @@
 """How each model family writes a tool call, chosen from its chat template: the grammar that keeps calls
 in that form, and the parser that reads them back.
 
-    Hermes (Qwen2.5, Hermes, SmolLM3; the default)   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
-    Qwen3-Coder                                       <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n
+    Hermes (Qwen2.5, Hermes, SmolLM3; the default)   <tool_call>\\n{"name": ..., "arguments":
+    {...}}\\n</tool_call> Qwen3-Coder                                      
+    <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n
                                                       </function>\\n</tool_call>
     Llama 3.x (JSON tool calling)                     {"name": ..., "parameters": {...}}
     Mistral                                           [TOOL_CALLS][{"name": ..., "arguments": {...}}]
@@ -65,14 +66,14 @@ def _json_call(body: str) -> ToolCall | None:
 
 
 class CallFormat:
-    """Hermes: ``<tool_call>`` blocks of JSON. ``marks``: the open and close markers as grammar terms, token ids
-    (``<[151657]>``) where the vocabulary has each marker as one token, which is what the model writes and what
-    the grammar engine must be told (it never matches a marker token against the marker's bytes)."""
+    """Hermes: ``<tool_call>`` blocks of JSON. ``marks``: the open and close markers as grammar terms, token
+    ids (``<[151657]>``) where the vocabulary has each marker as one token, which is what the model writes and
+    what the grammar engine must be told (it never matches a marker token against the marker's bytes)."""
 
     name = "hermes"
-    # the answer's decoded text holds its calls whole, markers included: rendered back as the assistant's turn it
-    # reads as the tokens the model wrote (``tools.WrittenCalls``); not so where a marker is a special token
-    # that decoding drops (Mistral) or a template adds its own around the call (Llama 3's python tag)
+    # the answer's decoded text holds its calls whole, markers included: rendered back as the assistant's turn
+    # it reads as the tokens the model wrote (``tools.WrittenCalls``); not so where a marker is a special
+    # token that decoding drops (Mistral) or a template adds its own around the call (Llama 3's python tag)
     text_holds_calls = True
     # an answer that is text: it cannot start a call (nor with blank space, which a model that means to call
     # writes first, nor with "{", a bare call's start), nor hold one further on (a call there would escape the
@@ -83,9 +84,9 @@ class CallFormat:
         self.open_mark, self.close_mark = marks or (json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE))
 
     def rules(self, offered: list[Tool], max_calls: int, bare: bool = False) -> list[str]:
-        """``bare``: a call may also be written as the bare JSON object, no markers, alone or in a json code block
-        (Qwen2.5-Coder's habits, as llama.cpp's Hermes parser reads the first), checked against the tools'
-        schemas like a marked one; an answer that is text then starts with neither."""
+        """``bare``: a call may also be written as the bare JSON object, no markers, alone or in a json code
+        block (Qwen2.5-Coder's habits, as llama.cpp's Hermes parser reads the first), checked against the
+        tools' schemas like a marked one; an answer that is text then starts with neither."""
         calls = "call" if max_calls == 1 else f"call (NL call){{0,{max_calls - 1}}}"
         tools = " | ".join(f"tool{i}" for i in range(len(offered)))
         return [
@@ -97,7 +98,8 @@ class CallFormat:
         ]
 
     def may_start(self, text: str) -> bool:
-        return text.startswith((CALL_OPEN, "{", "```json")) or any(m.startswith(text) for m in (CALL_OPEN, "```json"))
+        return text.startswith((CALL_OPEN, "{", "```json")) or any(
+            m.startswith(text) for m in (CALL_OPEN, "```json"))
 
     def parse(self, text: str, tools: list[Tool] | None = None) -> tuple[str, list[ToolCall]]:
         """(the text that is not calls, the calls): every complete ``<tool_call>`` block whose body is a
@@ -111,7 +113,8 @@ class CallFormat:
             end = text.find(CALL_CLOSE, start)
             if end < 0:
                 if calls:
-                    return _joined(kept, ""), _dedupe(calls)  # the call cut off after complete ones is dropped
+                    # the call cut off after complete ones is dropped
+                    return _joined(kept, ""), _dedupe(calls)
                 break
             call = _json_call(text[start + len(CALL_OPEN) : end])
             kept.append(text[pos : end + len(CALL_CLOSE)] if call is None else text[pos:start])
@@ -240,7 +243,8 @@ class MistralFormat(CallFormat):
 
     def rules(self, offered: list[Tool], max_calls: int, bare: bool = False) -> list[str]:
         one = len(offered) == 1
-        items, defs = _gathered([call_schema(t) for t in offered], lambda i: "#/items" if one else f"#/items/anyOf/{i}")
+        items, defs = _gathered([call_schema(t) for t in offered],
+                                lambda i: "#/items" if one else f"#/items/anyOf/{i}")
         array = {"type": "array", "items": items[0] if one else {"anyOf": items}, "minItems": 1,
                  "maxItems": max_calls, **defs, "x-guidance": ONE_LINE}
         mark = f"<[{self.mark_id}]>" if self.mark_id is not None else json.dumps(self.MARK)

@@ -34,7 +34,8 @@ Texts = Annotated[list[str], WithJsonSchema({"type": "array", "items": {"type": 
                                              "minItems": 1, "maxItems": MAX_INPUTS})]
 # 1 ... the model's dimensions: the published maximum is the largest embedding model's at start (LIMIT)
 Dimensions = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 1, LIMIT: "dimensions"})]
-TokenLists = Annotated[list[list[int]], WithJsonSchema({"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
+TokenLists = Annotated[list[list[int]],
+                       WithJsonSchema({"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
                                                         "items": {"type": "array", "items": TOKEN_ID_SCHEMA,
                                                                   "minItems": 1}})]
 BATCH = 32  # inputs the encoder reads at once
@@ -62,7 +63,8 @@ def names(encoder: Encoder | None, model: str) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def embedding_model(request: Request, model: str, keep_alive: str | float | None = None) -> AsyncIterator[Encoder]:
+async def embedding_model(request: Request, model: str,
+                          keep_alive: str | float | None = None) -> AsyncIterator[Encoder]:
     """The embedding model ``model`` names, or a chat model's own embeddings (the mean of its final hidden
     states, through its engine, loading it if need be: Ollama and llama.cpp's server embed with any model),
     kept loaded while the block runs (its inputs go in waves, no stream open between them)."""
@@ -70,7 +72,8 @@ async def embedding_model(request: Request, model: str, keep_alive: str | float 
     if not names(request.app.state.encoder, model) and any(slot.matches(model) for slot in models.slots):
         async with models.lease(model, keep_alive) as serving:
             if getattr(serving.async_engine, "serves_replicas", False):
-                raise APIError(501, "a chat model embeds through its own engine: not behind --replicas (serve an "
+                raise APIError(501,
+                               "a chat model embeds through its own engine: not behind --replicas (serve an "
                                     "embedding model with --embedding-model)", "model", "not_available")
             yield DecoderEncoder.of_chat_model(serving.async_engine, serving.card.name)
         return
@@ -82,7 +85,8 @@ def served_encoder(request: Request, model: str, role: str, verb: str, flag: str
     which one it holds (``verb``: what it does) or how to start one (``flag``) otherwise."""
     encoder: Encoder | None = getattr(request.app.state, role, None)
     if encoder is None:
-        raise APIError(404, f"model '{model}' not found; this server has no such model (start it with {flag})",
+        raise APIError(404,
+                       f"model '{model}' not found; this server has no such model (start it with {flag})",
                        "model", "model_not_found")
     if not names(encoder, model):
         raise APIError(404, f"model '{model}' not found; this server {verb} with '{encoder.name}'", "model",
@@ -91,7 +95,8 @@ def served_encoder(request: Request, model: str, role: str, verb: str, flag: str
 
 
 async def vectors_of(encoder: Encoder, inputs: list[list[int]], dimensions: int | None) -> torch.Tensor:
-    """The inputs' embeddings, ``BATCH`` of similar lengths at a time (``length_batches``); cut to ``dimensions`` (and normalized again where the model normalizes)."""
+    """The inputs' embeddings, ``BATCH`` of similar lengths at a time (``length_batches``); cut to
+    ``dimensions`` (and normalized again where the model normalizes)."""
     if not inputs or len(inputs) > MAX_INPUTS:
         raise APIError(400, f"input must hold 1 to {MAX_INPUTS} items", "input")
     if dimensions is not None and dimensions > encoder.config.dimensions:
@@ -128,7 +133,8 @@ async def tokens_of(encoder: Encoder, texts: list[str], truncate: bool = True) -
 
 
 @router.post("/v1/embeddings", response_model=None,
-             responses=ok(EmbeddingsResponse, "The inputs' embeddings, in order") | openai_errors(400, 404, 429, 501, 503))
+             responses=ok(EmbeddingsResponse, "The inputs' embeddings, in order") | openai_errors(
+                 400, 404, 429, 501, 503))
 async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
     async with embedding_model(request, body.model) as encoder:
         given = body.input
@@ -146,8 +152,11 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
         vectors = await vectors_of(encoder, tokens, body.dimensions)
         data = []
         for i, v in enumerate(vectors):
-            value = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if body.encoding_format == "base64" \
+            value = (
+                base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+                if body.encoding_format == "base64"
                 else v.tolist()
+            )
             data.append({"object": "embedding", "index": i, "embedding": value})
         used = sum(len(t) for t in tokens)
         return {"object": "list", "data": data, "model": body.model,

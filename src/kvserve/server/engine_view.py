@@ -49,7 +49,8 @@ class EngineSnapshot:
     engine_alive: bool
     spec_draft_tokens: int = 0  # speculative tokens verified
     spec_accepted_tokens: int = 0  # of which kept
-    spec_verify_steps: int = 0  # request-steps that verified drafts: tokens per step = (accepted + steps) / steps
+    # request-steps that verified drafts: tokens per step = (accepted + steps) / steps
+    spec_verify_steps: int = 0
     requests: dict[str, list[int]] = field(default_factory=dict)  # request id -> block table
     held_blocks: list[int] = field(default_factory=list)  # block ids with a reference, sorted
     # the sliding-window layers' pool (kv.window_blocks); 0 blocks: no window group

@@ -39,7 +39,8 @@ ROUTER_GAUGES = {
 
 
 def router_families(snapshots: list[tuple[str, EngineSnapshot]]):
-    families = {name: GaugeMetricFamily(name, doc, labels=["model_name"]) for name, doc in ROUTER_GAUGES.items()}
+    families = {name: GaugeMetricFamily(name, doc,
+                                        labels=["model_name"]) for name, doc in ROUTER_GAUGES.items()}
     # the pool's shape, as labels: what a prefix-aware picker needs to mirror the cache (value 1)
     info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",
                              labels=["model_name", "block_size", "num_gpu_blocks"])
@@ -122,7 +123,8 @@ class EngineCollector(Collector):
         ]
         if disk is not None:
             counters += [
-                ("kvserve_disk_cache_written_bytes", "Bytes of KV blocks written to disk", disk.bytes_written),
+                ("kvserve_disk_cache_written_bytes", "Bytes of KV blocks written to disk",
+                 disk.bytes_written),
                 ("kvserve_disk_cache_write_seconds", "Time spent writing KV blocks", disk.write_seconds),
                 ("kvserve_disk_cache_read_bytes", "Bytes of KV blocks read back from disk", disk.bytes_read),
                 ("kvserve_disk_cache_read_seconds", "Time spent reading KV blocks", disk.read_seconds),
@@ -153,17 +155,21 @@ class ServerMetrics:
         self.itl = histogram("kvserve_inter_token_latency_seconds", "Time between consecutive output tokens",
                              ITL_BUCKETS)
         self.e2e = histogram("kvserve_e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS)
-        self.queue = histogram("kvserve_request_queue_time_seconds", "Arrival to first scheduled", E2E_BUCKETS)
-        self.prompt_tokens = counter("kvserve_prompt_tokens", "Prompt tokens of requests that started", "model")
+        self.queue = histogram("kvserve_request_queue_time_seconds", "Arrival to first scheduled",
+                               E2E_BUCKETS)
+        self.prompt_tokens = counter("kvserve_prompt_tokens", "Prompt tokens of requests that started",
+                                     "model")
         self.generation_tokens = counter("kvserve_generation_tokens", "Tokens generated", "model")
-        self.requests = counter("kvserve_requests", "Finished requests by finish reason", "model", "finish_reason")
+        self.requests = counter("kvserve_requests", "Finished requests by finish reason", "model",
+                                "finish_reason")
         self.errors = counter("kvserve_request_errors", "Error responses by status code", "status")
-        self.constrained = counter("kvserve_constrained_requests", "Finished requests whose output followed a grammar",
-                                   "model")
-        self.mask_time = histogram("kvserve_constraint_mask_seconds", "Time to compute one grammar token mask",
-                                   MASK_BUCKETS)
+        self.constrained = counter("kvserve_constrained_requests",
+                                   "Finished requests whose output followed a grammar", "model")
+        self.mask_time = histogram("kvserve_constraint_mask_seconds",
+                                   "Time to compute one grammar token mask", MASK_BUCKETS)
         # the models a server holds (server/model_slots.py): which are loaded, and each load and unload
-        self.model_loaded = Gauge("kvserve_model_loaded", "1 while the model is loaded", ["model"], registry=r)
+        self.model_loaded = Gauge("kvserve_model_loaded", "1 while the model is loaded", ["model"],
+                                  registry=r)
         self.model_loads = counter("kvserve_model_loads", "Models loaded on demand", "model")
         self.model_unloads = counter("kvserve_model_unloads", "Models unloaded, by why: keep_alive, evicted, "
                                      "asked (keep_alive 0 on an empty request), stopping", "model", "reason")

@@ -59,7 +59,12 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES) or scope["method"] == "OPTIONS":
+        if (
+            scope["type"] != "http"
+            or path in OPEN_PATHS
+            or path.startswith(OPEN_PREFIXES)
+            or scope["method"] == "OPTIONS"
+        ):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"x-api-key", b"")

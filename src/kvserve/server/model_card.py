@@ -103,15 +103,17 @@ class ModelCard:
             template = header.get("tokenizer.chat_template", "") or ""
             fim = file_has_fim_tokens(path, header.data_offset)
             file_type = _file_type_name(header.get("general.file_type"))
-        return cls(name=name, path=path, architecture=spec.config.architecture, num_parameters=spec.num_params,
-                   quantization=_main_type(spec.stored_by_type), size_bytes=sum(f.stat().st_size for f in _files(path)),
+        return cls(name=name, path=path, architecture=spec.config.architecture,
+                   num_parameters=spec.num_params, quantization=_main_type(spec.stored_by_type),
+                   size_bytes=sum(f.stat().st_size for f in _files(path)),
                    context_length=min(context_length, spec.config.max_position_embeddings), kv_pool_bytes=0,
-                   device="cpu", modified=path.stat().st_mtime, chat_template=template, fim=fim, file_type=file_type)
+                   device="cpu", modified=path.stat().st_mtime, chat_template=template, fim=fim,
+                   file_type=file_type)
 
     @classmethod
     def from_encoder(cls, encoder) -> ModelCard:
-        """An embedding or rerank model the server holds beside its chat models (``embedding.encoders``): a BERT
-        (its weights counted) or a decoder (its engine's card)."""
+        """An embedding or rerank model the server holds beside its chat models (``embedding.encoders``): a
+        BERT (its weights counted) or a decoder (its engine's card)."""
         engine = getattr(encoder, "engine", None)
         if engine is not None:  # a decoder: embedding or judging through an engine of its own
             card = cls.from_engine(engine.engine, encoder.name)

@@ -53,7 +53,8 @@ def keep_alive_seconds(value: str | float | None, default: float | None) -> floa
             seconds = float(text)
         else:
             sign = -1.0 if text.startswith("-") else 1.0
-            seconds = sign * sum(float(n) * _UNITS[u] for n, u in re.findall(r"([0-9.]+)(ns|us|µs|ms|s|m|h)", text))
+            seconds = sign * sum(
+                float(n) * _UNITS[u] for n, u in re.findall(r"([0-9.]+)(ns|us|µs|ms|s|m|h)", text))
     else:
         seconds = float(value)
     return None if seconds < 0 else seconds
@@ -111,8 +112,8 @@ class ServedModels:
                  load: Callable[[str, str], Serving] | None = None, budget: int | None = None,
                  max_loaded: int = 0, keep_alive: float | None = None, first_source: str | None = None,
                  first_planned: int = 0) -> None:
-        self.slots = [Slot(first.card.name, first_source or str(first.card.path), first_planned, first.card, first,
-                           pinned=load is None, last_used=time.monotonic())]
+        self.slots = [Slot(first.card.name, first_source or str(first.card.path), first_planned, first.card,
+                           first, pinned=load is None, last_used=time.monotonic())]
         for name, (source, planned, card) in (others or {}).items():
             self.slots.append(Slot(name, source, planned, card))
         self.load, self.budget, self.max_loaded, self.keep_alive = load, budget, max_loaded, keep_alive
@@ -134,7 +135,8 @@ class ServedModels:
             if slot.matches(name):
                 return slot
         served = ", ".join(f"'{s.name}'" for s in self.slots)
-        raise APIError(404, f"model '{name}' not found; this server serves {served}", "model", "model_not_found")
+        raise APIError(404, f"model '{name}' not found; this server serves {served}", "model",
+                       "model_not_found")
 
     async def serving(self, name: str | None, keep_alive: str | float | None = None) -> Serving:
         """The named model's Serving, loaded first if it is not (404 for a name this server does not
@@ -177,7 +179,8 @@ class ServedModels:
         """Ollama's empty request with keep_alive 0: unload the model now unless a stream is open on it.
         Returns whether it is unloaded."""
         slot = self.find(name)
-        if slot.pinned or slot.serving is not None and (slot.serving.async_engine.num_open_streams or slot.leases):
+        if slot.pinned or slot.serving is not None and (
+            slot.serving.async_engine.num_open_streams or slot.leases):
             return slot.serving is None
         await self.unload(slot, "asked")
         return True
@@ -197,7 +200,8 @@ class ServedModels:
             except Exception as e:
                 log.exception("model '%s' did not load", slot.name)
                 self._event(slot, "load_failed", str(e))
-                raise APIError(503, f"model '{slot.name}' could not be loaded: {e}", "model", "load_failed") from None
+                raise APIError(503, f"model '{slot.name}' could not be loaded: {e}", "model",
+                               "load_failed") from None
             seconds = time.perf_counter() - started
             log.info("loaded model '%s' in %.1f s", slot.name, seconds)
             self._event(slot, "loaded", f"in {seconds:.1f} s")
@@ -205,17 +209,25 @@ class ServedModels:
     async def _make_room(self, slot: Slot) -> None:
         """Unload idle models, least recently used first, until ``slot`` fits; wait for busy ones."""
         if self.budget is not None and slot.planned > self.budget:
-            raise APIError(503, f"model '{slot.name}' needs {slot.planned / 2**20:.0f} MiB (kvserve plan), more than "
-                                f"this server's memory budget of {self.budget / 2**20:.0f} MiB (--max-memory)",
-                           "model", "insufficient_memory")
+            raise APIError(
+                503,
+                f"model '{slot.name}' needs {slot.planned / 2**20:.0f} MiB (kvserve plan), more "
+                f"than "
+                f"this server's memory budget of {self.budget / 2**20:.0f} MiB (--max-memory)",
+                "model",
+                "insufficient_memory",
+            )
         deadline = time.monotonic() + WAIT_FOR_ROOM
         while not self._fits(slot):
-            idle = sorted((s for s in self.loaded() if not s.pinned and not self.busy(s)), key=lambda s: s.last_used)
+            idle = sorted((s for s in self.loaded() if not s.pinned and not self.busy(s)),
+                          key=lambda s: s.last_used)
             if idle:
                 await self.unload(idle[0], "evicted", f"to make room for '{slot.name}'")
                 continue
             if time.monotonic() > deadline:
-                raise APIError(503, f"model '{slot.name}' waited {WAIT_FOR_ROOM:.0f} s for a loaded model to become "
+                raise APIError(503,
+                               f"model '{slot.name}' waited {WAIT_FOR_ROOM:.0f} s for a loaded model to "
+                               f"become "
                                     "idle", "model", "insufficient_memory")
             await asyncio.sleep(TICK)
 
@@ -223,7 +235,10 @@ class ServedModels:
         loaded = [s for s in self.loaded() if s is not slot]
         if self.max_loaded and len(loaded) + 1 > self.max_loaded:
             return False
-        return self.budget is None or sum(s.planned for s in loaded) + self._releasing + slot.planned <= self.budget
+        return (
+            self.budget is None
+            or sum(s.planned for s in loaded) + self._releasing + slot.planned <= self.budget
+        )
 
     # --- what is loaded -----------------------------------------------------------------------------------
     def loaded(self) -> list[Slot]:
@@ -240,7 +255,8 @@ class ServedModels:
             return slot.serving
         loaded = sorted(self.loaded(), key=lambda s: (s is not self.slots[0], -s.last_used))
         if not loaded:
-            raise APIError(409, "no model is loaded; a request naming one loads it", "model", "model_not_loaded")
+            raise APIError(409, "no model is loaded; a request naming one loads it", "model",
+                           "model_not_loaded")
         return loaded[0].serving
 
     def views(self) -> list[tuple[str, object]]:
@@ -284,7 +300,8 @@ class ServedModels:
         self._releasing += slot.planned
         try:
             # waits for the engine's step to end (stopping the server: 5 s at most), then frees it
-            await asyncio.to_thread(serving.async_engine.shutdown, f"model '{slot.name}' was unloaded ({reason}); "
+            await asyncio.to_thread(serving.async_engine.shutdown,
+                                    f"model '{slot.name}' was unloaded ({reason}); "
                                     "retry", 5 if reason == "stopping" else None)
             del serving
             await asyncio.to_thread(_collect)

@@ -48,7 +48,8 @@ class RerankResponse(BaseModel):
 
 
 def _reranker(request: Request, model: str) -> Encoder:
-    return served_encoder(request, model, "reranker", "reranks", "--rerank-model PATH, a cross-encoder's folder")
+    return served_encoder(request, model, "reranker", "reranks",
+                          "--rerank-model PATH, a cross-encoder's folder")
 
 
 @router.post("/v1/rerank", response_model=None,
@@ -66,8 +67,14 @@ async def rerank(body: RerankRequest, request: Request) -> dict:
     for i in range(0, len(pairs), BATCH):
         scores += (await admitted(encoder.ascore(pairs[i : i + BATCH]), "documents")).tolist()
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[: body.top_n]
-    results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": texts[i]}}
-                                                             if body.return_documents else {})} for i in order]
+    results = [
+        {
+            "index": i,
+            "relevance_score": scores[i],
+            **({"document": {"text": texts[i]}} if body.return_documents else {}),
+        }
+        for i in order
+    ]
     used = sum(len(ids) for ids, _ in pairs)
     return {"id": f"rerank-{secrets.token_hex(12)}", "model": body.model, "results": results,
             "usage": {"prompt_tokens": used, "total_tokens": used}}

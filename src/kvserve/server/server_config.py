@@ -17,7 +17,8 @@ class ServerConfig:
     max_n: int = 16  # most choices per OpenAI request (``n``)
     # special-token strings in chat messages become control tokens (trusted clients that build turns)
     special_tokens_in_messages: bool = False
-    kv_events: str | None = None  # a ZeroMQ address to publish the prefix cache's events on (server.kv_events)
+    # a ZeroMQ address to publish the prefix cache's events on (server.kv_events)
+    kv_events: str | None = None
     # thought tokens a reasoning model may write before its thought is closed for it (-1: no limit, 0: no
     # thinking); a request's own budget (Anthropic's thinking.budget_tokens) comes first
     reasoning_budget: int = -1
@@ -40,6 +41,7 @@ class ServerConfig:
         if self.temperature is not None and not self.temperature >= 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if not self.heartbeat_seconds > 0:
-            raise ValueError(f"the stream heartbeat must be a positive number of seconds, got {self.heartbeat_seconds}")
+            raise ValueError(
+                f"the stream heartbeat must be a positive number of seconds, got {self.heartbeat_seconds}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"the body size limit must be at least 1 KiB, got {self.max_body_bytes} bytes")

@@ -87,7 +87,8 @@ class EngineStream:
         return self._progress() or PromptProgress(self._prompt_len, 0, 0, time.perf_counter())
 
     def ticking(self, every: float) -> AsyncIterator[RequestOutput | Tick]:
-        """Its outputs, and ``TICK`` whenever ``every`` seconds pass without one (``streaming.with_ticks``)."""
+        """Its outputs, and ``TICK`` whenever ``every`` seconds pass without one
+        (``streaming.with_ticks``)."""
         return with_ticks(self.__aiter__(), every)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -160,7 +161,8 @@ class Serving:
         tokenizer = self.async_engine.engine.tokenizer
         if tokenizer is None:
             return frozenset()
-        return frozenset(name for name, has in (("fim", tokenizer.fim is not None), ("thinking", tokenizer.thinks))
+        return frozenset(name for name, has in (("fim", tokenizer.fim is not None),
+                                                ("thinking", tokenizer.thinks))
                          if has)
 
     @property
@@ -171,7 +173,8 @@ class Serving:
         return tokenizer
 
     def output_rules(
-        self, tools: list[Tool], choice: ToolChoice, answer: Callable[[], Constraint | None], answer_param: str
+        self, tools: list[Tool], choice: ToolChoice, answer: Callable[[], Constraint | None],
+        answer_param: str
     ) -> tuple[list[Tool], Constraint | None]:
         """(the tools the model is shown, the grammar of its answer): the tools checked, the answer's format
         built by ``answer`` (its ValueError a 400 naming ``answer_param``), and one grammar of both in the
@@ -201,7 +204,8 @@ class Serving:
         )
         variables = {**(template_variables or {}), **variables}
         self.check_size(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-                        + sum(len(t.description) + len(json.dumps(t.parameters)) for t in tools or []), "messages")
+                        + sum(len(t.description) + len(json.dumps(t.parameters)) for t in tools or []),
+                        "messages")
 
         def encode() -> list[int]:
             return tokenizer.encode_chat(
@@ -230,7 +234,8 @@ class Serving:
         for at most ``max_token_bytes``), before any work on it."""
         least = characters // self.tokenizer.max_token_bytes
         if least >= self.max_model_len:
-            raise APIError(400, f"the prompt is at least {least:,} tokens ({characters:,} characters) but the "
+            raise APIError(400,
+                           f"the prompt is at least {least:,} tokens ({characters:,} characters) but the "
                                 f"context limit is {self.max_model_len} tokens; shorten it", param,
                            "context_length_exceeded")
 
@@ -260,7 +265,8 @@ class Serving:
         tokenizer = self.async_engine.engine.tokenizer
         if tokenizer is None:
             return None
-        return thinking_for(tokenizer, prompt, enable, self.config.reasoning_budget if budget is None else budget)
+        return thinking_for(tokenizer, prompt, enable,
+                            self.config.reasoning_budget if budget is None else budget)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -341,7 +347,8 @@ async def collect_finals(request: Request, streams: list[EngineStream]) -> list[
 
     try:
         return await cancel_on_disconnect(request, finals_in_order())
-    except EngineDeadError as e:  # ended mid-answer (the model unloaded, the server stopping): a 503, not a 500
+    # ended mid-answer (the model unloaded, the server stopping): a 503, not a 500
+    except EngineDeadError as e:
         raise engine_error(e) from None
     finally:
         for stream in streams:

@@ -29,7 +29,8 @@ LIMIT = "x-kvserve-limit"
 # a token id: 0 ... the served vocabulary's last id
 TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, LIMIT: "token_id"}
 Tokens = Annotated[list[int], WithJsonSchema({"type": "array", "items": TOKEN_ID_SCHEMA})]
-NonEmptyTokens = Annotated[list[int], WithJsonSchema({"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1})]
+NonEmptyTokens = Annotated[list[int],
+                           WithJsonSchema({"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1})]
 
 # A field the served model may not take: ``needs(feature, schema)`` publishes ``schema`` when the model has
 # ``feature`` ("fim": fill-in-the-middle tokens, "thinking": a thought it writes first), else ``otherwise``
@@ -38,7 +39,8 @@ NEEDS, OTHERWISE = "x-kvserve-needs", "x-kvserve-otherwise"
 
 
 def needs(feature: str, schema: dict, otherwise: dict | None = None) -> WithJsonSchema:
-    return WithJsonSchema({**schema, NEEDS: feature, OTHERWISE: otherwise if otherwise is not None else {"not": {}}})
+    return WithJsonSchema({**schema, NEEDS: feature,
+                           OTHERWISE: otherwise if otherwise is not None else {"not": {}}})
 
 
 MAX_STOP = 16  # stop sequences a request may give
@@ -53,11 +55,13 @@ TOKEN_ID_KEY = "x-kvserve-token-id-key"
 # is still a 400 from compiling it
 CLIENT_SCHEMA = {"type": "object", "propertyNames": {"not": {"enum": list(UNENFORCED_KEYWORDS)}}}
 ClientSchema = Annotated[dict[str, Any], WithJsonSchema(CLIENT_SCHEMA)]
-OptionalClientSchema = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [CLIENT_SCHEMA, {"type": "null"}]})]
+OptionalClientSchema = Annotated[dict[str, Any] | None,
+                                 WithJsonSchema({"anyOf": [CLIENT_SCHEMA, {"type": "null"}]})]
 # A tool's parameters: any JSON schema; keywords the grammar cannot enforce are left out of the call's grammar
 # unless the tool is strict (``tool_types.Tool``), where compiling it is the 400
 ToolParameters = Annotated[dict[str, Any], WithJsonSchema({"type": "object"})]
-OptionalToolParameters = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [{"type": "object"}, {"type": "null"}]})]
+OptionalToolParameters = Annotated[dict[str, Any] | None,
+                                   WithJsonSchema({"anyOf": [{"type": "object"}, {"type": "null"}]})]
 
 # A tool's name as templates and call grammars take it (``tool_types.check_tools`` refuses others)
 ToolName = Annotated[str, WithJsonSchema({"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
@@ -68,7 +72,8 @@ STREAM_OPTIONS_NEED_STREAM = {  # the published rule that stream_options go with
 
 
 def tool_choice_needs_tools(forcing: dict) -> dict:
-    """The published rule that a ``tool_choice`` matching ``forcing`` (one that forces a call) comes with tools."""
+    """The published rule that a ``tool_choice`` matching ``forcing`` (one that forces a call) comes with
+    tools."""
     return {"if": {"required": ["tool_choice"], "properties": {"tool_choice": forcing}},
             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
 
@@ -78,7 +83,8 @@ OPENAI_FORCING = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 
 def top_logprobs_need_logprobs(least: int) -> dict:
     """The published rule that ``top_logprobs`` of at least ``least`` asks for ``logprobs: true`` too."""
-    return {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": least}}},
+    return {"if": {"required": ["top_logprobs"],
+                   "properties": {"top_logprobs": {"type": "integer", "minimum": least}}},
             "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
 
 
@@ -187,4 +193,5 @@ class ToolDefinition(Strict):
 
     def tool(self) -> Tool:
         f = self.function
-        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}}, bool(f.strict))
+        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}},
+                    bool(f.strict))

@@ -107,7 +107,8 @@ def call_schema(tool: Tool) -> dict[str, Any]:
         return target
 
     parameters = tool.parameters or {"type": "object"}
-    if isinstance(parameters.get("defs"), dict) and "$defs" not in parameters and "#/$defs/" in json.dumps(parameters):
+    if isinstance(parameters.get("defs"),
+                  dict) and "$defs" not in parameters and "#/$defs/" in json.dumps(parameters):
         # the ollama client's Tool model renames $defs to "defs" (and drops a property's lone $ref): keep
         # what it kept resolvable
         parameters = {("$defs" if k == "defs" else k): v for k, v in parameters.items()}

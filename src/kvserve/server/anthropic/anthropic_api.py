@@ -85,7 +85,8 @@ async def _prompt(
 @router.post(
     "/v1/messages",
     response_model=None,
-    responses=ok(responses.MessageResponse, "The message; with stream: true, Anthropic's events", typed_sse_stream(*responses.STREAM_EVENTS))
+    responses=ok(responses.MessageResponse, "The message; with stream: true, Anthropic's events",
+                 typed_sse_stream(*responses.STREAM_EVENTS))
     | anthropic_errors(400, 404, 429, 503),
 )
 async def messages(body: MessagesRequest, request: Request):
@@ -125,7 +126,8 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
 class MessageReply:
     """Builds one message's objects and events."""
 
-    def __init__(self, message_id: str, model: str, tools_on: Calls | None, thinking: Thinking | None = None) -> None:
+    def __init__(self, message_id: str, model: str, tools_on: Calls | None,
+                 thinking: Thinking | None = None) -> None:
         self.id = message_id
         self.model = model
         self.tools_on = tools_on
@@ -169,7 +171,8 @@ def _thinking_block(thought: str) -> dict:
 
 
 def _tool_use(call: ToolCall) -> dict:
-    """The call's id with Anthropic's prefix (``WrittenCalls`` finds it again when the client sends it back)."""
+    """The call's id with Anthropic's prefix (``WrittenCalls`` finds it again when the client sends it
+    back)."""
     return {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}", "name": call.name,
             "input": call.arguments}
 
@@ -241,7 +244,8 @@ class _Blocks:
         if self.open != kind:
             chunks += self.close()
             self.open = kind
-            chunks.append(sse_typed_event("content_block_start", {"index": self.count, "content_block": self.STARTS[kind]}))
+            chunks.append(sse_typed_event("content_block_start",
+                                          {"index": self.count, "content_block": self.STARTS[kind]}))
         return [*chunks, sse_typed_event("content_block_delta", {"index": self.count, "delta": delta})]
 
     def close(self) -> list[bytes]:
@@ -261,13 +265,15 @@ def _ending(out: RequestOutput, reply: MessageReply, holding: bool, streamed: _B
         if block["type"] == "text":
             start, delta = {**block, "text": ""}, {"type": "text_delta", "text": block["text"]}
         else:
-            start, delta = {**block, "input": {}}, {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            start, delta = {**block, "input": {}}, {"type": "input_json_delta",
+                                                    "partial_json": json.dumps(block["input"])}
         chunks += [
             sse_typed_event("content_block_start", {"index": index, "content_block": start}),
             sse_typed_event("content_block_delta", {"index": index, "delta": delta}),
             sse_typed_event("content_block_stop", {"index": index}),
         ]
-    chunks.append(sse_typed_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+    chunks.append(sse_typed_event("message_delta",
+                                  {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                                     "usage": _usage(out)}))
     chunks.append(sse_typed_event("message_stop", {}))
     return chunks

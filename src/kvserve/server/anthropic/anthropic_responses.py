@@ -130,5 +130,5 @@ class Ping(Exact):
     type: Literal["ping"]
 
 
-STREAM_EVENTS = (MessageStart, ContentBlockStart, ContentBlockDelta, ContentBlockStop, MessageDelta, MessageStop,
-                 Ping, AnthropicError)
+STREAM_EVENTS = (MessageStart, ContentBlockStart, ContentBlockDelta, ContentBlockStop, MessageDelta,
+                 MessageStop, Ping, AnthropicError)

@@ -101,7 +101,8 @@ class AnthropicMessage(Strict):
 class AnthropicTool(Strict):
     # hints for Anthropic's own tool search and programmatic calling, streaming of a call's input, examples
     # shown to Anthropic's models: none changes the tokens generated here
-    ignored_fields = frozenset({"eager_input_streaming", "defer_loading", "input_examples", "allowed_callers"})
+    ignored_fields = frozenset({"eager_input_streaming", "defer_loading", "input_examples",
+                                "allowed_callers"})
     name: ToolName
     description: str | None = None
     input_schema: strict_schema.ToolParameters
@@ -115,7 +116,8 @@ class AnthropicTool(Strict):
 
 class AnthropicToolChoice(Strict):
     schema_rules = ({"if": {"properties": {"type": {"const": "tool"}}},
-                     "then": {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}},)
+                     "then": {"required": ["name"],
+                              "properties": {"name": {"type": "string", "minLength": 1}}}},)
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -137,7 +139,8 @@ class AnthropicThinking(Strict):
 
 _THINKING = AnthropicThinking.model_json_schema()
 # a model that does not think takes thinking disabled or adaptive (which then means disabled)
-_NO_THINKING = {**_THINKING, "properties": {**_THINKING["properties"], "type": {"enum": ["disabled", "adaptive"]}}}
+_NO_THINKING = {**_THINKING,
+                "properties": {**_THINKING["properties"], "type": {"enum": ["disabled", "adaptive"]}}}
 
 
 class AnthropicMetadata(Strict):
@@ -173,7 +176,8 @@ class ContextEdit(Strict):
     @classmethod
     def thinking_only(cls, value: str) -> str:
         if not value.startswith("clear_thinking_"):
-            raise ValueError(f"context edits of type {value!r} are not supported by this server (it keeps every "
+            raise ValueError(
+                f"context edits of type {value!r} are not supported by this server (it keeps every "
                              "tool result); leave them out")
         return value
 
@@ -202,7 +206,8 @@ class CountTokensRequest(Strict):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: Annotated[AnthropicThinking | None, strict_schema.needs(
-        "thinking", {"anyOf": [_THINKING, {"type": "null"}]}, {"anyOf": [_NO_THINKING, {"type": "null"}]})] = None
+        "thinking", {"anyOf": [_THINKING, {"type": "null"}]},
+        {"anyOf": [_NO_THINKING, {"type": "null"}]})] = None
     context_management: ContextManagement | None = None
 
     @property

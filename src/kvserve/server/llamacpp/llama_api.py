@@ -91,7 +91,8 @@ class InfillRequest(Strict):
     cache_prompt: bool | None = None  # the prefix cache is always on
     model: str | None = None  # default: the first served model with fill-in-the-middle tokens
     samplers: list[str] | str | None = None  # which samplers run (llama.cpp's names or letters); None: all
-    t_max_predict_ms: int | None = Field(None, ge=0)  # stop once this long after the first token, at a line end
+    # stop once this long after the first token, at a line end
+    t_max_predict_ms: int | None = Field(None, ge=0)
     response_fields: list[str] | None = None  # only these fields ("timings/prompt_n": a nested one) are sent
 
     @field_validator("samplers")
@@ -153,8 +154,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return {"content": serving.decode(body.tokens)}
 
 
-@documented(router.post, "/infill", InfillResponse, "The middle; with stream: true, server-sent events of its pieces",
-            sse_stream(InfillResponse), openai_errors(400, 404, 429, 503))
+@documented(router.post, "/infill", InfillResponse,
+            "The middle; with stream: true, server-sent events of its pieces", sse_stream(InfillResponse),
+            openai_errors(400, 404, 429, 503))
 async def infill(body: InfillRequest, request: Request):
     serving = await served(request, body.model if body.model is not None else _fim_model(request))
     ids = await serving.encode_fim(body.input_prefix, body.input_suffix,
@@ -243,7 +245,8 @@ class _InfillReply:
             "timings": {"prompt_n": computed, "prompt_ms": prompt_s * 1000,
                         "prompt_per_token_ms": prompt_s * 1000 / max(computed, 1),
                         "prompt_per_second": computed / prompt_s, "predicted_n": predicted,
-                        "predicted_ms": decode_s * 1000, "predicted_per_token_ms": decode_s * 1000 / max(predicted, 1),
+                        "predicted_ms": decode_s * 1000,
+                        "predicted_per_token_ms": decode_s * 1000 / max(predicted, 1),
                         "predicted_per_second": predicted / decode_s},
         }
         return _fields(response, self.body.response_fields)

@@ -63,8 +63,8 @@ def ollama_params(
     constraint: Constraint | None = None,
     default_temperature: float | None = None,
 ) -> SamplingParams:
-    """Ollama's defaults (temperature 0.8 unless the server's ``default_temperature``, top_k 40, top_p 0.9) except
-    repeat_penalty, which is 1.0:
+    """Ollama's defaults (temperature 0.8 unless the server's ``default_temperature``, top_k 40, top_p 0.9)
+    except repeat_penalty, which is 1.0:
     Ollama's 1.1 applies to the last 64 tokens, a window this engine does not have."""
     o = options or Options()
     ctx = server_ctx
@@ -155,7 +155,8 @@ async def generate(body: GenerateRequest, request: Request):
     if body.suffix:  # as Ollama: the prompt and suffix through the model's fill-in-the-middle form
         ids = context + await serving.encode_fim(body.prompt or "", body.suffix)
         return await _run(request, serving, body, ids, chat=False, received=received,
-                          stop_token_ids=serving.tokenizer.fim.ends, stop_at_dedent=hole_indent(body.prompt or ""))
+                          stop_token_ids=serving.tokenizer.fim.ends,
+                          stop_at_dedent=hole_indent(body.prompt or ""))
     if body.raw:
         ids = context + await serving.encode_text(body.prompt or "", add_special=not context)
         return await _run(request, serving, body, ids, chat=False, received=received)
@@ -163,7 +164,8 @@ async def generate(body: GenerateRequest, request: Request):
     messages.append({"role": "user", "content": body.prompt or ""})
     enable, variables = _thinking_switch(serving, body)
     ids = context + await serving.encode_chat(messages, add_special=not context, template_variables=variables)
-    return await _run(request, serving, body, ids, chat=False, received=received, thinking=serving.thinking(ids, enable))
+    return await _run(request, serving, body, ids, chat=False, received=received,
+                      thinking=serving.thinking(ids, enable))
 
 
 @documented(router.post, "/api/chat", responses.ChatResponse, STREAMED, ndjson_stream(responses.ChatResponse),
@@ -212,16 +214,18 @@ async def _run(
     params = ollama_params(body.options, len(ids), serving.max_model_len, logprobs, constraint,
                            serving.config.temperature)
     if stop_token_ids or stop_at_dedent:
-        params = replace(params, stop_token_ids=(*params.stop_token_ids, *stop_token_ids), stop_at_dedent=stop_at_dedent)
+        params = replace(params, stop_token_ids=(*params.stop_token_ids, *stop_token_ids),
+                         stop_at_dedent=stop_at_dedent)
     if thinking is not None:
         params = replace(params, reasoning=thinking.reasoning)
     stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")
-    reply = Reply(body.model, chat, received, logprobs is not None, tools_on=serving.calls(tools) if calls is not None else None,
-                  thinking=thinking)
+    reply = Reply(body.model, chat, received, logprobs is not None,
+                  tools_on=serving.calls(tools) if calls is not None else None, thinking=thinking)
     result = await _reply(request, stream, reply, body.stream is not False, serving.config.heartbeat_seconds)
     asked = body.options.num_ctx if body.options else None
     if asked is not None and asked > serving.max_model_len:
-        log.info("num_ctx %d asked, served at the server's context of %d tokens", asked, serving.max_model_len)
+        log.info("num_ctx %d asked, served at the server's context of %d tokens", asked,
+                 serving.max_model_len)
         headers = {"X-KVServe-Num-Ctx": str(serving.max_model_len)}
         if isinstance(result, dict):
             return JSONResponse(result, headers=headers)
@@ -243,16 +247,19 @@ async def _model_entry(card: ModelCard) -> dict:
 
 
 def _cards(request: Request) -> list[ModelCard]:
-    """Every model this server serves: its chat models, loaded or not, then its embedding and rerank models."""
+    """Every model this server serves: its chat models, loaded or not, then its embedding and rerank
+    models."""
     return [slot.card for slot in request.app.state.models.slots] + request.app.state.encoder_cards
 
 
-@router.get("/api/tags", response_model=None, responses=ok(responses.Tags, "The models this server serves, loaded or not"))
+@router.get("/api/tags", response_model=None,
+            responses=ok(responses.Tags, "The models this server serves, loaded or not"))
 async def tags(request: Request) -> dict:
     return {"models": [await _model_entry(card) for card in _cards(request)]}
 
 
-@router.get("/api/ps", response_model=None, responses=ok(responses.Ps, "The loaded models, each with when it unloads"))
+@router.get("/api/ps", response_model=None,
+            responses=ok(responses.Ps, "The loaded models, each with when it unloads"))
 async def ps(request: Request) -> dict:
     models = []
     for slot in request.app.state.models.loaded():
@@ -384,13 +391,15 @@ async def pull(body: PullRequest, request: Request):
 @router.delete(
     "/api/delete",
     response_model=None,
-    responses={200: {"description": "The model's files and packages are removed"}} | ollama_errors(400, 404, 409, 502),
+    responses={200: {"description": "The model's files and packages are removed"}} | ollama_errors(
+        400, 404, 409, 502),
 )
 async def delete(body: DeleteRequest, request: Request) -> Response:
     """A registry model removed from this machine (its joined file and its packages); not the one this
     server serves (409)."""
     if any(card.matches(body.model_name) for card in _cards(request)):
-        raise APIError(409, f"model '{body.model_name}' is the one this server serves: stop it first", "model")
+        raise APIError(409, f"model '{body.model_name}' is the one this server serves: stop it first",
+                       "model")
     try:
         await asyncio.to_thread(registry.delete, body.model_name)
     except ModelLoadError as e:

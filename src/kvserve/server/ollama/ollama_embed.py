@@ -43,7 +43,8 @@ class LegacyEmbeddingResponse(BaseModel):
 
 
 @router.post("/api/embed", response_model=None,
-             responses=ok(EmbedResponse, "The inputs' embeddings, in order") | ollama_errors(400, 404, 501, 503))
+             responses=ok(EmbedResponse, "The inputs' embeddings, in order") | ollama_errors(
+                 400, 404, 501, 503))
 async def embed(body: EmbedRequest, request: Request) -> dict:
     start = time.perf_counter()
     async with embedding_model(request, body.model, body.keep_alive) as encoder:
@@ -56,7 +57,8 @@ async def embed(body: EmbedRequest, request: Request) -> dict:
 
 
 @router.post("/api/embeddings", response_model=None,
-             responses=ok(LegacyEmbeddingResponse, "The prompt's embedding") | ollama_errors(400, 404, 501, 503))
+             responses=ok(LegacyEmbeddingResponse, "The prompt's embedding") | ollama_errors(
+                 400, 404, 501, 503))
 async def legacy_embeddings(body: LegacyEmbeddingsRequest, request: Request) -> dict:
     async with embedding_model(request, body.model, body.keep_alive) as encoder:
         if not body.prompt:

@@ -64,8 +64,8 @@ def _done_reason(out: RequestOutput) -> str:
 class Reply:
     """Builds the objects of one /api/generate or /api/chat reply."""
 
-    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool, tools_on: Calls | None = None,
-                 thinking: Thinking | None = None) -> None:
+    def __init__(self, model: str, chat: bool, received: float, want_logprobs: bool,
+                 tools_on: Calls | None = None, thinking: Thinking | None = None) -> None:
         self.model = model
         self.chat = chat
         self.received = received
@@ -79,7 +79,8 @@ class Reply:
         answer, calls = parse_calls(answer, self.tools_on) if self.tools_on else (answer, [])
         return thought, answer, calls
 
-    def part(self, text: str, out: RequestOutput | None = None, done: bool = False, thought: str | None = None) -> dict:
+    def part(self, text: str, out: RequestOutput | None = None, done: bool = False,
+             thought: str | None = None) -> dict:
         obj: dict = {"model": self.model, "created_at": now_stamp()}
         if self.chat:
             obj["message"] = {"role": "assistant", "content": text}

@@ -54,7 +54,8 @@ class Options(Strict):
     typical_p: float | None = None
     tfs_z: float | None = None
     mirostat: int | None = None
-    num_keep: int | None = Field(None, ge=0)  # tokens a context shift keeps (a server run with --context-overflow shift)
+    # tokens a context shift keeps (a server run with --context-overflow shift)
+    num_keep: int | None = Field(None, ge=0)
     # ignored: no effect without mirostat, deprecated, or load-time settings of a model already loaded
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
@@ -105,9 +106,11 @@ class GenerationFields(Strict):
     options: Options | None = None
     keep_alive: KeepAlive = None  # validated, then ignored: the model stays loaded
     format: Annotated[Literal["json", ""] | dict[str, Any] | None, WithJsonSchema({"anyOf": [
-        {"enum": ["json", ""]}, strict_schema.CLIENT_SCHEMA, {"type": "null"}]})] = None  # any JSON, or a JSON schema
+        # any JSON, or a JSON schema
+        {"enum": ["json", ""]}, strict_schema.CLIENT_SCHEMA, {"type": "null"}]})] = None
     # a reasoning model's thought, on or off
-    think: Annotated[bool | Literal["low", "medium", "high"] | None, strict_schema.needs("thinking", {"anyOf": [
+    think: Annotated[bool | Literal["low", "medium", "high"] | None,
+                     strict_schema.needs("thinking", {"anyOf": [
         {"type": "boolean"}, {"enum": ["low", "medium", "high"]}, {"type": "null"}]},
         otherwise={"anyOf": [{"const": False}, {"type": "null"}]})] = None
     logprobs: bool | None = None
@@ -127,7 +130,8 @@ class GenerationFields(Strict):
     def format_constraint(self) -> Constraint | None:
         if not self.format:
             return None
-        return Constraint("json_object") if self.format == "json" else Constraint.json_schema(closed_schema(self.format))
+        return Constraint("json_object") if self.format == "json" else Constraint.json_schema(
+            closed_schema(self.format))
 
     @field_validator("keep_alive")
     @classmethod
@@ -152,7 +156,8 @@ class GenerateRequest(GenerationFields):
     context: Tokens | None = None
     raw: bool | None = False
     # fill in the middle between prompt and suffix (a model with FIM tokens)
-    suffix: Annotated[str | None, strict_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None
+    suffix: Annotated[str | None,
+                      strict_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None
     template: str | None = None
     images: list[Any] | None = None
 
@@ -186,7 +191,8 @@ class Message(Strict):
     def for_template(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            message["tool_calls"] = [ToolCall(c.function.name, c.function.arguments, **({"id": c.id} if c.id else {}))
+            message["tool_calls"] = [ToolCall(c.function.name, c.function.arguments,
+                                              **({"id": c.id} if c.id else {}))
                                      for c in self.tool_calls]
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id

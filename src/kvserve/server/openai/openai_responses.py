@@ -127,7 +127,8 @@ class ChatCompletionChunk(Response):
     choices: list[ChatChunkChoice]
     # present only with stream_options.include_usage: null on every chunk but the last
     usage: Usage | None = None
-    prompt_progress: PromptProgress | None = None  # with return_progress, while the prompt is read (no choices)
+    # with return_progress, while the prompt is read (no choices)
+    prompt_progress: PromptProgress | None = None
 
 
 class CompletionChoice(Exact):

@@ -1,8 +1,9 @@
 """Pydantic models of the OpenAI requests we accept.
 
 Unknown fields are refused (400, "unsupported parameter"). Fields OpenAI defines that we cannot
-honour are accepted only with a value that asks for nothing (``functions: []``, ...); fields that do not change the output (``user``, ``metadata``, ...) are
-accepted and ignored. docs/serving.md's table lists every field.
+honour are accepted only with a value that asks for nothing (``functions: []``, ...); fields that do not
+change the output (``user``, ``metadata``, ...) are accepted and ignored. docs/serving.md's table lists every
+field.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class JSONSchemaFormat(Strict):
 
 class ResponseFormat(Strict):
     schema_rules = ({"if": {"properties": {"type": {"const": "json_schema"}}},
-                     "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}},)
+                     "then": {"required": ["json_schema"],
+                              "properties": {"json_schema": {"type": "object"}}}},)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -129,7 +131,8 @@ class ChatMessage(Strict):
         message: dict[str, Any] = {"role": role, "content": self.content or ""}
         if self.tool_calls:
             message["tool_calls"] = [
-                ToolCall(c.function.name, echoed_arguments(c.function.arguments), c.id) for c in self.tool_calls
+                ToolCall(c.function.name, echoed_arguments(c.function.arguments),
+                         c.id) for c in self.tool_calls
             ]
         return message
 
@@ -145,9 +148,11 @@ class SamplingFields(Strict):
     n: Annotated[int | None, WithJsonSchema({"anyOf": [
         {"type": "integer", "minimum": 1, strict_schema.LIMIT: "n"}, {"type": "null"}]})] = Field(None, ge=1)
     stop: NonEmptyStr | strict_schema.StopList | None = Field(None)
-    # published as +-2**62, inside what is taken: numbers near the bounds do not survive a trip through a float
+    # published as +-2**62, inside what is taken: numbers near the bounds do not survive a trip through a
+    # float
     seed: Annotated[int | None, WithJsonSchema({"anyOf": [
-        {"type": "integer", "minimum": -(2**62), "maximum": 2**62}, {"type": "null"}]})] = Field(None, **SEED_RANGE)
+        {"type": "integer", "minimum": -(2**62), "maximum": 2**62}, {"type": "null"}]})] = Field(
+            None, **SEED_RANGE)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -158,10 +163,12 @@ class SamplingFields(Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = None
-    return_progress: bool | None = None  # llama.cpp's: streamed chunks with the prompt's progress while it is read
+    # llama.cpp's: streamed chunks with the prompt's progress while it is read
+    return_progress: bool | None = None
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema({"anyOf": [{"type": "null"}, {
         "type": "object", "propertyNames": {"pattern": "^[0-9]+$", strict_schema.TOKEN_ID_KEY: True},
-        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}]})] = None  # token id (as a string) -> added to its logit, -100..100
+        # token id (as a string) -> added to its logit, -100..100
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}]})] = None
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -199,7 +206,8 @@ class SamplingFields(Strict):
 class ChatCompletionRequest(SamplingFields):
     schema_rules = (strict_schema.STREAM_OPTIONS_NEED_STREAM, strict_schema.top_logprobs_need_logprobs(0),
                     strict_schema.tool_choice_needs_tools(strict_schema.OPENAI_FORCING),
-                    {"not": {"required": ["max_tokens", "max_completion_tokens"], "properties": {  # one of them
+                    # one of them
+                    {"not": {"required": ["max_tokens", "max_completion_tokens"], "properties": {
                         "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}}})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -256,14 +264,16 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     schema_rules = (strict_schema.STREAM_OPTIONS_NEED_STREAM, {
         # echo with logprobs would need the prompt's logprobs, not computed here
-        "not": {"required": ["echo", "logprobs"], "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}
+        "not": {"required": ["echo", "logprobs"],
+                "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}
     }, {
         # a suffix goes with text, not token ids
         "if": {"required": ["suffix"], "properties": {"suffix": {"type": "string"}}},
         "then": {"properties": {"prompt": {"anyOf": [{"type": "string"}, {
             "type": "array", "items": {"type": "string"}}]}}}})
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], WithJsonSchema(
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1})] | NonEmptyTokens | Annotated[
+        {"type": "array", "items": {"type": "string", "minLength": 1},
+         "minItems": 1})] | NonEmptyTokens | Annotated[
         list[NonEmptyTokens], WithJsonSchema({"type": "array", "minItems": 1, "items": {
             "type": "array", "items": strict_schema.TOKEN_ID_SCHEMA, "minItems": 1}})]
     echo: bool | None = False
@@ -271,4 +281,5 @@ class CompletionRequest(SamplingFields):
     # published as 1 only: best_of equal to n is taken too, which JSON Schema cannot say
     best_of: Annotated[int | None, WithJsonSchema({"enum": [None, 1]})] = Field(None, ge=1)
     # fill in the middle between prompt and suffix (a model with FIM tokens)
-    suffix: Annotated[str | None, strict_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None
+    suffix: Annotated[str | None,
+                      strict_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None

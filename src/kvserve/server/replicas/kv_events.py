@@ -53,7 +53,8 @@ def check_endpoint(endpoint: str) -> str:
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")) or (
         endpoint.startswith("tcp://") and not endpoint.rpartition(":")[2].isdigit()
     ):
-        raise ValueError(f"--kv-events wants a ZeroMQ address such as tcp://*:5557 or tcp://HOST:PORT, got {endpoint!r}")
+        raise ValueError(
+            f"--kv-events wants a ZeroMQ address such as tcp://*:5557 or tcp://HOST:PORT, got {endpoint!r}")
     return endpoint
 
 

@@ -121,7 +121,8 @@ class RemoteEngine:
         """Nothing here: each replica has its own queue, and Ray's router holds what none has room for."""
 
     def prompt_progress(self, request_id: str) -> None:
-        """Not known here (the replica reads the prompt): a stream's pings then say nothing of its progress."""
+        """Not known here (the replica reads the prompt): a stream's pings then say nothing of its
+        progress."""
         return
 
     def end_streams(self, reason: str) -> None:

@@ -81,7 +81,8 @@ class EngineReplica:
             "max_model_len": engine.max_model_len,
             "shifts_context": engine.scheduler.shifts_context,
             "model_config": engine.model_config,
-            "tokenizer": tokenizer,  # Tokenizer's constructor arguments: it holds a lock, which does not pickle
+            # Tokenizer's constructor arguments: it holds a lock, which does not pickle
+            "tokenizer": tokenizer,
         }
 
     async def snapshot(self, with_blocks: bool) -> EngineSnapshot:

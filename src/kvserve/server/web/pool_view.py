@@ -115,7 +115,8 @@ class PoolView:
             tables = [[b.block_id for b in kv.req_blocks.get(r.request_id, ())] for r in live]
             window = kv.window
             window_values = [] if not window.enabled else [
-                b.ref_count or -(b.block_hash is not None) for b in window.pool.blocks[1:]]  # the null block left out
+                # the null block left out
+                b.ref_count or -(b.block_hash is not None) for b in window.pool.blocks[1:]]
             window_tables = [kv.window_block_ids(r.request_id) or [] for r in live]
             rows = [
                 (
@@ -157,7 +158,8 @@ class PoolView:
         requests = [
             PoolRequest(rid, status, table, tokens, limit, prompt, cached, computed,
                         len(table) * block_bytes + sum(1 for b in wt if b) * window_block_bytes, wt)
-            for (rid, status, tokens, limit, prompt, cached, computed), table, wt in zip(rows, tables, window_tables)
+            for (rid, status, tokens, limit, prompt, cached, computed), table, wt in zip(
+                rows, tables, window_tables, strict=True)
         ]
         return PoolFrame(
             time=time.time(),

@@ -114,7 +114,8 @@ async def cache_stream(
     stream = pool_stream(request, model)
     engine = stream.view.async_engine
     if getattr(engine, "serves_replicas", False):
-        raise APIError(501, "the live pool shows one engine's pool: behind --replicas each replica has its own "
+        raise APIError(501,
+                       "the live pool shows one engine's pool: behind --replicas each replica has its own "
                             "(GET /v1/kvserve/replicas says which served what)", code="not_available")
     if engine.dead_error is not None:
         raise APIError(503, "the engine has stopped: the pool no longer changes", code="engine_dead")
