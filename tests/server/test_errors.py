@@ -167,6 +167,24 @@ def test_prompt_longer_than_context_is_400_with_both_numbers(server):
         assert "limit is 32 tokens" in ollama_error(c.post("/api/generate", json=small), 400)
 
 
+def test_several_prompts_are_admitted_together_or_not_at_all(idle):
+    """A list of prompts (or n choices) is prepared and checked whole before any request is admitted: one
+    prompt too long refuses them all, and the short one beside it never runs."""
+    requests = 'kvserve_requests_total{finish_reason="length",model="smollm2"}'
+    before = idle.metrics().get(requests, 0)
+    with idle.client() as c:
+        body = {"model": "smollm2", "prompt": [[5, 6, 7], [5] * (NUM_CTX + 20)], "max_tokens": 2, "n": 2}
+        error = openai_error(c.post("/v1/completions", json=body), 400)
+        assert error["code"] == "context_length_exceeded" and f"limit is {NUM_CTX} tokens" in error["message"]
+        idle.wait_idle()
+        assert idle.metrics().get(requests, 0) == before
+        body["prompt"] = [[5, 6, 7], [8, 9]]  # the same request with room for all: four answers
+        r = c.post("/v1/completions", json={**body, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert sorted(ch["index"] for ch in r.json()["choices"]) == [0, 1, 2, 3]
+    assert idle.metrics()[requests] == before + 4
+
+
 def test_body_too_large_is_413(server):
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}
     with server.client() as c:

@@ -65,7 +65,7 @@ class StubAsyncEngine:
             disk=None,  # no disk tier
         )
 
-    async def generate(self, prompt, params=None, request_id=None, cache_salt=None):
+    async def generate(self, prompt, params=None, request_id=None, cache_salt=None, prepared=None):
         if self.after_first:
             yield RequestOutput(request_id or "r", (1,), "a", "a", [5], [5], False, None,
                                 RequestMetrics(arrival_time=0.0, num_prompt_tokens=1))

@@ -65,11 +65,13 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        prepared: Request | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one ``RequestOutput`` per step that produced a token; the last has ``finished``.
-        Invalid requests raise (ValueError, PromptTooLongError, QueueFullError) before any await."""
+        Invalid requests raise (ValueError, PromptTooLongError, QueueFullError) before any await.
+        ``prepared``: the request ``prepare`` made (then the other arguments are not read again)."""
         self._raise_if_dead()
-        request = self.engine.make_request(prompt, params, request_id, cache_salt)
+        request = prepared or self.engine.make_request(prompt, params, request_id, cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
         with self._streams_lock:  # against _fail_all: a stream registered here is failed there, or sees it
             self._raise_if_dead()
@@ -92,6 +94,13 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(request.request_id)
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None,
+                request_id: str | None = None, cache_salt: str | None = None) -> Request:
+        """The request ``generate`` would admit, tokenized and checked (``LLMEngine.make_request``; safe
+        from any thread): a request of many prompts or choices prepares every one, so each is checked
+        once and all before any is admitted. Raises ValueError or PromptTooLongError."""
+        return self.engine.make_request(prompt, params, request_id, cache_salt)
 
     def _raise_if_dead(self) -> None:
         if isinstance(self.dead_error, EngineShutdownError):

@@ -157,12 +157,6 @@ class LLMEngine:
             request.metrics.constrained = True
         return request
 
-    def check_prompt(self, prompt: str | list[int]) -> None:
-        """Raise what ``make_request`` would for this prompt (ValueError, PromptTooLongError), without
-        building a request's state (a constraint's grammar)."""
-        tokens = self.scheduler.fit_prompt(self.tokenize_prompt(prompt), None)
-        self._check_prompt(Request("check", tokens, SamplingParams(), self.max_model_len))
-
     def _check_prompt(self, request: Request) -> None:
         try:
             self.scheduler.check_prompt(request)

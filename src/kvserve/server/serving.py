@@ -273,17 +273,14 @@ class Serving:
 
     # --- generation -----------------------------------------------------------------------------------
     async def start(
-        self, prompt: list[int], params: SamplingParams, request_id: str, param: str | None = None
+        self, prompt: list[int], params: SamplingParams, request_id: str, param: str | None = None,
+        prepared: Any = None,
     ) -> EngineStream:
-        """Admits the request or raises ``APIError``. ``param`` names the prompt field in errors. A grammar
-        is compiled first, in a worker thread (llguidance releases the GIL): never on the event loop."""
-        grammar_tokenizer = getattr(self.async_engine.engine, "grammar_tokenizer", None)
-        if params.constraint is not None and grammar_tokenizer is not None:
-            try:
-                await asyncio.to_thread(compiled, params.constraint, grammar_tokenizer)
-            except ValueError as e:
-                raise APIError(400, str(e)) from None
-        agen = self.async_engine.generate(prompt, params, request_id)
+        """Admits the request or raises ``APIError``. ``param`` names the prompt field in errors;
+        ``prepared``: the engine's ``prepare`` of it (``start_all``), its grammar compiled already."""
+        if prepared is None:
+            await self._compile_grammar(params)
+        agen = self.async_engine.generate(prompt, params, request_id, prepared=prepared)
         first = asyncio.ensure_future(agen.__anext__())
         # generate() calls add_request before its first await, and a new task runs before the task
         # that created it resumes from sleep(0): after one turn, admission has happened or failed
@@ -303,20 +300,31 @@ class Serving:
         return EngineStream(agen, first, self.metrics.tracker(self.card.name),
                             functools.partial(engine.prompt_progress, request_id), len(prompt))
 
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """A request's grammar, compiled in a worker thread (llguidance releases the GIL), never on the
+        event loop; the engine then finds it in ``compiled``'s cache."""
+        grammar_tokenizer = getattr(self.async_engine.engine, "grammar_tokenizer", None)
+        if params.constraint is not None and grammar_tokenizer is not None:
+            try:
+                await asyncio.to_thread(compiled, params.constraint, grammar_tokenizer)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+
     async def start_all(
         self, requests: list[tuple[list[int], SamplingParams, str]], param: str | None = None
     ) -> list[EngineStream]:
-        """Admits every request or none: on a failure the ones already admitted are aborted. The
-        queue's room is checked for all of them first, so a refused request never holds places that
-        other clients' requests are then refused for."""
+        """Admits every request or none: on a failure the ones already admitted are aborted. Several are
+        each prepared (tokenized and checked, once) and the queue's room checked for all of them before
+        any is admitted, so a refused request never holds places that other clients' requests are then
+        refused for."""
+        prepared: list[Any] = [None] * len(requests)
         if len(requests) > 1:
+            for _, params, _ in requests:
+                await self._compile_grammar(params)
             try:
+                prepared = [self.async_engine.prepare(prompt, params, request_id)
+                            for prompt, params, request_id in requests]
                 self.async_engine.check_capacity(len(requests))
-                checked: set[int] = set()
-                for prompt, _, _ in requests:  # each prompt once (n choices share one)
-                    if id(prompt) not in checked:
-                        checked.add(id(prompt))
-                        self.async_engine.engine.check_prompt(prompt)
             except Exception as e:
                 mapped = engine_error(e, param)
                 if mapped is None:
@@ -324,8 +332,8 @@ class Serving:
                 raise mapped from None
         streams: list[EngineStream] = []
         try:
-            for prompt, params, request_id in requests:
-                streams.append(await self.start(prompt, params, request_id, param))
+            for (prompt, params, request_id), ready in zip(requests, prepared, strict=True):
+                streams.append(await self.start(prompt, params, request_id, param, ready))
         except BaseException:
             for stream in streams:
                 await stream.aclose()

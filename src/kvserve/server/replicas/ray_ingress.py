@@ -64,6 +64,15 @@ class ReplicaFacts:
                 "(room is needed for at least one new token)", len(prompt), self.max_model_len)
 
 
+@dataclass(slots=True)
+class RemoteRequest:
+    """A request checked here (``RemoteEngine.prepare``), sent to a replica when it is generated."""
+
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str | None
+
+
 class RemoteEngine:
     """The part of ``AsyncLLMEngine`` the routes use (``Serving``), over the engine deployment's handle.
     ``served_by`` maps the latest requests' ids to the replica that served them."""
@@ -84,15 +93,14 @@ class RemoteEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        prepared: RemoteRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As ``AsyncLLMEngine.generate``, but admission errors arrive with the first output, not before:
         the replica admits the request. A replica that dies mid-request ends it with a 503."""
-        if cache_salt is not None:
-            raise ValueError("cache_salt is not supported across replicas")
-        self.engine.check_prompt(prompt)  # before the first await: admission errors reach start() as a 400
-        stream = self.handle.options(stream=True).generate.remote(
-            prompt, params or SamplingParams(), request_id
-        )
+        # before the first await: admission errors reach start() as a 400
+        request = prepared or self.prepare(prompt, params, request_id, cache_salt)
+        stream = self.handle.options(stream=True).generate.remote(request.prompt, request.params,
+                                                                  request.request_id)
         finished = False
         try:
             async for replica_id, out in stream:
@@ -110,6 +118,14 @@ class RemoteEngine:
         finally:
             if not finished:
                 stream.cancel()  # the replica's generate is cancelled: it aborts the request
+
+    def prepare(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                cache_salt: str | None = None) -> RemoteRequest:
+        """As ``AsyncLLMEngine.prepare``: what any replica would refuse, refused here (``ReplicaFacts``)."""
+        if cache_salt is not None:
+            raise ValueError("cache_salt is not supported across replicas")
+        self.engine.check_prompt(prompt)
+        return RemoteRequest(prompt, params or SamplingParams(), request_id)
 
     def _remember(self, request_id: str, replica_id: str) -> None:
         if request_id not in self.served_by:
