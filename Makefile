@@ -85,9 +85,10 @@ bench: model llama-cpp
 	$(KVSERVE) bench $(MODEL) --compare llama.cpp --prompt-lens 128,512,1024,2048 --gen 64 --cache-types f16 \
 		--json docs/bench.json --plot docs/bench.png
 
-# ruff over the code, the tests and the benchmarks (the rules in pyproject.toml)
+# ruff over the code, the tests and the benchmarks, and the import floors (both configured in pyproject.toml)
 lint: test-setup
 	$(PY) -m ruff check src tests bench
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -139,6 +139,7 @@ def run_setup(num_replicas: int, policy: str, args: argparse.Namespace) -> Outco
     from ray import serve
 
     from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvserve.server.app import build_app
     from kvserve.server.replicas.ray_serve import build_application
     from kvserve.server.server_config import ServerConfig
 
@@ -155,7 +156,7 @@ def run_setup(num_replicas: int, policy: str, args: argparse.Namespace) -> Outco
             num_threads=1,
         )
         serve.run(
-            build_application(engine, ServerConfig("smollm2"), num_replicas, policy=policy),
+            build_application(engine, ServerConfig("smollm2"), num_replicas, build_app, policy=policy),
             name="kvserve",
             route_prefix="/",
         )

@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install
 serve = pytest.importorskip("ray.serve")
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.server.app import build_app
 from kvserve.server.replicas.ray_serve import build_application
 from kvserve.server.server_config import ServerConfig
 
@@ -70,7 +71,8 @@ def replicas():
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_application(engine, ServerConfig("smollm2"), 2), name="kvserve", route_prefix="/")
+        serve.run(build_application(engine, ServerConfig("smollm2"), 2, build_app), name="kvserve",
+                  route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

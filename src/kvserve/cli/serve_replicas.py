@@ -63,6 +63,7 @@ def run_replicas(args: argparse.Namespace, config: ServerConfig) -> int:
         from ray import serve
     except ImportError:
         raise ValueError("--replicas needs Ray Serve: pip install 'kvserve[ray]'") from None
+    from kvserve.server.app import build_app
     from kvserve.server.replicas.ray_serve import build_application
 
     if args.replicas < 1:
@@ -79,7 +80,7 @@ def run_replicas(args: argparse.Namespace, config: ServerConfig) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         try:
             serve.run(
-                build_application(engine, config, args.replicas, args.prompt_cache),
+                build_application(engine, config, args.replicas, build_app, args.prompt_cache),
                 name=APP_NAME,
                 route_prefix="/",
                 blocking=False,

@@ -1,7 +1,10 @@
-"""HTTP front ends over the ``AsyncLLMEngine``: OpenAI- and Ollama-compatible APIs, health and metrics.
+"""HTTP front ends over the ``AsyncLLMEngine``: the OpenAI (chat, completions, Responses, embeddings),
+Ollama, Anthropic Messages and llama.cpp (``/infill``, ``/tokenize``) dialects, each a package of its own,
+beside the web page, health, metrics and the replicas behind Ray Serve.
 
-Both APIs map their requests onto one ``SamplingParams`` and read one ``RequestOutput`` stream; the
-server never touches the engine's internals except to read its bookkeeping for metrics.
+Every dialect maps its requests onto one ``SamplingParams`` through ``serving.Serving`` and reads one
+``RequestOutput`` stream; what the routes show of the engine (metrics, the live KV pool) is read in
+``engine_view`` and ``web.pool_view``, the two places that look inside it.
 """
 
 from kvserve.server.server_config import ServerConfig

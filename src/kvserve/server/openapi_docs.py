@@ -3,11 +3,15 @@ every response against it.
 
 FastAPI documents what it can see: request bodies, and a 422 for validation errors that this server
 never sends. The routes add what it cannot (``responses=``): each status code with the error body of
-its API (``api_errors.OpenAIError``, ``ollama_responses.OllamaError``), the 200 body's model,
+its API (``api_errors.OpenAIError``, Ollama's ``OllamaError``, ...), the 200 body's model,
 and for streaming endpoints the stream's media type with an ``itemSchema`` for one SSE event or one
 NDJSON line (OpenAPI 3.2's spelling, which FastAPI's own streaming routes use too).
 ``openapi_document`` then adds what every route shares: 401 where the API key applies, 413 and a bad
 Content-Length for bodies, 500 everywhere, and the 422s removed.
+
+This module knows no API dialect: each API's package hands its models to the helpers here, and the
+models a stream names (which FastAPI does not collect, as no route returns them) are gathered as the
+routes are declared (``streamed``).
 """
 
 from __future__ import annotations
@@ -19,13 +23,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from kvserve.server.anthropic import anthropic_responses
 from kvserve.server.api_errors import OPENAI_SHAPE, ErrorShape, OpenAIError, shape_for
-from kvserve.server.ollama import ollama_responses
-from kvserve.server.openai import openai_responses
-from kvserve.server.openai.responses_schemas import ResponseEvent
 from kvserve.server.strict_schema import LIMIT, NEEDS, OTHERWISE, TOKEN_ID_KEY
-from kvserve.server.web.pool_view import PoolFrame
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -51,22 +50,19 @@ WWW_AUTHENTICATE = {
     "WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}, "required": True}
 }
 
-# models referenced only from stream item schemas, which FastAPI does not collect itself
-STREAMED_MODELS = (
-    openai_responses.ChatCompletionChunk,
-    openai_responses.CompletionChunk,
-    OpenAIError,
-    ollama_responses.GenerateResponse,
-    ollama_responses.ChatResponse,
-    ollama_responses.OllamaError,
-    ResponseEvent,
-    *anthropic_responses.STREAM_EVENTS,
-    PoolFrame,
-)
+# models referenced only from stream item schemas, which FastAPI does not collect itself: each added by
+# ``streamed`` as a route that streams it is declared (at import)
+_STREAMED_MODELS: dict[str, type] = {}
 
 
 def ref(model: type) -> dict:
     return {"$ref": SCHEMA_REF.format(model=model.__name__)}
+
+
+def streamed(model: type) -> dict:
+    """``ref(model)`` for a model only a stream's items name: its schema then joins the document's."""
+    _STREAMED_MODELS[model.__name__] = model
+    return ref(model)
 
 
 def sse_stream(chunk: type) -> dict:
@@ -77,7 +73,7 @@ def sse_stream(chunk: type) -> dict:
         "if": {"const": "[DONE]"},
         "else": {
             "contentMediaType": JSON,
-            "contentSchema": {"anyOf": [ref(chunk), ref(OpenAIError)]},
+            "contentSchema": {"anyOf": [streamed(chunk), streamed(OpenAIError)]},
         },
     }
     return {SSE: {"itemSchema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
@@ -87,16 +83,16 @@ def typed_sse_stream(*events: type) -> dict:
     """``event: <type>`` / ``data: {event}`` pairs, each event's data one of ``events`` (Anthropic's:
     message_start, content blocks, message_delta, message_stop, and ``error`` when the engine fails
     mid-stream; the Responses API's)."""
-    data = {"contentMediaType": JSON, "contentSchema": {"anyOf": [ref(m) for m in events]}}
+    data = {"contentMediaType": JSON, "contentSchema": {"anyOf": [streamed(m) for m in events]}}
     item = {"type": "object", "required": ["event", "data"],
             "properties": {"event": {"type": "string"}, "data": {"type": "string", **data}}}
     return {SSE: {"itemSchema": item}}
 
 
-def ndjson_stream(line: type) -> dict:
-    """One JSON object a line, the last with ``done: true``, or an ``{"error": ...}`` line when the
-    engine fails mid-stream."""
-    return {NDJSON: {"itemSchema": {"anyOf": [ref(line), ref(ollama_responses.OllamaError)]}}}
+def ndjson_stream(line: type, error: type) -> dict:
+    """One JSON object a line, the last with ``done: true``, or an ``error`` line (Ollama's
+    ``{"error": ...}``) when the engine fails mid-stream."""
+    return {NDJSON: {"itemSchema": {"anyOf": [streamed(line), streamed(error)]}}}
 
 
 def ok(model: type, description: str, stream: dict | None = None) -> dict[int | str, dict[str, Any]]:
@@ -146,7 +142,8 @@ def openapi_document(app: FastAPI, open_paths: frozenset[str] | None, limits: di
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    _, extra = models_json_schema([(m, "serialization") for m in STREAMED_MODELS], ref_template=SCHEMA_REF)
+    models = [(m, "serialization") for m in _STREAMED_MODELS.values()]
+    _, extra = models_json_schema(models, ref_template=SCHEMA_REF)
     for name, schema in extra.get("$defs", {}).items():
         schemas.setdefault(name, schema)
     if open_paths is not None:

@@ -165,7 +165,8 @@ class ContextEdit(Strict):
     (a thought is never shown to the model again), so it changes nothing; clearing tool results would change
     the prompt and is not done here, so it is refused."""
 
-    type: str
+    # the document says what the validator takes, so a client (or a fuzzer) reading it sends no other
+    type: Annotated[str, Field(json_schema_extra={"pattern": "^clear_thinking_"})]
     keep: Any = None
     trigger: Any = None
     clear_at_least: Any = None
@@ -176,9 +177,8 @@ class ContextEdit(Strict):
     @classmethod
     def thinking_only(cls, value: str) -> str:
         if not value.startswith("clear_thinking_"):
-            raise ValueError(
-                f"context edits of type {value!r} are not supported by this server (it keeps every "
-                             "tool result); leave them out")
+            raise ValueError(f"context edits of type {value!r} are not supported by this server (it keeps "
+                             "every tool result); leave them out")
         return value
 
 

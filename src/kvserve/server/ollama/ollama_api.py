@@ -143,7 +143,7 @@ STREAMED = "NDJSON lines as the answer is generated (the default), or one object
 
 
 @documented(router.post, "/api/generate", responses.GenerateResponse, STREAMED,
-            ndjson_stream(responses.GenerateResponse), ollama_errors(400, 404, 503))
+            ndjson_stream(responses.GenerateResponse, responses.OllamaError), ollama_errors(400, 404, 503))
 async def generate(body: GenerateRequest, request: Request):
     received = time.perf_counter()
     if not body.prompt and not body.context:
@@ -168,8 +168,8 @@ async def generate(body: GenerateRequest, request: Request):
                       thinking=serving.thinking(ids, enable))
 
 
-@documented(router.post, "/api/chat", responses.ChatResponse, STREAMED, ndjson_stream(responses.ChatResponse),
-            ollama_errors(400, 404, 503))
+@documented(router.post, "/api/chat", responses.ChatResponse, STREAMED,
+            ndjson_stream(responses.ChatResponse, responses.OllamaError), ollama_errors(400, 404, 503))
 async def chat(body: ChatRequest, request: Request):
     received = time.perf_counter()
     if not body.messages:
@@ -346,7 +346,8 @@ def _registry_error(error: ModelLoadError) -> APIError:
 @router.post(
     "/api/pull",
     response_model=None,
-    responses=ok(responses.PullStatus, "The model is on this machine", ndjson_stream(responses.PullStatus))
+    responses=ok(responses.PullStatus, "The model is on this machine",
+                 ndjson_stream(responses.PullStatus, responses.OllamaError))
     | ollama_errors(400, 404, 502),
 )
 async def pull(body: PullRequest, request: Request):

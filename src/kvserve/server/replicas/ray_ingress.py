@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,15 +185,16 @@ def sum_snapshots(parts: list[EngineSnapshot]) -> EngineSnapshot:
 
 
 class KVServeIngress:
-    """The HTTP app: our routes over a ``RemoteEngine``, built when Ray starts the ingress replica."""
+    """The HTTP app: our routes over a ``RemoteEngine``, built when Ray starts the ingress replica.
+    ``build_app`` is ``server.app.build_app``, handed down by whoever deploys (the app is a floor above)."""
 
-    def __init__(self, engine_handle, server_config: ServerConfig) -> None:
+    def __init__(self, engine_handle, server_config: ServerConfig, build_app: Callable) -> None:
         self.engine_handle = engine_handle
         self.server_config = server_config
+        self.build_app = build_app
 
     async def __serve_build_asgi_app__(self):
-        from kvserve.server.app import build_app
-
+        build_app = self.build_app
         described = await self.engine_handle.describe.remote()
         state = described["tokenizer"]
         facts = ReplicaFacts(

@@ -19,7 +19,7 @@ token ids, so the router and the replica hash the very same tokens.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
@@ -111,12 +111,13 @@ def build_application(
     engine_config: EngineConfig,
     server_config: ServerConfig,
     num_replicas: int,
+    build_app: Callable,
     prompt_cache: str | None = None,
     policy: str = "prefix",
 ):
     """The Serve application: ``serve.run(build_application(...))``. Each replica reserves
     ``engine_config.num_threads`` CPUs (1 when unset), so Ray places no more replicas on a node than
-    its cores hold."""
+    its cores hold. ``build_app``: ``server.app.build_app`` (the ingress builds the routes with it)."""
     num_cpus = engine_config.num_threads or 1
     max_num_seqs = engine_config.scheduler.max_num_seqs
     engine = serve.deployment(
@@ -145,4 +146,4 @@ def build_application(
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,  # requests wait in the engines' queues, not here
     )
-    return ingress.bind(engine, server_config)
+    return ingress.bind(engine, server_config, build_app)

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
 from kvserve.server.api_errors import APIError
-from kvserve.server.openapi_docs import JSON, SSE, openai_errors, ref
+from kvserve.server.openapi_docs import JSON, SSE, openai_errors, streamed
 from kvserve.server.streaming import EngineStreamingResponse, sse_response
 from kvserve.server.web.pool_stream import PoolStream
 from kvserve.server.web.pool_view import PoolFrame, PoolView
@@ -34,7 +34,8 @@ SCRIPTS = ("api.js", "pool.js", "chat.js")  # one script, in this order
 STREAM_ITEM = {
     "type": "object",
     "required": ["data"],
-    "properties": {"data": {"type": "string", "contentMediaType": JSON, "contentSchema": ref(PoolFrame)}},
+    "properties": {"data": {"type": "string", "contentMediaType": JSON,
+                            "contentSchema": streamed(PoolFrame)}},
 }
 
 
