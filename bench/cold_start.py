@@ -47,7 +47,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from kvserve.benchmark.peers import llama_tools_dir
     from kvserve.models.registry import resolve
-    from kvserve.plan.source import held_bytes, resolve_model
+    from kvserve.plan.model_spec import held_bytes, resolve_model
 
     tools = llama_tools_dir()
     kvserve = str(Path(sys.executable).with_name("kvserve"))

@@ -26,7 +26,7 @@ import kvserve
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.kv.kv_types import kv_bytes_per_token_per_layer
+from kvserve.kv.cache_types import kv_bytes_per_token_per_layer
 from kvserve.models.loader import load_model
 
 

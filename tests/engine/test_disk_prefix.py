@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.kv.cache_types import KV_TYPES
 from kvserve.kv.disk_tier import MAGIC
-from kvserve.kv.kv_file import unpack
-from kvserve.kv.kv_types import KV_TYPES
+from kvserve.kv.file_framing import unpack
 from kvserve.kv.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 from tests.support import make_engine
 

@@ -265,7 +265,7 @@ def test_python_api_generate_and_stream(tiny_llama):
 @pytest.mark.slow
 def test_engine_kv_bytes_per_token_match_the_formula_for_every_type(smollm2):
     """2 x layers x kv_heads x head_dim x bits / 8, and the pool is exactly blocks x that."""
-    from kvserve.kv.kv_types import KV_TYPES
+    from kvserve.kv.cache_types import KV_TYPES
 
     c = smollm2.config
     for name, spec in KV_TYPES.items():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.kv.kv_types import kv_bytes_per_token_per_layer
+from kvserve.kv.cache_types import kv_bytes_per_token_per_layer
 from kvserve.kv.window_blocks import window_pool_blocks
 from kvserve.models.loader import load_model
 from tests.support import make_engine, recorded_steps

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from kvserve.attention.ops import sequence_attention
 from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice, build_decode_batch
 from kvserve.config import ModelConfig
+from kvserve.kv.cache_types import kv_bytes_per_token as bytes_per_token
 from kvserve.kv.codecs import CACHE_TYPES, lloyd_max_codebook, make_codec, pack_bits, unpack_bits
-from kvserve.kv.kv_types import kv_bytes_per_token as bytes_per_token
 from kvserve.kv.storage import PagedKVStorage
 
 # Relative error |decode(encode(x)) - x| / |x| on Gaussian data, head_dim 64: the bounds we state.

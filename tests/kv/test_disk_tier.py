@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvserve.kv.disk_tier import MAGIC, BlockKey, DiskTier, load_secret
-from kvserve.kv.kv_file import KVFileError, pack, unpack
+from kvserve.kv.file_framing import KVFileError, pack, unpack
 
 IDENTITY = {"model": "m1", "layout": {"block_size": 4}}
 PAYLOAD = 1000

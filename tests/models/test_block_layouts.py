@@ -169,7 +169,7 @@ def test_a_stack_of_types_is_held_part_by_part(tmp_path, types):
     from kvserve.models import file_linears
     from kvserve.models.gguf_file import GGUFWeights
     from kvserve.models.linear import Int8GroupLinear, StackedLinear
-    from kvserve.plan.source import _from_file_blocks
+    from kvserve.plan.model_spec import _from_file_blocks
 
     cols, rows = 512, (64, 32, 40)
     names = [f"blk.0.attn_{s}.weight" for s in "qkv"]
@@ -235,7 +235,7 @@ def test_q2_k_and_q3_k_from_a_file_are_held_in_their_bits(tmp_path, type_name):
 
     from kvserve.models import file_linears
     from kvserve.models.gguf_file import GGUFWeights
-    from kvserve.plan.source import _from_file_blocks
+    from kvserve.plan.model_spec import _from_file_blocks
 
     rows, cols = 32, 512
     raw = random_blocks(type_name, rows, cols, seed=9).reshape(rows, -1)

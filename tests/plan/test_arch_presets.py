@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.kv.kv_types import kv_bytes_per_token
+from kvserve.kv.cache_types import kv_bytes_per_token
 from kvserve.models.arch import SUPPORTED_ARCHITECTURES
 from kvserve.plan.presets import PRESETS
 

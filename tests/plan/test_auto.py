@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from kvserve.config import ModelConfig
-from kvserve.kv.auto_type import QUALITY_ORDER, choose_cache_types, context_advice, context_pool_bytes
-from kvserve.kv.kv_types import pool_bytes
+from kvserve.kv.cache_types import pool_bytes
+from kvserve.kv.type_choice import QUALITY_ORDER, choose_cache_types, context_advice, context_pool_bytes
 from kvserve.plan.auto import resolve_auto
 
 SMOLLM2 = ModelConfig("llama", 30, 576, 1536, 9, 3, 64, 49152, 8192)

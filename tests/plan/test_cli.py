@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvserve.cli.plan import parse_contexts, parse_size
-from kvserve.kv.kv_types import KV_TYPES
+from kvserve.kv.cache_types import KV_TYPES
 
 
 def kvserve(*args: str) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.kv import codecs
-from kvserve.kv.kv_types import KV_TYPES, kv_bytes_per_token, kv_type
+from kvserve.kv.cache_types import KV_TYPES, kv_bytes_per_token, kv_type
 from tests.plan.helpers import llama
 
 # name -> bits per element as a function of head_dim D, written out from the formulas

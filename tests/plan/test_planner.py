@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.kv.kv_types import kv_bytes_per_token
+from kvserve.kv.cache_types import kv_bytes_per_token
+from kvserve.plan.model_spec import resolve_model
 from kvserve.plan.planner import (
     RUNTIME_OVERHEAD_BYTES,
     TOKENIZER_BYTES_PER_TOKEN,
@@ -17,7 +18,6 @@ from kvserve.plan.planner import (
     windowed_kv_bytes,
 )
 from kvserve.plan.presets import PRESETS
-from kvserve.plan.source import resolve_model
 from tests.plan.helpers import llama
 
 

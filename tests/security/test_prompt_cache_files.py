@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv import prompt_cache
-from kvserve.kv.kv_file import pack, unpack, write_atomically
+from kvserve.kv.file_framing import pack, unpack, write_atomically
 from kvserve.kv.prompt_cache import (
     MAGIC,
     PromptCacheError,

@@ -50,7 +50,8 @@ deleting the served model (a 409)."""
     if response.status_code == 400 and "context limit is" in response.text:
         return None
     if response.status_code == 400 and "the JSON schema " in response.text:
-        return None  # a client's own schema: its nested keywords and satisfiability are checked by compiling it
+        # a client's own schema: its nested keywords and satisfiability are checked by compiling it
+        return None
     if response.status_code == 409 and case.operation.path == "/api/delete":
         return None  # the served model, which ``bounded`` names: not deleted while served
     return positive_data_acceptance(ctx, response, case)
@@ -114,7 +115,8 @@ def test_the_document_says_what_the_served_model_takes(server):
     assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] == {
         "type": "integer", "minimum": 0, "maximum": 49151}
     assert schemas["GenerateRequest"]["properties"]["suffix"] == {"not": {}}
-    assert schemas["GenerateRequest"]["properties"]["think"] == {"anyOf": [{"const": False}, {"type": "null"}]}
+    assert schemas["GenerateRequest"]["properties"]["think"] == {
+        "anyOf": [{"const": False}, {"type": "null"}]}
     bias = schemas["ChatCompletionRequest"]["properties"]["logit_bias"]["anyOf"][1]
     pattern = re.compile(bias["propertyNames"]["pattern"])
     taken = [str(n) for n in (0, 7, 49151, 10000, 39999)]
@@ -147,35 +149,53 @@ def bounded(path: str, body: object) -> None:
     if not isinstance(body, dict):
         return
     if isinstance(body.get("model"), str) and len(body["model"]) % 4 != 1:
-        body["model"] = MODEL
-        _drop(body, REFUSED)
-        messages = body.get("messages")
-        for message in messages if isinstance(messages, list) else []:
-            _drop(message, REFUSED_IN_MESSAGES)
-        _drop(body.get("options"), REFUSED)
-        _choose_a_given_tool(body)
-        if path == "/api/generate" and body.get("prompt") is None:
-            body["prompt"] = "Hi"  # without one Ollama answers a "load" object, not a stream
-        if path == "/api/chat" and body.get("messages") is None:
-            body["messages"] = [{"role": "user", "content": "Hi"}]
-        if path in STREAMING and body.get("stream") is None:
-            body["stream"] = len(repr(body)) % 2 == 0  # about half of them, whatever the default
+        _ask_the_served_model(path, body)
     if path in LIMITS:
-        for key in LIMITS[path]:
-            if _is_int(body.get(key)) and not 0 < body[key] <= MAX_TOKENS:
-                body[key] = MAX_TOKENS
-        if all(body.get(key) is None for key in LIMITS[path]):
-            body[LIMITS[path][0]] = MAX_TOKENS  # chat's default is the whole context
-        if _is_int(body.get("n")) and body["n"] > 2:
-            body["n"] = 2
+        _cap_limits(path, body)
     elif path in STREAMING:
-        if body.get("options") is None:
-            body["options"] = {}
-        options = body["options"]
-        if isinstance(options, dict):
-            predict = options.get("num_predict")
-            if predict is None or _is_int(predict) and not 0 < predict <= MAX_TOKENS:
-                options["num_predict"] = MAX_TOKENS  # Ollama's default is the whole context too
+        _cap_num_predict(body)
+
+
+def _ask_the_served_model(path: str, body: dict) -> None:
+    """The served model, without the refused fields, with a prompt or messages where Ollama would take
+    the request for a "load", and streaming or not where the request leaves it to the default."""
+    body["model"] = MODEL
+    _drop(body, REFUSED)
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else []:
+        _drop(message, REFUSED_IN_MESSAGES)
+    _drop(body.get("options"), REFUSED)
+    _choose_a_given_tool(body)
+    if path == "/api/generate" and body.get("prompt") is None:
+        body["prompt"] = "Hi"  # without one Ollama answers a "load" object, not a stream
+    if path == "/api/chat" and body.get("messages") is None:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    if path in STREAMING and body.get("stream") is None:
+        body["stream"] = len(repr(body)) % 2 == 0  # about half of them, whatever the default
+
+
+def _cap_limits(path: str, body: dict) -> None:
+    """A path of ``LIMITS``: its token caps at most MAX_TOKENS (the first set where none is) and n at most
+    2; integers only, values of another type left for the server to refuse."""
+    for key in LIMITS[path]:
+        if _is_int(body.get(key)) and not 0 < body[key] <= MAX_TOKENS:
+            body[key] = MAX_TOKENS
+    if all(body.get(key) is None for key in LIMITS[path]):
+        body[LIMITS[path][0]] = MAX_TOKENS  # chat's default is the whole context
+    if _is_int(body.get("n")) and body["n"] > 2:
+        body["n"] = 2
+
+
+def _cap_num_predict(body: dict) -> None:
+    """An Ollama request: options.num_predict at most MAX_TOKENS (set where missing); options or a
+    num_predict of another type left for the server to refuse."""
+    if body.get("options") is None:
+        body["options"] = {}
+    options = body["options"]
+    if isinstance(options, dict):
+        predict = options.get("num_predict")
+        if predict is None or _is_int(predict) and not 0 < predict <= MAX_TOKENS:
+            options["num_predict"] = MAX_TOKENS  # Ollama's default is the whole context too
 
 
 def bounded_stream(path: str, query: dict | None) -> dict | None:

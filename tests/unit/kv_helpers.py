@@ -88,11 +88,28 @@ def leak_report(kv: KVCacheManager) -> list[str]:
         if held:
             problems.append(f"window blocks still referenced: {held}")
         if window.pool.blocks[0].ref_count != 1 or window.tables:
-            problems.append(f"window: null block refs {window.pool.blocks[0].ref_count}, tables {window.tables}")
+            problems.append(
+                f"window: null block refs {window.pool.blocks[0].ref_count}, tables {window.tables}")
     return problems
 
 
 def check_manager_invariants(kv: KVCacheManager) -> None:
+    _check_block_refs(kv)
+    _check_prefix_index(kv)
+    if not kv.enable_caching:
+        assert not kv.pool.cached
+    assert set(kv.num_cached_blocks) == set(kv.req_blocks)
+    for rid, n in kv.num_cached_blocks.items():
+        assert 0 <= n <= len(kv.req_blocks[rid]), (
+            f"{rid}: num_cached_blocks {n} > table {len(kv.req_blocks[rid])}"
+        )
+    if kv.window.enabled:
+        check_window_invariants(kv)
+
+
+def _check_block_refs(kv: KVCacheManager) -> None:
+    """Each block table holds each block once and only the pool's own objects; a block's ref_count is the
+    number of tables holding it; the free queue is exactly the blocks no table holds."""
     pool = kv.pool
     refs_from_tables: Counter[int] = Counter()
     for rid, blocks in kv.req_blocks.items():
@@ -114,7 +131,13 @@ def check_manager_invariants(kv: KVCacheManager) -> None:
         f"free queue {sorted(free)} != blocks with ref_count 0 "
         f"{sorted(b.block_id for b in pool.blocks if b.ref_count == 0)}"
     )
-    # prefix-cache index consistency
+
+
+def _check_prefix_index(kv: KVCacheManager) -> None:
+    """The prefix-cache index and the blocks agree: each indexed block has the hash it is indexed under
+    and a full block of tokens; each block with a hash is the one indexed under it, one without has no
+    tokens."""
+    pool = kv.pool
     for h, blk in pool.cached.items():
         assert blk.block_hash == h, f"cached[{h}] is block {blk.block_id} whose hash is {blk.block_hash}"
         assert blk.token_ids is not None and len(blk.token_ids) == kv.block_size
@@ -123,13 +146,6 @@ def check_manager_invariants(kv: KVCacheManager) -> None:
             assert pool.cached.get(b.block_hash) is b, f"block {b.block_id} has a hash but is not indexed"
         else:
             assert b.token_ids is None
-    if not kv.enable_caching:
-        assert not pool.cached
-    assert set(kv.num_cached_blocks) == set(kv.req_blocks)
-    for rid, n in kv.num_cached_blocks.items():
-        assert 0 <= n <= len(kv.req_blocks[rid]), f"{rid}: num_cached_blocks {n} > table {len(kv.req_blocks[rid])}"
-    if kv.window.enabled:
-        check_window_invariants(kv)
 
 
 def check_window_invariants(kv: KVCacheManager) -> None:
@@ -141,13 +157,17 @@ def check_window_invariants(kv: KVCacheManager) -> None:
     assert set(window.tables) == set(kv.req_blocks), (sorted(window.tables), sorted(kv.req_blocks))
     refs: Counter[int] = Counter()
     for rid, table in window.tables.items():
-        assert len(table) == len(kv.req_blocks[rid]), f"{rid}: window table {len(table)} vs {len(kv.req_blocks[rid])}"
+        assert len(table) == len(kv.req_blocks[rid]), (
+            f"{rid}: window table {len(table)} vs {len(kv.req_blocks[rid])}"
+        )
         ids = [b.block_id for b in table if b is not None]
         assert 0 not in ids and len(ids) == len(set(ids)), f"{rid}: window table {window.block_ids(rid)}"
         refs.update(ids)
     assert pool.blocks[0].ref_count == 1 and 0 not in pool.free_queue
     for b in pool.blocks[1:]:
-        assert b.ref_count == refs[b.block_id], f"window block {b.block_id}: {b.ref_count} refs, {refs[b.block_id]} tables"
+        assert b.ref_count == refs[b.block_id], (
+            f"window block {b.block_id}: {b.ref_count} refs, {refs[b.block_id]} tables"
+        )
     assert set(pool.free_queue) == {b.block_id for b in pool.blocks[1:] if b.ref_count == 0}
 
 
@@ -220,7 +240,9 @@ class ShadowKV:
             for p in range(start, end):
                 self.slots[table[p // bs] * bs + p % bs] = ids[p]
                 if window_table is not None:
-                    assert window_table[p // bs] != 0, f"{r.request_id}: position {p} written to the null block"
+                    assert window_table[p // bs] != 0, (
+                        f"{r.request_id}: position {p} written to the null block"
+                    )
                     self.window_slots[window_table[p // bs] * bs + p % bs] = ids[p]
         for s in out.scheduled:
             r = s.request
@@ -235,7 +257,10 @@ class ShadowKV:
             if window_table is not None:  # what the step's first query reads in a sliding layer
                 first = max(0, r.num_computed_tokens - self.kv.window.window + 1)
                 for p in range(first, len(expected[r.request_id])):
-                    if self.window_slots.get(window_table[p // bs] * bs + p % bs) != expected[r.request_id][p]:
+                    if (
+                        self.window_slots.get(window_table[p // bs] * bs + p % bs)
+                        != expected[r.request_id][p]
+                    ):
                         raise AssertionError(
                             f"{r.request_id} would read wrong window K/V at position {p} (window table "
                             f"{window_table}, tokens {r.all_token_ids})")

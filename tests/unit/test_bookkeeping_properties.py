@@ -105,13 +105,9 @@ def checked_step(sched: Scheduler, shadow: ShadowKV) -> None:
             assert r.request_id not in kv.req_blocks
 
 
-@pytest.mark.parametrize("window", [None, 1, 5], ids=["every-token", "window-1", "window-5"])
-@pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs, ops=ops_lists, drain=st.sampled_from([True, True, False]))
-def test_random_interleavings_keep_bookkeeping_consistent(enable_caching, window, config, ops, drain):
-    """With ``window``, a window group beside the pool, sized as the engine sizes it: the shadow then
-    checks what the sliding layers read too."""
+def scheduler_for(config: dict, enable_caching: bool, window: int | None) -> tuple[Scheduler, int]:
+    """The scheduler (and its max_model_len) for a drawn ``config``; with ``window``, a window group beside
+    the pool, sized as the engine sizes it."""
     num_blocks = config["num_blocks"]
     max_model_len = max(2, num_blocks * BLOCK_SIZE - config["model_len_cut"])
     window_group = None
@@ -128,55 +124,89 @@ def test_random_interleavings_keep_bookkeeping_consistent(enable_caching, window
         kv,
         max_model_len,
     )
+    return sched, max_model_len
+
+
+def add_burst(sched: Scheduler, config: dict, max_model_len: int, n: int, specs: list) -> list:
+    """Op ``n``'s burst of arrivals, each refused exactly when its prompt is too long or the waiting queue
+    is full; the requests taken, in order."""
+    added = []
+    for k, (which, cut, suffix, max_tokens, salt, stops) in enumerate(specs):
+        prompt = (PREFIXES[which][:cut] if which < len(PREFIXES) else []) + suffix
+        request = make_request(
+            f"r{n * 4 + k}", prompt, max_tokens, max_model_len, salt, (EOS,) if stops else ()
+        )
+        # requests that fit in free running slots do not count as waiting
+        free_slots = max(0, config["max_num_seqs"] - len(sched.running))
+        num_waiting = max(0, len(sched.waiting) - free_slots)
+        try:
+            sched.add_request(request)
+        except PromptTooLongError:
+            assert len(prompt) >= max_model_len
+        except QueueFullError:
+            assert len(prompt) < max_model_len and num_waiting >= config["max_waiting"]
+        else:
+            assert len(prompt) < max_model_len and num_waiting < config["max_waiting"]
+            added.append(request)
+    return added
+
+
+def abort_one(sched: Scheduler, index: int) -> None:
+    """Abort the live request at ``index`` (modulo their number), if any: it ends aborted, and nothing
+    of it is left in the KV manager or the scheduler."""
+    live = sorted(sched.requests)
+    if live:
+        victim = live[index % len(live)]
+        request = sched.abort(victim)
+        assert request.status is RequestStatus.FINISHED_ABORTED
+        assert victim not in sched.kv.req_blocks and victim not in sched.requests
+
+
+def drain_all(sched: Scheduler, shadow: ShadowKV, added: list) -> None:
+    """Step until nothing is unfinished: everything admitted must complete (no livelock, no request
+    stuck), a request ended by its length at exactly its max_total_tokens."""
+    kv = sched.kv
+    for _ in range(3000):
+        if not sched.has_unfinished:
+            break
+        checked_step(sched, shadow)
+        check_scheduler_invariants(sched)
+    assert not sched.has_unfinished, (
+        f"stuck: running={[(r.request_id, r.num_computed_tokens, r.num_tokens) for r in sched.running]} "
+        f"waiting={[(r.request_id, r.num_tokens) for r in sched.waiting]} free={kv.pool.num_free_blocks}"
+    )
+    for r in added:
+        assert r.is_finished
+        if r.status is RequestStatus.FINISHED_LENGTH:
+            assert r.num_tokens == r.max_total_tokens
+
+
+@pytest.mark.parametrize("window", [None, 1, 5], ids=["every-token", "window-1", "window-5"])
+@pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, ops=ops_lists, drain=st.sampled_from([True, True, False]))
+def test_random_interleavings_keep_bookkeeping_consistent(enable_caching, window, config, ops, drain):
+    """With ``window``, a window group beside the pool, sized as the engine sizes it: the shadow then
+    checks what the sliding layers read too."""
+    num_blocks = config["num_blocks"]
+    sched, max_model_len = scheduler_for(config, enable_caching, window)
+    kv = sched.kv
     shadow = ShadowKV(kv)
     added = []
     for n, op in enumerate(ops):
         if op[0] == "add":
-            for k, (which, cut, suffix, max_tokens, salt, stops) in enumerate(op[1]):
-                prompt = (PREFIXES[which][:cut] if which < len(PREFIXES) else []) + suffix
-                request = make_request(
-                    f"r{n * 4 + k}", prompt, max_tokens, max_model_len, salt, (EOS,) if stops else ()
-                )
-                # requests that fit in free running slots do not count as waiting
-                free_slots = max(0, config["max_num_seqs"] - len(sched.running))
-                num_waiting = max(0, len(sched.waiting) - free_slots)
-                try:
-                    sched.add_request(request)
-                except PromptTooLongError:
-                    assert len(prompt) >= max_model_len
-                except QueueFullError:
-                    assert len(prompt) < max_model_len and num_waiting >= config["max_waiting"]
-                else:
-                    assert len(prompt) < max_model_len and num_waiting < config["max_waiting"]
-                    added.append(request)
+            added += add_burst(sched, config, max_model_len, n, op[1])
         elif op[0] == "step":
             for _ in range(op[1]):
                 checked_step(sched, shadow)
                 check_scheduler_invariants(sched)
         else:
-            live = sorted(sched.requests)
-            if live:
-                victim = live[op[1] % len(live)]
-                request = sched.abort(victim)
-                assert request.status is RequestStatus.FINISHED_ABORTED
-                assert victim not in kv.req_blocks and victim not in sched.requests
+            abort_one(sched, op[1])
         check_scheduler_invariants(sched)
         assert kv.prefix_hits <= kv.prefix_queries and kv.prefix_hits % BLOCK_SIZE == 0
 
     if drain:  # everything admitted must complete: no livelock, no request stuck
-        for _ in range(3000):
-            if not sched.has_unfinished:
-                break
-            checked_step(sched, shadow)
-            check_scheduler_invariants(sched)
-        assert not sched.has_unfinished, (
-            f"stuck: running={[(r.request_id, r.num_computed_tokens, r.num_tokens) for r in sched.running]} "
-            f"waiting={[(r.request_id, r.num_tokens) for r in sched.waiting]} free={kv.pool.num_free_blocks}"
-        )
-        for r in added:
-            assert r.is_finished
-            if r.status is RequestStatus.FINISHED_LENGTH:
-                assert r.num_tokens == r.max_total_tokens
+        drain_all(sched, shadow, added)
 
     # coverage, shown by ``pytest --hypothesis-show-statistics``
     event("preempted" if sched.num_preemptions else "no preemption")

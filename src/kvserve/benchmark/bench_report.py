@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from kvserve.benchmark.measure import BenchRow
-from kvserve.kv.kv_types import kv_bytes_per_token
+from kvserve.kv.cache_types import kv_bytes_per_token
 
 
 def roofline(loaded, rows: list[BenchRow]) -> dict[int, tuple[int, float]]:

@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve import native
     from kvserve.benchmark.bench_report import print_table, roofline, write_plot
+    from kvserve.benchmark.engine_runner import KVServeRunner
     from kvserve.benchmark.measure import measured_bandwidth, median_row
-    from kvserve.benchmark.ours import KVServeRunner
     from kvserve.models.loader import load_model
 
     if args.gen < 2 or args.repeats < 1:
@@ -67,14 +67,7 @@ def run(args: argparse.Namespace) -> int:
                 prompts = [shared + [rng.randrange(100, vocab) for _ in range(max(1, plen - len(shared)))]
                            for _ in range(conc)]
                 active = [r for r in runners if getattr(r, "supports", lambda *a: True)(cache_type, conc)]
-                active[0].run([prompts[0][:16]], 2, cache_type)  # warm-up
-                results = {r.name: [] for r in active}
-                for _ in range(args.repeats):  # A B A B ...
-                    for r in active:
-                        row = r.run(prompts, args.gen, cache_type, shared or None)
-                        if r is runners[0]:  # ours: the roofline's bandwidth, measured at the same moment
-                            row.bandwidth_bytes_s = measured_bandwidth()
-                        results[r.name].append(row)
+                results = _alternate(args, runners, active, prompts, cache_type, shared, measured_bandwidth)
                 for name, rs in results.items():
                     row = median_row(rs)
                     row.cpu, row.threads = native.cpu_model(), args.threads
@@ -83,6 +76,27 @@ def run(args: argparse.Namespace) -> int:
                     console.print(f"{name} {cache_type} prompt {plen} x{conc}: TTFT {row.ttft_ms:.0f} ms, "
                                   f"decode {row.decode_tok_s:.1f} tok/s, aggregate {row.aggregate_tok_s:.1f}")
     print_table(rows, roofline(loaded, rows))
+    _write_outputs(args, rows, write_plot)
+    return 0
+
+
+def _alternate(args, runners: list, active: list, prompts: list, cache_type: str, shared: list,
+               measured_bandwidth) -> dict[str, list]:
+    """One workload's rows by engine: a warm-up, then ``args.repeats`` rounds A B A B ..., so that the
+    engines share the machine's state; ours (``runners[0]``) also measures the roofline's bandwidth."""
+    active[0].run([prompts[0][:16]], 2, cache_type)  # warm-up
+    results = {r.name: [] for r in active}
+    for _ in range(args.repeats):  # A B A B ...
+        for r in active:
+            row = r.run(prompts, args.gen, cache_type, shared or None)
+            if r is runners[0]:  # ours: the roofline's bandwidth, measured at the same moment
+                row.bandwidth_bytes_s = measured_bandwidth()
+            results[r.name].append(row)
+    return results
+
+
+def _write_outputs(args, rows: list, write_plot) -> None:
+    """The rows as JSON (``--json``) and as a plot (``--plot``), each where asked for."""
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump([r.as_dict() for r in rows], f, indent=2)
@@ -90,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(rows, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
 
 
 def _peers(args) -> list:
@@ -104,6 +117,9 @@ def _peers(args) -> list:
         path = resolve(args.model, auto_pull=True)
         if path.is_dir():
             raise ValueError("llama.cpp needs a GGUF file, not an HF folder")
-        tools = llama_tools_dir()  # llama.cpp's own llama-bench (bench/build_llama_cpp.sh), else llama-cpp-python
-        peers.append(LlamaToolsRunner(str(path), args.threads, tools) if tools else LlamaCppRunner(str(path), args.threads))
+        # llama.cpp's own llama-bench (bench/build_llama_cpp.sh), else llama-cpp-python
+        tools = llama_tools_dir()
+        peers.append(
+            LlamaToolsRunner(str(path), args.threads, tools) if tools else LlamaCppRunner(
+                str(path), args.threads))
     return peers

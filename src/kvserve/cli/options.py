@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvserve.config import WEIGHT_CHOICES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from kvserve.kv.kv_types import KV_TYPES
+from kvserve.kv.cache_types import KV_TYPES
 from kvserve.models.registry import DEFAULT_MODEL
 
 CACHE_TYPES = (*KV_TYPES, "auto")

@@ -91,7 +91,7 @@ def parse_contexts(text: str) -> tuple[int, ...]:
 
 
 def kv_type_pairs(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    from kvserve.kv.kv_types import KV_TYPES, kv_type
+    from kvserve.kv.cache_types import KV_TYPES, kv_type
 
     if args.cache_types is not None:
         if args.cache_type_k or args.cache_type_v or args.cache_type:
@@ -116,9 +116,9 @@ def default_contexts(max_position_embeddings: int) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvserve.plan.model_spec import resolve_model
     from kvserve.plan.plan_report import render, to_json
     from kvserve.plan.planner import PlanSettings, available_memory, make_plan
-    from kvserve.plan.source import resolve_model
 
     pairs = kv_type_pairs(args)  # check every flag before reading the model
     contexts = parse_contexts(args.ctx) if args.ctx is not None else None

@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.async_engine import AsyncLLMEngine
-    from kvserve.engine.malloc import resident_bytes
+    from kvserve.engine.heap import resident_bytes
     from kvserve.server import ServerConfig, build_app
     from kvserve.server.graceful import EndingStreamsServer
     from kvserve.server.replicas.kv_events import check_endpoint
@@ -285,8 +285,8 @@ def planned_bytes(args: argparse.Namespace, source: str, with_runtime: bool = Fa
     """What ``kvserve plan`` says the engine takes for ``source`` (read as ``spec`` when the caller has it)
     at this server's settings: its weights, pool, activations and tokenizer, and (``with_runtime``) the
     Python runtime every model shares."""
+    from kvserve.plan.model_spec import resolve_model
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, PlanSettings, make_plan
-    from kvserve.plan.source import resolve_model
 
     spec = spec or resolve_model(source)
     k, v = args.cache_type_k or args.cache_type, args.cache_type_v or args.cache_type
@@ -304,8 +304,8 @@ def _served_models(args: argparse.Namespace, others: list[str], config, beside: 
     bytes the embedding and rerank models took, which stay loaded: not the chat models' to take."""
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.models.registry import resolve
+    from kvserve.plan.model_spec import resolve_model
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, available_memory
-    from kvserve.plan.source import resolve_model
     from kvserve.server.model_card import ModelCard
     from kvserve.server.model_slots import ServedModels, keep_alive_seconds
     from kvserve.server.ollama.ollama_schemas import DURATION

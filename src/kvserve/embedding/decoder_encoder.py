@@ -36,7 +36,7 @@ def _own_engine(path: Path, weight_format: str, what: str, num_ctx: int):
     from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.engine.engine import LLMEngine
-    from kvserve.kv.kv_types import kv_bytes_per_token
+    from kvserve.kv.cache_types import kv_bytes_per_token
     from kvserve.models.loader import load_model
 
     loaded = load_model(str(path), weight_format=weight_format, embedding=True)

@@ -12,7 +12,7 @@ import torch
 from kvserve import native
 from kvserve.config import EngineConfig
 from kvserve.engine.constraints import GrammarError, GrammarTokenizer, TokenConstraint
-from kvserve.engine.malloc import HeapWatch, keep_freed_pages
+from kvserve.engine.heap import HeapWatch, keep_freed_pages
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import Request, RequestStatus
@@ -22,16 +22,16 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.speculative import NgramProposer
 from kvserve.errors import PromptTooLongError
-from kvserve.kv.auto_type import context_advice
+from kvserve.kv.cache import KVCache
+from kvserve.kv.cache_types import kv_bytes_per_token
 from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.events import KVEvent, KVEventLog
 from kvserve.kv.hashing import PROCESS_KEY, cache_key
-from kvserve.kv.kv_cache import KVCache
-from kvserve.kv.kv_types import kv_bytes_per_token
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import DiskOffload
 from kvserve.kv.pool_sizing import pool_size
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.kv.type_choice import context_advice
 from kvserve.kv.window_blocks import WindowBlocks
 from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import LoadedModel, load_model

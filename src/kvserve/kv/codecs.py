@@ -26,7 +26,7 @@ from functools import cache
 
 import torch
 
-from kvserve.kv.kv_types import GROUP, KV_TYPES, kv_type
+from kvserve.kv.cache_types import GROUP, KV_TYPES, kv_type
 
 
 class KVCodec:

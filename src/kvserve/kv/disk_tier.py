@@ -35,8 +35,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvserve.kv.file_framing import KVFileError, pack, unpack, write_atomically
 from kvserve.kv.hashing import window_part_hash
-from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
 
 try:
     import fcntl

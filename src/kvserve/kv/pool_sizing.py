@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import CacheConfig, ModelConfig
-from kvserve.kv.kv_types import kv_bytes_per_token_per_layer, pool_num_blocks
+from kvserve.kv.cache_types import kv_bytes_per_token_per_layer, pool_num_blocks
 from kvserve.kv.window_blocks import window_pool_blocks
 
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import KVServeError
+from kvserve.kv.cache import KVCache
 from kvserve.kv.disk_tier import BlockKey
+from kvserve.kv.file_framing import KVFileError, pack, unpack, write_atomically
 from kvserve.kv.hashing import window_part_hash
-from kvserve.kv.kv_cache import KVCache
-from kvserve.kv.kv_file import KVFileError, pack, unpack, write_atomically
 from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 
 MAGIC = b"KVSPC02\n"

@@ -92,7 +92,8 @@ def _decode(type_name: str, blocks: np.ndarray):
         nb = blocks.shape[1]
         flat = blocks.reshape(n * nb, -1)
         ql = flat[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        qh = flat[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        qh = flat[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+            1, 1, 4, 1)
         codes = (ql & np.uint8(0x0F)).reshape(-1, 256) | ((qh & np.uint8(3)).reshape(-1, 256) << np.uint8(4))
         scales = flat[:, 192:208].reshape(n, nb * 8, 2)  # int8 per 16: each group's two halves
         return codes.reshape(n, -1), [scales[..., :1], scales[..., 1:]], [_f16(blocks, 208)]
@@ -100,16 +101,23 @@ def _decode(type_name: str, blocks: np.ndarray):
         nb, q2 = blocks.shape[1], type_name == "Q2_K"
         flat = blocks.reshape(n * nb, -1)
         qs = flat[:, 16:80] if q2 else flat[:, 32:96]
-        codes = (qs.reshape(-1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & np.uint8(3)
+        codes = (
+            qs.reshape(-1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & np.uint8(3)
         codes = codes.reshape(-1, 256)
         if q2:
             scales = flat[:, :16]  # sc | m << 4, the file's bytes
         else:  # hmask: bit b of byte l is weight 32 b + l's bit 2; 6-bit scales, low 4 bits then high 2
-            high = (flat[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+            high = (
+                flat[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
+                    1, 8, 1)) & np.uint8(1)
             codes |= high.reshape(-1, 256) << np.uint8(2)
             s = flat[:, 96:108]
-            low = (s[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
-            top = (s[:, 8:].reshape(-1, 1, 4) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 4, 1)).reshape(-1, 16)
+            low = (
+                s[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(
+                    -1, 16)
+            top = (
+                s[:, 8:].reshape(-1, 1, 4) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 4, 1)).reshape(
+                    -1, 16)
             scales = ((low & np.uint8(0x0F)) | ((top & np.uint8(3)) << np.uint8(4))).astype(np.int16) - 32
             scales = scales.astype(np.int8).view(np.uint8)
         scales = scales.reshape(n, nb * 8, 2)
@@ -201,7 +209,8 @@ def pack_blocks_reference(raw: np.ndarray, type_name: str, rows: int, cols: int,
         chunk = blocks[r : r + ROW_CHUNK]
         p = -(-chunk.shape[0] // 16)
         codes, fields, supers = _decode(type_name, chunk)
-        group = np.concatenate([_code_planes(codes, p, CODE_BITS[layout])] + [_lanes(f, p) for f in fields], axis=-1)
+        group = np.concatenate([_code_planes(codes, p, CODE_BITS[layout])] + [_lanes(f, p) for f in fields],
+                               axis=-1)
         if super_bytes:
             heads = np.concatenate([_lanes(f, p) for f in supers], axis=-1)  # [p, groups / 8, super_bytes]
             group = np.concatenate([heads, group.reshape(p, groups // 8, -1)], axis=-1)
@@ -218,43 +227,50 @@ def _unlanes(part: np.ndarray, rows: int, dtype) -> np.ndarray:
     return per.reshape(panels * 16, groups, width // 16).view(dtype)[:rows, :, 0]
 
 
-def unpack_weight(packed: torch.Tensor, layout: int, rows: int, cols: int) -> torch.Tensor:
-    """A packed tensor's weights [rows, cols] f32, each scale * code + offset computed in f32 as the gguf
-    library's dequantization computes the file's weight."""
-    data = packed.reshape(-1).numpy()
-    panels, groups = -(-rows // 16), cols // 32
-    block, super_bytes, bits = GROUP_BYTES[layout], SUPER_BYTES[layout], CODE_BITS[layout]
-    if super_bytes:
-        runs = data.reshape(panels, groups // 8, super_bytes + 8 * block)
-        heads, blocks = runs[..., :super_bytes], runs[..., super_bytes:].reshape(panels, groups, block)
-        d = np.repeat(_unlanes(heads[..., :32], rows, np.float16).astype(np.float32), 8, axis=1)
-        dmin = np.repeat(_unlanes(heads[..., 32:], rows, np.float16).astype(np.float32), 8, axis=1) if super_bytes == 64 else None
-    else:
-        blocks = data.reshape(panels, groups, block)
-    plane_lanes = lambda planes: planes.reshape(panels, groups, -1, 16, 4).transpose(0, 3, 1, 4, 2)  # P lane G i plane
+def _unpack_blocks(data: np.ndarray, layout: int, rows: int, panels: int, groups: int):
+    """Packed bytes -> (each group's block [panels, groups, bytes], the super-blocks' d and dmin per group
+    [rows, groups] f32, None where the layout has none)."""
+    block, super_bytes = GROUP_BYTES[layout], SUPER_BYTES[layout]
+    if not super_bytes:
+        return data.reshape(panels, groups, block), None, None
+    runs = data.reshape(panels, groups // 8, super_bytes + 8 * block)
+    heads, blocks = runs[..., :super_bytes], runs[..., super_bytes:].reshape(panels, groups, block)
+    d = np.repeat(_unlanes(heads[..., :32], rows, np.float16).astype(np.float32), 8, axis=1)
+    dmin = np.repeat(_unlanes(heads[..., 32:], rows, np.float16).astype(np.float32), 8,
+                     axis=1) if super_bytes == 64 else None
+    return blocks, d, dmin
+
+
+def _unpack_codes(blocks: np.ndarray, bits: int, panels: int, groups: int, cols: int):
+    """Groups' blocks -> (codes uint8 [panels * 16, cols], the bytes after the code planes: the groups'
+    scales and offsets)."""
+    # P lane G i plane
+    plane_lanes = lambda planes: planes.reshape(panels, groups, -1, 16, 4).transpose(0, 3, 1, 4, 2)
 
     def bit_plane(at: int, shift: int) -> np.ndarray:  # the 64-byte plane at `at` as bit `shift` of each code
         bit = (plane_lanes(blocks[..., at : at + 64])[..., 0][..., None] >> np.arange(8, dtype=np.uint8)) & 1
         return (bit.transpose(0, 1, 2, 4, 3).reshape(panels * 16, cols) << shift).astype(np.uint8)
 
-    def crumb_planes(at: int, shift: int) -> np.ndarray:  # the two 64-byte planes at `at` as bits shift, shift + 1
+    # the two 64-byte planes at `at` as bits shift, shift + 1
+    def crumb_planes(at: int, shift: int) -> np.ndarray:
         planes = plane_lanes(blocks[..., at : at + 128])  # P lane G i plane
         crumbs = (planes[..., None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # P lane G i plane q
         return (crumbs.transpose(0, 1, 2, 4, 5, 3).reshape(panels * 16, cols) << shift).astype(np.uint8)
 
     if bits < 4:
-        codes = crumb_planes(0, 0) | (bit_plane(128, 2) if bits == 3 else 0)
-        sp = blocks[..., 64 * bits :]
-    else:
-        nib = blocks[..., :256].reshape(panels, groups, 4, 16, 4)  # P G chunk lane i
-        q = np.stack([nib & 0x0F, nib >> 4], axis=3)  # P G chunk half lane i
-        codes = q.transpose(0, 4, 1, 2, 3, 5).reshape(panels * 16, cols).astype(np.uint8)
-        if bits == 5:
-            codes |= bit_plane(256, 4)
-        elif bits == 6:
-            codes |= crumb_planes(256, 4)
-        sp = blocks[..., 256 + 64 * (bits - 4) :]
-    codes = codes[:rows].astype(np.float32).reshape(rows, groups, 32)
+        return crumb_planes(0, 0) | (bit_plane(128, 2) if bits == 3 else 0), blocks[..., 64 * bits :]
+    nib = blocks[..., :256].reshape(panels, groups, 4, 16, 4)  # P G chunk lane i
+    q = np.stack([nib & 0x0F, nib >> 4], axis=3)  # P G chunk half lane i
+    codes = q.transpose(0, 4, 1, 2, 3, 5).reshape(panels * 16, cols).astype(np.uint8)
+    if bits == 5:
+        codes |= bit_plane(256, 4)
+    elif bits == 6:
+        codes |= crumb_planes(256, 4)
+    return codes, blocks[..., 256 + 64 * (bits - 4) :]
+
+
+def _group_scales(layout: int, sp: np.ndarray, rows: int, d, dmin):
+    """(scale, offset) [rows, groups] f32 of each group of 32 in a layout outside ``HALVES``."""
     if layout == QL_F32:
         scale, lo = _unlanes(sp[..., :64], rows, np.float32), _unlanes(sp[..., 64:128], rows, np.float32)
     elif layout in (QL_F16, QL_Q5_1):
@@ -265,16 +281,35 @@ def unpack_weight(packed: torch.Tensor, layout: int, rows: int, cols: int) -> to
     elif layout in (QL_Q4_K, QL_Q5_K):
         scale = d * _unlanes(sp[..., :16], rows, np.uint8).astype(np.float32)
         lo = -dmin * _unlanes(sp[..., 16:32], rows, np.uint8).astype(np.float32)
-    elif layout in HALVES:  # two halves of 16 with a scale (and offset) each
-        fields = [_unlanes(sp[..., 16 * h : 16 * h + 16], rows, np.uint8 if layout == QL_Q2_K else np.int8)
-                  for h in (0, 1)]
-        if layout == QL_Q2_K:  # sc | m << 4
-            scale = np.stack([d * (f & 0x0F).astype(np.float32) for f in fields], -1)[..., None]
-            lo = np.stack([-dmin * (f >> 4).astype(np.float32) for f in fields], -1)[..., None]
-        else:
-            scale = np.stack([d * f.astype(np.float32) for f in fields], -1)[..., None]  # [rows, groups, 2, 1]
-            lo = scale * np.float32(-32.0 if layout == QL_Q6_K else -4.0)
+    return scale, lo
+
+
+def _half_scales(layout: int, sp: np.ndarray, rows: int, d, dmin):
+    """(scale, offset) [rows, groups, 2, 1] f32 of a ``HALVES`` layout: two halves of 16 with a scale (and
+    offset) each."""
+    fields = [_unlanes(sp[..., 16 * h : 16 * h + 16], rows, np.uint8 if layout == QL_Q2_K else np.int8)
+              for h in (0, 1)]
+    if layout == QL_Q2_K:  # sc | m << 4
+        scale = np.stack([d * (f & 0x0F).astype(np.float32) for f in fields], -1)[..., None]
+        lo = np.stack([-dmin * (f >> 4).astype(np.float32) for f in fields], -1)[..., None]
+        return scale, lo
+    # [rows, groups, 2, 1]
+    scale = np.stack([d * f.astype(np.float32) for f in fields], -1)[..., None]
+    return scale, scale * np.float32(-32.0 if layout == QL_Q6_K else -4.0)
+
+
+def unpack_weight(packed: torch.Tensor, layout: int, rows: int, cols: int) -> torch.Tensor:
+    """A packed tensor's weights [rows, cols] f32, each scale * code + offset computed in f32 as the gguf
+    library's dequantization computes the file's weight."""
+    data = packed.reshape(-1).numpy()
+    panels, groups = -(-rows // 16), cols // 32
+    blocks, d, dmin = _unpack_blocks(data, layout, rows, panels, groups)
+    codes, sp = _unpack_codes(blocks, CODE_BITS[layout], panels, groups, cols)
+    codes = codes[:rows].astype(np.float32).reshape(rows, groups, 32)
+    if layout in HALVES:
+        scale, lo = _half_scales(layout, sp, rows, d, dmin)
         w = codes.reshape(rows, groups, 2, 16) * scale + lo
         return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32))
+    scale, lo = _group_scales(layout, sp, rows, d, dmin)
     w = codes * scale[..., None] + lo[..., None]
     return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32))

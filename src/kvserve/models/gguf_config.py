@@ -16,7 +16,8 @@ def read_model_config(h, require_supported: bool = True) -> ModelConfig:
     arch = h.architecture
     if require_supported and arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"{h.path}: architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{h.path}: architecture '{arch}' is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     spec = ARCHS.get(arch, ARCHS["llama"])
 
@@ -39,7 +40,8 @@ def read_model_config(h, require_supported: bool = True) -> ModelConfig:
         switches(spec, hidden),
         num_layers=num_layers,
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length", 0) if spec.moe else h.require(f"{arch}.feed_forward_length")),
+        intermediate_size=int(key("feed_forward_length",
+                                  0) if spec.moe else h.require(f"{arch}.feed_forward_length")),
         num_heads=num_heads,
         num_kv_heads=int(num_kv_heads),
         head_dim=head_dim,
@@ -55,26 +57,40 @@ def read_model_config(h, require_supported: bool = True) -> ModelConfig:
         name=str(h.get("general.name", "") or ""),
     )
     if spec.moe:
-        fields.update(num_experts=int(h.require(f"{arch}.expert_count")),
-                      num_experts_per_tok=int(h.require(f"{arch}.expert_used_count")),
-                      moe_intermediate_size=int(key("expert_feed_forward_length", 0) or fields["intermediate_size"]),
-                      # llama.cpp renormalizes qwen3moe's chosen weights always, olmoe's never
-                      norm_topk_prob=bool(key("expert_weights_norm", arch == "qwen3moe")))
+        fields.update(_moe_fields(h, arch, key, fields["intermediate_size"]))
+    _arch_fields(fields, arch, spec, key, window)
+    return ModelConfig(**fields)
+
+
+def _moe_fields(h, arch: str, key, intermediate_size: int) -> dict[str, Any]:
+    """A mixture of experts' fields: how many experts, how many each token uses, their width."""
+    return {"num_experts": int(h.require(f"{arch}.expert_count")),
+            "num_experts_per_tok": int(h.require(f"{arch}.expert_used_count")),
+            "moe_intermediate_size": int(key("expert_feed_forward_length", 0) or intermediate_size),
+            # llama.cpp renormalizes qwen3moe's chosen weights always, olmoe's never
+            "norm_topk_prob": bool(key("expert_weights_norm", arch == "qwen3moe"))}
+
+
+def _arch_fields(fields: dict[str, Any], arch: str, spec, key, window) -> None:
+    """``fields`` updated with what one architecture adds or fixes (granite's multipliers, the attention
+    scale, Gemma's soft caps and windows); ``window`` is the file's sliding window, if any."""
     if arch == "granite":  # llama.cpp spells its multipliers so; logit_scale divides
         fields.update(embedding_scale=float(key("embedding_scale", 1.0)),
                       residual_scale=float(key("residual_scale", 1.0)),
                       logits_divisor=float(key("logit_scale", 1.0)))
     if key("attention.scale") is not None:
         fields["attn_scale"] = float(key("attention.scale"))
+    num_layers, head_dim = fields["num_layers"], fields["head_dim"]
     if arch == "gemma2":
         # query_pre_attn_scalar is not in the file: head_dim, but hidden / heads for the 27B (as llama.cpp)
-        fields.setdefault("attn_scale", (hidden / num_heads if num_layers == 46 else head_dim) ** -0.5)
-        fields.update(attn_logit_softcap=key("attn_logit_softcapping"), final_logit_softcap=key("final_logit_softcapping"))
+        per_head = fields["hidden_size"] / fields["num_heads"] if num_layers == 46 else head_dim
+        fields.setdefault("attn_scale", per_head ** -0.5)
+        fields.update(attn_logit_softcap=key("attn_logit_softcapping"),
+                      final_logit_softcap=key("final_logit_softcapping"))
     if arch == "gemma3":
         fields.update(rope_theta_local=10000.0, attn_scale=float(head_dim) ** -0.5)
         if not window:
             fields.update(sliding_window=512, sliding_window_layers=sliding_layers(spec, num_layers, 512))
-    return ModelConfig(**fields)
 
 
 def _rope_scaling(key) -> RopeScaling:
@@ -85,11 +101,13 @@ def _rope_scaling(key) -> RopeScaling:
         return RopeScaling(rope_type="linear", factor=float(factor))
     if kind == "yarn" and factor:
         return RopeScaling(rope_type="yarn", factor=float(factor),
-                           original_max_position_embeddings=int(key("rope.scaling.original_context_length", 4096)),
+                           original_max_position_embeddings=int(key("rope.scaling.original_context_length",
+                                                                    4096)),
                            beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
                            beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0) or 1.0))
     attn_factor = key("rope.scaling.attn_factor")
     if attn_factor is not None:  # phi3: LongRoPE's cos/sin scale, the factors in tensors
         return RopeScaling(rope_type="longrope", attention_factor=float(attn_factor),
-                           original_max_position_embeddings=int(key("rope.scaling.original_context_length", 4096)))
+                           original_max_position_embeddings=int(key("rope.scaling.original_context_length",
+                                                                    4096)))
     return RopeScaling()

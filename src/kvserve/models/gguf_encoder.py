@@ -10,6 +10,7 @@ file's ``pooling_type`` (mean or [CLS]).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,12 +83,7 @@ def read_gguf_encoder(path: Path):
     nomic = arch == "nomic-bert"
     layers = int(gf.require(f"{arch}.block_count"))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, layers)
-    hf = ["embeddings.word_embeddings", "embeddings.token_type_embeddings", "embeddings.LayerNorm"]
-    hf += [] if nomic else ["embeddings.position_embeddings"]
-    per_layer = ["attention.output.dense", "attention.output.LayerNorm", "intermediate.dense", "output.dense",
-                 "output.LayerNorm"]
-    per_layer += list(_NOMIC) if nomic else ["attention.self.query", "attention.self.key", "attention.self.value"]
-    hf += [f"encoder.layer.{i}.{n}" for i in range(layers) for n in per_layer]
+    hf = _hf_names(layers, nomic)
 
     def gguf_name(name: str) -> str:
         tail = name.split(".", 3)[-1] if name.startswith("encoder.layer.") else ""
@@ -95,28 +91,19 @@ def read_gguf_encoder(path: Path):
             return f"blk.{name.split('.')[2]}.{_NOMIC[tail]}"
         return names.get_name(name)
 
-    weights: dict[str, torch.Tensor] = {}
-    for name in hf:
-        for suffix in (".weight", ".bias"):
-            if gguf_name(name) + suffix in gf.tensors:
-                weights[name + suffix] = gf.load_tensor(gguf_name(name) + suffix).float()
+    weights = _load_weights(gf, hf, gguf_name)
     missing = [n for n in hf if n + ".weight" not in weights]
     if missing:
         raise ModelLoadError(f"{path}: not a {arch} encoder's weights (no {gguf_name(missing[0])}.weight)")
     hidden = int(gf.require(f"{arch}.embedding_length"))
-    for i in range(layers if nomic else 0):  # q, k, v under BERT's names
-        p = f"encoder.layer.{i}.attention.self."
-        for suffix in (".weight", ".bias"):
-            if p + "qkv" + suffix in weights:
-                for part, t in zip(("query", "key", "value"), weights.pop(p + "qkv" + suffix).split(hidden)):
-                    weights[p + part + suffix] = t
+    _split_qkv(weights, layers if nomic else 0, hidden)
     pooling = int(gf.get(f"{arch}.pooling_type", gguf.PoolingType.MEAN))
     if pooling not in (gguf.PoolingType.MEAN, gguf.PoolingType.CLS):
         raise ModelLoadError(f"{path}: pooling type {pooling}; only mean and [CLS] pooling are supported")
     context = int(gf.require(f"{arch}.context_length"))
     config = EncoderConfig(
-        vocab_size=weights["embeddings.word_embeddings.weight"].shape[0], hidden_size=hidden, num_layers=layers,
-        num_heads=int(gf.require(f"{arch}.attention.head_count")),
+        vocab_size=weights["embeddings.word_embeddings.weight"].shape[0], hidden_size=hidden,
+        num_layers=layers, num_heads=int(gf.require(f"{arch}.attention.head_count")),
         intermediate_size=int(gf.require(f"{arch}.feed_forward_length")), max_positions=context,
         type_vocab_size=weights["embeddings.token_type_embeddings.weight"].shape[0],
         eps=float(gf.get(f"{arch}.attention.layer_norm_epsilon", 1e-12)), max_seq_length=context,
@@ -124,6 +111,41 @@ def read_gguf_encoder(path: Path):
         rotary_base=float(gf.get(f"{arch}.rope.freq_base", 10000.0)) if nomic else None, gated=nomic,
     )
     return config, weights, wordpiece_tokenizer(gf)
+
+
+def _hf_names(layers: int, nomic: bool) -> list[str]:
+    """The Hugging Face names (without .weight / .bias) an encoder of ``layers`` layers must have:
+    nomic-bert has no position embeddings, and a fused q/k/v and a gate where BERT has q, k and v."""
+    hf = ["embeddings.word_embeddings", "embeddings.token_type_embeddings", "embeddings.LayerNorm"]
+    hf += [] if nomic else ["embeddings.position_embeddings"]
+    per_layer = ["attention.output.dense", "attention.output.LayerNorm", "intermediate.dense", "output.dense",
+                 "output.LayerNorm"]
+    per_layer += list(_NOMIC) if nomic else ["attention.self.query", "attention.self.key",
+                                             "attention.self.value"]
+    return hf + [f"encoder.layer.{i}.{n}" for i in range(layers) for n in per_layer]
+
+
+def _load_weights(gf, hf: list[str], gguf_name: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """Each of ``hf``'s weight and bias the file holds (under ``gguf_name``'s name), as f32 under its Hugging
+    Face name; the missing ones are left out."""
+    weights: dict[str, torch.Tensor] = {}
+    for name in hf:
+        for suffix in (".weight", ".bias"):
+            if gguf_name(name) + suffix in gf.tensors:
+                weights[name + suffix] = gf.load_tensor(gguf_name(name) + suffix).float()
+    return weights
+
+
+def _split_qkv(weights: dict[str, torch.Tensor], layers: int, hidden: int) -> None:
+    """The first ``layers`` layers' fused q/k/v (weight and bias) in ``weights`` replaced by q, k and v
+    under BERT's names."""
+    for i in range(layers):  # q, k, v under BERT's names
+        p = f"encoder.layer.{i}.attention.self."
+        for suffix in (".weight", ".bias"):
+            if p + "qkv" + suffix in weights:
+                for part, t in zip(("query", "key", "value"), weights.pop(p + "qkv" + suffix).split(hidden),
+                                   strict=True):
+                    weights[p + part + suffix] = t
 
 
 def wordpiece_tokenizer(gf):
@@ -157,9 +179,11 @@ def wordpiece_tokenizer(gf):
     sep = special("tokenizer.ggml.seperator_token_id", "[SEP]")
     unk = special("tokenizer.ggml.unknown_token_id", "[UNK]")
     tokenizer = Tokenizer(WordPiece(vocab, unk_token=unk[0], max_input_chars_per_word=100))
-    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                      lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{cls[0]} $A {sep[0]}", pair=f"{cls[0]} $A {sep[0]} $B:1 {sep[0]}:1", special_tokens=[cls, sep])
+        single=f"{cls[0]} $A {sep[0]}", pair=f"{cls[0]} $A {sep[0]} $B:1 {sep[0]}:1",
+        special_tokens=[cls, sep])
     tokenizer.decoder = decoders.WordPiece()
     return tokenizer

@@ -1,6 +1,6 @@
 """The kernels' weight layouts as numbers and rules, without torch (the planner reads them): which
 layout holds a GGUF tensor of each type, and what it costs. models/block_layouts.py packs them;
-models/file_linears.py makes the projections; plan/source.py counts their bytes.
+models/file_linears.py makes the projections; plan/model_spec.py counts their bytes.
 """
 
 from __future__ import annotations

@@ -10,16 +10,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 _LAZY = {
-    "KV_TYPES": "kvserve.kv.kv_types",
-    "KVType": "kvserve.kv.kv_types",
-    "kv_bytes_per_token": "kvserve.kv.kv_types",
-    "kv_type": "kvserve.kv.kv_types",
+    "KV_TYPES": "kvserve.kv.cache_types",
+    "KVType": "kvserve.kv.cache_types",
+    "kv_bytes_per_token": "kvserve.kv.cache_types",
+    "kv_type": "kvserve.kv.cache_types",
     "Plan": "kvserve.plan.planner",
     "PlanSettings": "kvserve.plan.planner",
     "make_plan": "kvserve.plan.planner",
     "planned_kv_pool_bytes": "kvserve.plan.planner",
-    "ModelSpec": "kvserve.plan.source",
-    "resolve_model": "kvserve.plan.source",
+    "ModelSpec": "kvserve.plan.model_spec",
+    "resolve_model": "kvserve.plan.model_spec",
 }
 
 __all__ = [
@@ -36,9 +36,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from kvserve.kv.kv_types import KV_TYPES, KVType, kv_bytes_per_token, kv_type
+    from kvserve.kv.cache_types import KV_TYPES, KVType, kv_bytes_per_token, kv_type
+    from kvserve.plan.model_spec import ModelSpec, resolve_model
     from kvserve.plan.planner import Plan, PlanSettings, make_plan, planned_kv_pool_bytes
-    from kvserve.plan.source import ModelSpec, resolve_model
 
 
 def __getattr__(name: str):

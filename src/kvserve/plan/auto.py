@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.kv.auto_type import choose_cache_types, context_pool_bytes
+from kvserve.kv.type_choice import choose_cache_types, context_pool_bytes
+from kvserve.plan.model_spec import resolve_model
 from kvserve.plan.planner import (
     DTYPE_BYTES,
     RUNTIME_OVERHEAD_BYTES,
@@ -21,7 +22,6 @@ from kvserve.plan.planner import (
     activations,
     available_memory,
 )
-from kvserve.plan.source import resolve_model
 
 SAFETY = 0.9
 

@@ -25,13 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
+from kvserve.kv.cache_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
 from kvserve.kv.disk_tier import capacity as disk_capacity
-from kvserve.kv.kv_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
 from kvserve.kv.pool_sizing import PoolSize
 from kvserve.kv.pool_sizing import context_pool as engine_pool  # the engine's own arithmetic: no drift
 from kvserve.kv.pool_sizing import context_pool_bytes as planned_kv_pool_bytes  # noqa: F401 (kvserve.plan's name)
 from kvserve.models.layouts import ROW_CHUNK
-from kvserve.plan.source import ModelSpec, held_bytes
+from kvserve.plan.model_spec import ModelSpec, held_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -90,7 +90,7 @@ class ModelCard:
         """A model not loaded yet, described from its header (``kvserve plan``'s reading, ``spec`` when the
         caller has it): no KV pool yet."""
         from kvserve.models.registry import resolve
-        from kvserve.plan.source import resolve_model
+        from kvserve.plan.model_spec import resolve_model
 
         path = resolve(source)
         spec = spec or resolve_model(source)

@@ -79,7 +79,8 @@ class WrittenCalls:
     is the family's canonical form, which differs from what the model wrote when it wrote a bare call, put
     other spaces in its JSON or cut it into other tokens. The answer's own text rendered in its place makes
     the next prompt begin with the very tokens the cache holds from this answer, so only the result and what
-    follows are computed. Only an echo whose calls and text are the ones parsed from that answer is replaced."""
+    follows are computed. Only an echo whose calls and text are the ones parsed from that answer is
+    replaced."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
@@ -146,7 +147,8 @@ def text_to_stream(holding: bool, out, calls: Calls | None = None) -> tuple[bool
 
 def tools_prompt(tools: list[Tool]) -> str:
     listed = "\n".join(
-        json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters}, ensure_ascii=False)
+        json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters},
+                   ensure_ascii=False)
         for t in tools
     )
     return (
@@ -159,7 +161,8 @@ def tools_prompt(tools: list[Tool]) -> str:
 
 
 def messages_for_template(
-    messages: list[dict[str, Any]], tools: list[Tool], template_takes_tools: bool, written: WrittenCalls | None = None
+    messages: list[dict[str, Any]], tools: list[Tool], template_takes_tools: bool,
+    written: WrittenCalls | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template variables). Messages here are {"role", "content", optional
     "tool_calls": [ToolCall], optional "tool_call_id"}; tool turns become what the template reads; an
@@ -167,17 +170,29 @@ def messages_for_template(
     if written is not None:
         messages = [_as_written(m, written) for m in messages]
     if template_takes_tools:
-        rendered = []
-        for m in messages:
-            if m.get("tool_calls"):
-                calls = [{"type": "function", "id": c.id, "function": {"name": c.name, "arguments": c.arguments}}
-                         for c in m["tool_calls"]]
-                rendered.append({**m, "tool_calls": calls})
-            else:
-                rendered.append(m)
-        spec = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                  "parameters": t.parameters}} for t in tools]
-        return rendered, ({"tools": spec} if tools else {})
+        return _for_tools_template(messages, tools)
+    return _with_tools_prompt(_tool_turns_as_text(messages), tools), {}
+
+
+def _for_tools_template(messages: list[dict[str, Any]],
+                        tools: list[Tool]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """For a template that renders tools itself: the calls and the tools in the OpenAI shape it reads."""
+    rendered = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"type": "function", "id": c.id, "function": {"name": c.name, "arguments": c.arguments}}
+                     for c in m["tool_calls"]]
+            rendered.append({**m, "tool_calls": calls})
+        else:
+            rendered.append(m)
+    spec = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in tools]
+    return rendered, ({"tools": spec} if tools else {})
+
+
+def _tool_turns_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template that knows no tools: calls written into the assistant's text as Hermes writes them,
+    results as user turns in <tool_response> blocks, the results of parallel calls as one turn."""
     out: list[dict[str, Any]] = []
     for m in messages:
         role, content = m["role"], m.get("content") or ""
@@ -186,17 +201,21 @@ def messages_for_template(
         if role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         if m["role"] == "tool" and out and out[-1].get("tool_response"):
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + content}  # parallel results: one turn
+            # parallel results: one turn
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + content}
             continue
         out.append({"role": role, "content": content, "tool_response": m["role"] == "tool"})
-    out = [{"role": m["role"], "content": m["content"]} for m in out]
-    if tools:
-        prompt = tools_prompt(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out, {}
+    return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
+    """The tools, listed for a template that knows none, in the system turn (one made first if none is)."""
+    if not tools:
+        return messages
+    prompt = tools_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
 
 
 def _as_written(message: dict[str, Any], written: WrittenCalls) -> dict[str, Any]:

@@ -296,7 +296,7 @@ async def show(body: ShowRequest, request: Request) -> dict:
     if slot.serving is not None:
         c = slot.serving.async_engine.engine.model_config
     else:
-        from kvserve.plan.source import resolve_model
+        from kvserve.plan.model_spec import resolve_model
 
         c = (await asyncio.to_thread(resolve_model, slot.source)).config
     arch = card.architecture

@@ -90,7 +90,8 @@ def _chat_output_rules(body: ChatCompletionRequest, serving: Serving) -> tuple[l
     return serving.output_rules(tools, body.tool_choice_spec(), answer, "response_format")
 
 
-def _assistant_message(out: RequestOutput, tools_on: Calls | None, thinking: Thinking | None = None) -> tuple[dict, str]:
+def _assistant_message(out: RequestOutput, tools_on: Calls | None,
+                       thinking: Thinking | None = None) -> tuple[dict, str]:
     """(the message, its finish_reason): tool calls when the answer is calls; a reasoning model's
     thought as ``reasoning_content``."""
     reason = finish_reason(out)
@@ -154,7 +155,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     choices = []
     for i, out in enumerate(finals):
         message, reason = _assistant_message(out, tools_on, thinking)
-        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(out.logprobs), "finish_reason": reason})
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(out.logprobs),
+                        "finish_reason": reason})
     return maker.final("chat.completion", choices, usage(*prompt_usage([finals]), finals))
 
 
@@ -164,7 +166,8 @@ class _Waiting:
 
     def __init__(self, serving: Serving, progress: bool | None) -> None:
         self.progress = bool(progress)
-        self.every = min(1.0, serving.config.heartbeat_seconds) if progress else serving.config.heartbeat_seconds
+        self.every = min(1.0,
+                         serving.config.heartbeat_seconds) if progress else serving.config.heartbeat_seconds
 
     def ticking(self, streams: list[EngineStream]):
         return with_ticks(merge(streams), self.every)
@@ -186,12 +189,8 @@ async def _chat_events(
     an answer that starts with a call (the grammar lets a call come first only) is held back and sent as
     whole tool calls when it ends; text answers stream as usual."""
     for i in range(n):
-        first = {
-            "index": i,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
+        first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
         yield sse_event(maker.chunk([first]))
     finals: list[RequestOutput] = []
     holding = [tools_on is not None] * n  # still undecided or a call: text held back
@@ -209,23 +208,15 @@ async def _chat_events(
                                                   "logprobs": None, "finish_reason": None}]))
                 holding[i], text = text_to_stream(holding[i], answer, tools_on)
                 if text or (want_logprobs and out.new_logprobs):
-                    delta = {
-                        "index": i,
-                        "delta": {"content": text},
-                        "logprobs": chat_logprobs(out.new_logprobs),
-                        "finish_reason": None,
-                    }
+                    delta = {"index": i, "delta": {"content": text},
+                             "logprobs": chat_logprobs(out.new_logprobs), "finish_reason": None}
                     yield sse_event(maker.chunk([delta]))
                 if out.finished:
                     finals.append(out)
                     message, reason = _assistant_message(out, tools_on, thinking)
-                    if holding[i]:
-                        held = {"content": message["content"]} if message["content"] else {}
-                        if message.get("tool_calls"):
-                            held["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-                        if held:
-                            yield sse_event(maker.chunk([{"index": i, "delta": held, "logprobs": None,
-                                                          "finish_reason": None}]))
+                    if holding[i] and (held := _held_delta(message)):
+                        yield sse_event(maker.chunk([{"index": i, "delta": held, "logprobs": None,
+                                                      "finish_reason": None}]))
                     done = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
                     yield sse_event(maker.chunk([done]))
     except (APIError, EngineDeadError) as e:
@@ -237,9 +228,18 @@ async def _chat_events(
     yield SSE_DONE
 
 
+def _held_delta(message: dict) -> dict:
+    """What a held-back answer still has to send when it ends: its text and its calls whole, each call with
+    the ``index`` a streamed delta names it by; empty when there is neither."""
+    held = {"content": message["content"]} if message["content"] else {}
+    if message.get("tool_calls"):
+        held["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+    return held
+
+
 # --- /v1/completions --------------------------------------------------------------------------------
-@documented(router.post, "/v1/completions", responses.Completion, STREAMED, sse_stream(responses.CompletionChunk),
-            openai_errors(400, 404, 429, 503))
+@documented(router.post, "/v1/completions", responses.Completion, STREAMED,
+            sse_stream(responses.CompletionChunk), openai_errors(400, 404, 429, 503))
 async def completions(body: CompletionRequest, request: Request):
     serving = await served(request, body.model)
     n = _check_common(body, serving)
@@ -254,7 +254,8 @@ async def completions(body: CompletionRequest, request: Request):
     if body.suffix is not None:  # the middle ends where the model says, or where it leaves the hole
         ends = serving.tokenizer.fim.ends
         indent = hole_indent(body.prompt if isinstance(body.prompt, str) else "")
-        params = [replace(p, stop_token_ids=(*p.stop_token_ids, *ends), stop_at_dedent=indent) for p in params]
+        params = [replace(p, stop_token_ids=(*p.stop_token_ids, *ends),
+                          stop_at_dedent=indent) for p in params]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await serving.start_all(
         [(ids, params[j], f"{response_id}-{p * n + j}") for p, ids in enumerate(prompts) for j in range(n)],
@@ -263,7 +264,8 @@ async def completions(body: CompletionRequest, request: Request):
     echoes = [serving.decode(ids) if body.echo else "" for ids in prompts for _ in range(n)]
     maker = ChunkMaker(response_id, int(time.time()), body.model, "text_completion", body.include_usage)
     if body.stream:
-        events = _completion_events(streams, maker, echoes, n, body.logprobs, _Waiting(serving, body.return_progress))
+        events = _completion_events(streams, maker, echoes, n, body.logprobs,
+                                    _Waiting(serving, body.return_progress))
         return sse_response(events, cleanup=_closer(streams))
     finals = await collect_finals(request, streams)
     choices = [
@@ -370,7 +372,8 @@ def _encoder_object(encoder) -> dict:
 
 
 @router.get("/v1/models", response_model=None,
-            responses=ok(responses.ModelList, "The served model, and the embedding and rerank models beside it"))
+            responses=ok(responses.ModelList,
+                         "The served model, and the embedding and rerank models beside it"))
 async def list_models(request: Request) -> dict:
     data = [_card_object(slot.card) for slot in request.app.state.models.slots] \
         + [_encoder_object(e) for e in _encoders(request)]

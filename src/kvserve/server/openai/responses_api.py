@@ -76,7 +76,8 @@ def _store(request: Request) -> ResponseStore:
 class Reply:
     """One response's objects and events."""
 
-    def __init__(self, body: ResponsesRequest, model: str, tools_on: Calls | None, thinking: Thinking | None = None) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, tools_on: Calls | None,
+                 thinking: Thinking | None = None) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
@@ -97,18 +98,22 @@ class Reply:
 
     def reasoning_item(self, thought: str, status: str = "completed") -> dict:
         content = [{"type": "reasoning_text", "text": thought}] if status == "completed" else []
-        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content,
+                "status": status}
 
     def message_item(self, text: str, status: str = "completed") -> dict:
-        parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": parts}
+        parts = [{"type": "output_text", "text": text, "annotations": [],
+                  "logprobs": []}] if status == "completed" else []
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                "content": parts}
 
     def call_item(self, call: ToolCall) -> dict:
         """A ``function_call`` item; a namespaced tool's call names its namespace apart, as OpenAI's do."""
         namespace, _, name = call.name.rpartition(".")
-        named = {"name": name, "namespace": namespace} if namespace in self.namespaces else {"name": call.name}
-        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id, **named,
-                "status": "completed", "arguments": json.dumps(call.arguments, ensure_ascii=False)}
+        named = {"name": name,
+                 "namespace": namespace} if namespace in self.namespaces else {"name": call.name}
+        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+                **named, "status": "completed", "arguments": json.dumps(call.arguments, ensure_ascii=False)}
 
     def output(self, out: RequestOutput) -> list[dict]:
         thought = self.thought(out)
@@ -126,9 +131,11 @@ class Reply:
             "status": status or "in_progress", "output": [], "error": None, "incomplete_details": None,
             "instructions": b.instructions, "previous_response_id": b.previous_response_id,
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
-            "tool_choice": b.tool_choice if isinstance(b.tool_choice, str | None) else b.tool_choice.model_dump(),
-            "parallel_tool_calls": bool(b.parallel_tool_calls), "temperature": b.temperature, "top_p": b.top_p,
-            "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {}, "store": b.store is not False,
+            "tool_choice": b.tool_choice if isinstance(b.tool_choice,
+                                                       str | None) else b.tool_choice.model_dump(),
+            "parallel_tool_calls": bool(b.parallel_tool_calls), "temperature": b.temperature,
+            "top_p": b.top_p, "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
+            "store": b.store is not False,
             "text": {"format": b.text.format.model_dump(by_alias=True, exclude_none=True)}
             if b.text and b.text.format else {"format": {"type": "text"}},
             "usage": None,
@@ -144,8 +151,9 @@ class Reply:
             "status": "incomplete" if length else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if length else None,
             "output": self.output(out),
-            "usage": {"input_tokens": len(out.prompt_token_ids), "input_tokens_details": {"cached_tokens": cached},
-                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": self.thought_tokens(out)},
+            "usage": {"input_tokens": len(out.prompt_token_ids),
+                      "input_tokens_details": {"cached_tokens": cached}, "output_tokens": generated,
+                      "output_tokens_details": {"reasoning_tokens": self.thought_tokens(out)},
                       "total_tokens": len(out.prompt_token_ids) + generated},
         }
         return obj
@@ -163,8 +171,8 @@ class Reply:
 
 
 @documented(router.post, "/v1/responses", ResponseObject,
-            "The response; with stream: true, its events as server-sent events", typed_sse_stream(ResponseEvent),
-            openai_errors(400, 404, 429, 503))
+            "The response; with stream: true, its events as server-sent events",
+            typed_sse_stream(ResponseEvent), openai_errors(400, 404, 429, 503))
 async def create_response(body: ResponsesRequest, request: Request):
     serving = await served(request, body.model)
     store = _store(request)
@@ -206,9 +214,12 @@ async def create_response(body: ResponsesRequest, request: Request):
     hosted = body.hosted_tools()
     # a header is Latin-1: the names as JSON strings, escaped to ASCII
     left_out = ", ".join(json.dumps(name)[1:-1].replace('"', "'") for name in hosted)
-    headers = {"Warning": f'299 kvserve "hosted tools are not run here, left out: {left_out}"'} if hosted else None
+    headers = (
+        {"Warning": f'299 kvserve "hosted tools are not run here, left out: {left_out}"'} if hosted else None
+    )
     if body.stream:
-        response = sse_response(_events(stream, reply, keep, serving.config.heartbeat_seconds), cleanup=stream.aclose)
+        response = sse_response(_events(stream, reply, keep, serving.config.heartbeat_seconds),
+                                cleanup=stream.aclose)
         response.headers.update(headers or {})
         return response
     [final] = await collect_finals(request, [stream])
@@ -219,15 +230,13 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 async def _events(stream: EngineStream, reply: Reply, keep, heartbeat: float) -> AsyncIterator[bytes]:
     """OpenAI's event sequence: created, in_progress (at once, SSE comments while the prompt is read), then
-    per output item added / deltas / done, then completed (or incomplete). A thought streams as a reasoning item before the answer; with tools, an
-    answer that starts with a call is held back and its items come whole at the end, as the chat endpoint
-    does."""
+    per output item added / deltas / done, then completed (or incomplete). A thought streams as a reasoning
+    item before the answer; with tools, an answer that starts with a call is held back and its items come
+    whole at the end, as the chat endpoint does."""
     yield reply.event("response.created", response=reply.response(None))
     yield reply.event("response.in_progress", response=reply.response(None))
-    holding = reply.tools_on is not None
     thoughts = ThoughtStream(reply.thinking)
-    thought_index = message_index = None  # the items streaming, by output index
-    thought_text = ""
+    streamed = _Streamed(reply)
     try:
         async with aclosing(stream.ticking(heartbeat)) as outputs:
             async for out in outputs:
@@ -235,39 +244,75 @@ async def _events(stream: EngineStream, reply: Reply, keep, heartbeat: float) ->
                     yield SSE_PING
                     continue
                 thought, answer = thoughts.feed(out)
-                if thought:
-                    if thought_index is None:
-                        thought_index = 0
-                        yield reply.event("response.output_item.added", output_index=0,
-                                          item=reply.reasoning_item("", "in_progress"))
-                    thought_text += thought
-                    yield reply.event("response.reasoning_text.delta", item_id=reply.reasoning_id, output_index=0,
-                                      content_index=0, delta=thought)
-                holding, text = text_to_stream(holding, answer, reply.tools_on)
-                if text:
-                    if message_index is None:
-                        message_index = 0 if thought_index is None else 1
-                        for event in _close_thought(reply, thought_index, thought_text):
-                            yield event
-                        for event in _open_message(reply, message_index):
-                            yield event
-                    yield reply.event("response.output_text.delta", item_id=reply.message_id,
-                                      output_index=message_index, content_index=0, delta=text, logprobs=[])
+                for event in streamed.thought_deltas(thought):
+                    yield event
+                for event in streamed.text_deltas(answer):
+                    yield event
                 if out.finished:
                     response = reply.response(out)
-                    if message_index is None:
-                        for event in _close_thought(reply, thought_index, thought_text):
-                            yield event
-                    for index, item in enumerate(response["output"]):
-                        if index != thought_index:
-                            for event in _item_events(reply, index, item, index == message_index):
-                                yield event
+                    for event in streamed.finish(response):
+                        yield event
                     keep(out, response)
-                    kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+                    kind = (
+                        "response.completed" if response["status"] == "completed" else "response.incomplete"
+                    )
                     yield reply.event(kind, response=response)
     except (APIError, EngineDeadError) as e:
         error = engine_error(e) or APIError(503, f"the engine failed: {e}", code="engine_dead")
-        yield reply.event("error", code=error.code or str(error.status), message=error.message, param=error.param)
+        yield reply.event("error", code=error.code or str(error.status), message=error.message,
+                          param=error.param)
+
+
+class _Streamed:
+    """What of a streamed response has gone out: the output indices of the reasoning item and the message
+    (None until each opens), the thought so far (its done event repeats it whole), and whether the answer is
+    still held back because it may be a call."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.holding = reply.tools_on is not None
+        self.thought_index: int | None = None
+        self.message_index: int | None = None
+        self.thought_text = ""
+
+    def thought_deltas(self, thought: str) -> list[bytes]:
+        """A piece of thought; the first opens the reasoning item, which comes before the answer."""
+        if not thought:
+            return []
+        reply = self.reply
+        events = []
+        if self.thought_index is None:
+            self.thought_index = 0
+            events.append(reply.event("response.output_item.added", output_index=0,
+                                      item=reply.reasoning_item("", "in_progress")))
+        self.thought_text += thought
+        return [*events, reply.event("response.reasoning_text.delta", item_id=reply.reasoning_id,
+                                     output_index=0, content_index=0, delta=thought)]
+
+    def text_deltas(self, answer) -> list[bytes]:
+        """A piece of the answer once it is text; the first closes the thought and opens the message."""
+        reply = self.reply
+        self.holding, text = text_to_stream(self.holding, answer, reply.tools_on)
+        if not text:
+            return []
+        events = []
+        if self.message_index is None:
+            self.message_index = 0 if self.thought_index is None else 1
+            events += _close_thought(reply, self.thought_index, self.thought_text)
+            events += _open_message(reply, self.message_index)
+        return [*events, reply.event("response.output_text.delta", item_id=reply.message_id,
+                                     output_index=self.message_index, content_index=0, delta=text,
+                                     logprobs=[])]
+
+    def finish(self, response: dict) -> list[bytes]:
+        """The finished response's items: a thought still open is closed, the message that streamed gets its
+        done events, and the items that did not stream (held-back text, calls) come whole."""
+        opened = self.message_index is not None  # the thought closed when the message opened
+        events = [] if opened else _close_thought(self.reply, self.thought_index, self.thought_text)
+        for index, item in enumerate(response["output"]):
+            if index != self.thought_index:
+                events += _item_events(self.reply, index, item, index == self.message_index)
+        return events
 
 
 def _close_thought(reply: Reply, index: int | None, thought: str) -> list[bytes]:
@@ -275,16 +320,18 @@ def _close_thought(reply: Reply, index: int | None, thought: str) -> list[bytes]
         return []
     item = reply.reasoning_item(thought.strip())
     return [
-        reply.event("response.reasoning_text.done", item_id=reply.reasoning_id, output_index=index, content_index=0,
-                    text=thought.strip()),
+        reply.event("response.reasoning_text.done", item_id=reply.reasoning_id, output_index=index,
+                    content_index=0, text=thought.strip()),
         reply.event("response.output_item.done", output_index=index, item=item),
     ]
 
 
 def _open_message(reply: Reply, index: int) -> list[bytes]:
     return [
-        reply.event("response.output_item.added", output_index=index, item=reply.message_item("", "in_progress")),
-        reply.event("response.content_part.added", item_id=reply.message_id, output_index=index, content_index=0,
+        reply.event("response.output_item.added", output_index=index,
+                    item=reply.message_item("", "in_progress")),
+        reply.event("response.content_part.added", item_id=reply.message_id, output_index=index,
+                    content_index=0,
                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
     ]
 
@@ -300,8 +347,8 @@ def _item_events(reply: Reply, index: int, item: dict, streamed: bool) -> list[b
         if not streamed:
             events += _open_message(reply, index)
             if text:
-                events.append(reply.event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                          content_index=0, delta=text, logprobs=[]))
+                events.append(reply.event("response.output_text.delta", item_id=item["id"],
+                                          output_index=index, content_index=0, delta=text, logprobs=[]))
         events += [
             reply.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                         text=text, logprobs=[]),

@@ -32,7 +32,8 @@ from kvserve.server.tool_types import (
 
 
 class FunctionTool(Strict):
-    ignored_fields = frozenset({"defer_loading", "output_schema", "allowed_callers"})  # hints to hosted tool search
+    # hints to hosted tool search
+    ignored_fields = frozenset({"defer_loading", "output_schema", "allowed_callers"})
     type: Literal["function"]
     name: ToolName
     description: str | None = None
@@ -40,8 +41,8 @@ class FunctionTool(Strict):
     strict: bool | None = None  # true: every keyword of the schema enforced (a 400 where one cannot be)
 
     def tool(self) -> Tool:
-        return Tool(self.name, self.description or "", self.parameters or {"type": "object", "properties": {}},
-                    bool(self.strict))
+        return Tool(self.name, self.description or "",
+                    self.parameters or {"type": "object", "properties": {}}, bool(self.strict))
 
 
 class NamespaceTool(Strict):
@@ -55,8 +56,8 @@ class NamespaceTool(Strict):
 
 
 class HostedTool(BaseModel):
-    """A tool OpenAI runs on its own servers (``web_search``, ``file_search``, ``code_interpreter``, ...): there
-    is none here, so it is left out of the prompt and the response says so in a ``Warning`` header."""
+    """A tool OpenAI runs on its own servers (``web_search``, ``file_search``, ``code_interpreter``, ...):
+    there is none here, so it is left out of the prompt and the response says so in a ``Warning`` header."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -117,7 +118,8 @@ _TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type",
     "type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}}
 _TEXT = {"anyOf": [{"type": "string"}, _TEXT_PARTS]}
 # the input items served, as ``input_messages`` reads them
-INPUT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"anyOf": [
+INPUT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                          {"type": "array", "minItems": 1, "items": {"anyOf": [
     {"type": "object", "required": ["role", "content"], "properties": {
         "type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
         "content": _TEXT}},
@@ -140,35 +142,54 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ValueError(f"input[{i}] must be an object")  # noqa: TRY004 (a 400)
         kind = item.get("type", "message")
         if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise ValueError(f"input[{i}].role must be user, system, developer or assistant, got {role!r}")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content", ""))})
+            messages.append(_message_input(i, item))
         elif kind == "function_call":
-            name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
-            if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, str):
-                raise ValueError(f"input[{i}]: a function_call needs name, call_id and arguments (JSON text)")
-            if isinstance(item.get("namespace"), str) and item["namespace"]:
-                name = f"{item['namespace']}.{name}"  # as the namespace's tools are shown
-            call = ToolCall(name, echoed_arguments(arguments), call_id)
-            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
-            elif messages and messages[-1]["role"] == "assistant":
-                messages[-1]["tool_calls"] = [call]
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _add_call(messages, _call_input(i, item))
         elif kind == "function_call_output":
-            output = item.get("output")
-            if not isinstance(item.get("call_id"), str):
-                raise ValueError(f"input[{i}]: a function_call_output needs its call_id")
-            messages.append({"role": "tool", "content": output if isinstance(output, str) else _text_of(output),
-                             "tool_call_id": item["call_id"]})
+            messages.append(_call_output_input(i, item))
         elif kind == "reasoning":
             continue  # an earlier answer's thought: not shown to the model again, as templates do
         else:
             raise ValueError(f"input[{i}]: items of type {kind!r} are not supported by this server")
     return messages
+
+
+def _message_input(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    """A ``message`` item (``input[i]``) as a template turn: a developer's message is the system's."""
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise ValueError(f"input[{i}].role must be user, system, developer or assistant, got {role!r}")
+    return {"role": "system" if role == "developer" else role, "content": _text_of(item.get("content", ""))}
+
+
+def _call_input(i: int, item: dict[str, Any]) -> ToolCall:
+    """A ``function_call`` item (``input[i]``) as the call it echoes, named as its tool is shown."""
+    name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
+    if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, str):
+        raise ValueError(  # noqa: TRY004 (a 400)
+            f"input[{i}]: a function_call needs name, call_id and arguments (JSON text)")
+    if isinstance(item.get("namespace"), str) and item["namespace"]:
+        name = f"{item['namespace']}.{name}"  # as the namespace's tools are shown
+    return ToolCall(name, echoed_arguments(arguments), call_id)
+
+
+def _add_call(messages: list[dict[str, Any]], call: ToolCall) -> None:
+    """A call joins the assistant turn just before it (parallel calls are one turn), or makes its own."""
+    if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+        messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+    elif messages and messages[-1]["role"] == "assistant":
+        messages[-1]["tool_calls"] = [call]
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _call_output_input(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    """A ``function_call_output`` item (``input[i]``) as a tool turn answering its call."""
+    output = item.get("output")
+    if not isinstance(item.get("call_id"), str):
+        raise ValueError(f"input[{i}]: a function_call_output needs its call_id")  # noqa: TRY004 (a 400)
+    return {"role": "tool", "content": output if isinstance(output, str) else _text_of(output),
+            "tool_call_id": item["call_id"]}
 
 
 class ResponsesRequest(Strict):

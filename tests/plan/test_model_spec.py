@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvserve.errors import ModelLoadError, ModelNotFoundError
+from kvserve.plan.model_spec import resolve_model
 from kvserve.plan.presets import num_params
-from kvserve.plan.source import resolve_model
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -107,7 +107,7 @@ def test_held_bytes_are_what_the_loaded_model_holds(name):
     import torch
 
     from kvserve.models.loader import load_model
-    from kvserve.plan.source import held_bytes
+    from kvserve.plan.model_spec import held_bytes
 
     spec = resolve_model(name)
     model = load_model(name, weight_format="q4").model

@@ -8,7 +8,7 @@ the first pair whose pool fits the budget. Torch-free.
 from __future__ import annotations
 
 from kvserve.config import ModelConfig
-from kvserve.kv.kv_types import kv_bytes_per_token
+from kvserve.kv.cache_types import kv_bytes_per_token
 from kvserve.kv.pool_sizing import context_pool_bytes
 
 # (K type, V type, measured KLD on SmolLM2 at 2,048 tokens)
