@@ -1,4 +1,4 @@
-"""A screenshot of the web page under load, for docs/serving.md: ``docs/web-ui.png``.
+"""A screenshot of the web page under load, for docs/server-guide.md: ``docs/web-ui.png``.
 
     .venv/bin/python bench/web_screenshot.py [--model smollm2] [--out docs/web-ui.png]
 

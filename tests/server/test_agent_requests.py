@@ -146,13 +146,13 @@ def test_an_incomplete_response_has_an_incomplete_message(idle):
 def test_fields_that_cannot_change_the_answer_are_ignored_and_others_named():
     import logging
 
-    from kvserve.server.anthropic.anthropic_schemas import MessagesRequest
+    from kvserve.server.anthropic.schemas import MessagesRequest
     from kvserve.server.openai.responses_schemas import ResponsesRequest
 
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("kvserve.server.strict_schema")
+    logger = logging.getLogger("kvserve.server.request_schema")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     try:

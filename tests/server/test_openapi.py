@@ -32,8 +32,8 @@ from schemathesis.specs.openapi.checks import (
 
 from kvserve.server import ServerConfig
 from kvserve.server.middleware import OPEN_PATHS
-from kvserve.server.ollama import ollama_schemas
-from kvserve.server.openai import openai_schemas
+from kvserve.server.ollama import schemas as ollama_schemas
+from kvserve.server.openai import chat_schemas as openai_schemas
 from tests.server.test_internal_errors import make_client
 
 MODEL = "smollm2"

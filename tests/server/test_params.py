@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvserve.server.api_errors import APIError
-from kvserve.server.ollama.ollama_api import ollama_params
-from kvserve.server.ollama.ollama_schemas import Options
-from kvserve.server.openai.openai_api import _params
-from kvserve.server.openai.openai_schemas import ChatCompletionRequest
+from kvserve.server.ollama.api import ollama_params
+from kvserve.server.ollama.schemas import Options
+from kvserve.server.openai.chat_api import _params
+from kvserve.server.openai.chat_schemas import ChatCompletionRequest
 from kvserve.server.server_config import ServerConfig
 
 CTX = 512

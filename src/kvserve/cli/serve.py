@@ -308,7 +308,7 @@ def _served_models(args: argparse.Namespace, others: list[str], config, beside: 
     from kvserve.plan.planner import RUNTIME_OVERHEAD_BYTES, available_memory
     from kvserve.server.model_card import ModelCard
     from kvserve.server.model_slots import ServedModels, keep_alive_seconds
-    from kvserve.server.ollama.ollama_schemas import DURATION
+    from kvserve.server.ollama.schemas import DURATION
     from kvserve.server.serving import Serving
 
     if not DURATION.match(args.keep_alive.strip()):

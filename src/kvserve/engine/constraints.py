@@ -6,8 +6,8 @@
              advance(token)                                after each sampled token
 
 llguidance (llama.cpp's choice too) was picked over xgrammar by measuring on our tokenizers (see
-docs/serving.md): masks well under a millisecond with either, schema compilation 5-6x faster (agents send new
-tool schemas with every request), and no dependency beyond itself. Its tokenizer tables take seconds to
+docs/server-guide.md): masks well under a millisecond with either, schema compilation 5-6x faster (agents send
+new tool schemas with every request), and no dependency beyond itself. Its tokenizer tables take seconds to
 build for a 262K vocabulary, so they are built once per model, on the first constrained request.
 
 A constraint follows the request's output tokens, not its KV: preemption and recomputation leave it

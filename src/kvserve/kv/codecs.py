@@ -290,7 +290,7 @@ CACHE_TYPES = tuple(KV_TYPES)
 
 
 def make_codec(name: str, head_dim: int) -> KVCodec:
-    """The codec of a KV type (``kv_types.KV_TYPES`` states its exact storage cost)."""
+    """The codec of a KV type (``cache_types.KV_TYPES`` states its exact storage cost)."""
     spec = kv_type(name)
     spec.check(head_dim)
     codec = RotatedCodec(head_dim, spec.code_bits) if spec.rotated else _SIMPLE[name](head_dim)

@@ -8,7 +8,7 @@ several processes.
     DIR/<setup>/<w[:2]>/<w>.kvb        with a window group (``kv.window_blocks``): the sliding layers'
                                        part of block <h>, <w> = ``window_part_hash(h)``, parent <h>
 
-A block file is ``kv_file`` framing (magic KVSBLK01) around the block's bytes as the pool stores
+A block file is ``file_framing`` (magic KVSBLK01) around the block's bytes as the pool stores
 them (a q8_0 block stays q8_0). Its header names the identity, the hash, the parent hash, the
 tokens and a digest of the salt; the checksum is keyed with the secret, so a file written by anyone
 without it is rejected. A file read back must match all of that; anything else (corrupt, truncated,

@@ -2,7 +2,7 @@
 by another, as llama.cpp's slot save/restore and mlx-lm's prompt caches do; a chat session's
 messages may ride along.
 
-The framing is ``kv_file``'s (magic KVSPC02), its digest keyed with this user's prompt-cache secret
+The framing is ``file_framing``'s (magic KVSPC02), its digest keyed with this user's prompt-cache secret
 (``CACHE_DIR/prompt-cache/secret``, made on first use, mode 0600): a file that labels one prompt's K/V
 with another prompt's tokens cannot be made without the secret, so it cannot poison the prefix cache (or,
 through it, the disk tier). To use a file on another machine, copy the secret with it. Every header field

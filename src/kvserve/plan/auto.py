@@ -5,7 +5,7 @@ machine's memory before any weight is loaded, and say what was picked and why.
                      - runtime overhead, less a 10% margin
     --kv-cache-memory auto   the pool for --num-ctx x --max-num-seqs if it fits the budget; otherwise as
                              many blocks as fit (the usable context shrinks, and we say so)
-    --cache-type auto        the best-measured K/V pair (kv.auto_type.QUALITY_ORDER) whose pool fits
+    --cache-type auto        the best-measured K/V pair (kv.type_choice.QUALITY_ORDER) whose pool fits
                              the budget (or the --kv-cache-memory bytes given)
 """
 

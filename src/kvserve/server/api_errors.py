@@ -1,9 +1,9 @@
 """Errors with real status codes, each in the shape of the API its path belongs to.
 
     OpenAI     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}   (the default)
-    Ollama     {"error": "..."}                                          (server/ollama/ollama_errors.py)
+    Ollama     {"error": "..."}                                          (server/ollama/errors.py)
     Anthropic  {"type": "error", "error": {"type": ..., "message": ...}} 
-    (server/anthropic/anthropic_errors.py)
+    (server/anthropic/errors.py)
 
 Each API package registers its ``ErrorShape`` (the paths it owns, an error's body, the status it sends,
 the body's OpenAPI model) when imported; a path no package owns (kvserve's own routes, llama.cpp's, the
@@ -193,7 +193,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if union is not None:
         field, message = union
     elif kind == "extra_forbidden":
-        message = f"unsupported parameter '{field}'; see docs/serving.md's table of supported parameters"
+        message = f"unsupported parameter '{field}'; see docs/server-guide.md's table of supported parameters"
     elif kind == "json_invalid":
         field, message = None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
     elif not loc and kind == "missing":

@@ -1,10 +1,10 @@
 """``build_app``: the FastAPI app over the models a server holds (``model_slots``), each its own
 ``AsyncLLMEngine``, plus the operational endpoints.
 
-/v1/...        OpenAI (openai_api)          /api/...      Ollama (ollama_api)
-/v1/responses  OpenAI's Responses API (responses_api)
-/v1/messages   Anthropic (anthropic_api)
-/tokenize, /detokenize, /infill   llama.cpp's server (llama_api)
+/v1/...        OpenAI (openai/chat_api)     /api/...      Ollama (ollama/api)
+/v1/responses  OpenAI's Responses API (openai/responses_api)
+/v1/messages   Anthropic (anthropic/api)
+/tokenize, /detokenize, /infill   llama.cpp's server (llamacpp/api)
 /v1/embeddings, /api/embed, /api/embeddings   an encoder's sentence embeddings (embeddings_api)
 /v1/rerank     a cross-encoder's relevance of documents to a query (rerank_api)
 /health        200 while every loaded engine runs    /metrics      Prometheus text format, every model
@@ -27,10 +27,10 @@ from pydantic import BaseModel, ConfigDict
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
 from kvserve.server import embeddings_api, rerank_api
-from kvserve.server.anthropic import anthropic_api
+from kvserve.server.anthropic import api as anthropic_api
 from kvserve.server.api_errors import install_error_handlers
 from kvserve.server.engine_view import EngineSnapshot, EngineView
-from kvserve.server.llamacpp import llama_api
+from kvserve.server.llamacpp import api as llamacpp_api
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import (
     OPEN_PATHS,
@@ -41,12 +41,13 @@ from kvserve.server.middleware import (
 )
 from kvserve.server.model_card import ModelCard
 from kvserve.server.model_slots import ModelEvent, ModelState, ServedModels
-from kvserve.server.ollama import ollama_api, ollama_embed
-from kvserve.server.openai import openai_api, responses_api
+from kvserve.server.ollama import api as ollama_api
+from kvserve.server.ollama import embed_api as ollama_embed_api
+from kvserve.server.openai import chat_api, responses_api
 from kvserve.server.openapi_docs import ok, openai_errors, openapi_document
 from kvserve.server.server_config import ServerConfig
 from kvserve.server.serving import Serving
-from kvserve.server.web import web_ui
+from kvserve.server.web import page as web_page
 
 ops = APIRouter(tags=["Operations"])
 
@@ -181,19 +182,19 @@ def build_app(
         first.features
     del first
     install_error_handlers(app)
-    app.include_router(openai_api.router)
+    app.include_router(chat_api.router)
     app.include_router(responses_api.router)
     app.include_router(ollama_api.router)
     app.include_router(anthropic_api.router)
-    app.include_router(llama_api.router)
+    app.include_router(llamacpp_api.router)
     app.include_router(embeddings_api.router)
-    app.include_router(ollama_embed.router)
+    app.include_router(ollama_embed_api.router)
     app.include_router(rerank_api.router)
     app.state.reranker = reranker
     app.state.encoder = encoder
     # what /api/tags, /api/ps and /api/show say of them (they stay loaded for the server's life)
     app.state.encoder_cards = [ModelCard.from_encoder(e) for e in (encoder, reranker) if e is not None]
-    app.include_router(web_ui.router)  # before ops: its / serves browsers the page
+    app.include_router(web_page.router)  # before ops: its / serves browsers the page
     app.include_router(ops)
     app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)

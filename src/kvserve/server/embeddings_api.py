@@ -1,5 +1,5 @@
 """Sentence embeddings beside the chat models: OpenAI's ``/v1/embeddings`` here, and what Ollama's routes
-(``ollama/ollama_embed.py``) share with it, from the encoder ``kvserve serve --embedding-model NAME`` (or an
+(``ollama/embed_api.py``) share with it, from the encoder ``kvserve serve --embedding-model NAME`` (or an
 encoder among its models) loads (``models.encoder``; ``all-minilm`` in the registry).
 
 A BERT encoder runs in a worker thread (torch computes without the GIL), a batch of inputs at a time,
@@ -23,7 +23,7 @@ from kvserve.embedding.decoder_encoder import DecoderEncoder
 from kvserve.models.encoder import Encoder, length_batches
 from kvserve.server.api_errors import APIError, engine_error
 from kvserve.server.openapi_docs import ok, openai_errors
-from kvserve.server.strict_schema import LIMIT, TOKEN_ID_SCHEMA, NonEmptyStr, NonEmptyTokens, Strict
+from kvserve.server.request_schema import LIMIT, TOKEN_ID_SCHEMA, NonEmptyStr, NonEmptyTokens, Strict
 
 router = APIRouter(tags=["Embeddings"])
 

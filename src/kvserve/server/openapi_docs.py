@@ -24,7 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from kvserve.server.api_errors import OPENAI_SHAPE, ErrorShape, OpenAIError, shape_for
-from kvserve.server.strict_schema import LIMIT, NEEDS, OTHERWISE, TOKEN_ID_KEY
+from kvserve.server.request_schema import LIMIT, NEEDS, OTHERWISE, TOKEN_ID_KEY
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -160,7 +160,7 @@ def openapi_document(app: FastAPI, open_paths: frozenset[str] | None, limits: di
 
 
 def _as_served(node: Any, limits: dict[str, int], features: frozenset[str]) -> None:
-    """Fill in what ``strict_schema`` marked for the running server: its limits, and fields that need a
+    """Fill in what ``request_schema`` marked for the running server: its limits, and fields that need a
     feature of its model."""
     if isinstance(node, dict):
         if NEEDS in node:

@@ -17,7 +17,7 @@ from kvserve.models.encoder import Encoder
 from kvserve.server.api_errors import APIError
 from kvserve.server.embeddings_api import admitted, served_encoder
 from kvserve.server.openapi_docs import ok, openai_errors
-from kvserve.server.strict_schema import NonEmptyStr, Strict
+from kvserve.server.request_schema import NonEmptyStr, Strict
 
 router = APIRouter(tags=["Rerank"])
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server.strict_schema import (
+from kvserve.server.request_schema import (
     OPENAI_FORCING,
     OptionalClientSchema,
     OptionalToolParameters,

@@ -13,11 +13,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server import strict_schema
-from kvserve.server.strict_schema import Strict, ToolName
+from kvserve.server import request_schema
+from kvserve.server.request_schema import Strict, ToolName
 from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, closed_schema
 
-MAX_STOP = strict_schema.MAX_STOP
+MAX_STOP = request_schema.MAX_STOP
 
 
 class AnthropicText(Strict):
@@ -105,7 +105,7 @@ class AnthropicTool(Strict):
                                 "allowed_callers"})
     name: ToolName
     description: str | None = None
-    input_schema: strict_schema.ToolParameters
+    input_schema: request_schema.ToolParameters
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
     strict: bool | None = None  # true: every keyword of the schema enforced (a 400 where one cannot be)
@@ -149,7 +149,7 @@ class AnthropicMetadata(Strict):
 
 class AnthropicJSONFormat(Strict):
     type: Literal["json_schema"]
-    schema_: strict_schema.ClientSchema = Field(alias="schema")
+    schema_: request_schema.ClientSchema = Field(alias="schema")
 
 
 class AnthropicOutputConfig(Strict):
@@ -198,14 +198,14 @@ def _is_billing_header(block: AnthropicText) -> bool:
 
 
 class CountTokensRequest(Strict):
-    schema_rules = (strict_schema.tool_choice_needs_tools(
+    schema_rules = (request_schema.tool_choice_needs_tools(
         {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}),)
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicText] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: Annotated[AnthropicThinking | None, strict_schema.needs(
+    thinking: Annotated[AnthropicThinking | None, request_schema.needs(
         "thinking", {"anyOf": [_THINKING, {"type": "null"}]},
         {"anyOf": [_NO_THINKING, {"type": "null"}]})] = None
     context_management: ContextManagement | None = None
@@ -233,7 +233,7 @@ class CountTokensRequest(Strict):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: strict_schema.StopList | None = None
+    stop_sequences: request_schema.StopList | None = None
     stream: bool | None = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)

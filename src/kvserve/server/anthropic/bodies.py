@@ -1,5 +1,5 @@
 """Pydantic models of the Anthropic Messages responses and stream events we send, for the OpenAPI
-document only (the handlers build plain dicts in ``anthropic_api``)."""
+document only (the handlers build plain dicts in ``anthropic/api``)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Unknown fields are refused (400, "unsupported parameter"). Fields OpenAI defines that we cannot
 honour are accepted only with a value that asks for nothing (``functions: []``, ...); fields that do not
-change the output (``user``, ``metadata``, ...) are accepted and ignored. docs/serving.md's table lists every
-field.
+change the output (``user``, ``metadata``, ...) are accepted and ignored. docs/server-guide.md's table lists
+every field.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server import strict_schema
-from kvserve.server.strict_schema import NonEmptyStr, NonEmptyTokens, Strict, ToolDefinition
+from kvserve.server import request_schema
+from kvserve.server.request_schema import NonEmptyStr, NonEmptyTokens, Strict, ToolDefinition
 from kvserve.server.tool_types import (
     ToolCall,
     ToolChoice,
@@ -22,7 +22,7 @@ from kvserve.server.tool_types import (
     format_constraint,
 )
 
-MAX_STOP = strict_schema.MAX_STOP
+MAX_STOP = request_schema.MAX_STOP
 SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed takes
 
 # field -> the values that ask for nothing (anything else is refused)
@@ -39,7 +39,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-neutral_only = strict_schema.neutral_only(NEUTRAL_VALUES)
+neutral_only = request_schema.neutral_only(NEUTRAL_VALUES)
 
 
 class StreamOptions(Strict):
@@ -72,7 +72,7 @@ class ToolCallRecord(Strict):
 class JSONSchemaFormat(Strict):
     name: str
     description: str | None = None
-    schema_: strict_schema.OptionalClientSchema = Field(None, alias="schema")
+    schema_: request_schema.OptionalClientSchema = Field(None, alias="schema")
     strict: bool | None = None  # output always follows the schema here
 
 
@@ -146,8 +146,8 @@ class SamplingFields(Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: Annotated[int | None, WithJsonSchema({"anyOf": [
-        {"type": "integer", "minimum": 1, strict_schema.LIMIT: "n"}, {"type": "null"}]})] = Field(None, ge=1)
-    stop: NonEmptyStr | strict_schema.StopList | None = Field(None)
+        {"type": "integer", "minimum": 1, request_schema.LIMIT: "n"}, {"type": "null"}]})] = Field(None, ge=1)
+    stop: NonEmptyStr | request_schema.StopList | None = Field(None)
     # published as +-2**62, inside what is taken: numbers near the bounds do not survive a trip through a
     # float
     seed: Annotated[int | None, WithJsonSchema({"anyOf": [
@@ -166,7 +166,7 @@ class SamplingFields(Strict):
     # llama.cpp's: streamed chunks with the prompt's progress while it is read
     return_progress: bool | None = None
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema({"anyOf": [{"type": "null"}, {
-        "type": "object", "propertyNames": {"pattern": "^[0-9]+$", strict_schema.TOKEN_ID_KEY: True},
+        "type": "object", "propertyNames": {"pattern": "^[0-9]+$", request_schema.TOKEN_ID_KEY: True},
         # token id (as a string) -> added to its logit, -100..100
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}]})] = None
     # accepted and ignored: they do not change the output
@@ -204,8 +204,8 @@ class SamplingFields(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    schema_rules = (strict_schema.STREAM_OPTIONS_NEED_STREAM, strict_schema.top_logprobs_need_logprobs(0),
-                    strict_schema.tool_choice_needs_tools(strict_schema.OPENAI_FORCING),
+    schema_rules = (request_schema.STREAM_OPTIONS_NEED_STREAM, request_schema.top_logprobs_need_logprobs(0),
+                    request_schema.tool_choice_needs_tools(request_schema.OPENAI_FORCING),
                     # one of them
                     {"not": {"required": ["max_tokens", "max_completion_tokens"], "properties": {
                         "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}}})
@@ -262,7 +262,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    schema_rules = (strict_schema.STREAM_OPTIONS_NEED_STREAM, {
+    schema_rules = (request_schema.STREAM_OPTIONS_NEED_STREAM, {
         # echo with logprobs would need the prompt's logprobs, not computed here
         "not": {"required": ["echo", "logprobs"],
                 "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}
@@ -275,11 +275,11 @@ class CompletionRequest(SamplingFields):
         {"type": "array", "items": {"type": "string", "minLength": 1},
          "minItems": 1})] | NonEmptyTokens | Annotated[
         list[NonEmptyTokens], WithJsonSchema({"type": "array", "minItems": 1, "items": {
-            "type": "array", "items": strict_schema.TOKEN_ID_SCHEMA, "minItems": 1}})]
+            "type": "array", "items": request_schema.TOKEN_ID_SCHEMA, "minItems": 1}})]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
     # published as 1 only: best_of equal to n is taken too, which JSON Schema cannot say
     best_of: Annotated[int | None, WithJsonSchema({"enum": [None, 1]})] = Field(None, ge=1)
     # fill in the middle between prompt and suffix (a model with FIM tokens)
     suffix: Annotated[str | None,
-                      strict_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None
+                      request_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None

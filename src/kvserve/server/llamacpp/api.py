@@ -21,9 +21,9 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.server.api_errors import APIError, engine_error, generation_error
 from kvserve.server.model_slots import served
 from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
+from kvserve.server.request_schema import Strict, Tokens
 from kvserve.server.serving import EngineStream, sampling_params
 from kvserve.server.streaming import SSE_PING, Tick, cancel_on_disconnect, sse_event, sse_response
-from kvserve.server.strict_schema import Strict, Tokens
 
 router = APIRouter(tags=["llama.cpp"])
 

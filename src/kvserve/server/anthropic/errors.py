@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.server.anthropic.anthropic_responses import AnthropicError
+from kvserve.server.anthropic.bodies import AnthropicError
 from kvserve.server.api_errors import APIError, ErrorShape, register_shape
 from kvserve.server.openapi_docs import error_responses
 

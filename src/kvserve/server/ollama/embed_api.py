@@ -9,9 +9,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.server.embeddings_api import Dimensions, Texts, embedding_model, tokens_of, vectors_of
-from kvserve.server.ollama.ollama_errors import ollama_errors
+from kvserve.server.ollama.errors import ollama_errors
 from kvserve.server.openapi_docs import ok
-from kvserve.server.strict_schema import NonEmptyStr, Strict
+from kvserve.server.request_schema import NonEmptyStr, Strict
 
 router = APIRouter(tags=["Embeddings"])
 

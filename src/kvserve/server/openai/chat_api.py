@@ -21,8 +21,8 @@ from kvserve.server.api_errors import APIError, engine_error, openai_error_body
 from kvserve.server.embeddings_api import names
 from kvserve.server.model_card import ModelCard
 from kvserve.server.model_slots import served
-from kvserve.server.openai import openai_responses as responses
-from kvserve.server.openai.openai_format import (
+from kvserve.server.openai import chat_bodies
+from kvserve.server.openai.chat_replies import (
     ChunkMaker,
     chat_logprobs,
     completion_logprobs,
@@ -30,7 +30,7 @@ from kvserve.server.openai.openai_format import (
     prompt_usage,
     usage,
 )
-from kvserve.server.openai.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvserve.server.openai.chat_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.openapi_docs import documented, ok, openai_errors, sse_stream
 from kvserve.server.server_config import ServerConfig
 from kvserve.server.serving import EngineStream, Serving, collect_finals, merge, sampling_params
@@ -119,8 +119,8 @@ def _stream_error(e: Exception) -> dict:
 STREAMED = "The completion; with stream: true, chunks as server-sent events"
 
 
-@documented(router.post, "/v1/chat/completions", responses.ChatCompletion, STREAMED,
-            sse_stream(responses.ChatCompletionChunk), openai_errors(400, 404, 429, 503))
+@documented(router.post, "/v1/chat/completions", chat_bodies.ChatCompletion, STREAMED,
+            sse_stream(chat_bodies.ChatCompletionChunk), openai_errors(400, 404, 429, 503))
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     serving = await served(request, body.model)
     n = _check_common(body, serving)
@@ -238,8 +238,8 @@ def _held_delta(message: dict) -> dict:
 
 
 # --- /v1/completions --------------------------------------------------------------------------------
-@documented(router.post, "/v1/completions", responses.Completion, STREAMED,
-            sse_stream(responses.CompletionChunk), openai_errors(400, 404, 429, 503))
+@documented(router.post, "/v1/completions", chat_bodies.Completion, STREAMED,
+            sse_stream(chat_bodies.CompletionChunk), openai_errors(400, 404, 429, 503))
 async def completions(body: CompletionRequest, request: Request):
     serving = await served(request, body.model)
     n = _check_common(body, serving)
@@ -350,7 +350,7 @@ def _closer(streams: list[EngineStream]):
 
 # --- /v1/models -------------------------------------------------------------------------------------
 def _model_object(name: str, created: float, context: int) -> dict:
-    """OpenAI's model object with Anthropic's fields beside (``responses.Model``)."""
+    """OpenAI's model object with Anthropic's fields beside (``chat_bodies.Model``)."""
     return {
         "id": name,
         "object": "model",
@@ -372,7 +372,7 @@ def _encoder_object(encoder) -> dict:
 
 
 @router.get("/v1/models", response_model=None,
-            responses=ok(responses.ModelList,
+            responses=ok(chat_bodies.ModelList,
                          "The served model, and the embedding and rerank models beside it"))
 async def list_models(request: Request) -> dict:
     data = [_card_object(slot.card) for slot in request.app.state.models.slots] \
@@ -389,7 +389,7 @@ def _encoders(request: Request) -> list:
 @router.get(
     "/v1/models/{model:path}",
     response_model=None,
-    responses=ok(responses.Model, "The model") | openai_errors(404),
+    responses=ok(chat_bodies.Model, "The model") | openai_errors(404),
 )
 async def get_model(model: str, request: Request) -> dict:
     for encoder in _encoders(request):

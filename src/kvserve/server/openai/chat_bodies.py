@@ -1,6 +1,6 @@
 """Pydantic models of the OpenAI response objects we send, for the OpenAPI document only.
 
-The handlers build plain dicts (``openai_format``); these models say what those dicts hold, field for
+The handlers build plain dicts (``chat_replies``); these models say what those dicts hold, field for
 field, so a client or a fuzzer can check every response. Extra fields are forbidden here so that a field
 added to a response and not to its model fails the schema tests instead of going undocumented.
 """

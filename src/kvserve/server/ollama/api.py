@@ -30,10 +30,10 @@ from kvserve.models import registry
 from kvserve.server.api_errors import APIError, engine_error, prompt_too_long
 from kvserve.server.model_card import ModelCard
 from kvserve.server.model_slots import keep_alive_seconds, served
-from kvserve.server.ollama import ollama_responses as responses
-from kvserve.server.ollama.ollama_errors import ollama_errors
-from kvserve.server.ollama.ollama_format import Reply, iso_stamp, now_stamp
-from kvserve.server.ollama.ollama_schemas import (
+from kvserve.server.ollama import bodies
+from kvserve.server.ollama.errors import ollama_errors
+from kvserve.server.ollama.replies import Reply, iso_stamp, now_stamp
+from kvserve.server.ollama.schemas import (
     ChatRequest,
     DeleteRequest,
     GenerateRequest,
@@ -142,8 +142,8 @@ async def _load_reply(request: Request, body, chat: bool) -> dict:
 STREAMED = "NDJSON lines as the answer is generated (the default), or one object with stream: false"
 
 
-@documented(router.post, "/api/generate", responses.GenerateResponse, STREAMED,
-            ndjson_stream(responses.GenerateResponse, responses.OllamaError), ollama_errors(400, 404, 503))
+@documented(router.post, "/api/generate", bodies.GenerateResponse, STREAMED,
+            ndjson_stream(bodies.GenerateResponse, bodies.OllamaError), ollama_errors(400, 404, 503))
 async def generate(body: GenerateRequest, request: Request):
     received = time.perf_counter()
     if not body.prompt and not body.context:
@@ -168,8 +168,8 @@ async def generate(body: GenerateRequest, request: Request):
                       thinking=serving.thinking(ids, enable))
 
 
-@documented(router.post, "/api/chat", responses.ChatResponse, STREAMED,
-            ndjson_stream(responses.ChatResponse, responses.OllamaError), ollama_errors(400, 404, 503))
+@documented(router.post, "/api/chat", bodies.ChatResponse, STREAMED,
+            ndjson_stream(bodies.ChatResponse, bodies.OllamaError), ollama_errors(400, 404, 503))
 async def chat(body: ChatRequest, request: Request):
     received = time.perf_counter()
     if not body.messages:
@@ -253,13 +253,13 @@ def _cards(request: Request) -> list[ModelCard]:
 
 
 @router.get("/api/tags", response_model=None,
-            responses=ok(responses.Tags, "The models this server serves, loaded or not"))
+            responses=ok(bodies.Tags, "The models this server serves, loaded or not"))
 async def tags(request: Request) -> dict:
     return {"models": [await _model_entry(card) for card in _cards(request)]}
 
 
 @router.get("/api/ps", response_model=None,
-            responses=ok(responses.Ps, "The loaded models, each with when it unloads"))
+            responses=ok(bodies.Ps, "The loaded models, each with when it unloads"))
 async def ps(request: Request) -> dict:
     models = []
     for slot in request.app.state.models.loaded():
@@ -285,7 +285,7 @@ async def _running_entry(card: ModelCard, expires: float | None) -> dict:
 @router.post(
     "/api/show",
     response_model=None,
-    responses=ok(responses.Show, "The model's details") | ollama_errors(400, 404),
+    responses=ok(bodies.Show, "The model's details") | ollama_errors(400, 404),
 )
 async def show(body: ShowRequest, request: Request) -> dict:
     encoder = next((card for card in request.app.state.encoder_cards if card.matches(body.model_name)), None)
@@ -346,8 +346,8 @@ def _registry_error(error: ModelLoadError) -> APIError:
 @router.post(
     "/api/pull",
     response_model=None,
-    responses=ok(responses.PullStatus, "The model is on this machine",
-                 ndjson_stream(responses.PullStatus, responses.OllamaError))
+    responses=ok(bodies.PullStatus, "The model is on this machine",
+                 ndjson_stream(bodies.PullStatus, bodies.OllamaError))
     | ollama_errors(400, 404, 502),
 )
 async def pull(body: PullRequest, request: Request):
@@ -408,6 +408,6 @@ async def delete(body: DeleteRequest, request: Request) -> Response:
     return Response(status_code=200)  # Ollama's: an empty 200
 
 
-@router.get("/api/version", response_model=None, responses=ok(responses.Version, "kvserve's version"))
+@router.get("/api/version", response_model=None, responses=ok(bodies.Version, "kvserve's version"))
 async def version() -> dict:
     return {"version": __version__}

@@ -1,4 +1,4 @@
-"""Pydantic models of the Ollama replies we send, for the OpenAPI document only (as ``openai_responses``:
+"""Pydantic models of the Ollama replies we send, for the OpenAPI document only (as ``openai/chat_bodies``:
 the handlers build dicts, these models say what they hold, and extra fields are forbidden so that an
 undocumented field fails the schema tests)."""
 

@@ -27,9 +27,9 @@ from fastapi import APIRouter, Request
 
 from kvserve.engine.async_engine import EngineDeadError, PromptProgress
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server.anthropic import anthropic_responses as responses
-from kvserve.server.anthropic.anthropic_errors import anthropic_error_body, anthropic_errors
-from kvserve.server.anthropic.anthropic_schemas import CountTokensRequest, MessagesRequest
+from kvserve.server.anthropic import bodies
+from kvserve.server.anthropic.errors import anthropic_error_body, anthropic_errors
+from kvserve.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from kvserve.server.api_errors import APIError, engine_error, generation_error
 from kvserve.server.model_slots import served
 from kvserve.server.openapi_docs import ok, typed_sse_stream
@@ -85,8 +85,8 @@ async def _prompt(
 @router.post(
     "/v1/messages",
     response_model=None,
-    responses=ok(responses.MessageResponse, "The message; with stream: true, Anthropic's events",
-                 typed_sse_stream(*responses.STREAM_EVENTS))
+    responses=ok(bodies.MessageResponse, "The message; with stream: true, Anthropic's events",
+                 typed_sse_stream(*bodies.STREAM_EVENTS))
     | anthropic_errors(400, 404, 429, 503),
 )
 async def messages(body: MessagesRequest, request: Request):
@@ -116,7 +116,7 @@ async def messages(body: MessagesRequest, request: Request):
 @router.post(
     "/v1/messages/count_tokens",
     response_model=None,
-    responses=ok(responses.TokenCount, "The prompt's tokens, tools included") | anthropic_errors(400, 404),
+    responses=ok(bodies.TokenCount, "The prompt's tokens, tools included") | anthropic_errors(400, 404),
 )
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     prompt, *_ = await _prompt(await served(request, _model_name(request, body.model)), body)

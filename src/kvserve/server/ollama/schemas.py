@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, WithJsonSchema, field_validator, model_validator
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server import strict_schema
-from kvserve.server.strict_schema import NonEmptyStr, Strict, Tokens, ToolDefinition
+from kvserve.server import request_schema
+from kvserve.server.request_schema import NonEmptyStr, Strict, Tokens, ToolDefinition
 from kvserve.server.tool_types import ToolCall, closed_schema
 
 DURATION_PATTERN = r"^-?([0-9]+(\.[0-9]+)?|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$"
@@ -32,7 +32,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-neutral_only = strict_schema.neutral_only(NEUTRAL_VALUES)
+neutral_only = request_schema.neutral_only(NEUTRAL_VALUES)
 
 
 class Options(Strict):
@@ -100,17 +100,17 @@ class Options(Strict):
 
 class GenerationFields(Strict):
     neutral_values = NEUTRAL_VALUES
-    schema_rules = (strict_schema.top_logprobs_need_logprobs(1),)
+    schema_rules = (request_schema.top_logprobs_need_logprobs(1),)
     model: str
     stream: bool | None = True
     options: Options | None = None
     keep_alive: KeepAlive = None  # validated, then ignored: the model stays loaded
     format: Annotated[Literal["json", ""] | dict[str, Any] | None, WithJsonSchema({"anyOf": [
         # any JSON, or a JSON schema
-        {"enum": ["json", ""]}, strict_schema.CLIENT_SCHEMA, {"type": "null"}]})] = None
+        {"enum": ["json", ""]}, request_schema.CLIENT_SCHEMA, {"type": "null"}]})] = None
     # a reasoning model's thought, on or off
     think: Annotated[bool | Literal["low", "medium", "high"] | None,
-                     strict_schema.needs("thinking", {"anyOf": [
+                     request_schema.needs("thinking", {"anyOf": [
         {"type": "boolean"}, {"enum": ["low", "medium", "high"]}, {"type": "null"}]},
         otherwise={"anyOf": [{"const": False}, {"type": "null"}]})] = None
     logprobs: bool | None = None
@@ -157,7 +157,7 @@ class GenerateRequest(GenerationFields):
     raw: bool | None = False
     # fill in the middle between prompt and suffix (a model with FIM tokens)
     suffix: Annotated[str | None,
-                      strict_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None
+                      request_schema.needs("fim", {"anyOf": [{"type": "string"}, {"type": "null"}]})] = None
     template: str | None = None
     images: list[Any] | None = None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.server.api_errors import APIError, ErrorShape, register_shape
-from kvserve.server.ollama.ollama_responses import OllamaError
+from kvserve.server.ollama.bodies import OllamaError
 from kvserve.server.openapi_docs import ERROR_DESCRIPTIONS, error_responses
 
 DESCRIPTIONS = ERROR_DESCRIPTIONS | {
