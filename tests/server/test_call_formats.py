@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from kvserve.server.call_formats import Llama3JsonFormat, MistralFormat, Qwen3CoderFormat, call_format
-from kvserve.server.tool_types import Tool, ToolCall
+from kvserve.server.tools.call_formats import Llama3JsonFormat, MistralFormat, Qwen3CoderFormat, call_format
+from kvserve.server.tools.definitions import Tool, ToolCall
 from tests.server.conftest import serve
 
 pytestmark = pytest.mark.slow

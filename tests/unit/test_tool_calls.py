@@ -9,8 +9,9 @@ import jsonschema
 import pytest
 
 from kvserve.engine.constraints import Constraint
-from kvserve.server.tool_types import Tool, ToolChoice, call_schema, render_call
-from kvserve.server.tools import call_constraint, parse_calls
+from kvserve.server.tools import parse_calls
+from kvserve.server.tools.definitions import Tool, ToolChoice, call_schema, render_call
+from kvserve.server.tools.grammar import call_constraint
 
 CALL = render_call  # the form the grammar writes
 

@@ -9,12 +9,11 @@ import logging
 import types
 import typing
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, WithJsonSchema, model_validator
 
 from kvserve.engine.constraints import UNENFORCED_KEYWORDS
-from kvserve.server.tool_types import Tool
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +57,12 @@ ClientSchema = Annotated[dict[str, Any], WithJsonSchema(CLIENT_SCHEMA)]
 OptionalClientSchema = Annotated[dict[str, Any] | None,
                                  WithJsonSchema({"anyOf": [CLIENT_SCHEMA, {"type": "null"}]})]
 # A tool's parameters: any JSON schema; keywords the grammar cannot enforce are left out of the call's grammar
-# unless the tool is strict (``tool_types.Tool``), where compiling it is the 400
+# unless the tool is strict (``tools.Tool``), where compiling it is the 400
 ToolParameters = Annotated[dict[str, Any], WithJsonSchema({"type": "object"})]
 OptionalToolParameters = Annotated[dict[str, Any] | None,
                                    WithJsonSchema({"anyOf": [{"type": "object"}, {"type": "null"}]})]
 
-# A tool's name as templates and call grammars take it (``tool_types.check_tools`` refuses others)
+# A tool's name as templates and call grammars take it (``tools.definitions.check_tools`` refuses others)
 ToolName = Annotated[str, WithJsonSchema({"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
 
 STREAM_OPTIONS_NEED_STREAM = {  # the published rule that stream_options go with stream: true
@@ -176,22 +175,3 @@ def neutral_only(neutral_values: dict[str, tuple]) -> Callable[[Any, ValidationI
         return value
 
     return check
-
-
-class FunctionDefinition(Strict):
-    name: ToolName
-    description: str | None = None
-    parameters: OptionalToolParameters = None  # none: no arguments
-    strict: bool | None = None  # true: every keyword of the schema enforced (a 400 where one cannot be)
-
-
-class ToolDefinition(Strict):
-    """A function tool as OpenAI's chat API and Ollama's take it."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-    def tool(self) -> Tool:
-        f = self.function
-        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}},
-                    bool(f.strict))

@@ -24,21 +24,22 @@ from kvserve.engine.constraints import Constraint, compiled
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.api_errors import APIError, engine_error
-from kvserve.server.call_formats import CallFormat, call_format
 from kvserve.server.engine_view import EngineView
 from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.model_card import ModelCard
 from kvserve.server.server_config import ServerConfig
 from kvserve.server.streaming import Tick, cancel_on_disconnect, with_ticks
 from kvserve.server.thinking import Thinking, thinking_for
-from kvserve.server.tool_types import Tool, ToolChoice, check_tools
 from kvserve.server.tools import (
-    Calls,
+    Tool,
+    ToolChoice,
+    ToolUse,
+    ToolUseError,
     WrittenCalls,
-    call_constraint,
     messages_for_template,
     template_takes_tools,
 )
+from kvserve.server.tools.call_formats import CallFormat, call_format
 
 
 def sampling_params(param_names: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
@@ -140,10 +141,6 @@ class Serving:
         """How the model's family writes a tool call (``call_formats``), read from its chat template."""
         return call_format(self.async_engine.engine.tokenizer)
 
-    def calls(self, tools: list[Tool]) -> Calls | None:
-        """What a request's answer is read for calls against (None: no tools offered)."""
-        return Calls(self.call_format, tools, self.written) if tools else None
-
     @property
     def vocab_size(self) -> int:
         """The model's logits: the token ids a request may name."""
@@ -172,23 +169,14 @@ class Serving:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids (/v1/completions)")
         return tokenizer
 
-    def output_rules(
-        self, tools: list[Tool], choice: ToolChoice, answer: Callable[[], Constraint | None],
-        answer_param: str
-    ) -> tuple[list[Tool], Constraint | None]:
-        """(the tools the model is shown, the grammar of its answer): the tools checked, the answer's format
-        built by ``answer`` (its ValueError a 400 naming ``answer_param``), and one grammar of both in the
-        model family's form of a call (``tools.call_constraint``)."""
+    def tool_use(self, tools: list[Tool], choice: ToolChoice, answer: Callable[[], Constraint | None],
+                 answer_param: str) -> ToolUse:
+        """The one question a dialect asks of its request's tools (``tools.ToolUse.decide``) in this model
+        family's form of a call; what cannot be used is a 400 naming its field."""
         try:
-            check_tools(tools, choice)
-        except ValueError as e:
-            raise APIError(400, str(e), "tools") from None
-        try:
-            answer_format = answer()
-        except ValueError as e:
-            raise APIError(400, str(e), answer_param) from None
-        shown = tools if choice.mode != "none" else []
-        return shown, call_constraint(shown, choice, answer_format, self.call_format)
+            return ToolUse.decide(tools, choice, answer, answer_param, self.call_format, self.written)
+        except ToolUseError as e:
+            raise APIError(400, str(e), e.param) from None
 
     # --- prompts --------------------------------------------------------------------------------------
     async def encode_chat(

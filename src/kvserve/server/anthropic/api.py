@@ -36,8 +36,8 @@ from kvserve.server.openapi_docs import ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import Tick, sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, check_tools
-from kvserve.server.tools import Calls, call_constraint, parse_calls, text_to_stream
+from kvserve.server.tools import Calls, Tool, ToolCall, ToolChoice, parse_calls, text_to_stream
+from kvserve.server.tools.definitions import check_tools
 
 router = APIRouter(tags=["Anthropic"])
 log = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ async def _prompt(
 async def messages(body: MessagesRequest, request: Request):
     serving = await served(request, _model_name(request, body.model))
     prompt, tools, choice, thinking = await _prompt(serving, body)
-    answer_format = body.output_config.constraint() if body.output_config else None
+    answer = body.output_config.constraint if body.output_config else lambda: None
+    use = serving.tool_use(tools, choice, answer, "output_config")
     params = sampling_params(
         PARAM_NAMES,
         max_tokens=body.max_tokens,
@@ -100,13 +101,13 @@ async def messages(body: MessagesRequest, request: Request):
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
-        constraint=call_constraint(tools, choice, answer_format, serving.call_format),
+        constraint=use.constraint,
     )
     if thinking is not None:
         params = replace(params, reasoning=thinking.reasoning)
     message_id = f"msg_{uuid.uuid4().hex}"
     stream = await serving.start(prompt, params, message_id, param="messages")
-    reply = MessageReply(message_id, body.model, serving.calls(tools), thinking)
+    reply = MessageReply(message_id, body.model, use.calls, thinking)
     if body.stream:
         return sse_response(_events(stream, reply, serving.config.heartbeat_seconds), cleanup=stream.aclose)
     [final] = await collect_finals(request, [stream])

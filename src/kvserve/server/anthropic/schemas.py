@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from kvserve.engine.constraints import Constraint
 from kvserve.server import request_schema
 from kvserve.server.request_schema import Strict, ToolName
-from kvserve.server.tool_types import Tool, ToolCall, ToolChoice, closed_schema
+from kvserve.server.tools.definitions import Tool, ToolCall, ToolChoice, closed_schema
 
 MAX_STOP = request_schema.MAX_STOP
 

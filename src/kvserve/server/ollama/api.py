@@ -45,8 +45,7 @@ from kvserve.server.openapi_docs import documented, ndjson_stream, ok
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import Tick, ndjson_line, ndjson_response
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tool_types import ToolChoice, check_tools
-from kvserve.server.tools import call_constraint, parse_calls, text_to_stream
+from kvserve.server.tools import Calls, ToolChoice, ToolUse, ToolUseError, parse_calls, text_to_stream
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["Ollama"])
@@ -177,18 +176,15 @@ async def chat(body: ChatRequest, request: Request):
     serving = await served(request, body.model, body.keep_alive)
     tools = [t.tool() for t in body.tools or []]
     try:
-        check_tools(tools, ToolChoice())
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-    try:
-        answer_format = body.format_constraint()
-    except ValueError as e:
-        raise APIError(400, f"format: {e}") from None
+        use = ToolUse.decide(tools, ToolChoice(), body.format_constraint, "format", serving.call_format,
+                             serving.written)
+    except ToolUseError as e:  # Ollama's errors name no field: the answer format's say so in the message
+        raise APIError(400, f"format: {e}" if e.param == "format" else str(e)) from None
     enable, variables = _thinking_switch(serving, body)
     ids = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools,
                                     template_variables=variables)
-    calls = call_constraint(tools, ToolChoice(), answer_format, serving.call_format) if tools else None
-    return await _run(request, serving, body, ids, chat=True, received=received, calls=calls, tools=tools,
+    return await _run(request, serving, body, ids, chat=True, received=received,
+                      calls=use.constraint if tools else None, tools_on=use.calls,
                       thinking=serving.thinking(ids, enable))
 
 
@@ -203,7 +199,7 @@ def _thinking_switch(serving: Serving, body) -> tuple[bool | None, dict]:
 
 async def _run(
     request: Request, serving: Serving, body, ids: list[int], chat: bool, received: float, calls=None,
-    stop_token_ids: tuple[int, ...] = (), thinking: Thinking | None = None, tools: list | None = None,
+    stop_token_ids: tuple[int, ...] = (), thinking: Thinking | None = None, tools_on: Calls | None = None,
     stop_at_dedent: int = 0,
 ):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -220,7 +216,7 @@ async def _run(
         params = replace(params, reasoning=thinking.reasoning)
     stream = await serving.start(ids, params, f"ollama-{uuid.uuid4().hex}")
     reply = Reply(body.model, chat, received, logprobs is not None,
-                  tools_on=serving.calls(tools) if calls is not None else None, thinking=thinking)
+                  tools_on=tools_on, thinking=thinking)
     result = await _reply(request, stream, reply, body.stream is not False, serving.config.heartbeat_seconds)
     asked = body.options.num_ctx if body.options else None
     if asked is not None and asked > serving.max_model_len:

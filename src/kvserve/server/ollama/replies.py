@@ -9,8 +9,7 @@ from datetime import UTC, datetime
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.server.api_errors import generation_error
 from kvserve.server.thinking import Thinking
-from kvserve.server.tool_types import ToolCall
-from kvserve.server.tools import Calls, parse_calls
+from kvserve.server.tools import Calls, ToolCall, parse_calls
 
 
 def now_stamp() -> str:

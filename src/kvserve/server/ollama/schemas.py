@@ -14,8 +14,8 @@ from pydantic import Field, WithJsonSchema, field_validator, model_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server import request_schema
-from kvserve.server.request_schema import NonEmptyStr, Strict, Tokens, ToolDefinition
-from kvserve.server.tool_types import ToolCall, closed_schema
+from kvserve.server.request_schema import NonEmptyStr, Strict, Tokens
+from kvserve.server.tools.definitions import ToolCall, ToolDefinition, closed_schema
 
 DURATION_PATTERN = r"^-?([0-9]+(\.[0-9]+)?|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$"
 DURATION = re.compile(DURATION_PATTERN)

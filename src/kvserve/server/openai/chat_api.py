@@ -36,8 +36,7 @@ from kvserve.server.server_config import ServerConfig
 from kvserve.server.serving import EngineStream, Serving, collect_finals, merge, sampling_params
 from kvserve.server.streaming import SSE_DONE, SSE_PING, Tick, sse_event, sse_response, with_ticks
 from kvserve.server.thinking import Thinking, ThoughtStream
-from kvserve.server.tool_types import Tool, ToolCall
-from kvserve.server.tools import Calls, parse_calls, text_to_stream
+from kvserve.server.tools import Calls, ToolCall, ToolUse, parse_calls, text_to_stream
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -82,12 +81,11 @@ def _check_common(body: SamplingFields, serving: Serving) -> int:
     return n
 
 
-def _chat_output_rules(body: ChatCompletionRequest, serving: Serving) -> tuple[list[Tool], Constraint | None]:
-    """(the tools the model is shown, the grammar of its answer) from tools, tool_choice,
-    parallel_tool_calls and response_format."""
+def _tool_use(body: ChatCompletionRequest, serving: Serving) -> ToolUse:
+    """What tools, tool_choice, parallel_tool_calls and response_format make of the answer."""
     tools = [t.tool() for t in body.tools or []]
     answer = body.response_format.constraint if body.response_format else lambda: None
-    return serving.output_rules(tools, body.tool_choice_spec(), answer, "response_format")
+    return serving.tool_use(tools, body.tool_choice_spec(), answer, "response_format")
 
 
 def _assistant_message(out: RequestOutput, tools_on: Calls | None,
@@ -130,15 +128,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    tools, constraint = _chat_output_rules(body, serving)
+    use = _tool_use(body, serving)
     enable, variables = body.thinking_switch()
     enable = serving.thinking_switch(enable)
     if enable is not None:
         variables["enable_thinking"] = enable
-    prompt = await serving.encode_chat([m.for_template() for m in body.messages], tools=tools,
+    prompt = await serving.encode_chat([m.for_template() for m in body.messages], tools=use.shown,
                                        template_variables=variables)
     thinking = serving.thinking(prompt, enable)
-    params = [_params(body, serving.config, max_tokens, logprobs, i, constraint) for i in range(n)]
+    params = [_params(body, serving.config, max_tokens, logprobs, i, use.constraint) for i in range(n)]
     if thinking is not None:
         params = [replace(p, reasoning=thinking.reasoning) for p in params]
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -146,7 +144,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         [(prompt, p, f"{response_id}-{i}") for i, p in enumerate(params)], param="messages"
     )
     maker = ChunkMaker(response_id, int(time.time()), body.model, "chat.completion.chunk", body.include_usage)
-    tools_on = serving.calls(tools)
+    tools_on = use.calls
     if body.stream:
         events = _chat_events(streams, maker, n, logprobs is not None, tools_on, thinking,
                               _Waiting(serving, body.return_progress))

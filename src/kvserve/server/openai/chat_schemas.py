@@ -14,10 +14,11 @@ from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 
 from kvserve.engine.constraints import Constraint
 from kvserve.server import request_schema
-from kvserve.server.request_schema import NonEmptyStr, NonEmptyTokens, Strict, ToolDefinition
-from kvserve.server.tool_types import (
+from kvserve.server.request_schema import NonEmptyStr, NonEmptyTokens, Strict
+from kvserve.server.tools.definitions import (
     ToolCall,
     ToolChoice,
+    ToolDefinition,
     echoed_arguments,
     format_constraint,
 )
@@ -58,7 +59,7 @@ class NamedToolChoice(Strict):
 
 class CalledFunction(Strict):
     name: str
-    arguments: str  # a JSON object as text, or what a model wrote instead (see tool_types.echoed_arguments)
+    arguments: str  # a JSON object as text, or what a model wrote instead (see tools.definitions.echoed_arguments)
 
 
 class ToolCallRecord(Strict):

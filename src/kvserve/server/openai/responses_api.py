@@ -4,7 +4,7 @@
 The OpenAI Agents SDK's default model class and Codex-style agents speak it. A response's conversation is
 kept in memory (the last ``STORED`` responses, unless ``store: false``) so that ``previous_response_id``
 continues it: the stored turns, then the new input, through the model's chat template. Tools, tool choice
-and ``text.format`` become the same grammar the chat APIs use (``tools.call_constraint``).
+and ``text.format`` become the same grammar the chat APIs use (``tools.ToolUse``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from kvserve.server.openapi_docs import documented, ok, openai_errors, typed_sse
 from kvserve.server.serving import EngineStream, collect_finals, sampling_params
 from kvserve.server.streaming import SSE_PING, Tick, sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tool_types import ToolCall
-from kvserve.server.tools import Calls, parse_calls, text_to_stream
+from kvserve.server.tools import Calls, ToolCall, parse_calls, text_to_stream
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -183,13 +182,13 @@ async def create_response(body: ResponsesRequest, request: Request):
     history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
     choice = body.tool_choice_spec()
     fmt = body.text.format if body.text else None
-    shown, constraint = serving.output_rules(body.function_tools(), choice,
-                                             fmt.constraint if fmt else lambda: None, "text.format")
+    use = serving.tool_use(body.function_tools(), choice, fmt.constraint if fmt else lambda: None,
+                           "text.format")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     conversation = history + messages
     effort = body.reasoning.effort if body.reasoning else None
     enable = serving.thinking_switch(None if effort is None else effort != "none")
-    prompt = await serving.encode_chat(system + conversation, tools=shown,
+    prompt = await serving.encode_chat(system + conversation, tools=use.shown,
                                        template_variables=template_switch(enable, effort))
     thinking = serving.thinking(prompt, enable)
     params = sampling_params(
@@ -197,10 +196,10 @@ async def create_response(body: ResponsesRequest, request: Request):
         max_tokens=body.max_output_tokens,
         temperature=serving.config.temperature_for(body.temperature, 1.0),
         top_p=1.0 if body.top_p is None else body.top_p,
-        constraint=constraint,
+        constraint=use.constraint,
         reasoning=thinking.reasoning if thinking is not None else None,
     )
-    reply = Reply(body, body.model, serving.calls(shown), thinking)
+    reply = Reply(body, body.model, use.calls, thinking)
     stream = await serving.start(prompt, params, reply.id, param="input")
 
     def keep(out: RequestOutput, response: dict) -> None:

@@ -22,7 +22,7 @@ from kvserve.server.request_schema import (
     ToolName,
     tool_choice_needs_tools,
 )
-from kvserve.server.tool_types import (
+from kvserve.server.tools.definitions import (
     Tool,
     ToolCall,
     ToolChoice,

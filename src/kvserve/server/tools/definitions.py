@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvserve.engine.constraints import JSON_LAYOUT, UNENFORCED_KEYWORDS, Constraint
+from kvserve.server.request_schema import OptionalToolParameters, Strict, ToolName
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # small models repeat a call until the token limit; the grammar ends them here
@@ -161,3 +162,22 @@ def echoed_arguments(text: str) -> dict[str, Any] | str:
 def render_call(call: ToolCall) -> str:
     body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
     return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
+class FunctionDefinition(Strict):
+    name: ToolName
+    description: str | None = None
+    parameters: OptionalToolParameters = None  # none: no arguments
+    strict: bool | None = None  # true: every keyword of the schema enforced (a 400 where one cannot be)
+
+
+class ToolDefinition(Strict):
+    """A function tool as OpenAI's chat API and Ollama's take it."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def tool(self) -> Tool:
+        f = self.function
+        return Tool(f.name, f.description or "", f.parameters or {"type": "object", "properties": {}},
+                    bool(f.strict))

@@ -20,7 +20,14 @@ import re
 from typing import Any
 
 from kvserve.engine.constraints import JSON_LAYOUT
-from kvserve.server.tool_types import CALL_CLOSE, CALL_OPEN, Tool, ToolCall, call_schema, closed_parameters
+from kvserve.server.tools.definitions import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    Tool,
+    ToolCall,
+    call_schema,
+    closed_parameters,
+)
 
 ONE_LINE = JSON_LAYOUT
 
