@@ -19,9 +19,11 @@ the pool (from the lower tier, from a prompt-cache file) is ``kv.block_loading``
 
 from __future__ import annotations
 
+from kvserve.kv import snapshot
 from kvserve.kv.block_loading import BlockLoader, BlockSource, CacheableRequest, Lookup, LowerTier
 from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
 from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes, window_part_hash
+from kvserve.kv.snapshot import KVSnapshot
 from kvserve.kv.window_blocks import NoWindow, WindowBlocks
 
 
@@ -256,6 +258,11 @@ class KVCacheManager:
         """The request's block table in each KV group: every layer's, then (with one) the window group's."""
         window = self.window.block_ids(request_id)
         return [self.block_ids(request_id)] + ([] if window is None else [window])
+
+    def snapshot(self, blocks: bool = False, tables: bool = False, cached: bool = False) -> KVSnapshot:
+        """Every group read the same way, for views and the router (``kv.snapshot``); under the engine's
+        lock."""
+        return snapshot.take(self, blocks, tables, cached)
 
     @property
     def num_blocks(self) -> int:

@@ -71,14 +71,14 @@ class EngineView:
     def snapshot(self, with_blocks: bool = True) -> EngineSnapshot:
         engine = self.async_engine.engine
         with self.async_engine.lock:
-            kv = engine.kv
-            num_free = kv.pool.num_free_blocks
+            kv = engine.kv.snapshot(blocks=with_blocks, tables=with_blocks)
+            full, window = kv.full, kv.window
             snap = EngineSnapshot(
                 block_size=kv.block_size,
-                num_blocks=kv.num_blocks,
-                num_free_blocks=num_free,
-                num_used_blocks=kv.num_blocks - num_free,
-                usage=kv.usage,
+                num_blocks=full.num_blocks,
+                num_free_blocks=full.num_free,
+                num_used_blocks=full.num_held,
+                usage=full.usage,
                 num_running=len(engine.scheduler.running),
                 num_waiting=len(engine.scheduler.waiting) + self.async_engine.num_pending_adds,
                 prefix_cache_queries=kv.prefix_queries,
@@ -90,17 +90,16 @@ class EngineView:
                 spec_accepted_tokens=engine.num_accepted_tokens,
                 spec_verify_steps=engine.num_verify_steps,
             )
-            window = kv.window
-            if window.enabled:
-                snap.window_blocks, snap.window_size = window.pool.num_blocks, window.window
-                snap.window_free_blocks = window.num_free_blocks
-                snap.usage = max(snap.usage, window.num_held_blocks() / (window.pool.num_blocks - 1))
+            if window is not None:
+                snap.window_blocks, snap.window_size = window.num_blocks, window.window
+                snap.window_free_blocks = window.num_free
+                snap.usage = max(snap.usage, window.usage)
             if engine.disk is not None:
                 snap.disk_cache = DiskCacheSnapshot(str(engine.disk.root), engine.disk.max_bytes,
                                                     **engine.disk.stats.to_json())
             if with_blocks:
-                snap.requests = {rid: kv.block_ids(rid) for rid in list(kv.req_blocks)}
-                snap.held_blocks = [b.block_id for b in kv.pool.blocks if b.ref_count > 0]
-                if window.enabled:
-                    snap.window_tables = {rid: window.block_ids(rid) for rid in list(window.tables)}
+                snap.requests = full.tables
+                snap.held_blocks = [i for i, state in enumerate(full.block_states) if state > 0]
+                if window is not None:
+                    snap.window_tables = window.tables
         return snap

@@ -59,7 +59,8 @@ class NamedToolChoice(Strict):
 
 class CalledFunction(Strict):
     name: str
-    arguments: str  # a JSON object as text, or what a model wrote instead (see tools.definitions.echoed_arguments)
+    # a JSON object as text, or what a model wrote instead (see tools.definitions.echoed_arguments)
+    arguments: str
 
 
 class ToolCallRecord(Strict):

@@ -95,11 +95,9 @@ class EngineReplica:
     def _routing_stats(self) -> dict[str, Any]:
         engine = self.async_engine.engine
         with self.async_engine.lock:  # between steps: the cached set is whole
-            return {
-                "hash_key": engine.kv.hash_key,
-                "block_size": engine.kv.block_size,
-                "cached": [wire_hash(h) for h in engine.kv.pool.cached],
-            }
+            kv = engine.kv.snapshot(cached=True)
+        return {"hash_key": kv.hash_key, "block_size": kv.block_size,
+                "cached": [wire_hash(h) for h in kv.cached]}
 
     def __del__(self) -> None:
         engine = getattr(self, "async_engine", None)

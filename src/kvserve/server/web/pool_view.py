@@ -107,17 +107,15 @@ class PoolView:
     def frame(self) -> PoolFrame:
         engine = self.async_engine.engine
         with self.async_engine.lock:
-            kv = engine.kv
-            # ref count, or -1 where a free block keeps its prefix hash: the one pass over the blocks
-            values = [b.ref_count or -(b.block_hash is not None) for b in kv.pool.blocks]
+            # per block its ref count, or -1 where a free block keeps its prefix hash: one pass each
+            kv = engine.kv.snapshot(blocks=True, tables=True)
+            full, window = kv.full, kv.window
+            values = full.block_states
             scheduler = engine.scheduler
             live = [*scheduler.running, *scheduler.waiting]
-            tables = [[b.block_id for b in kv.req_blocks.get(r.request_id, ())] for r in live]
-            window = kv.window
-            window_values = [] if not window.enabled else [
-                # the null block left out
-                b.ref_count or -(b.block_hash is not None) for b in window.pool.blocks[1:]]
-            window_tables = [kv.window_block_ids(r.request_id) or [] for r in live]
+            tables = [full.tables.get(r.request_id, []) for r in live]
+            window_values = [] if window is None else window.block_states
+            window_tables = [[] if window is None else window.tables.get(r.request_id, []) for r in live]
             rows = [
                 (
                     r.request_id,
@@ -139,11 +137,12 @@ class PoolView:
                 len(scheduler.running),
                 len(scheduler.waiting) + self.async_engine.num_pending_adds,
             )
-        return self._build(engine, values, rows, tables, counters, window_values, window_tables)
+        return self._build(engine, values, rows, tables, counters, window_values, window_tables,
+                           0 if window is None else window.window)
 
     def _build(
         self, engine, values: list[int], rows: list[tuple], tables: list[list[int]], counters: tuple,
-        window_values: list[int], window_tables: list[list[int]],
+        window_values: list[int], window_tables: list[list[int]], window_size: int,
     ) -> PoolFrame:
         cache = engine.config.cache
         bytes_per_token = engine.kv_bytes_per_token
@@ -187,5 +186,5 @@ class PoolView:
             engine_alive=self.async_engine.dead_error is None,
             requests=requests,
             window_blocks=block_codes(window_values),
-            window_size=engine.kv.window.window,
+            window_size=window_size,
         )
