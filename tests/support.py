@@ -4,6 +4,7 @@ the near-tie check."""
 from __future__ import annotations
 
 import json
+import random
 
 import torch
 
@@ -133,3 +134,15 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int):
     else:  # d and dmin (or m) first
         blocks[:, 0:4] = halves
     return blocks.reshape(-1)
+
+
+def prompts_for(loaded, count: int, seed: int = 0) -> list[list[int]]:
+    """Token prompts of varied lengths; half share a 40-token prefix so prefix caching has work."""
+    rng = random.Random(seed)
+    vocab = min(loaded.config.vocab_size, 5000)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    out = []
+    for i in range(count):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))]
+        out.append(shared + tail if i % 2 else tail)
+    return out

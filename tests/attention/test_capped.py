@@ -11,8 +11,8 @@ import torch
 from kvserve.attention import native_paged
 from kvserve.attention.contiguous import ContiguousKVCache
 from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice, build_decode_batch
-from tests.attention.test_native_paged import config, filled_storage
-from tests.native.test_softcap_attention import capped_reference, stored_rows
+from tests.attention.paged_cases import config, filled_storage
+from tests.native.softcap_reference import capped_reference, stored_rows
 
 CAP, SCALE = 2.0, 0.5  # scores of |q.k| * 0.5 ~ 10 here: capped at 2 they change the softmax entirely
 

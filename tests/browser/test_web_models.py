@@ -8,7 +8,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from tests.browser.test_web_ui import send, settings, wait_for
+from tests.browser.page_driver import send, settings, wait_for
 from tests.server.conftest import serve
 
 pytestmark = pytest.mark.slow

@@ -30,25 +30,13 @@ from kvserve.attention import native_paged
 from kvserve.engine.outputs import TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models.linear import Int4Linear
-from tests.support import assert_same_or_near_tie, make_engine, reference_greedy
+from tests.support import assert_same_or_near_tie, make_engine, prompts_for, reference_greedy
 
 NUM_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
 # Largest logits difference a recomputed token may make (measured on SmolLM2 q4 with f32 KV, AVX2
 # path: 0.013 after preemption, 0.012 on a second turn, 0.014-0.019 for one to ten recomputed tokens).
 RECOMPUTED_LOGITS_ATOL = 0.1
-
-
-def prompts_for(loaded, count: int, seed: int = 0) -> list[list[int]]:
-    """Token prompts of varied lengths; half share a 40-token prefix so prefix caching has work."""
-    rng = random.Random(seed)
-    vocab = min(loaded.config.vocab_size, 5000)
-    shared = [rng.randrange(3, vocab) for _ in range(40)]
-    out = []
-    for i in range(count):
-        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 90))]
-        out.append(shared + tail if i % 2 else tail)
-    return out
 
 
 @dataclass

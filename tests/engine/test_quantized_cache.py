@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.engine.sampling_params import SamplingParams
-from tests.engine.test_exactness import prompts_for
-from tests.support import NEAR_TIE, make_engine
+from tests.support import NEAR_TIE, make_engine, prompts_for
 
 NUM_NEW = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=2)

@@ -12,8 +12,6 @@ import numpy as np
 import torch
 import transformers
 
-from tests.models.test_tiny_random import byte_level_symbols, permute_like_llama_cpp
-
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 VOCAB, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, CONTEXT = 256, 128, 256, 4, 2, 32, 512
 EXPERTS, TOP_K, MOE_INTER = 8, 2, 32
@@ -250,3 +248,25 @@ def _add_arch_keys(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_expert_count(EXPERTS)
         w.add_expert_used_count(TOP_K)
         w.add_expert_feed_forward_length(MOE_INTER)
+
+
+def permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def byte_level_symbols() -> list[str]:
+    """GPT-2's bytes_to_unicode table: symbol i stands for byte i."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, (chr(c) for c in cs), strict=True))
+    return [table[b] for b in range(256)]

@@ -15,7 +15,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models.linear import Int4Linear
 from kvserve.models.loader import load_model
 from tests.models import arch_builders as ab
-from tests.models.test_tiny_random import hf_greedy, rel_err
+from tests.models.hf_reference import hf_greedy, rel_err
 from tests.support import assert_same_or_near_tie, make_engine, reference_greedy
 
 

@@ -12,7 +12,7 @@ import torch
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models.loader import load_model
 from tests.models import arch_builders as ab
-from tests.models.test_tiny_random import (
+from tests.models.hf_reference import (
     LOGITS_RTOL,
     NEW_TOKENS,
     hf_greedy,

@@ -210,7 +210,7 @@ def test_a_row_stride_writes_only_its_columns(layout):
     columns untouched (int4_matmul in three layouts, int8_matmul's two)."""
     from kvserve.models.linear import _int4_matmul_kernel, _int8_matmul_kernel, _run_matmul
     from kvserve.models.weight_grids import int8_groups, pack_int8_groups
-    from tests.native.test_isa_paths import grid16_inputs, layout_code, layout_inputs
+    from tests.native.isa_cases import grid16_inputs, layout_code, layout_inputs
 
     x, packed, bias = layout_inputs(7, 40, 256, 0, layout)
     alone = _run_matmul(_int4_matmul_kernel(), x, (packed,), bias, 40, (2, layout_code(layout)))

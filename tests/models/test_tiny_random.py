@@ -23,8 +23,17 @@ import pytest
 import torch
 import transformers
 
-from kvserve.attention.contiguous import ContiguousKVCache
 from kvserve.models.loader import load_model
+from tests.models.arch_builders import byte_level_symbols, permute_like_llama_cpp
+from tests.models.hf_reference import (
+    LOGITS_RTOL,
+    NEW_TOKENS,
+    hf_greedy,
+    hf_last_logits,
+    our_greedy,
+    our_last_logits,
+    rel_err,
+)
 
 VOCAB = 256
 HIDDEN = 64
@@ -34,8 +43,6 @@ HEADS = 4
 KV_HEADS = 2
 CONTEXT = 512
 RMS_EPS = 1e-6
-NEW_TOKENS = 32
-LOGITS_RTOL = 1e-4
 
 SPECS = {
     # qwen2: q/k/v biases, tied embeddings (as the small Qwen2.5 models), rope base 1e6
@@ -57,57 +64,6 @@ SPECS = {
 
 
 # --- helpers ----------------------------------------------------------------------------------------
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max|b|, b being the reference."""
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def our_last_logits(lm, ids: list[int], chunks: list[int] | None = None) -> torch.Tensor:
-    """Logits at the last position after feeding ``ids`` (in one forward, or in chunks of these sizes)."""
-    cache = ContiguousKVCache(lm.config.num_layers)
-    sizes = chunks or [len(ids)]
-    assert sum(sizes) == len(ids)
-    start = 0
-    hidden = None
-    for size in sizes:
-        x = torch.tensor(ids[start : start + size], dtype=torch.long)
-        pos = torch.arange(start, start + size, dtype=torch.long)
-        hidden = lm.model.forward(x, pos, cache)
-        start += size
-    return lm.model.compute_logits(hidden[-1:])[0]
-
-
-def our_greedy(lm, ids: list[int], n: int) -> list[int]:
-    """Prefill the prompt, then decode one token at a time with the same contiguous cache."""
-    cache = ContiguousKVCache(lm.config.num_layers)
-    hidden = lm.model.forward(torch.tensor(ids, dtype=torch.long), torch.arange(len(ids)), cache)
-    out: list[int] = []
-    pos = len(ids)
-    for _ in range(n):
-        tok = int(lm.model.compute_logits(hidden[-1:])[0].argmax())
-        out.append(tok)
-        hidden = lm.model.forward(torch.tensor([tok]), torch.tensor([pos]), cache)
-        pos += 1
-    return out
-
-
-def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0, -1].float()
-
-
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 def prompts() -> list[list[int]]:
@@ -166,27 +122,6 @@ def build_hf_model(name: str):
 
 
 # --- GGUF writing as llama.cpp's convert_hf_to_gguf.py does it -------------------------------------
-
-def permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def byte_level_symbols() -> list[str]:
-    """GPT-2's bytes_to_unicode table: symbol i stands for byte i."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, (chr(c) for c in cs), strict=True))
-    return [table[b] for b in range(256)]
 
 
 _LAYER_MAP = {

@@ -18,7 +18,7 @@ from kvserve import native
 from kvserve.attention import native_paged
 from kvserve.kv.codecs import make_codec
 from kvserve.models.weight_grids import int8_groups, pack_int8_groups
-from tests.native.test_isa_paths import (
+from tests.native.isa_cases import (
     LAYOUTS,
     grid16_inputs,
     layout_code,
@@ -146,7 +146,7 @@ def run_arm_attention(program: Path, tmp_path: Path, prefill: bool, q, k, v, tab
 def test_arm_attention_capped_and_not_matches_float64(arm_attention_programs, tmp_path, path):
     """Decode (one query at the last position) and a prefill chunk of 90 queries over 300 positions in
     shuffled blocks of 16, with and without a window and a cap."""
-    from tests.native.test_softcap_attention import capped_reference
+    from tests.native.softcap_reference import capped_reference
 
     g = torch.Generator().manual_seed(9)
     heads, kv_heads, d, blocks, block_size, ctx = 6, 2, 64, 24, 16, 300
@@ -171,7 +171,7 @@ def test_arm_attention_capped_and_not_matches_float64(arm_attention_programs, tm
 def test_arm_attention_reads_each_kv_type_in_place(arm_attention_programs, tmp_path, path, cache_type):
     """Decode and a prefill chunk over blocks of each type (decode reads them in registers, a block's
     partial rows through the buffer), against float64 over the values the codec decodes."""
-    from tests.native.test_softcap_attention import capped_reference
+    from tests.native.softcap_reference import capped_reference
 
     g = torch.Generator().manual_seed(10)
     heads, kv_heads, d, blocks, block_size, ctx = 6, 2, 64, 24, 16, 300

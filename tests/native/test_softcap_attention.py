@@ -13,10 +13,9 @@ import torch
 
 from kvserve import native
 from kvserve.attention import native_paged
-from tests.attention.test_native_paged import config, filled_storage
-from tests.native import test_isa_paths
+from tests.attention.paged_cases import config, filled_storage
+from tests.native.softcap_reference import capped_reference, stored_rows
 
-path_build = test_isa_paths.path_build  # the fixture that selects an ISA path for the builds
 pytestmark = pytest.mark.skipif(native.load("paged_attention") is None,
                                 reason="no C compiler on this machine")
 
@@ -31,27 +30,6 @@ def kernels(storage) -> native_paged.NativePagedAttention:
 def padded(tables: list[list[int]]) -> torch.Tensor:
     width = max(len(t) for t in tables)
     return torch.tensor([t + [0] * (width - len(t)) for t in tables])
-
-
-def stored_rows(storage, layer: int, table: list[int], context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequence's keys and values as stored (decoded), float64 [kv_heads, context_len, D]."""
-    keys, values = storage.gather(layer, storage.block_rows(torch.tensor(table)), context_len, torch.float32)
-    return keys.double(), values.double()
-
-
-def capped_reference(q, keys, values, positions, window, scale, cap) -> torch.Tensor:
-    """float64 capped attention of queries q [n, heads, D] at ``positions`` over keys, values
-    [kv_heads, keys, D]."""
-    groups = q.shape[1] // keys.shape[0]
-    k, v = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-    scores = torch.einsum("nhd,hkd->nhk", q.double(), k) * scale
-    scores = cap * torch.tanh(scores / cap)
-    key_pos = torch.arange(keys.shape[1])[None, :]
-    allowed = key_pos <= positions[:, None]
-    if window is not None:
-        allowed &= key_pos > positions[:, None] - window
-    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-    return torch.einsum("nhk,hkd->nhd", torch.softmax(scores, -1), v)
 
 
 def queries(n: int, cfg, seed: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ PUBLISHED = {
 
 
 def test_every_preset_is_checked():
-    from tests.plan.test_arch_presets import ARCH_PUBLISHED
+    from tests.plan.helpers import ARCH_PUBLISHED
 
     assert set(PRESETS) == set(PUBLISHED) | set(ARCH_PUBLISHED)
 

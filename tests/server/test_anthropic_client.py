@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server.test_tools_openai import ADD, WEATHER
+from tests.server.tool_cases import ADD, WEATHER
 
 pytestmark = pytest.mark.slow
 

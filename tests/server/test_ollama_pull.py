@@ -14,7 +14,7 @@ import pytest
 
 from kvserve.errors import ModelNotFoundError
 from kvserve.models import registry
-from tests.server.test_internal_errors import make_client
+from tests.server.stub_engine import make_client
 
 
 def test_the_ollama_client_pulls_the_served_model_and_may_not_delete_it(server):

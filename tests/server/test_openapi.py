@@ -34,7 +34,7 @@ from kvserve.server import ServerConfig
 from kvserve.server.middleware import OPEN_PATHS
 from kvserve.server.ollama import schemas as ollama_schemas
 from kvserve.server.openai import chat_schemas as openai_schemas
-from tests.server.test_internal_errors import make_client
+from tests.server.stub_engine import make_client
 
 MODEL = "smollm2"
 MAX_TOKENS = 3

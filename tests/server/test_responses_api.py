@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.test_tools_openai import WEATHER
+from tests.server.tool_cases import WEATHER
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import jsonschema
 import ollama
 import pytest
 
-from tests.server.test_tools_openai import ASK, SCHEMAS, TOOLS
+from tests.server.tool_cases import ASK, SCHEMAS, TOOLS
 
 pytestmark = pytest.mark.slow
 

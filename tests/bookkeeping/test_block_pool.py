@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kv_helpers import cached_ids, free_ids, ref_counts
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.hashing import extend_block_hashes, hash_block
+from tests.bookkeeping.kv_helpers import cached_ids, free_ids, ref_counts
 
 
 def ids(blocks):

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import pytest
-from kv_helpers import cached_ids, free_ids, leak_report, make_request, manager_snapshot, ref_counts
 
 from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kv.hashing import hash_block
+from tests.bookkeeping.kv_helpers import (
+    cached_ids,
+    free_ids,
+    leak_report,
+    make_request,
+    manager_snapshot,
+    ref_counts,
+)
 
 
 def ids(blocks):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from kv_helpers import BLOCK_SIZE, ShadowKV, check_scheduler_invariants, leak_report, make_request
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import RequestStatus
@@ -19,6 +18,13 @@ from kvserve.engine.scheduler import QueueFullError, Scheduler
 from kvserve.errors import PromptTooLongError
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.window_blocks import WindowBlocks, window_pool_blocks
+from tests.bookkeeping.kv_helpers import (
+    BLOCK_SIZE,
+    ShadowKV,
+    check_scheduler_invariants,
+    leak_report,
+    make_request,
+)
 
 PREFIXES = [
     [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3],

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from kv_helpers import BLOCK_SIZE, leak_report
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
+from tests.bookkeeping.kv_helpers import BLOCK_SIZE, leak_report
 
 
 @pytest.fixture

@@ -6,7 +6,11 @@ Steps are simulated without a model (see ``kv_helpers.simulate_step``): the samp
 from __future__ import annotations
 
 import pytest
-from kv_helpers import (
+
+from kvserve.engine.request import RequestStatus
+from kvserve.engine.scheduler import QueueFullError
+from kvserve.errors import PromptTooLongError
+from tests.bookkeeping.kv_helpers import (
     ShadowKV,
     check_scheduler_invariants,
     free_ids,
@@ -15,10 +19,6 @@ from kv_helpers import (
     run_until_done,
     simulate_step,
 )
-
-from kvserve.engine.request import RequestStatus
-from kvserve.engine.scheduler import QueueFullError
-from kvserve.errors import PromptTooLongError
 
 
 def add(sched, request_id, prompt, max_tokens=4, **kw):

@@ -1,7 +1,6 @@
 """Shared helpers for the KV-cache bookkeeping tests (plain Python, no tensors).
 
-Imported by ``conftest.py`` and by the test modules (``tests/unit`` is on ``sys.path`` under pytest's
-default ``prepend`` import mode because it has no ``__init__.py``).
+Imported by ``conftest.py`` and by the test modules of ``tests/bookkeeping``.
 """
 
 from __future__ import annotations
