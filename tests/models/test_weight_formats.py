@@ -54,9 +54,8 @@ def test_q4_takes_four_bit_tensors_exactly_and_falls_back_to_int8():
     assert int4_groups(dense) is None
     tall = four_bit_weight(4200, 64, seed=3)  # two blocks of rows: the codes of both, the check of the second
     codes, scale, lo = int4_groups(tall)
-    assert torch.equal((lo[..., None] + scale[..., None] * codes.view(4200, -1,
-                                                                      INT4_GROUP).float()).view(4200, 64),
-                                                                      tall)
+    groups = codes.view(4200, -1, INT4_GROUP).float()
+    assert torch.equal((lo[..., None] + scale[..., None] * groups).view(4200, 64), tall)
     tall[4150, 5] += 1e-3
     assert int4_groups(tall) is None
     assert isinstance(make_linear(dense, None, "q4", CPU, torch.float32), Int8GroupLinear)

@@ -112,6 +112,5 @@ def test_the_wheel_carries_the_kernels_and_a_platform_tag(tmp_path):
     sources = sorted(p.stem for p in native.SOURCE_DIR.glob("*.c"))
     assert sorted(manifest) == [f"portable/{s}" for s in sources]
     assert {f"kvserve/native/prebuilt/portable/{s}.so" for s in sources} <= names
-    assert manifest == {f"portable/{s}": native.source_key(s,
-                                                           native.build_flags(
-                                                               s, "portable")) for s in sources}
+    keys = {s: native.source_key(s, native.build_flags(s, "portable")) for s in sources}
+    assert manifest == {f"portable/{s}": keys[s] for s in sources}

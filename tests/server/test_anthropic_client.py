@@ -124,6 +124,6 @@ def test_errors_have_anthropics_shape(client, server, idle):
                    headers={"x-api-key": server.api_key})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{server.url}/v1/messages", json={"model": "smollm2", "messages": ASK, "max_tokens": 4})
-    assert r.status_code == 401 and r.json() == {"type": "error", "error": {"type": "authentication_error",
-                                                                             "message": r.json()["error"][
-                                                                                 "message"]}}
+    error = r.json()["error"]
+    assert r.status_code == 401 and r.json() == {
+        "type": "error", "error": {"type": "authentication_error", "message": error["message"]}}

@@ -42,9 +42,8 @@ class ModelRunner:
                 r.embedding = pooled.float().cpu()
         if not step.logit_rows:
             return [], hidden.new_empty((0, 0))
-        logits = self.model.compute_logits(hidden.index_select(0,
-                                                               torch.tensor(
-                                                                   step.logit_rows, device=self.device)))
+        rows = torch.tensor(step.logit_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
         if step.pooled_logits:
             for r, i in step.pooled_logits:
                 r.embedding = logits[i].float().cpu()

@@ -120,8 +120,8 @@ class KVCacheManager:
         cache them there (as cached-free blocks, like any hit not taken yet). Returns how many."""
         count = self.loader.num_held(self.tier, request, len(hits), max_blocks)
         cached = self.loader.load(request, hits, count, self.tier)
-        self._tier_tokens[request.request_id] = self._tier_tokens.get(request.request_id,
-                                                                      0) + cached * self.block_size
+        rid = request.request_id
+        self._tier_tokens[rid] = self._tier_tokens.get(rid, 0) + cached * self.block_size
         return cached
 
     def install_prefix(self, token_ids: list[int], source: BlockSource, salt: str | None = None) -> int:

@@ -67,8 +67,8 @@ def pool_size(model: ModelConfig, cache: CacheConfig, max_num_seqs: int,
 def pool_nbytes(model: ModelConfig, cache: CacheConfig, size: PoolSize) -> int:
     """Bytes of the pool ``size`` (what ``PagedKVStorage.nbytes`` allocates for it): each layer's blocks
     times one block of one layer."""
-    layer_block = cache.block_size * kv_bytes_per_token_per_layer(model, cache.cache_type_k,
-                                                                  cache.cache_type_v)
+    per_token = kv_bytes_per_token_per_layer(model, cache.cache_type_k, cache.cache_type_v)
+    layer_block = cache.block_size * per_token
     num_window_layers = len(size.window_layers)
     blocks = (
         model.num_layers - num_window_layers

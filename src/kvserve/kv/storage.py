@@ -72,8 +72,8 @@ class PagedKVStorage:
             self.k.append(mine[:num_k])
             self.v.append(mine[num_k:])
         # per group, [heads, 1]: the first row of each head's blocks
-        self._kv_group_offsets = [torch.arange(heads, device=device)[:,
-                                                                     None] * n for n in self.kv_group_blocks]
+        heads_column = torch.arange(heads, device=device)[:, None]
+        self._kv_group_offsets = [heads_column * n for n in self.kv_group_blocks]
         self._head_offsets = self._kv_group_offsets[0]
 
     @property

@@ -99,15 +99,13 @@ def _rope_scaling(key) -> RopeScaling:
     kind, factor = key("rope.scaling.type"), key("rope.scaling.factor")
     if kind == "linear" and factor:
         return RopeScaling(rope_type="linear", factor=float(factor))
+    original = int(key("rope.scaling.original_context_length", 4096))
     if kind == "yarn" and factor:
-        return RopeScaling(rope_type="yarn", factor=float(factor),
-                           original_max_position_embeddings=int(key("rope.scaling.original_context_length",
-                                                                    4096)),
+        return RopeScaling(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
                            beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
                            beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0) or 1.0))
     attn_factor = key("rope.scaling.attn_factor")
     if attn_factor is not None:  # phi3: LongRoPE's cos/sin scale, the factors in tensors
         return RopeScaling(rope_type="longrope", attention_factor=float(attn_factor),
-                           original_max_position_embeddings=int(key("rope.scaling.original_context_length",
-                                                                    4096)))
+                           original_max_position_embeddings=original)
     return RopeScaling()

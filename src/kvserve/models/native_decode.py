@@ -113,29 +113,7 @@ class NativeDecodeStep:
             step(*args)
         return ops.ops
 
-    def _attend(self, op, i: int, threads: int) -> None:
-        """Layer i's attention: q, k, v copied out of qkv, k and v written to the cache, the decode kernel."""
-        model, cfg, b = self.model, self.model.config, self.buffers
-        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv, qkv_dim = b["qkv"].data_ptr(), b["qkv"].shape[1]
-        offset = 0
-        for name in ("q", "k", "v"):
-            width = b[name].shape[1]
-            op("copy_rows", src=qkv + 4 * offset, src_stride=qkv_dim, dst=b[name].data_ptr(),
-               dst_stride=width, width=width)
-            offset += width
-        kv_group = self.kv_groups[i]
-        for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
-                ("k", "v"), self.writer.layer_args[i], strict=True):
-            op("kv_write", kv_group, kind=kind, x=b[name].data_ptr(), kv_heads=kv_heads, D=d, codes=codes,
-               code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
-               levels=levels)
-        window = cfg.sliding_window if cfg.is_sliding(i) else None
-        op("paged_decode_attention", kv_group, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
-           q=b["q"].data_ptr(), out=b["attn"].data_ptr(), window=window or 0, scale=model.scale,
-           softcap=cfg.attn_logit_softcap or 0.0, num_threads=threads, **self._attention_cache_args(i))
-
-    def _attention_cache_args(self, layer: int) -> dict[str, int]:
+    def attention_cache_args(self, layer: int) -> dict[str, int]:
         """paged_decode_attention's arguments that describe the KV cache of ``layer``, by name."""
         attention, parts = self.attention, self.attention.layer_args[layer]
         q_rotation, out_rotation = attention.rotation_args
@@ -236,7 +214,26 @@ class _StepOperations:
                 sin=self.ptr["sin" + table])
 
     def step_attend(self, i: int) -> None:
-        self.owner._attend(self.op, i, self.threads)
+        """Layer i's attention: q, k, v copied out of qkv, k and v written to the cache, the decode kernel."""
+        owner, cfg, b = self.owner, self.cfg, self.b
+        kv_heads, d = cfg.num_kv_heads, cfg.head_dim
+        offset = 0
+        for name in ("q", "k", "v"):
+            width = b[name].shape[1]
+            self.op("copy_rows", src=self.ptr["qkv"] + 4 * offset, src_stride=b["qkv"].shape[1],
+                    dst=self.ptr[name], dst_stride=width, width=width)
+            offset += width
+        kv_group = owner.kv_groups[i]
+        for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
+                ("k", "v"), owner.writer.layer_args[i], strict=True):
+            self.op("kv_write", kv_group, kind=kind, x=self.ptr[name], kv_heads=kv_heads, D=d, codes=codes,
+                    code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
+                    levels=levels)
+        window = cfg.sliding_window if cfg.is_sliding(i) else None
+        self.op("paged_decode_attention", kv_group, num_heads=cfg.num_heads, num_kv_heads=kv_heads,
+                head_dim=d, q=self.ptr["q"], out=self.ptr["attn"], window=window or 0, scale=self.model.scale,
+                softcap=cfg.attn_logit_softcap or 0.0, num_threads=self.threads,
+                **owner.attention_cache_args(i))
 
     def step_o(self, i: int) -> None:
         self.matmul(self.model.layers[i].o, "attn", "o")

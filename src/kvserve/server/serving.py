@@ -267,7 +267,7 @@ class Serving:
         """Admits the request or raises ``APIError``. ``param`` names the prompt field in errors;
         ``prepared``: the engine's ``prepare`` of it (``start_all``), its grammar compiled already."""
         if prepared is None:
-            await self._compile_grammar(params)
+            await self._compile_grammar(params.constraint)
         agen = self.async_engine.generate(prompt, params, request_id, prepared=prepared)
         first = asyncio.ensure_future(agen.__anext__())
         # generate() calls add_request before its first await, and a new task runs before the task
@@ -288,13 +288,13 @@ class Serving:
         return EngineStream(agen, first, self.metrics.tracker(self.card.name),
                             functools.partial(engine.prompt_progress, request_id), len(prompt))
 
-    async def _compile_grammar(self, params: SamplingParams) -> None:
+    async def _compile_grammar(self, constraint: Constraint | None) -> None:
         """A request's grammar, compiled in a worker thread (llguidance releases the GIL), never on the
         event loop; the engine then finds it in ``compiled``'s cache."""
         grammar_tokenizer = getattr(self.async_engine.engine, "grammar_tokenizer", None)
-        if params.constraint is not None and grammar_tokenizer is not None:
+        if constraint is not None and grammar_tokenizer is not None:
             try:
-                await asyncio.to_thread(compiled, params.constraint, grammar_tokenizer)
+                await asyncio.to_thread(compiled, constraint, grammar_tokenizer)
             except ValueError as e:
                 raise APIError(400, str(e)) from None
 
@@ -307,8 +307,8 @@ class Serving:
         refused for."""
         prepared: list[Any] = [None] * len(requests)
         if len(requests) > 1:
-            for _, params, _ in requests:
-                await self._compile_grammar(params)
+            for constraint in dict.fromkeys(p.constraint for _, p, _ in requests):  # n choices share one
+                await self._compile_grammar(constraint)
             try:
                 prepared = [self.async_engine.prepare(prompt, params, request_id)
                             for prompt, params, request_id in requests]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import ClassVar
@@ -26,6 +26,7 @@ from typing import ClassVar
 from fastapi import APIRouter, Request
 
 from kvserve.engine.async_engine import EngineDeadError, PromptProgress
+from kvserve.engine.constraints import Constraint
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.anthropic import bodies
 from kvserve.server.anthropic.errors import anthropic_error_body, anthropic_errors
@@ -36,8 +37,7 @@ from kvserve.server.openapi_docs import ok, typed_sse_stream
 from kvserve.server.serving import EngineStream, Serving, collect_finals, sampling_params
 from kvserve.server.streaming import Tick, sse_response, sse_typed_event
 from kvserve.server.thinking import Thinking, ThoughtStream, template_switch
-from kvserve.server.tools import Calls, Tool, ToolCall, ToolChoice, parse_calls, text_to_stream
-from kvserve.server.tools.definitions import check_tools
+from kvserve.server.tools import Calls, ToolCall, ToolUse, parse_calls, text_to_stream
 
 router = APIRouter(tags=["Anthropic"])
 log = logging.getLogger(__name__)
@@ -62,24 +62,25 @@ def _model_name(request: Request, name: str) -> str | None:
 
 
 async def _prompt(
-    serving: Serving, body: CountTokensRequest
-) -> tuple[list[int], list[Tool], ToolChoice, Thinking | None]:
+    serving: Serving, body: CountTokensRequest, answer: Callable[[], Constraint | None] = lambda: None
+) -> tuple[list[int], ToolUse, Thinking | None]:
+    """The prompt, what the request's tools mean for the answer (``answer``: the format of one that is not
+    calls), and the thought; what cannot be used is a 400."""
     try:
         tools, choice = body.tool_rules()
-        check_tools(tools, choice)
+        use = ToolUse.decide(tools, choice, answer, "output_config", serving.call_format, serving.written)
         turns = body.template_messages()
     except ValueError as e:  # Anthropic's errors name no parameter
         raise APIError(400, str(e)) from None
-    shown = tools if choice.mode != "none" else []
     asked = body.thinking.type if body.thinking else None
     if asked == "enabled" and not serving.tokenizer.thinks:
         raise APIError(400, f"'{body.model}' does not think; leave thinking out or disabled")
     enable = serving.thinking_switch({"enabled": True, "disabled": False}.get(asked or ""))
     if asked == "adaptive" and serving.tokenizer.thinks:
         enable = True
-    prompt = await serving.encode_chat(turns, tools=shown, template_variables=template_switch(enable))
+    prompt = await serving.encode_chat(turns, tools=use.shown, template_variables=template_switch(enable))
     budget = body.thinking.budget_tokens if body.thinking else None
-    return prompt, shown, choice, serving.thinking(prompt, enable, budget)
+    return prompt, use, serving.thinking(prompt, enable, budget)
 
 
 @router.post(
@@ -91,9 +92,8 @@ async def _prompt(
 )
 async def messages(body: MessagesRequest, request: Request):
     serving = await served(request, _model_name(request, body.model))
-    prompt, tools, choice, thinking = await _prompt(serving, body)
     answer = body.output_config.constraint if body.output_config else lambda: None
-    use = serving.tool_use(tools, choice, answer, "output_config")
+    prompt, use, thinking = await _prompt(serving, body, answer)
     params = sampling_params(
         PARAM_NAMES,
         max_tokens=body.max_tokens,
