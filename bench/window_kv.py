@@ -55,7 +55,8 @@ def run(loaded, prompt: list[int], generate: int, window_kv: bool) -> dict:
         if not request.is_finished:  # what it holds after its last step before it ends (and frees all)
             held = {
                 "full_blocks": len(engine.kv.block_ids(request.request_id)),
-                "window_blocks": sum(1 for b in engine.kv.window_block_ids(request.request_id) or [] if b),
+                "window_blocks": sum(1 for table in engine.kv.kv_group_block_ids(request.request_id)[1:]
+                                     for b in table if b),
                 "computed": request.num_computed_tokens,
             }
     storage = engine.storage

@@ -47,9 +47,8 @@ def check_no_leaks():
     yield engines
     for e in engines:
         assert not e.has_unfinished_requests()
-        held = [b.block_id for b in e.kv.pool.blocks if b.ref_count]
+        held = [b.block_id for b in e.kv.full.pool.blocks if b.ref_count]
         assert not held, f"blocks still allocated after the test: {held}"
-        assert e.kv.pool.num_free_blocks == e.kv.num_blocks
-        window = e.kv.window
-        if window.enabled:  # all free but the null block, which is never handed out
+        assert e.kv.full.pool.num_free_blocks == e.kv.num_blocks
+        for window in e.kv.tied:  # all free but the null block, which is never handed out
             assert window.num_held_blocks() == 0 and not window.tables, window.tables

@@ -85,7 +85,7 @@ class CacheConfig:
     cache_type_v: str | None = None  # None: same as cache_type_k
     disk_cache_dir: str | None = None  # the prefix cache's disk tier (kv.disk_tier); None: RAM only
     disk_cache_size: int = 8 << 30  # bytes the disk tier's directory may hold
-    # sliding-window layers keep only their window (kv.window_blocks); False: every layer every token
+    # sliding-window layers keep only their window (kv.groups); False: every layer every token
     window_kv: bool = True
 
     @property

@@ -53,13 +53,13 @@ def cached_ids(pool: BlockPool) -> list[int]:
 
 def manager_snapshot(kv: KVCacheManager) -> dict:
     """Everything allocate_slots could touch, as plain values."""
-    pool = kv.pool
+    pool = kv.full.pool
     return {
         "free": free_ids(pool),
         "refs": ref_counts(pool),
         "hashes": [(b.block_hash, b.token_ids) for b in pool.blocks],
         "cached": {h: b.block_id for h, b in pool.cached.items()},
-        "req_blocks": {rid: [b.block_id for b in bl] for rid, bl in kv.req_blocks.items()},
+        "req_blocks": {rid: [b.block_id for b in bl] for rid, bl in kv.full.tables.items()},
         "num_cached_blocks": dict(kv.num_cached_blocks),
     }
 
@@ -67,7 +67,7 @@ def manager_snapshot(kv: KVCacheManager) -> dict:
 # --- invariants -----------------------------------------------------------------------------------------
 def leak_report(kv: KVCacheManager) -> list[str]:
     """Why ``kv`` is not back to "everything free"; empty when it is."""
-    pool = kv.pool
+    pool = kv.full.pool
     problems = []
     held = {b.block_id: b.ref_count for b in pool.blocks if b.ref_count != 0}
     if held:
@@ -76,13 +76,12 @@ def leak_report(kv: KVCacheManager) -> list[str]:
         problems.append(f"free queue has {len(pool.free_queue)} blocks, expected {pool.num_blocks}")
     if sorted(pool.free_queue) != list(range(pool.num_blocks)):
         problems.append(f"free queue ids are not exactly 0..{pool.num_blocks - 1}: {free_ids(pool)}")
-    live_tables = {rid: [b.block_id for b in bl] for rid, bl in kv.req_blocks.items()}
+    live_tables = {rid: [b.block_id for b in bl] for rid, bl in kv.full.tables.items()}
     if live_tables:
         problems.append(f"block tables still present: {live_tables}")
     if kv.num_cached_blocks:
         problems.append(f"num_cached_blocks still present: {kv.num_cached_blocks}")
-    window = kv.window
-    if window.enabled:
+    for window in kv.tied:
         held = {b.block_id: b.ref_count for b in window.pool.blocks[1:] if b.ref_count != 0}
         if held:
             problems.append(f"window blocks still referenced: {held}")
@@ -96,22 +95,22 @@ def check_manager_invariants(kv: KVCacheManager) -> None:
     _check_block_refs(kv)
     _check_prefix_index(kv)
     if not kv.enable_caching:
-        assert not kv.pool.cached
-    assert set(kv.num_cached_blocks) == set(kv.req_blocks)
+        assert not kv.full.pool.cached
+    assert set(kv.num_cached_blocks) == set(kv.full.tables)
     for rid, n in kv.num_cached_blocks.items():
-        assert 0 <= n <= len(kv.req_blocks[rid]), (
-            f"{rid}: num_cached_blocks {n} > table {len(kv.req_blocks[rid])}"
+        assert 0 <= n <= len(kv.full.tables[rid]), (
+            f"{rid}: num_cached_blocks {n} > table {len(kv.full.tables[rid])}"
         )
-    if kv.window.enabled:
+    if kv.tied:
         check_window_invariants(kv)
 
 
 def _check_block_refs(kv: KVCacheManager) -> None:
     """Each block table holds each block once and only the pool's own objects; a block's ref_count is the
     number of tables holding it; the free queue is exactly the blocks no table holds."""
-    pool = kv.pool
+    pool = kv.full.pool
     refs_from_tables: Counter[int] = Counter()
-    for rid, blocks in kv.req_blocks.items():
+    for rid, blocks in kv.full.tables.items():
         ids = [b.block_id for b in blocks]
         assert len(ids) == len(set(ids)), f"request {rid} holds a block twice: {ids}"
         for b in blocks:
@@ -136,7 +135,7 @@ def _check_prefix_index(kv: KVCacheManager) -> None:
     """The prefix-cache index and the blocks agree: each indexed block has the hash it is indexed under
     and a full block of tokens; each block with a hash is the one indexed under it, one without has no
     tokens."""
-    pool = kv.pool
+    pool = kv.full.pool
     for h, blk in pool.cached.items():
         assert blk.block_hash == h, f"cached[{h}] is block {blk.block_id} whose hash is {blk.block_hash}"
         assert blk.token_ids is not None and len(blk.token_ids) == kv.block_size
@@ -151,13 +150,13 @@ def check_window_invariants(kv: KVCacheManager) -> None:
     """The window group: tables as long as the block tables, each block held once per table that
     holds it, the null block never handed out, and a cached window block tied to the full group's
     block at its position while that block is cached."""
-    window = kv.window
+    window, = kv.tied
     pool = window.pool
-    assert set(window.tables) == set(kv.req_blocks), (sorted(window.tables), sorted(kv.req_blocks))
+    assert set(window.tables) == set(kv.full.tables), (sorted(window.tables), sorted(kv.full.tables))
     refs: Counter[int] = Counter()
     for rid, table in window.tables.items():
-        assert len(table) == len(kv.req_blocks[rid]), (
-            f"{rid}: window table {len(table)} vs {len(kv.req_blocks[rid])}"
+        assert len(table) == len(kv.full.tables[rid]), (
+            f"{rid}: window table {len(table)} vs {len(kv.full.tables[rid])}"
         )
         ids = [b.block_id for b in table if b is not None]
         assert 0 not in ids and len(ids) == len(set(ids)), f"{rid}: window table {window.block_ids(rid)}"
@@ -182,8 +181,8 @@ def check_scheduler_invariants(sched: Scheduler) -> None:
     assert set(running_ids) | set(waiting_ids) == set(sched.requests), "requests dict out of sync with queues"
     assert len(sched.running) <= sched.config.max_num_seqs
     # only running requests own blocks
-    assert set(kv.req_blocks) <= set(running_ids), (
-        f"non-running requests own blocks: {set(kv.req_blocks) - set(running_ids)}"
+    assert set(kv.full.tables) <= set(running_ids), (
+        f"non-running requests own blocks: {set(kv.full.tables) - set(running_ids)}"
     )
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r.status
@@ -191,7 +190,7 @@ def check_scheduler_invariants(sched: Scheduler) -> None:
     for r in sched.running:
         assert r.status is RequestStatus.RUNNING, r.status
         assert 0 < r.num_computed_tokens <= r.num_tokens
-        table = kv.req_blocks.get(r.request_id, [])
+        table = kv.full.tables.get(r.request_id, [])
         # the table covers exactly the computed tokens: no leaked spare blocks, none missing
         assert len(table) == kv.blocks_needed(r.num_computed_tokens), (
             f"{r.request_id}: {len(table)} blocks for {r.num_computed_tokens} computed tokens"
@@ -235,7 +234,7 @@ class ShadowKV:
             expected[r.request_id] = ids = prefix_ids(r.all_token_ids, end)
             table = self.kv.block_ids(r.request_id)
             assert len(table) * bs >= end, f"{r.request_id}: table {table} too short for {end} tokens"
-            window_table = self.kv.window_block_ids(r.request_id)
+            window_table = self.kv.tied[0].block_ids(r.request_id) if self.kv.tied else None
             for p in range(start, end):
                 self.slots[table[p // bs] * bs + p % bs] = ids[p]
                 if window_table is not None:
@@ -252,9 +251,9 @@ class ShadowKV:
                         f"{r.request_id} would attend to wrong K/V at position {p} (block table {table}, "
                         f"tokens {r.all_token_ids}): the slot was not written with this prefix"
                     )
-            window_table = self.kv.window_block_ids(r.request_id)
+            window_table = self.kv.tied[0].block_ids(r.request_id) if self.kv.tied else None
             if window_table is not None:  # what the step's first query reads in a sliding layer
-                first = max(0, r.num_computed_tokens - self.kv.window.window + 1)
+                first = max(0, r.num_computed_tokens - self.kv.tied[0].window + 1)
                 for p in range(first, len(expected[r.request_id])):
                     if (
                         self.window_slots.get(window_table[p // bs] * bs + p % bs)

@@ -16,8 +16,8 @@ from kvserve.config import SchedulerConfig
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.scheduler import QueueFullError, Scheduler
 from kvserve.errors import PromptTooLongError
+from kvserve.kv.groups import WindowGroup, window_pool_blocks
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.window_blocks import WindowBlocks, window_pool_blocks
 from tests.bookkeeping.kv_helpers import (
     BLOCK_SIZE,
     ShadowKV,
@@ -108,7 +108,7 @@ def checked_step(sched: Scheduler, shadow: ShadowKV) -> None:
         r.check_stop_token()
         if r.is_finished:
             sched.finish(r, r.status)
-            assert r.request_id not in kv.req_blocks
+            assert r.request_id not in kv.full.tables
 
 
 def scheduler_for(config: dict, enable_caching: bool, window: int | None) -> tuple[Scheduler, int]:
@@ -119,8 +119,9 @@ def scheduler_for(config: dict, enable_caching: bool, window: int | None) -> tup
     window_group = None
     if window is not None:
         size = window_pool_blocks(window, BLOCK_SIZE, config["max_num_seqs"], config["budget"])
-        window_group = WindowBlocks(size, BLOCK_SIZE, window, enable_caching)
-    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, window=window_group)
+        window_group = WindowGroup(1, size, BLOCK_SIZE, window, enable_caching)
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching,
+                        more_groups=() if window_group is None else (window_group,))
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=config["max_num_seqs"],
@@ -165,7 +166,7 @@ def abort_one(sched: Scheduler, index: int) -> None:
         victim = live[index % len(live)]
         request = sched.abort(victim)
         assert request.status is RequestStatus.FINISHED_ABORTED
-        assert victim not in sched.kv.req_blocks and victim not in sched.requests
+        assert victim not in sched.kv.full.tables and victim not in sched.requests
 
 
 def drain_all(sched: Scheduler, shadow: ShadowKV, added: list) -> None:
@@ -179,7 +180,7 @@ def drain_all(sched: Scheduler, shadow: ShadowKV, added: list) -> None:
         check_scheduler_invariants(sched)
     assert not sched.has_unfinished, (
         f"stuck: running={[(r.request_id, r.num_computed_tokens, r.num_tokens) for r in sched.running]} "
-        f"waiting={[(r.request_id, r.num_tokens) for r in sched.waiting]} free={kv.pool.num_free_blocks}"
+        f"waiting={[(r.request_id, r.num_tokens) for r in sched.waiting]} free={kv.full.pool.num_free_blocks}"
     )
     for r in added:
         assert r.is_finished
@@ -223,5 +224,5 @@ def test_random_interleavings_keep_bookkeeping_consistent(enable_caching, window
         check_scheduler_invariants(sched)
     assert not sched.has_unfinished and not sched.requests
     assert leak_report(kv) == []
-    assert all(b.ref_count == 0 for b in kv.pool.blocks)
-    assert len(kv.pool.free_queue) == num_blocks
+    assert all(b.ref_count == 0 for b in kv.full.pool.blocks)
+    assert len(kv.full.pool.free_queue) == num_blocks

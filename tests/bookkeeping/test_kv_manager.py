@@ -44,11 +44,11 @@ def test_allocate_ten_token_prompt(make_manager):
     assert (hits, n) == ([], 0)
     assert kv.allocate_slots(a, 10)
     assert kv.block_ids("a") == [0, 1, 2]
-    assert ref_counts(kv.pool) == [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
-    assert free_ids(kv.pool) == [3, 4, 5, 6, 7, 8, 9]
+    assert ref_counts(kv.full.pool) == [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert free_ids(kv.full.pool) == [3, 4, 5, 6, 7, 8, 9]
     # the two full blocks are registered, the partial tail (tokens 8, 9) is not
-    assert cached_ids(kv.pool) == [0, 1]
-    blocks = kv.pool.blocks
+    assert cached_ids(kv.full.pool) == [0, 1]
+    blocks = kv.full.pool.blocks
     assert blocks[0].token_ids == (0, 1, 2, 3)
     assert blocks[1].token_ids == (4, 5, 6, 7)
     assert blocks[2].block_hash is None and blocks[2].token_ids is None
@@ -65,10 +65,10 @@ def test_free_releases_tail_first(make_manager):
     a = make_request("a", range(10))
     prefill(kv, a)
     kv.free(a)
-    assert free_ids(kv.pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
-    assert ref_counts(kv.pool) == [0] * 10
-    assert kv.req_blocks == {} and kv.num_cached_blocks == {}
-    assert kv.pool.num_cached_free_blocks == 2
+    assert free_ids(kv.full.pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert ref_counts(kv.full.pool) == [0] * 10
+    assert kv.full.tables == {} and kv.num_cached_blocks == {}
+    assert kv.full.pool.num_cached_free_blocks == 2
     assert kv.usage == 0.0  # cached-free blocks count as free
 
 
@@ -76,13 +76,13 @@ def test_tail_blocks_are_evicted_first_and_the_prefix_survives(make_manager):
     kv = make_manager(6)
     a = make_request("a", range(12))  # three full blocks
     prefill(kv, a)
-    assert cached_ids(kv.pool) == [0, 1, 2]
+    assert cached_ids(kv.full.pool) == [0, 1, 2]
     kv.free(a)
-    assert free_ids(kv.pool) == [3, 4, 5, 2, 1, 0]
+    assert free_ids(kv.full.pool) == [3, 4, 5, 2, 1, 0]
     other = make_request("other", range(100, 116))
     prefill(kv, other)
     assert kv.block_ids("other") == [3, 4, 5, 2]  # took a's tail block, not its prefix
-    assert free_ids(kv.pool) == [1, 0]
+    assert free_ids(kv.full.pool) == [1, 0]
     again = make_request("again", list(range(12)) + [12])
     hits, n = kv.get_computed_blocks(again)
     assert (ids(hits), n) == ([0, 1], 8)
@@ -92,7 +92,7 @@ def test_tail_blocks_are_evicted_first_and_the_prefix_survives(make_manager):
 def test_free_unknown_request_is_noop(make_manager):
     kv = make_manager(4)
     kv.free(make_request("ghost", [1, 2, 3]))
-    assert free_ids(kv.pool) == [0, 1, 2, 3]
+    assert free_ids(kv.full.pool) == [0, 1, 2, 3]
 
 
 # --- prefix hits ----------------------------------------------------------------------------------------
@@ -106,14 +106,14 @@ def test_second_request_with_same_prefix_gets_hits(make_manager):
     hits, n = kv.get_computed_blocks(b)
     assert (ids(hits), n) == ([0, 1], 8)
     # a lookup alone takes no reference
-    assert ref_counts(kv.pool) == [0] * 10
-    assert free_ids(kv.pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert ref_counts(kv.full.pool) == [0] * 10
+    assert free_ids(kv.full.pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
 
     assert kv.allocate_slots(b, 2, hits)
     b.num_computed_tokens = 10
     assert kv.block_ids("b") == [0, 1, 3]
-    assert ref_counts(kv.pool) == [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]
-    assert free_ids(kv.pool) == [4, 5, 6, 7, 8, 9, 2]
+    assert ref_counts(kv.full.pool) == [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]
+    assert free_ids(kv.full.pool) == [4, 5, 6, 7, 8, 9, 2]
     assert kv.num_cached_blocks == {"b": 2}
 
     # a third request shares the same two blocks while b still holds them
@@ -122,23 +122,23 @@ def test_second_request_with_same_prefix_gets_hits(make_manager):
     assert (ids(hits), n) == ([0, 1], 8)
     assert kv.allocate_slots(c, 1, hits)
     assert kv.block_ids("c") == [0, 1, 4]
-    assert ref_counts(kv.pool)[:5] == [2, 2, 0, 1, 1]
-    assert free_ids(kv.pool) == [5, 6, 7, 8, 9, 2]
+    assert ref_counts(kv.full.pool)[:5] == [2, 2, 0, 1, 1]
+    assert free_ids(kv.full.pool) == [5, 6, 7, 8, 9, 2]
 
     kv.free(b)
-    assert ref_counts(kv.pool)[:5] == [1, 1, 0, 0, 1]
-    assert free_ids(kv.pool) == [5, 6, 7, 8, 9, 2, 3]
+    assert ref_counts(kv.full.pool)[:5] == [1, 1, 0, 0, 1]
+    assert free_ids(kv.full.pool) == [5, 6, 7, 8, 9, 2, 3]
     kv.free(c)
-    assert free_ids(kv.pool) == [5, 6, 7, 8, 9, 2, 3, 4, 1, 0]
+    assert free_ids(kv.full.pool) == [5, 6, 7, 8, 9, 2, 3, 4, 1, 0]
 
 
 def test_hit_stops_at_least_one_token_short(make_manager):
     kv = make_manager(10)
     a = make_request("a", range(8))  # exactly two full blocks
     prefill(kv, a)
-    assert cached_ids(kv.pool) == [0, 1]
+    assert cached_ids(kv.full.pool) == [0, 1]
     kv.free(a)
-    assert free_ids(kv.pool) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
+    assert free_ids(kv.full.pool) == [2, 3, 4, 5, 6, 7, 8, 9, 1, 0]
 
     # the same 8 tokens: only 1 block of 4 may be a hit, the last token must be computed
     b = make_request("b", range(8))
@@ -147,9 +147,9 @@ def test_hit_stops_at_least_one_token_short(make_manager):
     assert kv.allocate_slots(b, 4, hits)
     assert kv.block_ids("b") == [0, 2]
     # b's second block holds the same content as cached block 1: the first copy stays registered
-    assert kv.pool.blocks[2].block_hash is None
-    assert kv.pool.cached[b.block_hashes[1]] is kv.pool.blocks[1]
-    assert free_ids(kv.pool) == [3, 4, 5, 6, 7, 8, 9, 1]
+    assert kv.full.pool.blocks[2].block_hash is None
+    assert kv.full.pool.cached[b.block_hashes[1]] is kv.full.pool.blocks[1]
+    assert free_ids(kv.full.pool) == [3, 4, 5, 6, 7, 8, 9, 1]
 
     # one more token and both blocks are usable
     c = make_request("c", range(9))
@@ -173,14 +173,14 @@ def test_gap_in_cached_chain_ends_the_hit(make_manager):
     for t in (100, 101, 102, 103):
         decode_one(kv, b, t)
     assert kv.block_ids("b") == [0, 2, 3]
-    assert cached_ids(kv.pool) == [0, 1, 3]  # block 3 is registered under the chain h0, h1, h2
-    assert free_ids(kv.pool) == [4, 5, 1]
+    assert cached_ids(kv.full.pool) == [0, 1, 3]  # block 3 is registered under the chain h0, h1, h2
+    assert free_ids(kv.full.pool) == [4, 5, 1]
     other = make_request("other", range(200, 210))
     prefill(kv, other)
     assert kv.block_ids("other") == [4, 5, 1]  # evicts block 1, the middle of b's chain
     kv.free(other)
-    assert cached_ids(kv.pool) == [0, 3, 4, 5]  # 4 and 5 hold other's two full blocks
-    assert kv.pool.blocks[1].block_hash is None
+    assert cached_ids(kv.full.pool) == [0, 3, 4, 5]  # 4 and 5 hold other's two full blocks
+    assert kv.full.pool.blocks[1].block_hash is None
 
     c = make_request("c", list(range(8)) + [100, 101, 102, 103, 7])
     hits, n = kv.get_computed_blocks(c)
@@ -205,12 +205,12 @@ def test_partial_tail_block_is_never_cached(make_manager):
     a = make_request("a", range(10))
     prefill(kv, a)
     kv.free(a)
-    assert len(kv.pool.cached) == 2
+    assert len(kv.full.pool.cached) == 2
     # a longer prompt that extends a's partial block: only the two full blocks hit
     b = make_request("b", range(13))
     hits, n = kv.get_computed_blocks(b)
     assert (ids(hits), n) == ([0, 1], 8)
-    assert kv.pool.blocks[2].block_hash is None
+    assert kv.full.pool.blocks[2].block_hash is None
 
 
 def test_chunked_prefill_registers_blocks_as_they_fill(make_manager):
@@ -218,7 +218,7 @@ def test_chunked_prefill_registers_blocks_as_they_fill(make_manager):
     a = make_request("a", range(10))
     assert kv.allocate_slots(a, 6)  # first chunk: tokens 0..5
     assert kv.block_ids("a") == [0, 1]
-    assert cached_ids(kv.pool) == [0]
+    assert cached_ids(kv.full.pool) == [0]
     assert kv.num_cached_blocks == {"a": 1}
     probe = make_request("probe", range(10))
     hits, n = kv.get_computed_blocks(probe)
@@ -226,7 +226,7 @@ def test_chunked_prefill_registers_blocks_as_they_fill(make_manager):
     a.num_computed_tokens = 6
     assert kv.allocate_slots(a, 4)  # second chunk: tokens 6..9
     assert kv.block_ids("a") == [0, 1, 2]
-    assert cached_ids(kv.pool) == [0, 1]
+    assert cached_ids(kv.full.pool) == [0, 1]
     assert kv.num_cached_blocks == {"a": 2}
     hits, n = kv.get_computed_blocks(probe)
     assert (ids(hits), n) == ([0, 1], 8)
@@ -238,19 +238,19 @@ def test_decode_that_fills_a_block_registers_it(make_manager):
     r = make_request("r", range(6))
     prefill(kv, r)
     assert kv.block_ids("r") == [0, 1]
-    assert cached_ids(kv.pool) == [0]
+    assert cached_ids(kv.full.pool) == [0]
     decode_one(kv, r, 6)  # 7 tokens: block 1 still partial
     assert kv.block_ids("r") == [0, 1]
-    assert cached_ids(kv.pool) == [0]
+    assert cached_ids(kv.full.pool) == [0]
     decode_one(kv, r, 7)  # 8 tokens: block 1 full
     assert kv.block_ids("r") == [0, 1]
-    assert cached_ids(kv.pool) == [0, 1]
-    assert kv.pool.blocks[1].token_ids == (4, 5, 6, 7)
+    assert cached_ids(kv.full.pool) == [0, 1]
+    assert kv.full.pool.blocks[1].token_ids == (4, 5, 6, 7)
     assert kv.num_cached_blocks == {"r": 2}
     decode_one(kv, r, 8)  # 9 tokens: a new block
     assert kv.block_ids("r") == [0, 1, 2]
-    assert free_ids(kv.pool) == [3, 4, 5, 6, 7, 8, 9]
-    assert cached_ids(kv.pool) == [0, 1]
+    assert free_ids(kv.full.pool) == [3, 4, 5, 6, 7, 8, 9]
+    assert cached_ids(kv.full.pool) == [0, 1]
 
     # a new prompt equal to r's tokens so far shares the decoded block while r runs
     s = make_request("s", range(9))
@@ -258,10 +258,10 @@ def test_decode_that_fills_a_block_registers_it(make_manager):
     assert (ids(hits), n) == ([0, 1], 8)
     assert kv.allocate_slots(s, 1, hits)
     assert kv.block_ids("s") == [0, 1, 3]
-    assert ref_counts(kv.pool)[:4] == [2, 2, 1, 1]
+    assert ref_counts(kv.full.pool)[:4] == [2, 2, 1, 1]
     kv.free(r)
     kv.free(s)
-    assert free_ids(kv.pool) == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
+    assert free_ids(kv.full.pool) == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
 
 
 def test_salt_separates_caches(make_manager):
@@ -274,7 +274,7 @@ def test_salt_separates_caches(make_manager):
     assert b.block_hashes[0] != a.block_hashes[0]
     assert kv.allocate_slots(b, 10, hits)
     assert kv.block_ids("b") == [3, 4, 5]
-    assert cached_ids(kv.pool) == [0, 1, 3, 4]  # the same content is cached once per salt
+    assert cached_ids(kv.full.pool) == [0, 1, 3, 4]  # the same content is cached once per salt
     assert kv.get_computed_blocks(make_request("nosalt", range(10))) == ([], 0)
     hits, n = kv.get_computed_blocks(make_request("a2", range(10), cache_salt="alice"))
     assert (ids(hits), n) == ([0, 1], 8)
@@ -324,10 +324,10 @@ def test_caching_disabled(make_manager):
     a = make_request("a", range(10))
     prefill(kv, a)
     assert kv.block_ids("a") == [0, 1, 2]
-    assert kv.pool.cached == {}
-    assert all(b.block_hash is None for b in kv.pool.blocks)
+    assert kv.full.pool.cached == {}
+    assert all(b.block_hash is None for b in kv.full.pool.blocks)
     kv.free(a)
-    assert free_ids(kv.pool) == [3, 4, 5, 2, 1, 0]
+    assert free_ids(kv.full.pool) == [3, 4, 5, 2, 1, 0]
     b = make_request("b", range(10))
     assert kv.get_computed_blocks(b) == ([], 0)
     assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
@@ -342,8 +342,8 @@ def test_reset_prefix_cache(make_manager):
     prefill(kv, a)
     kv.free(a)
     kv.reset_prefix_cache()
-    assert kv.pool.cached == {}
-    assert free_ids(kv.pool) == [3, 4, 5, 2, 1, 0]
+    assert kv.full.pool.cached == {}
+    assert free_ids(kv.full.pool) == [3, 4, 5, 2, 1, 0]
     assert kv.get_computed_blocks(make_request("b", range(10))) == ([], 0)
 
 
@@ -353,13 +353,13 @@ def test_allocate_slots_false_leaves_state_unchanged(make_manager):
     a = make_request("a", range(12))
     prefill(kv, a)
     assert kv.block_ids("a") == [0, 1, 2]
-    assert free_ids(kv.pool) == []
+    assert free_ids(kv.full.pool) == []
 
     b = make_request("b", range(50, 55))
     before = manager_snapshot(kv)
     assert kv.allocate_slots(b, 5) is False
     assert manager_snapshot(kv) == before
-    assert "b" not in kv.req_blocks and "b" not in kv.num_cached_blocks
+    assert "b" not in kv.full.tables and "b" not in kv.num_cached_blocks
 
     # a running request that needs a fourth block for its next token
     a.append_token(12)
@@ -378,7 +378,7 @@ def test_allocate_slots_counts_cached_free_hits_as_unavailable(make_manager):
     holder = make_request("holder", [50, 51, 52])
     prefill(kv, holder)
     assert kv.block_ids("holder") == [3]
-    assert free_ids(kv.pool) == [2, 1, 0]
+    assert free_ids(kv.full.pool) == [2, 1, 0]
 
     # 13 tokens: hits [0, 1] leave 1 free block, but 2 more are needed
     b = make_request("b", list(range(8)) + [60, 61, 62, 63, 64])
@@ -387,7 +387,7 @@ def test_allocate_slots_counts_cached_free_hits_as_unavailable(make_manager):
     before = manager_snapshot(kv)
     assert kv.allocate_slots(b, 5, hits) is False
     assert manager_snapshot(kv) == before
-    assert ref_counts(kv.pool) == [0, 0, 0, 1]
+    assert ref_counts(kv.full.pool) == [0, 0, 0, 1]
 
     # 12 tokens: one new block is needed and exactly one is available
     c = make_request("c", list(range(8)) + [60, 61, 62, 63])
@@ -395,12 +395,12 @@ def test_allocate_slots_counts_cached_free_hits_as_unavailable(make_manager):
     assert (ids(hits), n) == ([0, 1], 8)
     assert kv.allocate_slots(c, 4, hits)
     assert kv.block_ids("c") == [0, 1, 2]
-    assert free_ids(kv.pool) == []
-    assert ref_counts(kv.pool) == [1, 1, 1, 1]
-    assert cached_ids(kv.pool) == [0, 1, 2]
+    assert free_ids(kv.full.pool) == []
+    assert ref_counts(kv.full.pool) == [1, 1, 1, 1]
+    assert cached_ids(kv.full.pool) == [0, 1, 2]
     kv.free(c)
     kv.free(holder)
-    assert free_ids(kv.pool) == [2, 1, 0, 3]
+    assert free_ids(kv.full.pool) == [2, 1, 0, 3]
 
 
 # --- the teardown check itself --------------------------------------------------------------------------
@@ -416,7 +416,7 @@ def test_leak_report_detects_held_and_lost_blocks(make_manager):
     kv.free(a)
     assert leak_report(kv) == []
     # a block lost from the free queue without being referenced is also reported
-    lost = kv.pool.free_queue.popitem(last=False)[1]
+    lost = kv.full.pool.free_queue.popitem(last=False)[1]
     assert any("free queue has 3 blocks" in p for p in leak_report(kv))
-    kv.pool.free_queue[lost.block_id] = lost
+    kv.full.pool.free_queue[lost.block_id] = lost
     assert leak_report(kv) == []

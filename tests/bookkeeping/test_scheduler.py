@@ -60,7 +60,7 @@ def test_budget_splits_long_prompt_into_chunks(make_scheduler):
     assert tables == [[0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]]
     assert r.output_token_ids == [1020, 1021, 1022]
     assert r.status is RequestStatus.FINISHED_LENGTH
-    assert free_ids(sched.kv.pool) == [6, 7, 5, 4, 3, 2, 1, 0]
+    assert free_ids(sched.kv.full.pool) == [6, 7, 5, 4, 3, 2, 1, 0]
 
 
 def test_budget_is_shared_by_waiting_prompts_in_order(make_scheduler):
@@ -142,7 +142,7 @@ def test_preempts_newest_running_request_and_everything_completes(make_scheduler
     assert step(sched, shadow).scheduled == [("A", 7), ("B", 7)]
     assert (sched.kv.block_ids("A"), sched.kv.block_ids("B")) == ([0, 1], [2, 3])
     assert step(sched, shadow).scheduled == [("A", 1), ("B", 1)]  # 8 tokens each: still 2 blocks
-    assert free_ids(sched.kv.pool) == []
+    assert free_ids(sched.kv.full.pool) == []
 
     res = step(sched, shadow)  # A needs a third block: B, the newest, is preempted
     assert res.preempted == ["B"]
@@ -152,10 +152,10 @@ def test_preempts_newest_running_request_and_everything_completes(make_scheduler
     assert b.status is RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0
     assert b.output_token_ids == [1007, 1008]  # generated tokens are kept and recomputed later
-    assert "B" not in sched.kv.req_blocks
+    assert "B" not in sched.kv.full.tables
     assert sched.kv.block_ids("A") == [0, 1, 3]  # B's tail block went first
-    assert ref_counts(sched.kv.pool) == [1, 1, 0, 1]
-    assert free_ids(sched.kv.pool) == [2]
+    assert ref_counts(sched.kv.full.pool) == [1, 1, 0, 1]
+    assert free_ids(sched.kv.full.pool) == [2]
     assert sched.num_preemptions == 1 and b.metrics.num_preemptions == 1
 
     run_until_done(sched, shadow=shadow)
@@ -176,7 +176,7 @@ def test_request_that_cannot_grow_preempts_itself_and_resumes_from_cache(make_sc
     assert res.scheduled == [("A", 1)]
     assert res.preempted == ["B"]
     assert sched.kv.block_ids("A") == [0, 1, 4]
-    assert free_ids(sched.kv.pool) == [3, 2]
+    assert free_ids(sched.kv.full.pool) == [3, 2]
     assert b.num_computed_tokens == 0 and b.num_tokens == 9
 
     # while A runs, B's prefix hits (blocks 2 and 3, cached-free) cannot be topped up with a new block
@@ -184,7 +184,7 @@ def test_request_that_cannot_grow_preempts_itself_and_resumes_from_cache(make_sc
     res = step(sched, shadow)
     assert res.scheduled == [("A", 1)]
     assert [r.request_id for r in res.finished] == ["A"]
-    assert free_ids(sched.kv.pool) == [3, 2, 4, 1, 0]
+    assert free_ids(sched.kv.full.pool) == [3, 2, 4, 1, 0]
 
     res = step(sched, shadow)  # B comes back with both full blocks from the cache
     assert res.scheduled == [("B", 1)]
@@ -227,7 +227,7 @@ def test_no_admission_in_a_step_that_preempted(make_scheduler):
     for _ in range(4):
         assert step(sched, shadow).scheduled == [("A", 1), ("V", 1)]
     assert (sched.kv.block_ids("A"), sched.kv.block_ids("V")) == ([0, 1, 3], [0, 2, 4])
-    assert free_ids(sched.kv.pool) == []
+    assert free_ids(sched.kv.full.pool) == []
     queries = sched.kv.prefix_queries
 
     res = step(sched, shadow)
@@ -235,13 +235,13 @@ def test_no_admission_in_a_step_that_preempted(make_scheduler):
     assert res.scheduled == [("A", 1)]
     assert [r.request_id for r in sched.waiting] == ["V"]
     assert sched.kv.block_ids("A") == [0, 1, 3, 4]
-    assert free_ids(sched.kv.pool) == [2]
+    assert free_ids(sched.kv.full.pool) == [2]
     assert sched.kv.prefix_queries == queries  # not even looked up
 
     res = step(sched, shadow)  # back, sharing A's three full blocks
     assert res.scheduled == [("A", 1), ("V", 1)]
     assert sched.kv.block_ids("V") == [0, 1, 3, 2]
-    assert ref_counts(sched.kv.pool) == [2, 2, 1, 2, 1]
+    assert ref_counts(sched.kv.full.pool) == [2, 2, 1, 2, 1]
     run_until_done(sched, shadow=shadow)
     assert a.output_token_ids == v.output_token_ids == list(range(1008, 1016))
 
@@ -267,8 +267,8 @@ def test_abort_mid_prefill_frees_blocks(make_scheduler):
     assert sched.abort("r") is r
     assert r.status is RequestStatus.FINISHED_ABORTED
     assert not sched.running and not sched.requests
-    assert free_ids(sched.kv.pool) == [2, 3, 4, 5, 6, 7, 1, 0]
-    assert ref_counts(sched.kv.pool) == [0] * 8
+    assert free_ids(sched.kv.full.pool) == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert ref_counts(sched.kv.full.pool) == [0] * 8
     # the computed full blocks stay reusable
     hits, n = sched.kv.get_computed_blocks(make_request("probe", range(10)))
     assert ([h.block_id for h in hits], n) == ([0, 1], 8)
@@ -283,11 +283,11 @@ def test_abort_running_decode_keeps_shared_blocks_for_the_other_owner(make_sched
     assert step(sched, shadow).scheduled == [("a", 1), ("b", 1)]
     assert sched.kv.block_ids("a") == [0, 1, 2]
     assert sched.kv.block_ids("b") == [0, 1, 3]
-    assert ref_counts(sched.kv.pool)[:4] == [2, 2, 1, 1]
+    assert ref_counts(sched.kv.full.pool)[:4] == [2, 2, 1, 1]
     sched.abort("a")
     assert a.status is RequestStatus.FINISHED_ABORTED
-    assert ref_counts(sched.kv.pool)[:4] == [1, 1, 0, 1]
-    assert free_ids(sched.kv.pool) == [4, 5, 6, 7, 2]
+    assert ref_counts(sched.kv.full.pool)[:4] == [1, 1, 0, 1]
+    assert free_ids(sched.kv.full.pool) == [4, 5, 6, 7, 2]
     check_scheduler_invariants(sched)
     run_until_done(sched, shadow=shadow)
     assert b.status is RequestStatus.FINISHED_LENGTH and len(b.output_token_ids) == 3

@@ -180,7 +180,7 @@ def test_async_engine_streams_and_aborts_on_disconnect(tiny_llama):
     try:
         asyncio.run(main())
         _wait_until_idle(async_engine)
-        assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+        assert engine.kv.full.pool.num_free_blocks == engine.kv.num_blocks
     finally:
         async_engine.shutdown()
 
@@ -202,7 +202,7 @@ def test_async_engine_abort_from_elsewhere_ends_the_stream(tiny_llama):
         outs = asyncio.run(main())
         assert outs[-1].finished and outs[-1].finish_reason == "abort"
         _wait_until_idle(async_engine)
-        assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+        assert engine.kv.full.pool.num_free_blocks == engine.kv.num_blocks
     finally:
         async_engine.shutdown()
 

@@ -94,7 +94,7 @@ def run_alone(engine, prompts: list[list[int]], tag: str) -> list[Output]:
 
 def assert_no_blocks_held(engine) -> None:
     assert not engine.has_unfinished_requests()
-    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+    assert engine.kv.full.pool.num_free_blocks == engine.kv.num_blocks
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

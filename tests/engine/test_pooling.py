@@ -38,7 +38,7 @@ def pooled(engine, batch: list[list[int]], pooling: str, beside: int = 0) -> lis
             if out.finished and out.request_id in {r.request_id for r in requests}:
                 assert out.finish_reason == "stop" and out.token_ids == [] and out.error is None
                 done[out.request_id] = out.embedding
-    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks  # nothing held after
+    assert engine.kv.full.pool.num_free_blocks == engine.kv.num_blocks  # nothing held after
     return [done[r.request_id] for r in requests]
 
 

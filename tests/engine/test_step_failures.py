@@ -79,7 +79,7 @@ def test_blocks_of_a_failed_step_are_not_served_from_the_prefix_cache(tiny_llama
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).request_id
     final = engine.run_to_completion()
     assert final[rid].finish_reason == "error"  # it was alone in the failed step
-    cached = {b.token_ids for b in engine.kv.pool.cached.values()}
+    cached = {b.token_ids for b in engine.kv.full.pool.cached.values()}
     assert tuple(prompt[32:48]) not in cached and tuple(prompt[48:64]) not in cached
     assert tuple(prompt[:16]) in cached  # computed before the failure: still valid
     rid = engine.add_request(prompt, GREEDY).request_id

@@ -10,7 +10,7 @@ import torch
 
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kv.cache_types import kv_bytes_per_token_per_layer
-from kvserve.kv.window_blocks import window_pool_blocks
+from kvserve.kv.groups import window_pool_blocks
 from kvserve.models.loader import load_model
 from tests.support import make_engine, recorded_steps
 
@@ -68,7 +68,7 @@ def test_same_logits_as_every_token_kept(gemma3, prompts, cache_types, budget, c
     a, b = recorded_run(windowed, prompts), recorded_run(full, prompts)
     assert_same_steps(a, b)
     assert windowed.runner.native_decode.calls > 0  # the one-call step ran on the window tables
-    assert windowed.scheduler.requests == {} and windowed.kv.window.num_held_blocks() == 0
+    assert windowed.scheduler.requests == {} and windowed.kv.tied[0].num_held_blocks() == 0
     # the second request reused the first one's prefix in both engines
     assert windowed.kv.prefix_hits == full.kv.prefix_hits > WINDOW
 
@@ -81,7 +81,7 @@ def test_window_pool_holds_a_window_per_request(gemma3, prompts, check_no_leaks)
     for _ in range(5):
         engine.step()
     request = engine.scheduler.requests["r0"]
-    window_table = engine.kv.window_block_ids("r0")
+    window_table = engine.kv.tied[0].block_ids("r0")
     held = [b for b in window_table if b != 0]
     assert len(window_table) == len(engine.kv.block_ids("r0")) == -(-request.num_computed_tokens // 16)
     # blocks from the one holding position computed - window + 1 on, no more
@@ -131,10 +131,10 @@ def test_the_pool_frame_shows_the_window_pool(gemma3, prompts, check_no_leaks):
     for _ in range(4):
         engine.step()
     frame = view.frame()
-    storage, window = engine.storage, engine.kv.window
+    storage, window = engine.storage, engine.kv.tied[0]
     assert len(frame.window_blocks) == window.pool.num_blocks - 1 and frame.window_size == WINDOW
     (request,) = frame.requests
-    assert request.window_blocks == engine.kv.window_block_ids("r0") and request.window_blocks[0] == 0
+    assert request.window_blocks == engine.kv.tied[0].block_ids("r0") and request.window_blocks[0] == 0
     held = sum(1 for b in request.window_blocks if b)
     assert frame.window_blocks.count("1") == held
     assert request.kv_bytes == (len(request.blocks) * storage.kv_group_bytes_per_block(0)

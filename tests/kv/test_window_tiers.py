@@ -65,11 +65,11 @@ def computed(gemma, prompts, tmp_path_factory):
     window pool, then saves the prompt's cache file and serves the continuation."""
     root = tmp_path_factory.mktemp("window_tiers")
     engine = _engine(gemma, disk_cache_dir=root / "disk")
-    assert engine.kv.window.enabled and engine.storage.windowed
+    assert engine.kv.tied and engine.storage.windowed
     _run(engine, prompts[0], SamplingParams(temperature=0, max_tokens=1))
     engine.disk.flush()
     files_written = engine.disk.stats.blocks_written
-    other = gemma.tokenizer.encode(default_text()[20000:26000])[: engine.kv.window.pool.num_blocks * BLOCK]
+    other = gemma.tokenizer.encode(default_text()[20000:26000])[: engine.kv.tied[0].pool.num_blocks * BLOCK]
     _run(engine, other, SamplingParams(temperature=0, max_tokens=1))
     assert save_prompt_cache(engine.cache, prompts[0], root / "prompt.kvc") == PROMPT_TOKENS
     again = _run(engine, prompts[1])
@@ -98,7 +98,7 @@ def test_a_restart_serves_the_prompt_from_disk_with_its_window(gemma, prompts, e
     assert out.metrics.num_cached_tokens == PROMPT_TOKENS > 0.9 * len(prompts[0])
     assert engine.kv.prefix_tier_hits == PROMPT_TOKENS
     window_parts_read = engine.disk.stats.blocks_read - PROMPT_TOKENS // BLOCK
-    assert window_parts_read == PROMPT_TOKENS // BLOCK - engine.kv.window.first_live(PROMPT_TOKENS)
+    assert window_parts_read == PROMPT_TOKENS // BLOCK - engine.kv.tied[0].first_live(PROMPT_TOKENS)
     assert out.token_ids == expected
     engine.close()
 
@@ -106,7 +106,7 @@ def test_a_restart_serves_the_prompt_from_disk_with_its_window(gemma, prompts, e
 def test_a_prompt_cache_file_carries_the_window(gemma, prompts, expected, computed, check_no_leaks):
     header, _ = read_prompt_cache(computed.root / "prompt.kvc")
     engine = _engine(gemma)
-    last_window = range(engine.kv.window.first_live(PROMPT_TOKENS), PROMPT_TOKENS // BLOCK)
+    last_window = range(engine.kv.tied[0].first_live(PROMPT_TOKENS), PROMPT_TOKENS // BLOCK)
     assert set(last_window) <= set(header["window_blocks"])
     check_no_leaks.append(engine)
     installed, _ = load_prompt_cache(engine.cache, computed.root / "prompt.kvc")

@@ -119,5 +119,5 @@ def test_inputs_of_many_callers_share_the_engines_steps(tmp_path):
     for got, expected in zip(asyncio.run(together()), alone, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert max(scheduled) > len(TEXTS)  # several callers' inputs in one step
-    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+    assert engine.kv.full.pool.num_free_blocks == engine.kv.num_blocks
     encoder.close()

@@ -121,8 +121,8 @@ def test_a_subscriber_rebuilds_the_cached_set(tiny_llama, tmp_path):
             if round_ == 1:
                 engine.kv.reset_prefix_cache()
                 engine.flush_kv_events()
-        expected = {wire_hash(h) for h in engine.kv.pool.cached}
-        assert len(expected) == len(engine.kv.pool.cached)  # no two hashes share their low 64 bits
+        expected = {wire_hash(h) for h in engine.kv.full.pool.cached}
+        assert len(expected) == len(engine.kv.full.pool.cached)  # no two hashes share their low 64 bits
     finally:
         publisher.close()
     try:
@@ -156,7 +156,7 @@ def test_blocks_cached_before_the_subscription_are_sent_first(tiny_llama, tmp_pa
         (event,) = sub.batches[0].events
         assert isinstance(event, BlockStored) and event.parent_block_hash is None
         assert event.token_ids == list(range(3, 3 + 3 * BS))
-        assert sub.cached() == {wire_hash(h) for h in engine.kv.pool.cached}
+        assert sub.cached() == {wire_hash(h) for h in engine.kv.full.pool.cached}
     finally:
         sub.close()
 

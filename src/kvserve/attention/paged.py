@@ -13,7 +13,7 @@ to the longest context, with a length mask:
                                                  (one index_select of head-major blocks, no transpose)
     mask         key index < context_len (and > position - window in sliding-window layers)
 
-With a window group (``kv.window_blocks``), the sliding layers write and read through the window
+With a window group (``kv.groups``), the sliding layers write and read through the window
 tables and slots beside the block tables and slots; ``kv_group`` picks them for a layer.
 """
 

@@ -135,12 +135,12 @@ def _save_or_load(cmd: str, path: Path, engine, chat: ChatSession) -> None:
 
 def cache_report(engine) -> str:
     """The KV pool as blocks (in use, shared, cached-free, free) and bytes by K and V type."""
-    pool = engine.kv.pool
+    pool = engine.kv.snapshot(blocks=True).full
     cache = engine.config.cache
-    in_use = sum(1 for b in pool.blocks if b.ref_count > 0)
-    shared = sum(1 for b in pool.blocks if b.ref_count > 1)
-    cached_free = pool.num_cached_free_blocks
-    free = pool.num_free_blocks - cached_free
+    in_use = sum(1 for state in pool.block_states if state > 0)
+    shared = sum(1 for state in pool.block_states if state > 1)
+    cached_free = pool.block_states.count(-1)
+    free = pool.num_free - cached_free
     cfg = engine.model_config
     per_vector_tokens = cfg.num_layers * cfg.num_kv_heads * cache.block_size  # head-vectors per block, K or V
     k_block = per_vector_tokens * engine.storage.k_codec.bytes_per_vector()

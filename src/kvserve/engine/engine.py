@@ -26,13 +26,13 @@ from kvserve.kv.cache import KVCache
 from kvserve.kv.cache_types import kv_bytes_per_token
 from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.events import KVEvent, KVEventLog
+from kvserve.kv.groups import WindowGroup
 from kvserve.kv.hashing import PROCESS_KEY, cache_key
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import DiskOffload
 from kvserve.kv.pool_sizing import pool_size
 from kvserve.kv.storage import PagedKVStorage
 from kvserve.kv.type_choice import context_advice
-from kvserve.kv.window_blocks import WindowBlocks
 from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import LoadedModel, load_model
 
@@ -70,12 +70,13 @@ class LLMEngine:
                 ) from None
             self.offload = DiskOffload(self.storage, self.disk)
             hash_key = cache_key(self.disk.secret, self.cache_identity)
-        window = None
+        groups = ()
         if size.window_layers:
-            window = WindowBlocks(size.num_window_blocks, config.cache.block_size,
-                                  loaded.config.sliding_window, config.cache.enable_prefix_caching)
+            groups = (WindowGroup(self.storage.window_kv_group, size.num_window_blocks,
+                                  config.cache.block_size, loaded.config.sliding_window,
+                                  config.cache.enable_prefix_caching),)
         self.kv = KVCacheManager(size.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                 hash_key, self.offload, window)
+                                 hash_key, self.offload, groups)
         # the cache as one typed object, for what reads and writes its blocks outside the engine (prompt-cache
         # files)
         self.cache = KVCache(self.kv, self.storage, lambda: self.cache_identity, loaded.config.vocab_size,
@@ -336,13 +337,13 @@ class LLMEngine:
     def publish_kv_events(self, sink: Callable[[list[KVEvent]], None]) -> None:
         """From now on, hand ``sink`` the prefix cache's events (``kv.events``) after every step,
         starting with the blocks cached already. The sink runs on the engine's thread: it must not block."""
-        self.kv.pool.events = KVEventLog("GPU" if self.loaded.model.device.type == "cuda" else "CPU")
-        self.kv.pool.record_cached()
+        self.kv.full.pool.events = KVEventLog("GPU" if self.loaded.model.device.type == "cuda" else "CPU")
+        self.kv.full.pool.record_cached()
         self._kv_event_sink = sink
         self.flush_kv_events()
 
     def flush_kv_events(self) -> None:
-        pending = self.kv.pool.events
+        pending = self.kv.full.pool.events
         if self._kv_event_sink is not None and pending is not None and pending.events:
             self._kv_event_sink(pending.take())
 

@@ -3,20 +3,22 @@ cache, and prompt-cache files. A loaded block is cached-free, like any hit not t
 its chain exactly as a computed one would be; where the pool already caches that hash under another
 chain, loading stops there.
 
-For a model with sliding-window layers, a prefix is only as long as the window group can serve it, so
-loading a prefix loads the window parts its next query reads too (``WindowBlocks.first_live`` .. the
-last block); without them the hit would be cut short.
+A prefix is only as long as every KV group can serve it (``kv.groups``), so loading a prefix also loads
+the other groups' parts its next query reads (``KVGroup.first_live`` .. the last block: the last window's,
+for the sliding-window layers); without them the hit would be cut short.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.disk_tier import BlockKey
-from kvserve.kv.hashing import salt_digest, window_part_hash
-from kvserve.kv.window_blocks import WINDOW_KV_GROUP, NoWindow, WindowBlocks
+from kvserve.kv.hashing import salt_digest
+
+if TYPE_CHECKING:
+    from kvserve.kv.groups import KVGroup
 
 
 class CacheableRequest(Protocol):
@@ -41,12 +43,12 @@ class BlockSource(Protocol):
     """Where blocks can be loaded from into the pool (the disk tier, a prompt-cache file)."""
 
     def contains(self, block_hash: int) -> bool:
-        """Whether it holds the block (or window part, see ``hashing.window_part_hash``) of that hash."""
+        """Whether it holds the block (or a group's part of one, ``KVGroup.part_hash``) of that hash."""
         ...
 
     def load(self, block_ids: list[int], keys: list[BlockKey], kv_group: int = 0) -> int:
         """Fill the pool's blocks ``block_ids`` with the blocks ``keys``; how many, from the first, it did.
-        ``kv_group`` 1: the window group's blocks, ``keys`` their ``BlockKey.window_part``s."""
+        ``kv_group``: the storage's group they are parts of (``keys``: their ``KVGroup.part_key``s)."""
         ...
 
 
@@ -60,9 +62,10 @@ class LowerTier(BlockSource, Protocol):
 
 
 class BlockLoader:
-    def __init__(self, pool: BlockPool, window: WindowBlocks | NoWindow, block_size: int) -> None:
-        self.pool = pool
-        self.window = window
+    """Loads a chain into the full group's pool (``load``), and any group's parts of it (``load_parts``)."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool  # the full group's
         self.block_size = block_size
 
     def num_held(self, source: BlockSource, request: CacheableRequest, start: int, max_blocks: int) -> int:
@@ -104,43 +107,38 @@ class BlockLoader:
         chunk = tuple(request.all_token_ids[index * bs : (index + 1) * bs])
         return BlockKey.in_chain(request.block_hashes, index, chunk, salt_digest(request.cache_salt))
 
-    # --- the window group's parts ---------------------------------------------------------------------
-    def window_hit(self, request: CacheableRequest, hits: list[KVBlock], index: int) -> KVBlock | None:
-        """The window pool's cached part of block ``index``, tied to the full group's ``hits[index]``."""
-        return self.window.lookup(index, hits, request.block_hashes, request.all_token_ids,
-                                  request.cache_salt)
-
-    def load_window_parts(self, request: CacheableRequest, hits: list[KVBlock], source: BlockSource) -> None:
-        """Load from ``source`` the window parts a query after ``hits`` reads (``first_live`` .. the
-        last hit) that the window pool lacks. A part ``source`` cannot give (absent, corrupt) cuts the
-        hit before it, so the window ending there is tried next; a window pool without room for the
-        parts gives up (``reusable_prefix`` then cuts the hit to what the pool holds)."""
+    # --- another group's parts ------------------------------------------------------------------------
+    def load_parts(self, group: KVGroup, request: CacheableRequest, hits: list[KVBlock],
+                   source: BlockSource) -> None:
+        """Load from ``source`` the parts of ``group`` a query after ``hits`` reads (``first_live`` .. the
+        last hit) that its pool lacks. A part ``source`` cannot give (absent, corrupt) cuts the hit
+        before it, so the live range ending there is tried next; a pool without room for the parts
+        gives up (``reusable_prefix`` then cuts the hit to what the pool holds)."""
         end = len(hits)
         while end > 0:
-            live = range(self.window.first_live(end * self.block_size), end)
-            found = [self.window_hit(request, hits, i) for i in live]
+            live = range(group.first_live(end * self.block_size), end)
+            found = [group.part(i, hits, request) for i in live]
             missing = [i for i, block in zip(live, found, strict=True) if block is None]
             held = [block for block in found if block is not None]
             absent = next(
-                (i for i in missing if not source.contains(window_part_hash(request.block_hashes[i]))),
-                          None)
-            if absent is not None:  # checked before allocating: an allocation evicts cached window blocks
+                (i for i in missing if not source.contains(group.part_hash(request.block_hashes[i]))), None)
+            if absent is not None:  # checked before allocating: an allocation evicts cached parts
                 end = absent
                 continue
-            if not missing or len(missing) > self.window.num_free_blocks - self.window.num_evictable(held):
+            if not missing or len(missing) > group.num_free_blocks - group.num_evictable(held):
                 return
-            loaded = self._load_window_parts(request, hits, missing, held, source)
+            loaded = self._load_parts(group, request, hits, missing, held, source)
             if loaded == len(missing):
                 return
             end = missing[loaded]
 
-    def _load_window_parts(self, request: CacheableRequest, hits: list[KVBlock], indices: list[int],
-                           held: list[KVBlock], source: BlockSource) -> int:
-        """Load the window parts of blocks ``indices`` from ``source`` into free blocks of the window pool,
-        cached-free and tied to the full group's blocks ``hits`` as ``WindowBlocks.cache_block`` ties
-        computed ones; ``held``: cached parts the same query reads, kept from eviction meanwhile.
-        Returns how many, from the first, are cached now."""
-        pool = self.window.pool
+    def _load_parts(self, group: KVGroup, request: CacheableRequest, hits: list[KVBlock], indices: list[int],
+                    held: list[KVBlock], source: BlockSource) -> int:
+        """Load the parts of blocks ``indices`` from ``source`` into free blocks of ``group``'s pool,
+        cached-free and tied to the full group's blocks ``hits`` as the manager ties computed ones;
+        ``held``: cached parts the same query reads, kept from eviction meanwhile. Returns how many,
+        from the first, are cached now."""
+        pool = group.pool
         # a free part cached under one of these hashes but tied to a full block that is gone (evicted,
         # then loaded again as another block) can serve no hit: out of the cache, so the loaded part
         # can take its hash
@@ -149,12 +147,13 @@ class BlockLoader:
         pool.touch(held)
         try:
             blocks = pool.allocate(len(indices))
-            keys = [self.block_key(request, i).window_part() for i in indices]
-            loaded = source.load([b.block_id for b in blocks], keys, WINDOW_KV_GROUP)
+            keys = [group.part_key(self.block_key(request, i)) for i in indices]
+            loaded = source.load([b.block_id for b in blocks], keys, group.kv_group)
             cached = 0
             for block, key in zip(blocks[:loaded], keys, strict=False):
                 full_ref = hits[key.index].ref
-                ref = pool.cache_block(block, key.parent_hash, key.token_ids, full_ref, request.cache_salt)
+                ref = pool.cache_block(block, request.block_hashes[key.index], key.token_ids, full_ref,
+                                       request.cache_salt)
                 if ref != block.ref:  # the hash is held by a block in use under another full block
                     break
                 cached += 1

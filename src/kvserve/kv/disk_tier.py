@@ -5,7 +5,7 @@ several processes.
     DIR/secret                         32 random bytes (mode 0600): the hashing and checksum key
     DIR/<setup>/<h[:2]>/<h>.kvb        one block; <setup> is a digest of the engine's identity (model
                                        file, weight format, KV types, block size, kernels), <h> its hash
-    DIR/<setup>/<w[:2]>/<w>.kvb        with a window group (``kv.window_blocks``): the sliding layers'
+    DIR/<setup>/<w[:2]>/<w>.kvb        with a window group (``kv.groups``): the sliding layers'
                                        part of block <h>, <w> = ``window_part_hash(h)``, parent <h>
 
 A block file is ``file_framing`` (magic KVSBLK01) around the block's bytes as the pool stores

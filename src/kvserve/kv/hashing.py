@@ -14,7 +14,7 @@ every hash (the disk tier relies on it). Without a secret, each process draws it
 The pool does not rely on the hash alone: a hit must also match the block's tokens, salt and the
 very block computed before it (see ``block_pool``).
 
-A block of the sliding-window layers (``kv.window_blocks``) is cached under its full block's hash,
+A block of the sliding-window layers (``kv.groups``) is cached under its full block's hash,
 but a file of its own needs a name of its own: ``window_part_hash`` derives one from the full hash
 under a personalization no chain hash uses, so the two never name the same file.
 """

@@ -10,21 +10,22 @@ Full blocks are registered in the prefix cache when their tokens are scheduled; 
 by chained hash (see ``hashing``). A prefix hit stops at least one token short of the request's
 known tokens, so the last token is always computed and yields logits.
 
-The sliding-window layers' blocks are a second group (``window``: a ``WindowBlocks``, or ``NoWindow``
-for a model without such layers, which holds nothing): each request has a window table beside its block
-table, the same length, whose blocks out of the window go back to the window pool as the request goes on
-(see ``kv.window_blocks``). A prefix hit is only as long as both groups can serve it. Loading blocks into
-the pool (from the lower tier, from a prompt-cache file) is ``kv.block_loading``'s.
+The layers' blocks are in KV groups (``kv.groups``): the full group (every layer), and for a model with
+sliding-window layers a window group whose blocks go back to its pool as they fall out of the window.
+The manager asks each group the same questions: a prefix hit is only as long as every group can serve
+it, a step is admitted only when every group has room, and a request's blocks are released, registered,
+forgotten and freed group by group. Loading blocks into the pools (from the lower tier, from a
+prompt-cache file) is ``kv.block_loading``'s.
 """
 
 from __future__ import annotations
 
 from kvserve.kv import snapshot
 from kvserve.kv.block_loading import BlockLoader, BlockSource, CacheableRequest, Lookup, LowerTier
-from kvserve.kv.block_pool import BlockPool, BlockRef, KVBlock
-from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes, window_part_hash
+from kvserve.kv.block_pool import BlockRef, KVBlock
+from kvserve.kv.groups import FullGroup, KVGroup
+from kvserve.kv.hashing import PROCESS_KEY, extend_block_hashes
 from kvserve.kv.snapshot import KVSnapshot
-from kvserve.kv.window_blocks import NoWindow, WindowBlocks
 
 
 class KVCacheManager:
@@ -35,16 +36,18 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_key: bytes = PROCESS_KEY,
         tier: LowerTier | None = None,
-        window: WindowBlocks | None = None,
+        more_groups: tuple[KVGroup, ...] = (),
     ) -> None:
+        """``num_blocks``: the full group's pool; ``more_groups``: the groups of layers that keep fewer
+        blocks (a ``WindowGroup`` for sliding-window layers)."""
         self.block_size = block_size
-        # the sliding-window layers' group, or one holding nothing
-        self.window = window or NoWindow(block_size)
         self.enable_caching = enable_caching
         self.hash_key = hash_key
         self.tier = tier if enable_caching else None
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # the full group first: the prefix cache's chain runs through its blocks (``kv.groups``)
+        self.full = FullGroup(0, num_blocks, block_size, enable_caching)
+        self.tied = tuple(more_groups)  # their cached blocks hang from the full group's
+        self.groups: tuple[KVGroup, ...] = (self.full, *self.tied)
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered
         # per request, the cached block each registered position continues from (see cache_block)
         self.chains: dict[str, list[BlockRef]] = {}
@@ -53,7 +56,7 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which found in the cache
         self.prefix_tier_hits = 0  # of which loaded from the lower tier
         self._tier_tokens: dict[str, int] = {}  # per waiting request: tokens its lookups loaded
-        self.loader = BlockLoader(self.pool, self.window, block_size)
+        self.loader = BlockLoader(self.full.pool, block_size)
 
     # --- lookup ---------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: CacheableRequest) -> tuple[list[KVBlock], int]:
@@ -64,33 +67,45 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt, self.hash_key)
         hits = self._find(request, (len(tokens) - 1) // self.block_size)  # leave a token to compute
         if self.tier is not None:
-            self.loader.load_window_parts(request, hits, self.tier)
-        hits = hits[: self.window.reusable_prefix(hits, request.block_hashes, tokens, request.cache_salt)]
+            self._load_parts(request, hits, self.tier)
+        hits = hits[: self.reusable_prefix(hits, request)]
         return hits, len(hits) * self.block_size
+
+    def reusable_prefix(self, hits: list[KVBlock], request: CacheableRequest) -> int:
+        """How many of the full group's hits ``hits`` every group can serve."""
+        return min(group.reusable_prefix(hits, request) for group in self.groups)
+
+    def _load_parts(self, request: CacheableRequest, hits: list[KVBlock], source: BlockSource) -> None:
+        for group in self.tied:
+            self.loader.load_parts(group, request, hits, source)
 
     def cached_prefix(self, token_ids: list[int], salt: str | None = None) -> list[KVBlock]:
         """The cached blocks (pool, then lower tier) holding the full blocks of ``token_ids``, as far as
         the chain goes. Not referenced: use them before the next allocation."""
-        lookup = self._lookup(token_ids, salt)
+        lookup = self.lookup(token_ids, salt)
         hits = self._find(lookup, len(token_ids) // self.block_size)
         self._tier_tokens.pop(lookup.request_id, None)
         return hits
 
-    def cached_window_parts(self, token_ids: list[int], blocks: list[KVBlock],
-                            salt: str | None = None) -> list[tuple[int, KVBlock]]:
-        """(position, window block) of the window pool's cached parts of ``blocks`` (``cached_prefix``'s
-        answer), after loading from the lower tier those a query after all of them reads. Not
-        referenced: use them before the next allocation."""
-        lookup = self._lookup(token_ids, salt)
+    def cached_parts(self, token_ids: list[int], blocks: list[KVBlock],
+                     salt: str | None = None) -> list[list[tuple[int, KVBlock]]]:
+        """Per group, (position, block) of its cached parts of ``blocks`` (``cached_prefix``'s answer),
+        after loading from the lower tier those a query after all of them reads. Not referenced: use
+        them before the next allocation."""
+        lookup = self.lookup(token_ids, salt)
         if self.tier is not None:
-            self.loader.load_window_parts(lookup, blocks, self.tier)
-        parts = ((i, self.loader.window_hit(lookup, blocks, i)) for i in range(len(blocks)))
-        return [(i, b) for i, b in parts if b is not None]
+            self._load_parts(lookup, blocks, self.tier)
+        found = []
+        for group in self.groups:
+            parts = ((i, group.part(i, blocks, lookup)) for i in range(len(blocks)))
+            found.append([(i, b) for i, b in parts if b is not None])
+        return found
 
     def block_hashes_of(self, token_ids: list[int], salt: str | None = None) -> list[int]:
-        return self._lookup(token_ids, salt).block_hashes
+        return self.lookup(token_ids, salt).block_hashes
 
-    def _lookup(self, token_ids: list[int], salt: str | None) -> Lookup:
+    def lookup(self, token_ids: list[int], salt: str | None = None) -> Lookup:
+        """``token_ids`` as a lookup that is no request's (saving or loading a prompt cache), hashed."""
         lookup = Lookup(list(token_ids), salt)
         extend_block_hashes(lookup.block_hashes, lookup.all_token_ids, self.block_size, salt, self.hash_key)
         return lookup
@@ -108,8 +123,8 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hits), max_blocks):
             chunk = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-            block = self.pool.lookup(request.block_hashes[i], chunk, hits[-1].ref if hits else None,
-                                     request.cache_salt)
+            block = self.full.pool.lookup(request.block_hashes[i], chunk, hits[-1].ref if hits else None,
+                                          request.cache_salt)
             if block is None:
                 break
             hits.append(block)
@@ -128,13 +143,13 @@ class KVCacheManager:
         """Cache the full blocks of ``token_ids`` that the pool lacks, loaded from ``source`` (a
         prompt-cache file), as far as the pool has room. Returns how many blocks of the prefix the
         pool now caches."""
-        lookup = self._lookup(token_ids, salt)
+        lookup = self.lookup(token_ids, salt)
         max_blocks = len(token_ids) // self.block_size
         hits = self._pool_hits(lookup, [], max_blocks)
         self.loader.load(lookup, hits, max_blocks - len(hits), source)
         hits = self._pool_hits(lookup, hits, max_blocks)
-        self.loader.load_window_parts(lookup, hits, source)
-        return self.window.reusable_prefix(hits, lookup.block_hashes, lookup.all_token_ids, salt)
+        self._load_parts(lookup, hits, source)
+        return self.reusable_prefix(hits, lookup)
 
     def record_prefix_lookup(self, request: CacheableRequest, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a blocked request's retries are not counted)."""
@@ -143,10 +158,11 @@ class KVCacheManager:
         self.prefix_tier_hits += min(self._tier_tokens.pop(request.request_id, 0), num_hit_tokens)
         if self.tier is not None and num_hit_tokens:
             num_blocks = num_hit_tokens // self.block_size
-            self.tier.touch(request.block_hashes[:num_blocks])
-            first = self.window.first_live(num_hit_tokens)  # the window parts the next query reads
-            if first < num_blocks:
-                self.tier.touch([window_part_hash(h) for h in request.block_hashes[first:num_blocks]], first)
+            for group in self.groups:  # the parts the next query reads
+                first = group.first_live(num_hit_tokens)
+                if first < num_blocks:
+                    parts = [group.part_hash(h) for h in request.block_hashes[first:num_blocks]]
+                    self.tier.touch(parts, first)
 
     # --- allocation -----------------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -160,33 +176,23 @@ class KVCacheManager:
         pool cannot supply the blocks."""
         computed_blocks = computed_blocks or []
         rid = request.request_id
-        blocks = self.req_blocks.get(rid, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
-        # cached-free hits leave the free queue when touched, so they do not count as available
-        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_count == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
-            return False
-        window = self.window
-        window.release(rid, request.num_computed_tokens)  # always right: computed counts only grow
-        window_hits = window.hit_blocks(computed_blocks, request.block_hashes, request.all_token_ids,
-                                        request.cache_salt) if computed_blocks else []
-        needed = window.blocks_needed(rid, num_computed, self.blocks_needed(total), len(computed_blocks))
-        if needed > window.num_free_blocks - window.num_evictable(window_hits):
-            return False
-        window.allocate(rid, num_computed, self.blocks_needed(total), window_hits)
-        self.pool.touch(computed_blocks)
-        blocks = self.req_blocks.setdefault(request.request_id, blocks)
+        num_blocks = self.blocks_needed(total)
+        hits = []
+        for group in self.groups:
+            group.release(rid, request.num_computed_tokens)  # always right: computed counts only grow
+            hits.append(group.hit_blocks(computed_blocks, request) if computed_blocks else [])
+            needed = group.blocks_needed(rid, num_computed, num_blocks, len(computed_blocks))
+            if needed > group.num_free_blocks - group.num_evictable(hits[-1]):
+                return False
+        for group, group_hits in zip(self.groups, hits, strict=True):
+            group.allocate(rid, num_computed, num_blocks, group_hits)
         if computed_blocks:  # prefix hits are taken only when the table is still empty
-            assert not blocks
-            self.num_cached_blocks[request.request_id] = len(computed_blocks)
-            self.num_saved_blocks[request.request_id] = len(computed_blocks)  # cached: saved when computed
-            self.chains[request.request_id] = [b.ref for b in computed_blocks]
-        blocks.extend(computed_blocks)
-        if num_new_blocks > 0:
-            blocks.extend(self.pool.allocate(num_new_blocks))
-        self.num_cached_blocks.setdefault(request.request_id, 0)
+            self.num_cached_blocks[rid] = len(computed_blocks)
+            self.num_saved_blocks[rid] = len(computed_blocks)  # cached: saved when computed
+            self.chains[rid] = [b.ref for b in computed_blocks]
+        self.num_cached_blocks.setdefault(rid, 0)
         self._cache_full_blocks(request, total)
         return True
 
@@ -197,67 +203,61 @@ class KVCacheManager:
         tokens = request.all_token_ids
         extend_block_hashes(request.block_hashes, tokens[:num_tokens], self.block_size, request.cache_salt,
                             self.hash_key)
-        blocks = self.req_blocks[request.request_id]
-        start = self.num_cached_blocks[request.request_id]
+        rid, hashes, salt = request.request_id, request.block_hashes, request.cache_salt
+        start = self.num_cached_blocks[rid]
         num_full = min(num_tokens, len(tokens)) // self.block_size  # speculative drafts are no tokens yet
-        chain = self.chains.setdefault(request.request_id, [])
+        chain = self.chains.setdefault(rid, [])
         for i in range(start, num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            parent = chain[i - 1] if i else None
-            chain.append(self.pool.cache_block(blocks[i], request.block_hashes[i], chunk, parent,
-                                               request.cache_salt))
-            self.window.cache_block(request.request_id, i, request.block_hashes[i], chunk, chain[i],
-                                    request.cache_salt)
+            # the chain: each full block hangs from the one before; the other groups' from the full one
+            chain.append(self.full.cache_block(rid, i, hashes[i], chunk, chain[i - 1] if i else None, salt))
+            for group in self.tied:
+                group.cache_block(rid, i, hashes[i], chunk, chain[i], salt)
         self.num_cached_blocks[request.request_id] = max(start, num_full)
 
-    def unsaved_blocks(self, request: CacheableRequest) -> list[tuple[int, KVBlock]]:
-        """(position, block) of the request's cached blocks whose tokens are all computed and that the
-        lower tier was not given yet; they count as given from now on."""
+    def unsaved_parts(self, request: CacheableRequest) -> list[list[tuple[int, KVBlock]]]:
+        """Per group, (position, block) of its parts of the request's cached blocks whose tokens are all
+        computed and that the lower tier was not given yet; they count as given from now on. A block
+        whose content the pool cached under another block is left out (that one was given)."""
         rid = request.request_id
         first = self.num_saved_blocks.get(rid, 0)
         last = min(self.num_cached_blocks.get(rid, 0), request.num_computed_tokens // self.block_size)
-        blocks = self.req_blocks.get(rid, [])
         self.num_saved_blocks[rid] = max(first, last)
-        return [(i, blocks[i]) for i in range(first, last) if blocks[i].block_hash == request.block_hashes[i]]
+        table = self.full.tables.get(rid, [])
+        positions = [i for i in range(first, last) if table[i].block_hash == request.block_hashes[i]]
+        found = []
+        for group in self.groups:
+            parts = ((i, group.block(rid, i)) for i in positions)
+            found.append([(i, b) for i, b in parts if b is not None])
+        return found
 
     def forget_uncomputed(self, request: CacheableRequest) -> None:
         """Take the request's blocks from its first not-yet-computed token on out of the prefix cache
         (they were registered when scheduled, before a forward that did not happen)."""
-        blocks = self.req_blocks.get(request.request_id, [])
+        rid = request.request_id
         first = request.num_computed_tokens // self.block_size
-        self.pool.uncache(blocks[first:])
-        self.window.forget_from(request.request_id, first)
-        kept = min(self.num_cached_blocks.get(request.request_id, 0), first)
-        self.num_cached_blocks[request.request_id] = kept
-        del self.chains.setdefault(request.request_id, [])[kept:]
+        for group in self.groups:
+            group.forget_from(rid, first)
+        kept = min(self.num_cached_blocks.get(rid, 0), first)
+        self.num_cached_blocks[rid] = kept
+        del self.chains.setdefault(rid, [])[kept:]
 
     def free(self, request: CacheableRequest) -> None:
         """Release every block of the request, tail first (so tail blocks are evicted first)."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        self.num_saved_blocks.pop(request.request_id, None)
-        self._tier_tokens.pop(request.request_id, None)
-        self.chains.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)))
-        self.window.free(request.request_id)
+        rid = request.request_id
+        for state in (self.num_cached_blocks, self.num_saved_blocks, self._tier_tokens, self.chains):
+            state.pop(rid, None)
+        for group in self.groups:
+            group.free(rid)
 
     # --- views ----------------------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
-
-    def window_block(self, request_id: str, index: int) -> KVBlock | None:
-        """The request's window block ``index`` (None: out of the window, or no window group)."""
-        return self.window.block(request_id, index)
-
-    def window_block_ids(self, request_id: str) -> list[int] | None:
-        """The request's window table (the null block where blocks fell out), or None without a window
-        group."""
-        return self.window.block_ids(request_id)
+        """The request's block table in the full group."""
+        return self.full.block_ids(request_id)
 
     def kv_group_block_ids(self, request_id: str) -> list[list[int]]:
-        """The request's block table in each KV group: every layer's, then (with one) the window group's."""
-        window = self.window.block_ids(request_id)
-        return [self.block_ids(request_id)] + ([] if window is None else [window])
+        """The request's block table in each KV group, in the storage's group order."""
+        return [group.block_ids(request_id) for group in self.groups]
 
     def snapshot(self, blocks: bool = False, tables: bool = False, cached: bool = False) -> KVSnapshot:
         """Every group read the same way, for views and the router (``kv.snapshot``); under the engine's
@@ -266,13 +266,13 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        return self.full.pool.num_blocks
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (cached-free blocks count as free)."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+        """Fraction of the full group's blocks held by requests (cached-free blocks count as free)."""
+        return 1.0 - self.full.num_free_blocks / self.num_blocks
 
     def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
-        self.window.reset_prefix_cache()
+        for group in self.groups:
+            group.reset_prefix_cache()

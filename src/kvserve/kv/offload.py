@@ -5,10 +5,10 @@ step copies the new blocks' bytes out of the pool in one gather, the tier's thre
 block evicted from RAM later is then already on disk, and a crash loses at most the blocks still
 queued. Loading reads and checks each file, then copies the blocks into the pool in one scatter.
 
-With a window group (``kv.window_blocks``) a block has two parts: the global layers' (group 0) and
-the sliding layers' (group 1), each a file of its own (see ``BlockKey.window_part``). The engine
-saves right after a step's forward, before the next allocation releases what fell out of the window,
-so every block just computed still has its window part in the request's window table.
+With a window group (``kv.groups``) a block has two parts: the global layers' (group 0) and the
+sliding layers' (group 1), each a file of its own (``KVGroup.part_key``). The engine saves right
+after a step's forward, before the next allocation releases what fell out of the window, so every
+block just computed still has its window part in the request's window table.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 from kvserve.kv.disk_tier import BlockKey, DiskTier
 from kvserve.kv.hashing import salt_digest
 from kvserve.kv.storage import PagedKVStorage
-from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 
 
 class DiskOffload:
@@ -51,34 +50,30 @@ class DiskOffload:
 
     # --- write-through --------------------------------------------------------------------------------
     def save_computed(self, kv, requests: list) -> None:
-        """Queue the requests' blocks that are full, computed and cached since the last call (a block
-        whose content the pool cached under another block is not written twice), with their window
-        parts."""
+        """Queue every group's parts of the requests' blocks that are full, computed and cached since the
+        last call (a block whose content the pool cached under another block is not written twice)."""
         wall_minus_perf = time.time() - time.perf_counter()
-        blocks, keys, window_blocks, window_keys = [], [], [], []
+        saved = [([], []) for _ in kv.groups]
         for request in requests:
-            hashes = request.block_hashes
             salt = salt_digest(request.cache_salt)
             arrival = request.metrics.arrival_time + wall_minus_perf  # every block of a request: one time
-            for i, block in kv.unsaved_blocks(request):
-                blocks.append(block)
-                keys.append(BlockKey.in_chain(hashes, i, block.token_ids, salt, arrival))
-                window_block = kv.window_block(request.request_id, i)
-                if window_block is not None:
-                    window_blocks.append(window_block)
-                    window_keys.append(keys[-1].window_part())
-        self._save(blocks, keys)
-        self._save(window_blocks, window_keys, WINDOW_KV_GROUP)
+            parts = kv.unsaved_parts(request)
+            keys = {i: BlockKey.in_chain(request.block_hashes, i, block.token_ids, salt, arrival)
+                    for i, block in parts[0]}  # the full group's: every position
+            for group, group_parts, (blocks, group_keys) in zip(kv.groups, parts, saved, strict=True):
+                blocks.extend(block for _, block in group_parts)
+                group_keys.extend(group.part_key(keys[i]) for i, _ in group_parts)
+        for group, (blocks, keys) in zip(kv.groups, saved, strict=True):
+            self._save(blocks, keys, group.kv_group)
 
     def save_prefix(self, kv, token_ids: list[int]) -> None:
         """Queue the cached blocks of ``token_ids`` (unsalted), as far as the pool holds them, and the
-        window parts the window pool holds of them."""
+        other groups' parts of them that their pools hold."""
         blocks = kv.cached_prefix(token_ids)
         hashes = [b.block_hash for b in blocks]  # a cached block holds its hash: the chain's, in order
         keys = [BlockKey.in_chain(hashes, i, b.token_ids, None) for i, b in enumerate(blocks)]
-        parts = kv.cached_window_parts(token_ids, blocks)
-        self._save(blocks, keys)
-        self._save([b for _, b in parts], [keys[i].window_part() for i, _ in parts], WINDOW_KV_GROUP)
+        for group, parts in zip(kv.groups, kv.cached_parts(token_ids, blocks), strict=True):
+            self._save([b for _, b in parts], [group.part_key(keys[i]) for i, _ in parts], group.kv_group)
 
     def _save(self, blocks: list, keys: list[BlockKey], kv_group: int = 0) -> None:
         todo = [(b, k) for b, k in zip(blocks, keys, strict=True) if not self.tier.contains(k.block_hash)]

@@ -2,7 +2,7 @@
 ``kvserve plan`` sizes the pool with the engine's own arithmetic.
 
 Without a window group every layer has ``num_blocks`` blocks. With one (``window_group_layers``), the
-sliding-window layers have ``num_window_blocks`` blocks of their own (``kv.window_blocks``) and the
+sliding-window layers have ``num_window_blocks`` blocks of their own (``kv.groups``) and the
 other layers ``num_blocks``.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.kv.cache_types import kv_bytes_per_token_per_layer, pool_num_blocks
-from kvserve.kv.window_blocks import window_pool_blocks
+from kvserve.kv.groups import window_pool_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class PoolSize:
 
 
 def window_group_layers(model: ModelConfig, cache: CacheConfig) -> frozenset[int]:
-    """The sliding-window layers, where they can keep only their window (``kv.window_blocks``): a
+    """The sliding-window layers, where they can keep only their window (``kv.groups``): a
     model with both kinds of layer (the window group's blocks are tied to the global layers')."""
     if not cache.window_kv or not model.sliding_window:
         return frozenset()

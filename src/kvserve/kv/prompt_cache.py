@@ -8,7 +8,7 @@ with another prompt's tokens cannot be made without the secret, so it cannot poi
 through it, the disk tier). To use a file on another machine, copy the secret with it. Every header field
 is checked before use; a bad one is a one-line ``PromptCacheError``. Header: the engine identity it was
 computed under, the tokens, the block count, and an optional ``extra`` object; payload: the blocks' bytes as
-the pool stores them, one after another. With a window group (``kv.window_blocks``) the header's
+the pool stores them, one after another. With a window group (``kv.groups``) the header's
 ``window_blocks`` lists the blocks whose window parts (the sliding layers' bytes) follow, in that order, after
 all the blocks: at least the window a query after the last block reads, so a prefix loaded whole is a hit
 whole. A file without the key (any model without a window group) has no window parts.
@@ -31,7 +31,6 @@ from kvserve.kv.cache import KVCache
 from kvserve.kv.disk_tier import BlockKey
 from kvserve.kv.file_framing import KVFileError, pack, unpack, write_atomically
 from kvserve.kv.hashing import window_part_hash
-from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 
 MAGIC = b"KVSPC02\n"
 UNKEYED = b"KVSPC01\n"  # before files were keyed: refused
@@ -57,7 +56,7 @@ def save_prompt_cache(cache: KVCache, token_ids: list[int], path: str | os.PathL
     Returns the number of tokens saved (whole blocks)."""
     blocks, parts = _cached_blocks(cache.manager, token_ids)
     if not blocks:
-        window = " with the window parts a query after them reads" if cache.manager.window.enabled else ""
+        window = " with the window parts a query after them reads" if cache.manager.tied else ""
         raise PromptCacheError(
             f"none of the {len(token_ids)} tokens' blocks are cached{window} (a prompt needs at least "
             f"{cache.manager.block_size} tokens, and prefix caching must be on)")
@@ -67,7 +66,8 @@ def save_prompt_cache(cache: KVCache, token_ids: list[int], path: str | os.PathL
               "extra": extra or {}}
     if parts:
         header["window_blocks"] = [i for i, _ in parts]
-        window_data = cache.storage.export_blocks([b.block_id for _, b in parts], WINDOW_KV_GROUP)
+        storage = cache.storage
+        window_data = storage.export_blocks([b.block_id for _, b in parts], storage.window_kv_group)
         data = torch.cat([data.view(-1), window_data.view(-1)])
     write_atomically(Path(path), pack(MAGIC, header, memoryview(data.numpy()).cast("B"), _key()))
     return num_tokens
@@ -78,9 +78,9 @@ def _cached_blocks(kv, token_ids: list[int]) -> tuple[list, list]:
     with a window group, cut to the blocks a query after them could take whole (their last window's
     parts cached)."""
     blocks = kv.cached_prefix(token_ids)
-    parts = kv.cached_window_parts(token_ids, blocks)
-    usable = kv.window.reusable_prefix(blocks, kv.block_hashes_of(token_ids), token_ids, None)
-    return blocks[:usable], [(i, b) for i, b in parts if i < usable]
+    _, *window_parts = kv.cached_parts(token_ids, blocks)
+    usable = kv.reusable_prefix(blocks, kv.lookup(token_ids))
+    return blocks[:usable], [(i, b) for parts in window_parts for i, b in parts if i < usable]
 
 
 class _FileBlocks:
@@ -192,5 +192,7 @@ def _valid_window_blocks(window_blocks, num_blocks: int, storage) -> bool:
 
 
 def _payload_bytes(storage, num_blocks: int, window_blocks: list[int]) -> int:
-    window = len(window_blocks) * storage.kv_group_bytes_per_block(WINDOW_KV_GROUP) if window_blocks else 0
+    window = 0
+    if window_blocks:
+        window = len(window_blocks) * storage.kv_group_bytes_per_block(storage.window_kv_group)
     return num_blocks * storage.bytes_per_block + window

@@ -19,6 +19,7 @@ class KVGroupSnapshot:
     """One KV group: ``FULL`` (every layer's blocks) or ``WINDOW`` (the sliding-window layers')."""
 
     name: str
+    kv_group: int  # the storage's group of its layers (``PagedKVStorage.kv_group_bytes_per_block``)
     window: int | None  # tokens a layer of the group reads back; None: every token
     num_blocks: int  # the pool's blocks (the window pool's null block included)
     num_free: int  # free plus cached-free
@@ -53,29 +54,9 @@ class KVSnapshot:
         return self.groups[1] if len(self.groups) > 1 else None
 
 
-def _states(blocks) -> list[int]:
-    return [b.ref_count or -(b.block_hash is not None) for b in blocks]
-
-
 def take(kv: KVCacheManager, blocks: bool = False, tables: bool = False, cached: bool = False) -> KVSnapshot:
     """``kv`` as it stands: counts always; ``blocks``: each block's state; ``tables``: each request's block
     table; ``cached``: the cached block hashes."""
-    pool = kv.pool
-    full = KVGroupSnapshot(FULL, None, pool.num_blocks, pool.num_free_blocks,
-                           pool.num_blocks - pool.num_free_blocks)
-    if blocks:
-        full.block_states = _states(pool.blocks)
-    if tables:
-        full.tables = {rid: kv.block_ids(rid) for rid in list(kv.req_blocks)}
-    groups = [full]
-    window = kv.window
-    if window.enabled:
-        part = KVGroupSnapshot(WINDOW, window.window, window.pool.num_blocks, window.num_free_blocks,
-                               window.num_held_blocks())
-        if blocks:
-            part.block_states = _states(window.pool.blocks[1:])
-        if tables:
-            part.tables = {rid: window.block_ids(rid) for rid in list(window.tables)}
-        groups.append(part)
     return KVSnapshot(kv.block_size, kv.hash_key, kv.prefix_queries, kv.prefix_hits, kv.prefix_tier_hits,
-                      groups, list(pool.cached) if cached else None)
+                      [group.snapshot(blocks, tables) for group in kv.groups],
+                      list(kv.full.pool.cached) if cached else None)

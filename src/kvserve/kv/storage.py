@@ -8,7 +8,7 @@ so attention reads ``[kv_heads, tokens, head_dim]`` without a transpose; the gat
 indexing was 14x slower, measured). K and V may use different codecs (``--cache-type-k`` /
 ``--cache-type-v``); the element type is a property of the storage only, bookkeeping never sees it.
 
-With ``window_layers`` (sliding-window layers, see ``kv.window_blocks``) those layers' tensors have
+With ``window_layers`` (sliding-window layers, see ``kv.groups``) those layers' tensors have
 ``num_window_blocks`` blocks of their own: a second group with its own block ids, tables and slots.
 Group 0 is every other layer (all layers without a window group). Each call that takes block ids or
 slots takes the group they belong to.
@@ -23,7 +23,6 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.host_memory import arena
 from kvserve.kv.codecs import KVCodec, make_codec
-from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +80,11 @@ class PagedKVStorage:
         return len(self.kv_group_blocks) > 1
 
     @property
+    def window_kv_group(self) -> int | None:
+        """The group of the sliding-window layers (``kv.groups.WindowGroup``'s), None without one."""
+        return 1 if self.windowed else None
+
+    @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for layer in self.k + self.v for p in layer)
 
@@ -109,7 +113,7 @@ class PagedKVStorage:
         } | (
             {
                 "window_layers": sorted(self.window_layers),
-                "window_bytes_per_block": self.kv_group_bytes_per_block(WINDOW_KV_GROUP),
+                "window_bytes_per_block": self.kv_group_bytes_per_block(self.window_kv_group),
             }
             if self.windowed
             else {}

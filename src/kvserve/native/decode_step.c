@@ -5,7 +5,7 @@
  * block tables, context lengths and KV slot rows (the RoPE rows it writes into buffers the operations
  * name, one pair per table: Gemma's sliding layers rotate with another base).
  *
- * With a window group (kv/window_blocks.py: the sliding layers' blocks in a pool of their own), the
+ * With a window group (kv/groups.py: the sliding layers' blocks in a pool of their own), the
  * step gets both groups' tables and slot rows one after the other, and the word of an operation where
  * the step's block_tables or slot_rows go holds the group (0 or 1) whose part it takes.
  *

@@ -4,7 +4,7 @@ and the largest context that fits a memory budget. Plain integers; no torch.
 The KV cache is the paged pool as the engine sizes it (``kv.pool_sizing``, the engine's own
 arithmetic): ceil(ctx / block_size) blocks per sequence in every layer, except that a model with both
 sliding-window and global layers (Gemma 2/3) keeps its sliding layers in a pool of their own sized for
-their windows (``kv.window_blocks.window_pool_blocks``), unless --no-window-kv.
+their windows (``kv.groups.window_pool_blocks``), unless --no-window-kv.
 
 Two totals, which differ only in the weights:
 

@@ -53,7 +53,7 @@ class EngineSnapshot:
     spec_verify_steps: int = 0
     requests: dict[str, list[int]] = field(default_factory=dict)  # request id -> block table
     held_blocks: list[int] = field(default_factory=list)  # block ids with a reference, sorted
-    # the sliding-window layers' pool (kv.window_blocks); 0 blocks: no window group
+    # the sliding-window layers' pool (kv.groups); 0 blocks: no window group
     window_blocks: int = 0  # the null block included
     window_free_blocks: int = 0  # free plus cached-free
     window_size: int = 0  # tokens a sliding layer reads back

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 from pydantic import ConfigDict, TypeAdapter
 from pydantic.dataclasses import dataclass
 
-from kvserve.kv.window_blocks import WINDOW_KV_GROUP
 from kvserve.server.model_slots import ModelEvent, ModelState
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncLLMEngine
+    from kvserve.kv.snapshot import KVGroupSnapshot
 
 # indexed by a block's value in the pass: -1 (cached-free) is the last character
 CODES = ".123456789c"
@@ -76,7 +76,7 @@ class PoolFrame:
     num_prompt_tokens: int
     engine_alive: bool
     requests: list[PoolRequest] = field(default_factory=list)
-    # the sliding-window layers' own pool (kv.window_blocks), coded like ``blocks``; "" without one
+    # the sliding-window layers' own pool (kv.groups), coded like ``blocks``; "" without one
     window_blocks: str = ""
     window_size: int = 0  # tokens a sliding layer reads back
     # every model the server holds, this one among them, and its last loads and unloads (server.model_slots)
@@ -137,18 +137,18 @@ class PoolView:
                 len(scheduler.running),
                 len(scheduler.waiting) + self.async_engine.num_pending_adds,
             )
-        return self._build(engine, values, rows, tables, counters, window_values, window_tables,
-                           0 if window is None else window.window)
+        return self._build(engine, values, rows, tables, counters, window_values, window_tables, window)
 
     def _build(
         self, engine, values: list[int], rows: list[tuple], tables: list[list[int]], counters: tuple,
-        window_values: list[int], window_tables: list[list[int]], window_size: int,
+        window_values: list[int], window_tables: list[list[int]], window: KVGroupSnapshot | None,
     ) -> PoolFrame:
         cache = engine.config.cache
         bytes_per_token = engine.kv_bytes_per_token
         storage = engine.storage
         block_bytes = storage.bytes_per_block
-        window_block_bytes = storage.kv_group_bytes_per_block(WINDOW_KV_GROUP) if storage.windowed else 0
+        window_block_bytes = 0 if window is None else storage.kv_group_bytes_per_block(window.kv_group)
+        window_size = 0 if window is None else window.window
         num_blocks = len(values)
         num_free = values.count(0)
         num_cached_free = values.count(-1)
