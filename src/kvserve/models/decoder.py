@@ -15,21 +15,15 @@ each sequence's history. The model itself holds no per-request state.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.host_memory import packing_arena
-from kvserve.models import file_linears
 from kvserve.models.activations import gated
-from kvserve.models.gguf_file import GGUFWeights
-from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_into_arena
-from kvserve.models.moe import MoE
+from kvserve.models.decoder_weights import DecoderWeights, LayerWeights
 from kvserve.models.norms import add_rms_norm, rms_norm, rms_norm_heads
-from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding, rotate_heads
-from kvserve.models.weight_grids import int8_groups16
+from kvserve.models.rope import rotate_heads
 
 
 class AttentionBackend(Protocol):
@@ -45,171 +39,24 @@ class AttentionBackend(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class LayerWeights:
-    """Norm weights as tensors; projections as ``Linear`` callables (see ``models.linear``)."""
-
-    attn_norm: torch.Tensor
-    qkv: Linear  # hidden -> q_dim + 2 * kv_dim: q, k, v stacked (with qwen2's bias)
-    o: Linear
-    ffn_norm: torch.Tensor
-    gate_up: Linear | None  # hidden -> 2 * intermediate: gate then up (None: the layer's MLP is ``moe``)
-    down: Linear | None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    post_attn_norm: torch.Tensor | None = None
-    post_ffn_norm: torch.Tensor | None = None
-    moe: MoE | None = None
-
-    @property
-    def linears(self) -> list[Linear]:
-        experts = [] if self.moe is None else self.moe.gate_up + self.moe.down
-        return [lin for lin in (self.qkv, self.o, self.gate_up, self.down) if lin is not None] + experts
-
-
 class DecoderLM:
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        device: torch.device,
-        dtype: torch.dtype,
-        weight_format: str = "f32",
-    ) -> None:
+    """The forward of a decoder whose weights ``models.decoder_weights`` built: it holds and runs them,
+    and loads nothing itself."""
+
+    def __init__(self, config: ModelConfig, weights: DecoderWeights, device: torch.device, dtype: torch.dtype,
+                 weight_format: str = "f32") -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.weight_format = weight_format
-
-        self._weights = weights
-        self._from_file = file_linears.applies(weights, weight_format, device, dtype)
-        self.final_norm = self._w("output_norm.weight")
-        # every packed weight straight into one 2 MiB-page region (host_memory.PackingArena), sized for the
-        # worst widening (4-bit blocks as int8 groups: 2x); what the model leaves unused stays virtual
-        capacity = 2 * sum(t.num_bytes for t in weights.gf.tensors.values()) if self._from_file else 0
-        with packing_arena(capacity):
-            self._head_and_embedding(weights)
-            self.layers = [self._layer(f"blk.{i}.") for i in range(config.num_layers)]
-            # a head built from the file's grid already sits in its own 2 MiB-page buffer
-            head = [] if self._head_from_grid else [self.lm_head]
-            pack_into_arena(head + [lin for layer in self.layers for lin in layer.linears])
-        self.rope = rotary_embedding(config, weights, device, dtype)
-        self.rope_local = self.rope
-        if config.rope_theta_local is not None:
-            self.rope_local = RotaryEmbedding(inverse_frequencies(config, config.rope_theta_local), device,
-                                              dtype)
+        self.final_norm = weights.final_norm
+        self.layers = weights.layers
+        self.lm_head = weights.lm_head
+        self.embed, self.embed_rows = weights.embed, weights.embed_rows
+        self.rope, self.rope_local = weights.rope, weights.rope_local
         self.scale = config.attn_scale or config.head_dim**-0.5
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
-        del self._weights  # the loader's dict: not kept past the load
-
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        return make_linear(weight, bias, self.weight_format, self.device, self.dtype)
-
-    def _w(self, name: str) -> torch.Tensor:
-        # popped so each source tensor is freed as soon as its (fused) copy exists: the load never holds
-        # the weights twice
-        return self._weights.pop(name).to(device=self.device, dtype=self.dtype)
-
-    def _opt(self, name: str) -> torch.Tensor | None:
-        return self._w(name) if name in self._weights else None
-
-    def _projection(self, names: list[str], bias: torch.Tensor | None = None) -> Linear:
-        """The tensors ``names`` stacked as one projection: from the file's blocks where they allow
-        (``file_linears``), else through f32; where the file states the grid of one of them
-        (``GGUFWeights.grid16``), the stacked grid, so the int8 groups can hold every part exactly."""
-        weights = self._weights
-        held = file_linears.projection(weights, names, bias, self.weight_format) if self._from_file else None
-        if held is not None:
-            return held
-        stated = [weights.grid16(n) if hasattr(weights, "grid16") else None for n in names]
-        parts = [self._w(n) for n in names]
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
-
-        def stacked_grid() -> tuple[torch.Tensor, ...] | None:
-            grids = [g() if g is not None else int8_groups16(p) for g, p in zip(stated, parts, strict=True)]
-            if not all(g is not None for g in grids):
-                return None
-            return tuple(torch.cat(t) for t in zip(*grids, strict=True))
-
-        grid16 = stacked_grid if any(g is not None for g in stated) else None
-        return make_linear(weight, bias, self.weight_format, self.device, self.dtype, grid16)
-
-    def _head_and_embedding(self, weights) -> None:
-        """The head and the embedding table from the file's blocks where the format allows: a tied block
-        type (Q4_0 ... Q6_K) as its own layout with the table kept as the file's bytes (QuantRows), a
-        tied Q8_0 table as the int8 head (rows from it), an untied table as the file's bytes beside it;
-        else the f32 table and a head in the model's format."""
-        tied = "output.weight" not in weights
-        self.embed, self.embed_rows, self.lm_head = None, None, None
-        if tied:
-            if self._from_file:  # a block type: its own layout, rows from the file's bytes
-                found = file_linears.tied_head(weights, self.weight_format)
-                self.lm_head, self.embed_rows = found or (None, None)
-            if self.lm_head is None:
-                self.lm_head = self._tied_int8_head(weights)
-        elif self._from_file:
-            self.embed_rows = weights.quant_rows("token_embd.weight")
-            self.lm_head = file_linears.projection(weights, ["output.weight"], None, self.weight_format)
-        self._head_from_grid = self.lm_head is not None  # in its own 2 MiB-page buffer already
-        if self.lm_head is None:
-            if self.embed_rows is None:
-                self.embed = self._w("token_embd.weight")  # [vocab, hidden]
-            self.lm_head = self._linear(self.embed if tied else self._w("output.weight"))
-            if tied and isinstance(self.lm_head, Int8GroupLinear) and self.lm_head.holds(self.embed):
-                self.embed = None  # the head's groups hold the embedding exactly: the f32 copy goes
-
-    def _tied_int8_head(self, weights) -> Int8GroupLinear | None:
-        """The tied head as int8 groups repacked from the file's blocks where the format holds the head as
-        int8 groups and the embedding is a Q8_0 (Q5_0, Q4_0) tensor; else None."""
-        if self.weight_format not in ("int8", "q4", "q4-fast") or self.device.type != "cpu":
-            return None
-        if not isinstance(weights, GGUFWeights) or self.dtype != torch.float32:
-            return None
-        return file_linears.int8_groups(weights, ["token_embd.weight"], None)
-
-    def _layer(self, p: str) -> LayerWeights:
-        """Layer ``p``'s weights by their GGUF names: q, k, v stacked (or the file's fused attn_qkv), gate
-        and up stacked (or phi3's fused ffn_up), or the experts of a mixture."""
-        bias = None
-        if p + "attn_q.bias" in self._weights:
-            bias = torch.cat([self._w(p + "attn_q.bias"), self._w(p + "attn_k.bias"),
-                              self._w(p + "attn_v.bias")])
-        fused_qkv = p + "attn_qkv.weight" in self._weights
-        qkv = [p + "attn_qkv.weight"] if fused_qkv else [p + "attn_q.weight", p + "attn_k.weight",
-                                                         p + "attn_v.weight"]
-        layer = LayerWeights(
-            attn_norm=self._w(p + "attn_norm.weight"),
-            qkv=self._projection(qkv, bias),
-            o=self._projection([p + "attn_output.weight"]),
-            ffn_norm=self._w(p + "ffn_norm.weight"),
-            gate_up=None,
-            down=None,
-            q_norm=self._opt(p + "attn_q_norm.weight"),
-            k_norm=self._opt(p + "attn_k_norm.weight"),
-            post_attn_norm=self._opt(p + "post_attention_norm.weight"),
-            post_ffn_norm=self._opt(p + "post_ffw_norm.weight"),
-        )
-        if self.config.num_experts:
-            layer.moe = self._experts(p)
-            return layer
-        fused_gate_up = p + "ffn_gate.weight" not in self._weights  # phi3: ffn_up holds gate then up
-        layer.gate_up = self._projection(
-            [p + "ffn_up.weight"] if fused_gate_up else [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        layer.down = self._projection([p + "ffn_down.weight"])
-        return layer
-
-    def _experts(self, p: str) -> MoE:
-        """The router (f32) and each expert's gate_up and down in the model's weight format, from the
-        stacked [experts, out, in] tensors (GGUF's *_exps; the HF loader stacks its per-expert tensors)."""
-        cfg = self.config
-        router = self._weights.pop(p + "ffn_gate_inp.weight").to(self.device, torch.float32)
-        gate, up = self._w(p + "ffn_gate_exps.weight"), self._w(p + "ffn_up_exps.weight")
-        gate_up = [self._linear(torch.cat([gate[e], up[e]])) for e in range(cfg.num_experts)]
-        del gate, up
-        down_all = self._w(p + "ffn_down_exps.weight")
-        down = [self._linear(down_all[e]) for e in range(cfg.num_experts)]
-        return MoE(router, gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
 
     def embed_tokens(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The embedding rows of input_ids [num_tokens] (into out when given): from the f32 table, or from

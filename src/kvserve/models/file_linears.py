@@ -8,27 +8,62 @@ them, not dequantizing and re-fitting grids.
       Q6_K v; Q5_0 q, k + a Q8_0 v)                     writing its columns of one output
     anything else (F16, BF16, ...)                      None: the f32 path of models/linear.make_linear
 
-Only for the integer formats on the CPU in f32 (``--weights q4`` / ``q4-fast``); every part is held as the
-file states it, so the model's outputs are those of the f32 path's exact grids.
+Only for the integer formats on the CPU in f32 (``--weights q4`` / ``q4-fast``; with ``int8``, only the
+tied int8 head); every part is held as the file states it, so the model's outputs are those of the f32
+path's exact grids. ``FileLinears`` is what a GGUF source hands the decoder's builder
+(``models.decoder_weights``) for such a load.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve import native
 from kvserve.host_memory import packed_bytes
-from kvserve.models.gguf_file import GGUFWeights, QuantRows
 from kvserve.models.layouts import INT8_SOURCES, holder, runs
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, Linear, StackedLinear
 
-FILE_FORMATS = ("q4", "q4-fast")
+if TYPE_CHECKING:
+    from kvserve.models.gguf_file import GGUFWeights, QuantRows
+
+FILE_FORMATS = ("q4", "q4-fast")  # projections, head and table from the file's blocks
+INT8_HEAD_FORMATS = ("int8", *FILE_FORMATS)  # a tied Q8_0 (Q5_0, Q4_0) table as the int8 head
 
 
-def applies(weights, weight_format: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this load takes projections from file blocks (a GGUF file, an integer format, CPU f32)."""
-    return (isinstance(weights, GGUFWeights) and weight_format in FILE_FORMATS and device.type == "cpu"
-            and dtype == torch.float32)
+class FileLinears:
+    """The weights one load takes from a GGUF file's blocks; each method answers None where they cannot
+    be (the builder then goes through f32)."""
+
+    def __init__(self, weights: GGUFWeights, weight_format: str) -> None:
+        self.weights, self.weight_format = weights, weight_format
+        self.projections = weight_format in FILE_FORMATS
+        # the packing arena's reservation: the worst widening (4-bit blocks as int8 groups: 2x)
+        file_bytes = sum(t.num_bytes for t in weights.gf.tensors.values())
+        self.arena_bytes = 2 * file_bytes if self.projections else 0
+
+    @classmethod
+    def of(cls, weights: GGUFWeights, weight_format: str, device: torch.device,
+           dtype: torch.dtype) -> FileLinears | None:
+        """For a load on the CPU in f32 in an integer format; None otherwise."""
+        if device.type != "cpu" or dtype != torch.float32 or weight_format not in INT8_HEAD_FORMATS:
+            return None
+        return cls(weights, weight_format)
+
+    def projection(self, names: list[str], bias: torch.Tensor | None) -> Linear | None:
+        return projection(self.weights, names, bias, self.weight_format) if self.projections else None
+
+    def tied_head(self) -> tuple[Linear, QuantRows] | None:
+        return tied_head(self.weights, self.weight_format) if self.projections else None
+
+    def table(self, name: str) -> QuantRows | None:
+        """An untied embedding table kept as the file's bytes."""
+        return self.weights.quant_rows(name) if self.projections else None
+
+    def int8_head(self) -> Int8GroupLinear | None:
+        """The tied head as int8 groups repacked from the file's blocks (a Q8_0, Q5_0 or Q4_0 table)."""
+        return int8_groups(self.weights, ["token_embd.weight"], None)
 
 
 def projection(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None,

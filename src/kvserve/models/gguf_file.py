@@ -20,6 +20,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.host_memory import HeapTrimmer
 from kvserve.models import layouts
 from kvserve.models.arch import ARCHS
+from kvserve.models.file_linears import FileLinears
 from kvserve.models.gguf_config import read_model_config  # noqa: F401  (re-exported)
 from kvserve.models.gguf_header import read_gguf_header
 
@@ -216,6 +217,11 @@ class GGUFWeights:
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
+
+    def file_linears(self, weight_format: str, device: torch.device,
+                     dtype: torch.dtype) -> FileLinears | None:
+        """What takes this load's weights straight from the blocks (``models.file_linears``), if anything."""
+        return FileLinears.of(self, weight_format, device, dtype)
 
     def pop(self, name: str) -> torch.Tensor:
         w = self._load(name)

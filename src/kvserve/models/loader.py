@@ -14,6 +14,7 @@ from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
 from kvserve.host_memory import release_freed_memory
 from kvserve.models.decoder import DecoderLM
+from kvserve.models.decoder_weights import TensorWeights, build_weights
 from kvserve.models.registry import resolve
 from kvserve.tokenizer import Tokenizer
 
@@ -69,7 +70,7 @@ def load_model(
         not_an_encoder(is_encoder_folder(path))
 
         config = read_hf_config(path)
-        weights = load_hf_weights(path, config)
+        weights = TensorWeights(load_hf_weights(path, config))
         tokenizer = Tokenizer.from_hf_folder(path) if (path / "tokenizer.json").is_file() else None
         weight_types = {"safetensors": sum(f.stat().st_size for f in path.glob("*.safetensors"))}
         file_type = None
@@ -93,7 +94,8 @@ def load_model(
         weight_format, why = choice.format, choice.why
         log.info("--weights auto: %s (%s)", weight_format, why)
     try:
-        lm = DecoderLM(config, weights, dev, dtype, weight_format)
+        lm = DecoderLM(config, build_weights(config, weights, dev, dtype, weight_format), dev, dtype,
+                       weight_format)
     except KeyError as e:
         raise ModelLoadError(f"{path}: tensor {e} is missing from the model file") from None
     del weights
