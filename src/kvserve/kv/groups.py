@@ -67,6 +67,7 @@ class KVGroup:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[KVBlock | None]] = {}
+        self.released: dict[str, int] = {}  # per request, how many of its table's first entries are None
 
     # --- what sets a group apart -----------------------------------------------------------------------
     def first_live(self, num_computed: int) -> int:
@@ -129,9 +130,12 @@ class KVGroup:
     def release(self, request_id: str, num_computed: int) -> None:
         """Give back the request's blocks that end before what its next query reads, oldest first."""
         table = self.tables.get(request_id, [])
-        first = min(len(table), self.first_live(num_computed))
-        dead = [b for b in table[:first] if b is not None]
-        table[:first] = [None] * first
+        start, first = self.released.get(request_id, 0), min(len(table), self.first_live(num_computed))
+        if first <= start:  # every step asks: most have nothing to give back
+            return
+        dead = [b for b in table[start:first] if b is not None]
+        table[start:first] = [None] * (first - start)
+        self.released[request_id] = first
         self.pool.free(dead)
 
     @property
@@ -165,6 +169,7 @@ class KVGroup:
     def free(self, request_id: str) -> None:
         """Release every block of the request, tail first (so tail blocks are evicted first)."""
         table = self.tables.pop(request_id, [])
+        self.released.pop(request_id, None)
         self.pool.free([b for b in reversed(table) if b is not None])
 
     # --- views ----------------------------------------------------------------------------------------
