@@ -4,33 +4,33 @@ from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
 
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, apply_penalties, filter_logits
 from kvserve.engine.sampling_params import SamplingParams
 
-LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
+LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], dtype=np.float32))
 
 
-def kept(x: torch.Tensor) -> list[int]:
+def kept(x: np.ndarray) -> list[int]:
     return [i for i, v in enumerate(x.tolist()) if v != -math.inf]
 
 
 def test_top_k_keeps_the_k_largest():
-    assert kept(filter_logits(LOGITS.clone(), 2, 1.0, 0.0)) == [0, 1]
-    assert kept(filter_logits(LOGITS.clone(), 0, 1.0, 0.0)) == [0, 1, 2, 3, 4]
+    assert kept(filter_logits(LOGITS.copy(), 2, 1.0, 0.0)) == [0, 1]
+    assert kept(filter_logits(LOGITS.copy(), 0, 1.0, 0.0)) == [0, 1, 2, 3, 4]
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
-    assert kept(filter_logits(LOGITS.clone(), 0, 0.5, 0.0)) == [0]  # 0.5 alone reaches 0.5
-    assert kept(filter_logits(LOGITS.clone(), 0, 0.7, 0.0)) == [0, 1]  # 0.75 >= 0.7
-    assert kept(filter_logits(LOGITS.clone(), 0, 0.8, 0.0)) == [0, 1, 2]
+    assert kept(filter_logits(LOGITS.copy(), 0, 0.5, 0.0)) == [0]  # 0.5 alone reaches 0.5
+    assert kept(filter_logits(LOGITS.copy(), 0, 0.7, 0.0)) == [0, 1]  # 0.75 >= 0.7
+    assert kept(filter_logits(LOGITS.copy(), 0, 0.8, 0.0)) == [0, 1, 2]
 
 
 def test_min_p_is_relative_to_the_top_probability():
-    assert kept(filter_logits(LOGITS.clone(), 0, 1.0, 0.3)) == [0, 1, 2]  # >= 0.15
-    assert kept(filter_logits(LOGITS.clone(), 0, 1.0, 0.6)) == [0]
+    assert kept(filter_logits(LOGITS.copy(), 0, 1.0, 0.3)) == [0, 1, 2]  # >= 0.15
+    assert kept(filter_logits(LOGITS.copy(), 0, 1.0, 0.6)) == [0]
 
 
 def _request(output: list[int], **params) -> Request:
@@ -41,26 +41,26 @@ def _request(output: list[int], **params) -> Request:
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
-    logits = torch.tensor([2.0, -2.0, 1.0, 4.0])
-    out = apply_penalties(logits.clone(), _request([3], repetition_penalty=2.0))  # seen: 0, 1 (prompt), 3
+    logits = np.array([2.0, -2.0, 1.0, 4.0], dtype=np.float32)
+    out = apply_penalties(logits.copy(), _request([3], repetition_penalty=2.0))  # seen: 0, 1 (prompt), 3
     assert out.tolist() == [1.0, -4.0, 1.0, 2.0]
 
 
 def test_presence_and_frequency_penalties_use_output_counts():
-    logits = torch.zeros(4)
-    out = apply_penalties(logits.clone(), _request([2, 2, 3], presence_penalty=0.5, frequency_penalty=0.25))
+    logits = np.zeros(4, dtype=np.float32)
+    out = apply_penalties(logits.copy(), _request([2, 2, 3], presence_penalty=0.5, frequency_penalty=0.25))
     assert out.tolist() == [0.0, 0.0, -1.0, -0.75]
 
 
 def test_greedy_takes_the_argmax_even_with_filters():
     s = Sampler(str)
     r = _request([], temperature=0, top_k=1)
-    assert s.sample(torch.tensor([[0.1, 3.0, 2.0]]), [r])[0][0] == 1
+    assert s.sample(np.array([[0.1, 3.0, 2.0]]), [r])[0][0] == 1
 
 
 def test_a_batch_takes_each_greedy_rows_argmax_and_leaves_the_others_to_their_own_rules():
     s = Sampler(str)
-    logits = torch.tensor([[0.1, 3.0, 2.0, 3.0],   # a tie: the first maximum, as alone
+    logits = np.array([[0.1, 3.0, 2.0, 3.0],   # a tie: the first maximum, as alone
                            [5.0, 1.0, 0.0, 0.0],
                            [0.0, 0.0, 9.0, 5.0],   # the penalty cuts token 2's logit to 0.9: token 3
                            [0.0, 0.0, 0.0, 7.0]])
@@ -76,18 +76,19 @@ def test_seeded_draws_follow_the_distribution():
     counts = [0, 0, 0]
     r = _request([], temperature=1.0, seed=7)
     for _ in range(3000):
-        counts[s.sample(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [r])[0][0]] += 1
+        counts[s.sample(np.log(np.array([[0.6, 0.3, 0.1]], dtype=np.float32)), [r])[0][0]] += 1
     assert abs(counts[0] / 3000 - 0.6) < 0.04 and abs(counts[2] / 3000 - 0.1) < 0.03
     r2 = _request([], temperature=1.0, seed=7)
-    again = [s.sample(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [r2])[0][0] for _ in range(50)]
+    logits = np.log(np.array([[0.6, 0.3, 0.1]], dtype=np.float32))
+    again = [s.sample(logits, [r2])[0][0] for _ in range(50)]
     r3 = _request([], temperature=1.0, seed=7)
-    assert again == [s.sample(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [r3])[0][0] for _ in range(50)]
+    assert again == [s.sample(logits, [r3])[0][0] for _ in range(50)]
 
 
 def test_extreme_in_range_values_draw_a_token_instead_of_failing():
     """Values the API accepts must never reach the draw as inf/NaN probabilities."""
     s = Sampler(str)
-    logits = torch.tensor([[2.0, 5.0, -1.0, 0.0]])
+    logits = np.array([[2.0, 5.0, -1.0, 0.0]])
     cases = {
         "tiny temperature is greedy": {"temperature": 1e-39},
         "top_p that is 0 in float32 keeps the top token": {"temperature": 1.0, "top_p": 1e-46},
@@ -96,14 +97,27 @@ def test_extreme_in_range_values_draw_a_token_instead_of_failing():
         "huge temperature": {"temperature": 1e38},
     }
     for name, params in cases.items():
-        [(token, _)] = s.sample(logits.clone(), [_request([1, 0], seed=3, **params)])
+        [(token, _)] = s.sample(logits.copy(), [_request([1, 0], seed=3, **params)])
         assert isinstance(token, int), f"{name}: {token!r}"
-    [(token, _)] = s.sample(logits.clone(), [_request([], temperature=1e-39, seed=1)])
+    [(token, _)] = s.sample(logits.copy(), [_request([], temperature=1e-39, seed=1)])
     assert token == 1  # greedy: the argmax
-    [(token, _)] = s.sample(logits.clone(), [_request([], temperature=1.0, top_p=1e-46, seed=1)])
+    [(token, _)] = s.sample(logits.copy(), [_request([], temperature=1.0, top_p=1e-46, seed=1)])
     assert token == 1  # only the most likely token is left
     # seen tokens 0 and 1 boosted to +inf by a tiny penalty: the draw stays among them
-    drawn = {s.sample(logits.clone(),
+    drawn = {s.sample(logits.copy(),
                       [_request([0, 1], temperature=1.0, repetition_penalty=1e-300, seed=i)])[0][0]
              for i in range(20)}
     assert drawn <= {0, 1}
+
+
+def test_top_p_on_a_large_vocabulary_keeps_what_a_full_sort_keeps():
+    """The cut sorts only the largest entries it needs; a full sort of every probability says the same."""
+    rng = np.random.default_rng(0)
+    for scale, top_p in [(1.0, 0.9), (4.0, 0.5), (0.2, 0.99), (8.0, 0.999), (1.0, 1e-9)]:
+        logits = (rng.standard_normal(151_936) * scale).astype(np.float32)
+        probs = np.exp(logits.astype(np.float64) - logits.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        want = sorted(order[: max(1, int((before < top_p).sum()))].tolist())
+        assert kept(filter_logits(logits, 0, top_p, 0.0)) == want, (scale, top_p)

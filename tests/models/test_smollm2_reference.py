@@ -232,7 +232,7 @@ def served_teacher_forced(engine, ids: list[int], num_prompt: int) -> torch.Tens
     sample = engine.sampler.sample
 
     def feed_the_text(logits, requests):
-        rows.append(logits.clone())
+        rows.append(torch.from_numpy(logits.copy()))  # the sampler reads numpy
         return [(next(forced), None) for _ in requests]
 
     engine.sampler.sample = feed_the_text

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvserve import native
@@ -216,10 +217,12 @@ class LLMEngine:
         self.heap.after_step(out.num_tokens)
         if self.offload is not None:
             self.offload.save_computed(self.kv, [s.request for s in out.scheduled])
-        return self._sampled_outputs(out, ready, logits) + self._pooled_outputs(out)
+        # the sampler reads numpy (no copy on the CPU; the rows come over once from a GPU)
+        rows = logits.float().cpu().numpy() if ready else None
+        return self._sampled_outputs(out, ready, rows) + self._pooled_outputs(out)
 
     def _sampled_outputs(self, out: SchedulerOutput, ready: list[Request],
-                         logits: torch.Tensor) -> list[RequestOutput]:
+                         logits: np.ndarray | None) -> list[RequestOutput]:
         """Draw each ready request's next token (and check its drafts), then its output; a request whose
         draw fails ends with an error, the others go on."""
         drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}
@@ -229,7 +232,7 @@ class LLMEngine:
             row += 1 + len(drafts.get(r.request_id, ()))
         firsts = logits
         if row != len(ready):
-            firsts = logits.index_select(0, torch.tensor(first_rows, device=logits.device))
+            firsts = logits[first_rows]
         sampled = self.sampler.sample(firsts, ready) if ready else []
         now = time.perf_counter()
         results = []
@@ -270,7 +273,7 @@ class LLMEngine:
         if request.constraint is not None and request.constraint.complete and not request.is_finished:
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
 
-    def _verify(self, request: Request, draft: list[int], logits: torch.Tensor, first: int, token: int,
+    def _verify(self, request: Request, draft: list[int], logits: np.ndarray, first: int, token: int,
                 now: float) -> None:
         """Keep the drafts that equal the tokens drawn at their positions, one position at a time (each
         draw sees the tokens before it, as decoding one token at a time does); the first token that

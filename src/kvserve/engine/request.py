@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+import numpy as np
 import torch
 
 from kvserve.engine.constraints import TokenConstraint
@@ -71,7 +72,7 @@ class Request:
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             num_prompt_tokens=len(prompt_token_ids),
         )
-        self.generator: torch.Generator | None = None  # created by the sampler on first use
+        self.generator: np.random.Generator | None = None  # created by the sampler on first use
         self.constraint: TokenConstraint | None = None  # params.constraint's state, set by the engine
         self.thought = ThoughtState(params.reasoning) if params.reasoning is not None else None
         # a pooling request (params.pooling): the mean's final hidden states so far, a tensor a chunk, then

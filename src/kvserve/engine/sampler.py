@@ -1,8 +1,10 @@
-"""Turns each ready request's logits into its next token.
+"""Turns each ready request's logits into its next token, in numpy (no torch on this path).
 
 Order of operations (llama.cpp and vLLM agree on it): penalties on raw logits, then temperature,
 then top-k, top-p and min-p filters, then a draw from the request's own generator. Each request has
-its own seeded ``torch.Generator``, so a seeded request draws the same tokens whatever shares its batch.
+its own seeded ``numpy.random.Generator`` (PCG64), so a seeded request draws the same tokens whatever
+shares its batch. (Until 2026-11-28 the draw was torch's ``multinomial`` on a ``torch.Generator``: a seed
+gives another, equally distributed, stream since.)
 """
 
 from __future__ import annotations
@@ -10,43 +12,80 @@ from __future__ import annotations
 import secrets
 import time
 
-import torch
+import numpy as np
 
 from kvserve.engine.outputs import TokenLogprob
 from kvserve.engine.request import Request
 
+NEG_INF = np.float32(-np.inf)
 
-def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
+
+def apply_penalties(logits: np.ndarray, request: Request) -> np.ndarray:
+    """``logits`` [vocab] float32, changed in place and returned."""
     p = request.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=logits.device)
-        picked = logits[seen]
-        logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-        ids, counts = torch.tensor(request.output_token_ids, device=logits.device).unique(return_counts=True)
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
-    # after the penalties, as OpenAI and llama.cpp add it: -100 bans a token, +100 all but forces it
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
-        logits[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # +-inf, NaN: the caller cleans
+        if p.repetition_penalty != 1.0:
+            seen = np.fromiter(set(request.all_token_ids), dtype=np.int64)
+            picked = logits[seen]
+            logits[seen] = np.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+            ids, counts = np.unique(np.asarray(request.output_token_ids, dtype=np.int64), return_counts=True)
+            logits[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts.astype(
+                np.float32)
+        # after the penalties, as OpenAI and llama.cpp add it: -100 bans a token, +100 all but forces it
+        if p.logit_bias:
+            ids = np.asarray([t for t, _ in p.logit_bias], dtype=np.int64)
+            np.add.at(logits, ids, np.asarray([b for _, b in p.logit_bias], dtype=np.float32))
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """logits: [vocab], already divided by the temperature. Filtered entries become -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+def kept_tokens(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray | None:
+    """Ids of the tokens the top-k, top-p and min-p filters keep (in no order), or None for every token.
+    ``logits`` [vocab] float32, already divided by the temperature, finite or -inf. Works on the kept
+    ids alone after each filter: a 150k vocabulary is exponentiated once, and sorted only as far as the
+    top-p cut needs."""
+    n = logits.shape[-1]
+    ids = None
+    if 0 < top_k < n:
+        kth = np.partition(logits, n - top_k)[n - top_k]
+        ids = np.flatnonzero(logits >= kth)  # ties with the k-th largest stay, as a mask would keep them
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
-        remove[0] = False  # and the most likely one: a top_p that is 0 in float32 still leaves a token
-        logits = logits.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+        values = logits if ids is None else logits[ids]
+        cut = _top_p_kept(values, top_p)
+        ids = cut if ids is None else ids[cut]
+    if min_p > 0.0:  # p < min_p * p_max, in logits; a token on the bound within float32 rounding stays
+        values = logits if ids is None else logits[ids]
+        keep = values.astype(np.float64) >= np.float64(values.max()) + np.log(min_p) - 1e-6
+        ids = np.flatnonzero(keep) if ids is None else ids[keep]
+    return ids
+
+
+def _top_p_kept(values: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices into ``values`` (logits) of the smallest most-likely set whose probability reaches
+    ``top_p``: the token that crosses it kept, and always the most likely one. Sorts only as many of the
+    largest as it needs, 64 first."""
+    weights = np.exp(values - values.max())  # float32 in (0, 1]: the unnormalized probabilities
+    target = top_p * weights.sum(dtype=np.float64)
+    n = len(weights)
+    k = min(n, 64)
+    while True:
+        top = np.argpartition(-weights, k - 1)[:k] if k < n else np.arange(n)
+        top = top[np.argsort(-weights[top], kind="stable")]
+        before = np.cumsum(weights[top], dtype=np.float64) - weights[top]  # the mass ahead of each
+        cut = int(np.searchsorted(before >= target, True))  # the first whose predecessors reach top_p
+        if cut < k or k == n:
+            return top[: max(cut, 1)]
+        k = min(n, k * 8)
+
+
+def filter_logits(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """logits: [vocab], already divided by the temperature; a copy with the filtered entries at -inf."""
+    ids = kept_tokens(logits, top_k, top_p, min_p)
+    if ids is None:
+        return logits.copy()
+    out = np.full_like(logits, NEG_INF)
+    out[ids] = logits[ids]
+    return out
 
 
 def _grammar_applies(request: Request) -> bool:
@@ -62,10 +101,11 @@ class Sampler:
     def __init__(self, decode_token) -> None:
         self.decode_token = decode_token  # token id -> text, for logprob records
 
-    def sample(self, logits: torch.Tensor,
-               requests: list[Request]) -> list[tuple[int | Exception, TokenLogprob | None]]:
-        """logits: [len(requests), vocab] float32. A request whose draw fails gets the exception
-        instead of a token, so one bad request cannot stop the batch."""
+    def sample(self, logits, requests: list[Request]) -> list[tuple[int | Exception, TokenLogprob | None]]:
+        """logits: [len(requests), vocab] float32, anything numpy reads without a copy (a CPU tensor). A
+        request whose draw fails gets the exception instead of a token, so one bad request cannot stop
+        the batch."""
+        logits = np.asarray(logits, dtype=np.float32)
         results = []
         plain_greedy = [
             r.params.greedy and not _needs_penalty(r.params) and r.constraint is None and r.thought is None
@@ -94,32 +134,41 @@ class Sampler:
             results.append((token, logprob))
         return results
 
-    def _sample_one(self, row: torch.Tensor, request: Request) -> int:
+    def _sample_one(self, row: np.ndarray, request: Request) -> int:
         p = request.params
         # first: penalties and filters then see only valid tokens
         if request.constraint is not None and _grammar_applies(request):
             start = time.perf_counter()
-            forbidden = torch.from_numpy(request.constraint.forbidden(row.shape[-1])).to(row.device)
+            forbidden = request.constraint.forbidden(row.shape[-1])
             request.metrics.mask_times.append(time.perf_counter() - start)
-            row = row.masked_fill(forbidden, float("-inf"))
+            row = np.where(forbidden, NEG_INF, row)
         penalized = _needs_penalty(p)
-        x = apply_penalties(row.clone(), request) if penalized else row
+        x = apply_penalties(row.copy(), request) if penalized else row
         if p.greedy:  # only penalties can make NaN (0 * inf)
-            return int(torch.argmax(torch.nan_to_num(x, nan=float("-inf")) if penalized else x))
+            return int(np.argmax(np.nan_to_num(x, nan=-np.inf) if penalized else x))
         # extreme (valid) penalties and temperatures push logits to +-inf or NaN (0 * inf): +inf
         # becomes the largest float, so those tokens share the draw; NaN is never drawn
-        x = torch.nan_to_num(x / p.temperature, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
-        x = filter_logits(x, p.top_k, p.top_p, p.min_p)
-        probs = x.softmax(-1)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            x = np.nan_to_num((x / np.float32(p.temperature)).astype(np.float32), nan=-np.inf,
+                              posinf=np.finfo(np.float32).max, neginf=-np.inf)
+        if not np.isfinite(x.max()):
+            raise ValueError("no token has a finite logit")
+        ids = kept_tokens(x, p.top_k, p.top_p, p.min_p)
+        values = x if ids is None else x[ids]
         if request.generator is None:
-            request.generator = torch.Generator(device=row.device)
-            request.generator.manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
-        return int(torch.multinomial(probs, 1, generator=request.generator))
+            request.generator = np.random.default_rng(p.seed if p.seed is not None else secrets.randbits(63))
+        cumulative = np.cumsum(np.exp(values - values.max()), dtype=np.float64)
+        # the first whose cumulative mass passes the draw: a token of probability 0 is never it
+        pick = int(np.searchsorted(cumulative, request.generator.random() * cumulative[-1], side="right"))
+        pick = min(pick, len(values) - 1)
+        return pick if ids is None else int(ids[pick])
 
-    def _logprob(self, row: torch.Tensor, token: int, top_k: int) -> TokenLogprob:
-        logprobs = row.log_softmax(-1)
+    def _logprob(self, row: np.ndarray, token: int, top_k: int) -> TokenLogprob:
+        shifted = row.astype(np.float64) - np.max(row)
+        logprobs = shifted - np.log(np.exp(shifted).sum())
         top = []
         if top_k > 0:
-            values, ids = torch.topk(logprobs, top_k)
-            top = [(int(i), self.decode_token(int(i)), float(v)) for v, i in zip(values, ids, strict=True)]
+            ids = np.argpartition(-logprobs, min(top_k, len(logprobs) - 1))[:top_k]
+            ids = ids[np.argsort(-logprobs[ids], kind="stable")]
+            top = [(int(i), self.decode_token(int(i)), float(logprobs[i])) for i in ids]
         return TokenLogprob(token, self.decode_token(token), float(logprobs[token]), top)
