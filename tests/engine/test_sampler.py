@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from kvserve.engine.constraints import GrammarError
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, apply_penalties, filter_logits
 from kvserve.engine.sampling_params import SamplingParams
@@ -121,3 +122,36 @@ def test_top_p_on_a_large_vocabulary_keeps_what_a_full_sort_keeps():
         before = np.cumsum(probs[order]) - probs[order]
         want = sorted(order[: max(1, int((before < top_p).sum()))].tolist())
         assert kept(filter_logits(logits, 0, top_p, 0.0)) == want, (scale, top_p)
+
+
+def test_a_negative_seed_is_its_value_modulo_2_to_the_64():
+    """The APIs take seeds from -2**63: one draws as its value modulo 2**64 does."""
+    s = Sampler(str)
+    logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1]], dtype=np.float32))
+    negative, wrapped = _request([], temperature=1.0, seed=-5), _request([], temperature=1.0, seed=2**64 - 5)
+    drawn = [s.sample(logits, [negative])[0][0] for _ in range(40)]
+    assert all(isinstance(t, int) for t in drawn)
+    assert drawn == [s.sample(logits, [wrapped])[0][0] for _ in range(40)]
+
+
+def test_a_repeated_logit_bias_id_takes_its_last_value():
+    logits = np.zeros(4, dtype=np.float32)
+    out = apply_penalties(logits, _request([], logit_bias=((2, 10.0), (2, 30.0))))
+    assert out.tolist() == [0.0, 0.0, 30.0, 0.0]
+
+
+def test_a_grammar_that_allows_no_token_ends_its_request_as_a_grammar_error():
+    """Every token masked: the request's error is the grammar's (a 400 when it ends), not a draw."""
+
+    class NothingAllowed:
+        def forbidden(self, vocab: int) -> np.ndarray:
+            return np.ones(vocab, dtype=bool)
+
+        def advance(self, token: int) -> None:
+            raise AssertionError("no token may be drawn")
+
+    s = Sampler(str)
+    r = _request([], temperature=1.0, seed=1)
+    r.constraint = NothingAllowed()
+    [(error, _)] = s.sample(np.zeros((1, 5), dtype=np.float32), [r])
+    assert isinstance(error, GrammarError)

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from kvserve.engine.constraints import GrammarError
 from kvserve.engine.outputs import TokenLogprob
 from kvserve.engine.request import Request
 
@@ -35,7 +36,8 @@ def apply_penalties(logits: np.ndarray, request: Request) -> np.ndarray:
         # after the penalties, as OpenAI and llama.cpp add it: -100 bans a token, +100 all but forces it
         if p.logit_bias:
             ids = np.asarray([t for t, _ in p.logit_bias], dtype=np.int64)
-            np.add.at(logits, ids, np.asarray([b for _, b in p.logit_bias], dtype=np.float32))
+            # a repeated id takes its last value (not their sum), as OpenAI's dict and the torch sampler did
+            logits[ids] += np.asarray([b for _, b in p.logit_bias], dtype=np.float32)
     return logits
 
 
@@ -64,7 +66,8 @@ def _top_p_kept(values: np.ndarray, top_p: float) -> np.ndarray:
     """Indices into ``values`` (logits) of the smallest most-likely set whose probability reaches
     ``top_p``: the token that crosses it kept, and always the most likely one. Sorts only as many of the
     largest as it needs, 64 first."""
-    weights = np.exp(values - values.max())  # float32 in (0, 1]: the unnormalized probabilities
+    with np.errstate(invalid="ignore", over="ignore"):  # float32 in [0, 1]: the unnormalized probabilities
+        weights = np.exp(values - values.max())
     target = top_p * weights.sum(dtype=np.float64)
     n = len(weights)
     k = min(n, 64)
@@ -152,20 +155,26 @@ class Sampler:
             x = np.nan_to_num((x / np.float32(p.temperature)).astype(np.float32), nan=-np.inf,
                               posinf=np.finfo(np.float32).max, neginf=-np.inf)
         if not np.isfinite(x.max()):
+            if request.constraint is not None and _grammar_applies(request):
+                raise GrammarError("the output's grammar allows no token here")
             raise ValueError("no token has a finite logit")
         ids = kept_tokens(x, p.top_k, p.top_p, p.min_p)
         values = x if ids is None else x[ids]
         if request.generator is None:
-            request.generator = np.random.default_rng(p.seed if p.seed is not None else secrets.randbits(63))
-        cumulative = np.cumsum(np.exp(values - values.max()), dtype=np.float64)
+            # a negative seed (the APIs take -2**63 ..) is the same seed modulo 2**64, as torch took it
+            seed = p.seed % 2**64 if p.seed is not None else secrets.randbits(63)
+            request.generator = np.random.default_rng(seed)
+        with np.errstate(invalid="ignore", over="ignore"):  # +-max float32 both present: inf - inf
+            cumulative = np.cumsum(np.exp(values - values.max()), dtype=np.float64)
         # the first whose cumulative mass passes the draw: a token of probability 0 is never it
         pick = int(np.searchsorted(cumulative, request.generator.random() * cumulative[-1], side="right"))
         pick = min(pick, len(values) - 1)
         return pick if ids is None else int(ids[pick])
 
     def _logprob(self, row: np.ndarray, token: int, top_k: int) -> TokenLogprob:
-        shifted = row.astype(np.float64) - np.max(row)
-        logprobs = shifted - np.log(np.exp(shifted).sum())
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            shifted = row.astype(np.float64) - np.max(row)
+            logprobs = shifted - np.log(np.exp(shifted).sum())
         top = []
         if top_k > 0:
             ids = np.argpartition(-logprobs, min(top_k, len(logprobs) - 1))[:top_k]

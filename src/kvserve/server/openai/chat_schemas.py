@@ -24,7 +24,7 @@ from kvserve.server.tools.definitions import (
 )
 
 MAX_STOP = request_schema.MAX_STOP
-SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # what torch.Generator.manual_seed takes
+SEED_RANGE = {"ge": -(2**63), "lt": 2**64}  # a negative seed is the same seed modulo 2**64
 
 # field -> the values that ask for nothing (anything else is refused)
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
