@@ -43,3 +43,13 @@ def test_package_names_still_resolve():
     assert kvserve.RequestOutput.__name__ == "RequestOutput"
     with pytest.raises(AttributeError):
         _ = kvserve.no_such_name
+
+
+def test_the_sampler_and_a_request_need_no_torch():
+    """The CPU runtime's pieces that are torch-free already stay so (issue: no torch on the CPU path)."""
+    probe = ("import sys, kvserve.engine.sampler, kvserve.engine.request, kvserve.kv.groups, "
+             "kvserve.kv.manager; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvserve.engine.constraints import TokenConstraint
 from kvserve.engine.outputs import RequestMetrics, TokenLogprob
 from kvserve.engine.reasoning import ThoughtState
 from kvserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):

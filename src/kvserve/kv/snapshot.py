@@ -47,11 +47,14 @@ class KVSnapshot:
 
     @property
     def full(self) -> KVGroupSnapshot:
-        return self.groups[0]
+        return self.group(FULL)
 
     @property
     def window(self) -> KVGroupSnapshot | None:
-        return self.groups[1] if len(self.groups) > 1 else None
+        return self.group(WINDOW)
+
+    def group(self, name: str) -> KVGroupSnapshot | None:
+        return next((g for g in self.groups if g.name == name), None)
 
 
 def take(kv: KVCacheManager, blocks: bool = False, tables: bool = False, cached: bool = False) -> KVSnapshot:
