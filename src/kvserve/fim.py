@@ -38,7 +38,7 @@ class FimTokens:
 
 
 def find_fim_tokens(backend, eos_token_ids: list[int]) -> FimTokens | None:
-    """The vocabulary's FIM tokens (``backend``: a ``tokenizers.Tokenizer``); None for a model without."""
+    """The vocabulary's FIM tokens (``backend``: a ``vocabulary.Vocabulary``); None for a model without."""
     for names in FIM_SPELLINGS:
         ids = [backend.token_to_id(n) if n else None for n in names]
         if None not in ids[:3]:

@@ -1,7 +1,8 @@
 """Tokenizer built from a model's own vocabulary, chat-template rendering, and streaming detokenization.
 
-GGUF files carry the vocabulary, merges and pre-tokenizer name; we rebuild the tokenizer with the
-`tokenizers` library (no hub access). HF folders bring a tokenizer.json.
+GGUF files carry the vocabulary, merges and pre-tokenizer name: a SentencePiece vocabulary is tokenized by
+our kernel (spm.py), a byte-level BPE one rebuilt with the `tokenizers` library (no hub access). HF folders
+bring a tokenizer.json. Either stands behind ``vocabulary.Vocabulary``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 from kvserve.errors import ModelLoadError
 from kvserve.fim import FimTokens, fim_prompt, find_fim_tokens
 from kvserve.pretokenizers import PreTokenizer, build_normalizer, build_pre_tokenizer, pre_tokenizer_for
+from kvserve.vocabulary import HFVocabulary, Vocabulary
 
 # Chat formats of architectures whose GGUF files may lack tokenizer.chat_template.
 KNOWN_TEMPLATES = {
@@ -72,13 +73,7 @@ def _build_gpt2_bpe(tokens: list[str], merges: list[str], token_types: list[int]
     ]
     tk.add_special_tokens([s for s in specials if s.special])
     tk.add_tokens([s for s in specials if not s.special])
-    return tk
-
-
-def _ids(backend, text: str) -> list[int]:
-    """``text``'s token ids. Through the batch call, which releases the GIL while Rust works (a single
-    encode holds it: a 3 MB prompt stalled the server's event loop for 2 s)."""
-    return backend.encode_batch([text], add_special_tokens=False)[0].ids
+    return HFVocabulary(tk)
 
 
 THINK_TAGS = ("<think>", "</think>")  # a thought, as reasoning models write it
@@ -89,7 +84,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend,
+        backend: Vocabulary,
         bos_token_id: int | None,
         eos_token_ids: list[int],
         chat_template: str | None,
@@ -104,13 +99,10 @@ class Tokenizer:
         self.template_from_file = chat_template is not None
         self.add_bos = add_bos
         self._template = None
-        self._lock = threading.Lock()
-        self._special_pattern: re.Pattern | None = None
-        self._literal_backend = None  # a copy that reads special-token strings as plain text
 
     @property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        return self.backend.size
 
     @functools.cached_property
     def fim(self) -> FimTokens | None:
@@ -121,7 +113,7 @@ class Tokenizer:
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes one token stands for (at least 1): a text of n characters is at least
         n / max_token_bytes tokens, so a prompt far over the context is refused before it is tokenized."""
-        return max([len(t.encode()) for t in self.backend.get_vocab()] + [1])
+        return self.backend.max_token_bytes
 
     @functools.cached_property
     def thinks(self) -> bool:
@@ -150,7 +142,7 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Special-token strings in ``text`` become those tokens (a raw prompt is the caller's own)."""
         check_unicode(text)
-        return self._with_bos(_ids(self.backend, text), add_special)
+        return self._with_bos(self.backend.ids(text), add_special)
 
     def _with_bos(self, ids: list[int], add_special: bool) -> list[int]:
         if add_special and self.add_bos and self.bos_token_id is not None and (
@@ -202,40 +194,21 @@ class Tokenizer:
         variables = variables or {}
         rendered = self.apply_chat_template(messages, add_generation_prompt, **variables)
         contents = [m.get("content") for m in messages]
-        if special_tokens_in_content or not any(isinstance(c,
-                                                           str) and self._has_special(c) for c in contents):
+        found = None if special_tokens_in_content else next(
+            (s for c in contents if isinstance(c, str) and (s := self.backend.first_special(c))), None)
+        if found is None:
             return self.encode(rendered, add_special)
         check_unicode(rendered)
         segments = self._content_segments(messages, rendered, add_generation_prompt, variables)
         if segments is None:
-            special = next(self._special_pattern.search(c).group() for c in contents
-                           if isinstance(c, str) and self._has_special(c))
             raise ValueError(
-                f"a message's content holds the special token {special!r}, and this model's chat template "
+                f"a message's content holds the special token {found!r}, and this model's chat template "
                 "changes contents so that it cannot be kept as text; remove it"
             )
         ids: list[int] = []
         for text, from_content in segments:
-            backend = self._literal() if from_content else self.backend
-            ids.extend(_ids(backend, text))
+            ids.extend(self.backend.ids(text, literal=from_content))
         return self._with_bos(ids, add_special)
-
-    def _has_special(self, text: str) -> bool:
-        if self._special_pattern is None:
-            specials = [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
-            alternatives = sorted(specials, key=len, reverse=True) or ["(?!)"]
-            self._special_pattern = re.compile("|".join(map(re.escape, alternatives)))
-        return self._special_pattern.search(text) is not None
-
-    def _literal(self):
-        with self._lock:
-            if self._literal_backend is None:
-                from tokenizers import Tokenizer as HFTokenizer
-
-                literal = HFTokenizer.from_str(self.backend.to_str())
-                literal.encode_special_tokens = True
-                self._literal_backend = literal
-        return self._literal_backend
 
     def _content_segments(
         self, messages: list[dict[str, Any]], rendered: str, add_generation_prompt: bool,
@@ -287,10 +260,11 @@ class Tokenizer:
             backend = _build_gpt2_bpe(tokens, merges, token_types, pre)
             default_bos = pre.add_bos
         elif model == "llama":
-            from kvserve.spm import build_spm_tokenizer
+            from kvserve.spm import build_spm_tokenizer, native_spm
 
-            backend = build_spm_tokenizer(tokens, gf.get("tokenizer.ggml.scores"), token_types,
-                                          bool(gf.get("tokenizer.ggml.add_space_prefix", True)))
+            spm_args = (tokens, gf.get("tokenizer.ggml.scores"), token_types,
+                        bool(gf.get("tokenizer.ggml.add_space_prefix", True)))
+            backend = native_spm(*spm_args) or HFVocabulary(build_spm_tokenizer(*spm_args))
         else:
             raise ModelLoadError(f"{gf.path}: tokenizer model '{model}' is not supported (gpt2, llama are)")
         bos = gf.get("tokenizer.ggml.bos_token_id")
@@ -318,7 +292,8 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{folder}: no tokenizer.json in the model folder")
-        backend = HFTokenizer.from_file(str(path))
+        hf = HFTokenizer.from_file(str(path))
+        backend = HFVocabulary(hf)
         cfg_path = folder / "tokenizer_config.json"
         tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         model_cfg = json.loads((folder / "config.json").read_text())
@@ -326,7 +301,7 @@ class Tokenizer:
         def token_id(value) -> int | None:
             if isinstance(value, dict):
                 value = value.get("content")
-            return backend.token_to_id(value) if isinstance(value, str) else None
+            return hf.token_to_id(value) if isinstance(value, str) else None
 
         bos = token_id(tcfg.get("bos_token"))
         eos = token_id(tcfg.get("eos_token"))

@@ -23,7 +23,7 @@ def gemma_tokenizer() -> Tokenizer:
 
 
 def control_ids(tok: Tokenizer, text: str) -> set[int]:
-    specials = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+    specials = {tok.backend.token_to_id(s) for s in tok.backend.specials()}
     return specials & set(tok.encode(text, add_special=False))
 
 

@@ -84,11 +84,9 @@ class GrammarTokenizer:
     def get(self):
         with self._lock:
             if self._built is None:
-                from llguidance import LLTokenizer
-
                 tok = self.tokenizer
                 eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
-                self._built = LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=eos)
+                self._built = tok.backend.guidance(tok.vocab_size, eos)
         return self._built
 
 
