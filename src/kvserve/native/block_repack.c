@@ -124,16 +124,28 @@ static void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_
             const uint8_t *row = raw + r * row_bytes;
             RowGroup rg;
             decode_group(row, layout, g, &rg);
-            for (int k = 0; k < GROUP; k++) {
-                const int quad = k / 4, i = k % 4, c = rg.codes[k];
-                if (bits < 4) {
-                    blk[64 * (quad / 4) + 4 * lane + i] |= (uint8_t)((c & 3) << (2 * (quad % 4)));
-                    if (bits == 3) blk[128 + 4 * lane + i] |= (uint8_t)(((c >> 2) & 1) << quad);
-                    continue;
+            if (bits >= 4) { /* each of the lane's bytes written whole: no read-modify-write, no branch */
+                uint8_t *own = blk + 4 * lane;
+                const uint8_t *c = rg.codes;
+                for (int chunk = 0; chunk < 4; chunk++)
+                    for (int i = 0; i < 4; i++)
+                        own[64 * chunk + i] = (uint8_t)((c[8 * chunk + i] & 0x0F) | (c[8 * chunk + 4 + i] & 0x0F) << 4);
+                for (int i = 0; bits == 5 && i < 4; i++) {
+                    unsigned plane = 0;
+                    for (int quad = 0; quad < 8; quad++) plane |= ((c[4 * quad + i] >> 4) & 1u) << quad;
+                    own[256 + i] = (uint8_t)plane;
                 }
-                blk[(quad / 2) * 64 + 4 * lane + i] |= (uint8_t)((c & 0x0F) << (4 * (quad % 2)));
-                if (bits == 5) blk[256 + 4 * lane + i] |= (uint8_t)(((c >> 4) & 1) << quad);
-                if (bits == 6) blk[256 + 64 * (quad / 4) + 4 * lane + i] |= (uint8_t)(((c >> 4) & 3) << (2 * (quad % 4)));
+                for (int half = 0; bits == 6 && half < 2; half++)
+                    for (int i = 0; i < 4; i++) {
+                        unsigned plane = 0;
+                        for (int q = 0; q < 4; q++) plane |= ((c[4 * (4 * half + q) + i] >> 4) & 3u) << (2 * q);
+                        own[256 + 64 * half + i] = (uint8_t)plane;
+                    }
+            }
+            for (int k = 0; k < GROUP && bits < 4; k++) {
+                const int quad = k / 4, i = k % 4, c = rg.codes[k];
+                blk[64 * (quad / 4) + 4 * lane + i] |= (uint8_t)((c & 3) << (2 * (quad % 4)));
+                if (bits == 3) blk[128 + 4 * lane + i] |= (uint8_t)(((c >> 2) & 1) << quad);
             }
             for (int f = 0; f < fields; f++) memcpy(blk + scales_at + f * PANEL * width + lane * width, rg.field[f], (size_t)width);
             if (super && g % 8 == 0) { /* d (f16), then dmin */
