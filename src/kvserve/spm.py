@@ -17,10 +17,12 @@ import json
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvserve.native import cache_root
+from kvserve.string_array import StringArray
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ def build_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_typ
     of a 3 s load) and reading the built tokenizer back ~0.2. A cache file that does not read is rebuilt."""
     from tokenizers import Tokenizer
 
+    tokens = list(tokens)  # the header's StringArray too
     scores = scores if scores is not None else [-float(i) for i in range(len(tokens))]
     digest = hashlib.sha256(json.dumps([CACHE_FORMAT, tokens, scores, token_types,
                                         add_space_prefix]).encode()).hexdigest()
@@ -107,17 +110,23 @@ class SpmVocabulary:
     the ids of ``build_spm_tokenizer``'s `tokenizers` BPE, and decoded as its decoders do (▁ as a space,
     <0xXX> pieces as bytes, a byte run that is no UTF-8 as one U+FFFD per byte). Pickles as its pieces."""
 
-    def __init__(self, tokens: list[str], scores: list[float] | None, token_types: list[int],
+    def __init__(self, tokens: Sequence[str], scores: list[float] | None, token_types: list[int],
                  add_space_prefix: bool) -> None:
+        """``tokens``: the pieces, a list or the GGUF header's ``StringArray`` (whose bytes go to the kernel
+        as they are: no Python string per piece)."""
         from kvserve import native
         from kvserve.native import abi
 
         self._args = (tokens, scores, token_types, add_space_prefix)
         self.tokens = tokens
-        encoded = [t.encode("utf-8", "surrogatepass") for t in tokens]
-        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(tokens))
-        offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        if isinstance(tokens, StringArray):
+            text, starts, lengths = tokens.data, tokens.starts, tokens.lengths
+        else:
+            encoded = [t.encode("utf-8", "surrogatepass") for t in tokens]
+            lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(tokens))
+            starts = np.zeros(len(tokens), dtype=np.int64)
+            np.cumsum(lengths[:-1], out=starts[1:])
+            text = b"".join(encoded)
         self._types = np.asarray(token_types, dtype=np.int32)
         score_array = None if scores is None else np.asarray(scores, dtype=np.float32)
         self._max_bytes = max(int(lengths.max(initial=0)), 1)
@@ -127,14 +136,26 @@ class SpmVocabulary:
         self._first = native.function("spm_tokenize", "spm_first_special")
         self._piece = native.function("spm_tokenize", "spm_piece_id")
         handle = native.function("spm_tokenize", "spm_vocab_new")(
-            b"".join(encoded), offsets.ctypes.data, self._types.ctypes.data,
+            text, starts.ctypes.data, lengths.ctypes.data, self._types.ctypes.data,
             None if score_array is None else score_array.ctypes.data, len(tokens), int(add_space_prefix))
         if not handle:
             raise MemoryError("no memory for the vocabulary's table")
         self._handle = handle
         weakref.finalize(self, native.function("spm_tokenize", "spm_vocab_free"), handle)
         self._special = (self._types == TOKEN_TYPE_CONTROL).tolist()
-        self._bytes = {i: int(t[3:5], 16) for i, t in enumerate(tokens) if _is_byte_piece(t)}
+        self._bytes = self._byte_pieces()
+
+    def _byte_pieces(self) -> dict[int, int]:
+        """id -> byte of the pieces the decoder reads as a byte: <0xXX>, either case of hex digit, looked up
+        in the table rather than by decoding every piece (a string held by two ids counts for its last)."""
+        found = {}
+        for b in range(256):
+            high, low = f"{b:02X}"
+            for name in {f"<0x{h}{lo}>" for h in (high, high.lower()) for lo in (low, low.lower())}:
+                token_id = self.token_to_id(name)
+                if token_id is not None:
+                    found[token_id] = b
+        return found
 
     def __reduce__(self):
         return SpmVocabulary, self._args
@@ -186,7 +207,7 @@ class SpmVocabulary:
         return self.tokens[token_id] if 0 <= token_id < len(self.tokens) else None
 
     def specials(self) -> list[str]:
-        return [t for t, special in zip(self.tokens, self._special, strict=True) if special]
+        return [self.tokens[int(i)] for i in np.flatnonzero(self._types == TOKEN_TYPE_CONTROL)]
 
     def first_special(self, text: str) -> str | None:
         import ctypes
@@ -230,12 +251,6 @@ class _Encoder:
         """llguidance tokenizes pieces of text it has already placed: no space prefix (its reader of a
         tokenizer.json takes the prefix normalizer away likewise)."""
         return self.vocab.ids(text.decode("utf-8", errors="replace"), prefix=False)
-
-
-def _is_byte_piece(token: str) -> bool:
-    """<0xXX>, as the `tokenizers` ByteFallback decoder reads it."""
-    return (len(token) == 6 and token.startswith("<0x") and token.endswith(">")
-            and all(c in "0123456789abcdefABCDEF" for c in token[3:5]))
 
 
 def _bytes_text(run: bytearray) -> str:

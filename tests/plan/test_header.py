@@ -228,6 +228,11 @@ def test_native_string_walk_decodes_as_the_python_loop(tmp_path, monkeypatch, bi
     monkeypatch.setattr(gguf_header, "_string_spans", lambda: None)
     python = read_gguf_header(path, decode_arrays=True)
     assert native.metadata == python.metadata and native.get("tokenizer.ggml.tokens") == strings
+    kept = native.get("tokenizer.ggml.tokens")  # the strings' bytes, read like the list
+    assert isinstance(kept, gguf_header.StringArray) and isinstance(python.get("tokenizer.ggml.tokens"), list)
+    assert len(kept) == len(strings) and list(kept) == strings and kept.tolist() == strings
+    assert [kept[i] for i in (0, 10, 11, 4000, -1)] == [strings[i] for i in (0, 10, 11, 4000, -1)]
+    assert kept[5:9] == strings[5:9] and kept != strings[:-1] and kept != [*strings[:-1], "other"]
     assert skipped.get("test.after") == [1, 2, 3]
     original = path.read_bytes()
     for name, marks in (("broken UTF-8", [0xE2, 0x82]), ("a NUL inside", [0, 0xE2])):
@@ -240,7 +245,8 @@ def test_native_string_walk_decodes_as_the_python_loop(tmp_path, monkeypatch, bi
         python = read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens")
         monkeypatch.undo()
         monkeypatch.setattr(gguf_header, "_READ_SIZE", read_size)
-        assert read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens") == python, name
+        kept = read_gguf_header(path, decode_arrays=True).get("tokenizer.ggml.tokens")
+        assert kept == python and [kept[5], kept[7]] == [python[5], python[7]], name
         assert "\ufffd" in python[5] and "\ufffd" in python[7] and ("\0" in python[5]) == (marks[0] == 0)
 
 

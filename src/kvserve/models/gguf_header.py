@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from kvserve.errors import ModelLoadError
+from kvserve.string_array import StringArray, decoded
 
 MAX_DECODED_ARRAY = 4096  # longer arrays (vocabularies, merges, scores) are skipped, not decoded
 MAX_DECODED_STRINGS = 256
@@ -185,8 +186,12 @@ class _Cursor:
                 f"{self.offset} would run past the end of the file)"
             )
 
-    def strings(self, count: int) -> list[str]:
-        """``count`` strings decoded (300k of them in Qwen2.5's header: ~0.9 s through ``string``)."""
+    def strings(self, count: int) -> list[str] | StringArray:
+        """``count`` strings: a list, decoded (300k of them in Qwen2.5's header: ~0.9 s through ``string``),
+        or where the kernels walk them (NATIVE_STRINGS_FROM and more) a ``StringArray`` of their bytes."""
+        spans = _string_spans() if count >= NATIVE_STRINGS_FROM else None
+        if spans is not None:
+            return self._walk_strings_native(spans, count, None, keep=True)
         out: list[str] = []
         self._walk_strings(count, out)
         return out
@@ -214,12 +219,16 @@ class _Cursor:
                 out.append(self.buf[self.pos : self.pos + n].decode("utf-8", errors="replace"))
             self.pos += n
 
-    def _walk_strings_native(self, spans, count: int, out: list[str] | None) -> None:
+    def _walk_strings_native(self, spans, count: int, out: list[str] | None,
+                             keep: bool = False) -> StringArray | None:
         """The loop above, a buffer at a time: the kernel finds the strings that lie whole in the buffer,
-        then the buffer reads on (at least to the end of the next string)."""
+        then the buffer reads on (at least to the end of the next string). ``keep``: the strings' bytes
+        as they lie (each behind its length) become a ``StringArray``."""
         import numpy as np
 
         starts, lengths = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+        kept: list[bytes] = []
+        at = 0  # bytes kept so far
         done = 0
         while done < count:
             view = np.frombuffer(self.buf, dtype=np.uint8)
@@ -228,37 +237,20 @@ class _Cursor:
             if found:
                 end = done + found
                 if out is not None:
-                    out.extend(_decoded(view, self.pos, starts[done:end], lengths[done:end]))
-                self.pos += int(starts[end - 1] + lengths[end - 1])
+                    out.extend(decoded(view, self.pos, starts[done:end], lengths[done:end]))
+                run = int(starts[end - 1] + lengths[end - 1])
+                if keep:
+                    kept.append(bytes(self.buf[self.pos : self.pos + run]))
+                    starts[done:end] += at
+                    at += run
+                self.pos += run
                 done = end
                 continue
             self.need(8)  # the next string does not lie whole in the buffer: read on to its end
             n = struct.unpack_from(self.order + "Q", self.buf, self.pos)[0]
             self.check_count(n, 1, "string")
             self.need(8 + n)
-
-
-def _decoded(view, base: int, starts, lengths) -> list[str]:
-    """The strings at ``view[base + start : base + start + length]``, decoded as ``string`` does: the run of
-    them copied once with each 8-byte length prefix zeroed, decoded at once and split at those eight NULs (a
-    decode per string is most of the time for a 300k vocabulary; an index per byte cost Gemma 3's load
-    34 MiB of peak); one at a time where a string holds a NUL itself."""
-    import numpy as np
-
-    if len(starts) == 0:
-        return []
-    first = base + int(starts[0]) - 8
-    region = view[first : base + int(starts[-1] + lengths[-1])].copy()
-    at = starts - (int(starts[0]) - 8)
-    for k in range(1, 9):
-        region[at - k] = 0
-    if int(np.count_nonzero(region == 0)) == 8 * len(starts):
-        parts = region.tobytes().decode("utf-8", errors="replace").split("\0" * 8)
-        if len(parts) == len(starts) + 1:
-            return parts[1:]
-    raw = bytes(view[base:])
-    return [raw[a : a + n].decode("utf-8", errors="replace")
-            for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+        return StringArray(b"".join(kept), starts, lengths) if keep else None
 
 
 NATIVE_STRINGS_FROM = 4096  # below it the Python loop is as quick as loading the library

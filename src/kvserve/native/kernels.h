@@ -69,13 +69,13 @@ int64_t gguf_string_spans(const uint8_t *buf, int64_t size, int64_t count, int s
                           int64_t *lengths);
 
 /* spm_tokenize.c: a SentencePiece vocabulary (GGUF "llama": pieces, scores, token types) tokenized without
- * a merges list. The pieces are text[offsets[i], offsets[i + 1]); scores NULL: rank by id. spm_vocab_new
+ * a merges list. Piece i is text[starts[i], starts[i] + lengths[i]); scores NULL: rank by id. spm_vocab_new
  * copies what it keeps (NULL when out of memory); spm_encode returns the number of ids written, -1 when
  * capacity < 2 * len + 1, -2 out of memory; its flags: SPM_LITERAL reads CONTROL pieces' strings as text,
  * SPM_NO_PREFIX leaves out the space prefix (a fragment from inside a text, as llguidance asks); spm_first_special: the byte offset of the first CONTROL piece
  * in s (its length in *found_len), or -1; spm_piece_id: the id of the piece s, or -1. */
-void *spm_vocab_new(const char *text, const int64_t *offsets, const int *types, const float *scores, int n,
-                    int space_prefix);
+void *spm_vocab_new(const char *text, const int64_t *starts, const int64_t *lengths, const int *types,
+                    const float *scores, int n, int space_prefix);
 void spm_vocab_free(void *vocab);
 enum { SPM_LITERAL = 1, SPM_NO_PREFIX = 2 };
 int64_t spm_encode(const void *vocab, const char *s, int64_t len, int flags, int *out, int64_t capacity);

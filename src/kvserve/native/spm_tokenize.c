@@ -103,44 +103,42 @@ static int trie_insert(Vocab *v, const char *s, int64_t len, int32_t id) {
     return 0;
 }
 
-void *spm_vocab_new(const char *text, const int64_t *offsets, const int *types, const float *scores, int n,
-                    int space_prefix) {
+void *spm_vocab_new(const char *text, const int64_t *starts, const int64_t *lengths, const int *types,
+                    const float *scores, int n, int space_prefix) {
     Vocab *v = calloc(1, sizeof(Vocab));
     if (!v) return NULL;
     uint64_t size = 16;
     while (size < (uint64_t)n * 2) size <<= 1;
-    v->text = malloc((size_t)offsets[n] + 1);
+    int64_t total = 0;
+    for (int id = 0; id < n; id++) total += lengths[id];
+    v->text = malloc((size_t)total + 1);
     v->scores = malloc(sizeof(float) * (size_t)(n ? n : 1));
     v->types = malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
     v->slots = malloc(sizeof(Slot) * size);
-    if (!v->text || !v->scores || !v->types || !v->slots) {
+    v->trie = malloc(sizeof(TrieNode) * 64);
+    if (!v->text || !v->scores || !v->types || !v->slots || !v->trie) {
         spm_vocab_free(v);
         return NULL;
     }
-    memcpy(v->text, text, (size_t)offsets[n]);
     v->mask = size - 1;
     v->space_prefix = space_prefix;
     v->trie_room = 64;
     v->trie_nodes = 1;
-    v->trie = malloc(sizeof(TrieNode) * 64);
-    if (!v->trie) {
-        spm_vocab_free(v);
-        return NULL;
-    }
     v->trie[0] = (TrieNode){-1, -1, -1, 0};
     for (int b = 0; b < 256; b++) v->root_child[b] = -1;
-    v->unk = -1;
     for (uint64_t i = 0; i < size; i++) v->slots[i].len = -1;
+    int64_t at = 0; /* the pieces copied back to back */
     for (int id = 0; id < n; id++) {
         v->scores[id] = scores ? scores[id] : -(float)id;
         v->types[id] = types[id];
-        const char *s = v->text + offsets[id];
-        int64_t len = offsets[id + 1] - offsets[id];
+        const int64_t len = lengths[id];
+        char *s = v->text + at;
+        memcpy(s, text + starts[id], (size_t)len);
         Slot *slot = NULL;
         for (uint64_t i = hash_bytes(s, len) & v->mask;; i = (i + 1) & v->mask) {
             slot = &v->slots[i];
             if (slot->len < 0) {
-                *slot = (Slot){offsets[id], (int32_t)len, id, -1};
+                *slot = (Slot){at, (int32_t)len, id, -1};
                 break;
             }
             if (slot->len == len && memcmp(v->text + slot->at, s, (size_t)len) == 0) break;
@@ -153,6 +151,7 @@ void *spm_vocab_new(const char *text, const int64_t *offsets, const int *types, 
                 return NULL;
             }
         }
+        at += len;
     }
     for (int b = 0; b < 256; b++) {
         char name[8];
