@@ -8,6 +8,7 @@ from kvserve.kv.cache_types import kv_bytes_per_token
 from kvserve.plan.model_spec import resolve_model
 from kvserve.plan.planner import (
     RUNTIME_OVERHEAD_BYTES,
+    SPM_TOKENIZER_BYTES_PER_TOKEN,
     TOKENIZER_BYTES_PER_TOKEN,
     PlanSettings,
     activations,
@@ -257,3 +258,14 @@ def test_types_a_model_cannot_store_are_skipped_with_the_reason():
     )
     assert [t.name for t in plan.kv] == ["f16"]
     assert plan.skipped[0][0] == "q8_0" and "divisible by 32" in plan.skipped[0][1]
+
+
+@pytest.mark.parametrize(("model", "per_token"), [("gemma3-270m", SPM_TOKENIZER_BYTES_PER_TOKEN),
+                                                  ("smollm2", TOKENIZER_BYTES_PER_TOKEN)])
+def test_the_tokenizers_share_follows_its_kind(model, per_token):
+    """A SentencePiece vocabulary is the kernel's table (spm.py), a byte-level BPE one the `tokenizers`
+    library's: the header tells which."""
+    spec = resolve_model(model)
+    assert spec.tokenizer_model == ("llama" if model.startswith("gemma") else "gpt2")
+    s = PlanSettings(contexts=(1024,), kv_types=(("f16", "f16"),), memory=8 << 30)
+    assert make_plan(spec, s).runtime_overhead == RUNTIME_OVERHEAD_BYTES + per_token * spec.config.vocab_size

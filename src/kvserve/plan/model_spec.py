@@ -40,6 +40,7 @@ class ModelSpec:
     stored_by_type: dict[str, int] = field(default_factory=dict)
     mapped_bytes: int = 0  # file bytes the loader memory-maps (GGUF), resident while it loads
     tensors: tuple = ()  # a GGUF's TensorInfo: what the engine's integer formats hold of each (held_bytes)
+    tokenizer_model: str | None = None  # a GGUF's tokenizer.ggml.model ("llama": SentencePiece, "gpt2": BPE)
 
 
 # bytes a weight of each GGUF type takes in the engine's int8 format (models/linear.py's layouts: int8 groups
@@ -153,6 +154,7 @@ def _from_gguf(source, shown: str) -> ModelSpec:
         header.bytes_by_type(),
         mapped_bytes=header.num_weight_bytes,
         tensors=tuple(header.tensors.values()),
+        tokenizer_model=header.get("tokenizer.ggml.model"),
     )
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.models.gguf_config import SUPPORTED_ARCHITECTURES
-from kvserve.plan.planner import TOKENIZER_BYTES_PER_TOKEN, ContextPlan, Plan, weight_format
+from kvserve.plan.planner import ContextPlan, Plan, tokenizer_bytes_per_token, weight_format
 
 UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -108,7 +108,7 @@ def notes(plan: Plan) -> list[str]:
     out.append(
         f"runtime overhead: {fmt_bytes(plan.runtime_overhead)}, the resident size of "
         '`python -c "import torch, kvserve"` (CPU build; CUDA adds its context) and the tokenizer\'s tables '
-        f"(~{TOKENIZER_BYTES_PER_TOKEN} bytes for each of {c.vocab_size:,} tokens)"
+        f"(~{tokenizer_bytes_per_token(plan.model)} bytes for each of {c.vocab_size:,} tokens)"
     )
     kernels = plan.kv[0].contexts[0].activations.attention_kernels
     out.append(

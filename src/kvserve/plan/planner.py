@@ -44,13 +44,20 @@ ATTENTION_KERNELS = ("auto", "native", "torch")
 # re-measure with measure_runtime_overhead(). A CUDA build adds its context on top.
 RUNTIME_OVERHEAD_BYTES = 220 * MiB
 # The tokenizer's tables in Python per vocabulary entry: Tokenizer.from_gguf measured 29 MiB for SmolLM2's
-# 49,152 tokens and 129 MiB for Gemma 3's 262,144 (619 and 516 bytes a token).
+# 49,152 tokens and 129 MiB for Gemma 3's 262,144 (619 and 516 bytes a token) through the `tokenizers`
+# library. A SentencePiece vocabulary ("llama" in GGUF) has the kernel's table instead (spm.py): the header's
+# pieces kept as bytes plus the table, 42 MiB for Gemma 3's (168 bytes a token).
 TOKENIZER_BYTES_PER_TOKEN = 560
+SPM_TOKENIZER_BYTES_PER_TOKEN = 170
 
 
-def runtime_overhead(config: ModelConfig) -> int:
+def tokenizer_bytes_per_token(spec: ModelSpec) -> int:
+    return SPM_TOKENIZER_BYTES_PER_TOKEN if spec.tokenizer_model == "llama" else TOKENIZER_BYTES_PER_TOKEN
+
+
+def runtime_overhead(spec: ModelSpec) -> int:
     """The process before any weight or cache: torch and kvserve imported, and the model's tokenizer."""
-    return RUNTIME_OVERHEAD_BYTES + TOKENIZER_BYTES_PER_TOKEN * config.vocab_size
+    return RUNTIME_OVERHEAD_BYTES + tokenizer_bytes_per_token(spec) * spec.config.vocab_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +269,7 @@ def context_plan(
     kv_windowed = windowed_kv_bytes(c, ctx, k, v) * seqs
     size, pool = engine_pool(c, ctx, seqs, s.block_size, k, v, s.max_num_batched_tokens, s.window_kv)
     act = activations(c, ctx, k, v, s)
-    fixed = act.total + runtime_overhead(c)
+    fixed = act.total + runtime_overhead(spec)
     return ContextPlan(
         ctx=ctx,
         kv_bytes=kv_full,
@@ -342,7 +349,7 @@ def make_plan(spec: ModelSpec, s: PlanSettings) -> Plan:
         )
     if not plans:
         raise ValueError("no KV cache type can store this model: " + "; ".join(r for _, r in skipped))
-    return Plan(spec, s, engine_weights, runtime_overhead(c), tuple(plans), tuple(skipped))
+    return Plan(spec, s, engine_weights, runtime_overhead(spec), tuple(plans), tuple(skipped))
 
 
 def available_memory() -> tuple[int, str]:
