@@ -57,7 +57,8 @@ def build_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_typ
     from tokenizers import Tokenizer
 
     tokens = list(tokens)  # the header's StringArray too
-    scores = scores if scores is not None else [-float(i) for i in range(len(tokens))]
+    token_types = list(token_types)  # and its array.array
+    scores = list(scores) if scores is not None else [-float(i) for i in range(len(tokens))]
     digest = hashlib.sha256(json.dumps([CACHE_FORMAT, tokens, scores, token_types,
                                         add_space_prefix]).encode()).hexdigest()
     path = cache_root() / "tokenizers" / f"spm-{digest[:32]}.json"

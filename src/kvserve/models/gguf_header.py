@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,9 @@ _READ_SIZE = 4 << 20
 # GGUF value type id -> struct format of the scalar types
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _TYPE_NAMES = {t.value: t.name for t in GGUFValueType}
+# Long numeric arrays (token types, scores) decoded as an ``array.array`` of the same items: indexed,
+# iterated and true or false as the list would be, at the element's own size. Bool arrays stay lists.
+_PACKED = {f for f in "BbHhIifQqd" if array(f).itemsize == struct.calcsize(f)}
 _STRING, _ARRAY = 8, 9
 
 
@@ -300,7 +304,13 @@ def _read_array(cur: _Cursor, etype: int, count: int) -> Any:
     cur.check_count(count, size, "array")
     if count <= MAX_DECODED_ARRAY or cur.decode_arrays:
         cur.need(count * size)
-        values = list(struct.unpack_from(f"{cur.order}{count}{fmt}", cur.buf, cur.pos))
+        if count > MAX_DECODED_ARRAY and fmt in _PACKED:
+            values = array(fmt)  # a vocabulary's scores: 1 MiB here, 8 MiB as a list of Python floats
+            values.frombytes(cur.buf[cur.pos : cur.pos + count * size])
+            if cur.order == ">":
+                values.byteswap()
+        else:
+            values = list(struct.unpack_from(f"{cur.order}{count}{fmt}", cur.buf, cur.pos))
         cur.pos += count * size
         return values
     cur.skip(count * size)
