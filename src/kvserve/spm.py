@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvserve.errors import ModelLoadError
 from kvserve.native import cache_root
 from kvserve.string_array import StringArray
 
@@ -97,6 +98,9 @@ def _build(tokens: list[str], scores: list[float], token_types: list[int], add_s
     return tk
 
 
+MAX_TEXT_BYTES = 512 << 20  # spm_encode's bound
+
+
 def native_spm(tokens: list[str], scores: list[float] | None, token_types: list[int], add_space_prefix: bool):
     """The vocabulary tokenized by the kernel, or None where the kernels do not load."""
     from kvserve import native
@@ -104,6 +108,16 @@ def native_spm(tokens: list[str], scores: list[float] | None, token_types: list[
     if native.function("spm_tokenize", "spm_vocab_new") is None:
         return None
     return SpmVocabulary(tokens, scores, token_types, add_space_prefix)
+
+
+def spm_vocabulary(tokens: Sequence[str], scores: list[float] | None, token_types: list[int],
+                   add_space_prefix: bool):
+    """The vocabulary as a ``vocabulary.Vocabulary``: tokenized by the kernel, or where it does not load by
+    the `tokenizers` BPE that ``build_spm_tokenizer`` derives."""
+    from kvserve.vocabulary import HFVocabulary
+
+    args = (tokens, scores, token_types, add_space_prefix)
+    return native_spm(*args) or HFVocabulary(build_spm_tokenizer(*args))
 
 
 class SpmVocabulary:
@@ -120,6 +134,9 @@ class SpmVocabulary:
 
         self._args = (tokens, scores, token_types, add_space_prefix)
         self.tokens = tokens
+        for name, values in (("scores", scores), ("token types", token_types)):
+            if values is not None and len(values) != len(tokens):
+                raise ModelLoadError(f"the vocabulary has {len(tokens)} pieces but {len(values)} {name}")
         if isinstance(tokens, StringArray):
             text, starts, lengths = tokens.data, tokens.starts, tokens.lengths
         else:
@@ -142,7 +159,8 @@ class SpmVocabulary:
         if not handle:
             raise MemoryError("no memory for the vocabulary's table")
         self._handle = handle
-        weakref.finalize(self, native.function("spm_tokenize", "spm_vocab_free"), handle)
+        # not at exit: a daemon thread may still be encoding then (the process's end frees the table)
+        weakref.finalize(self, native.function("spm_tokenize", "spm_vocab_free"), handle).atexit = False
         self._special = (self._types == TOKEN_TYPE_CONTROL).tolist()
         self._bytes = self._byte_pieces()
 
@@ -159,7 +177,8 @@ class SpmVocabulary:
         return found
 
     def __reduce__(self):
-        return SpmVocabulary, self._args
+        """Rebuilt where it is unpickled: by the kernel, or as the `tokenizers` build where none loads."""
+        return spm_vocabulary, self._args
 
     @property
     def size(self) -> int:
@@ -173,7 +192,9 @@ class SpmVocabulary:
         """ctypes lets go of the GIL for the call: a long prompt does not stall the server's event loop.
         ``prefix=False``: no space prefix, for a fragment from inside a text."""
         data = text.encode("utf-8")
-        out = np.empty(2 * len(data) + 1, dtype=np.int32)
+        if len(data) >= MAX_TEXT_BYTES:
+            raise ValueError(f"a text of {len(data)} bytes is too long to tokenize (under {MAX_TEXT_BYTES})")
+        out = np.empty(4 * len(data) + 3, dtype=np.int32)  # the most ids a text can give (spm_encode)
         flags = (self._literal_flag if literal else 0) | (0 if prefix else self._no_prefix_flag)
         n = self._encode(self._handle, data, len(data), flags, out.ctypes.data, len(out))
         if n < 0:
@@ -216,7 +237,7 @@ class SpmVocabulary:
         data = text.encode("utf-8", "surrogatepass")  # a lone surrogate is refused later, with its place
         length = ctypes.c_int64(0)
         at = self._first(self._handle, data, len(data), ctypes.addressof(length))
-        return None if at < 0 else data[at : at + length.value].decode("utf-8")
+        return None if at < 0 else data[at : at + length.value].decode("utf-8", errors="replace")
 
     def guidance(self, n_vocab: int, eos_token: int | None):
         """llguidance's tokenizer from the pieces' bytes, as its llama.cpp reader makes them: a piece's

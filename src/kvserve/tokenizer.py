@@ -260,11 +260,10 @@ class Tokenizer:
             backend = _build_gpt2_bpe(tokens, merges, token_types, pre)
             default_bos = pre.add_bos
         elif model == "llama":
-            from kvserve.spm import build_spm_tokenizer, native_spm
+            from kvserve.spm import spm_vocabulary
 
-            spm_args = (tokens, gf.get("tokenizer.ggml.scores"), token_types,
-                        bool(gf.get("tokenizer.ggml.add_space_prefix", True)))
-            backend = native_spm(*spm_args) or HFVocabulary(build_spm_tokenizer(*spm_args))
+            backend = spm_vocabulary(tokens, gf.get("tokenizer.ggml.scores"), token_types,
+                                     bool(gf.get("tokenizer.ggml.add_space_prefix", True)))
         else:
             raise ModelLoadError(f"{gf.path}: tokenizer model '{model}' is not supported (gpt2, llama are)")
         bos = gf.get("tokenizer.ggml.bos_token_id")

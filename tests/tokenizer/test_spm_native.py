@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvserve import native
+from kvserve.errors import ModelLoadError
 from kvserve.models.gguf_file import GGUFFile
 from kvserve.models.registry import resolve
 from kvserve.spm import SpmVocabulary, build_spm_tokenizer, native_spm
@@ -209,3 +210,41 @@ def test_llguidance_reads_the_same_vocabulary(small):
             break
         for m in matchers:
             assert m.consume_token(allowed[-1])
+
+
+def few_pieces(pieces: list[str], byte_values: list[int]) -> tuple:
+    """A vocabulary of <unk>, the byte pieces of ``byte_values`` and ``pieces`` (scores falling)."""
+    tokens = ["<unk>", *(f"<0x{b:02X}>" for b in byte_values), *pieces]
+    types = [2] + [6] * len(byte_values) + [1] * len(pieces)
+    return tokens, [0.0] * (1 + len(byte_values)) + [-float(i) for i in range(len(pieces))], types
+
+
+@pytest.mark.parametrize(("pieces", "byte_values", "texts"), [
+    # no "▁" piece: the prefix and each space fall back to three byte pieces (more ids than input bytes)
+    (["a"], list(range(256)), ["a", " ", "a a", "  a  ", " " * 40, "a" * 7]),
+    # an unknown run waits while characters fall back to bytes, and fuses across them
+    (["▁", "a", "b"], [0xC3, 0xA9], ["中éa", "中é中", "é中é中a", "中中éb", "a中"]),
+])
+def test_vocabularies_that_lack_pieces(pieces, byte_values, texts, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    tokens, scores, types = few_pieces(pieces, byte_values)
+    ours, reference = SpmVocabulary(tokens, scores, types, True), HFVocabulary(
+        build_spm_tokenizer(tokens, scores, types, True))
+    for text in texts:
+        assert ours.ids(text) == reference.ids(text), text
+
+
+def test_a_vocabulary_whose_arrays_disagree_is_refused():
+    tokens, scores, types = few_pieces(["a", "b", "ab"], [])
+    with pytest.raises(ModelLoadError, match="4 pieces but 1 scores"):
+        SpmVocabulary(tokens, scores[:1], types, True)
+    with pytest.raises(ModelLoadError, match="4 pieces but 3 token types"):
+        SpmVocabulary(tokens, scores, types[:3], True)
+
+
+def test_unpickled_where_the_kernels_do_not_load_it_is_the_tokenizers_build(small, no_kernels, tmp_path,
+                                                                               monkeypatch):
+    ours, reference = small
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    again = pickle.loads(pickle.dumps(ours))
+    assert isinstance(again, HFVocabulary) and again.ids(CORPUS[0]) == reference.ids(CORPUS[0])

@@ -71,7 +71,7 @@ int64_t gguf_string_spans(const uint8_t *buf, int64_t size, int64_t count, int s
 /* spm_tokenize.c: a SentencePiece vocabulary (GGUF "llama": pieces, scores, token types) tokenized without
  * a merges list. Piece i is text[starts[i], starts[i] + lengths[i]); scores NULL: rank by id. spm_vocab_new
  * copies what it keeps (NULL when out of memory); spm_encode returns the number of ids written, -1 when
- * capacity < 2 * len + 1, -2 out of memory; its flags: SPM_LITERAL reads CONTROL pieces' strings as text,
+ * capacity < 4 * len + 3 or len >= 512 MiB, -2 out of memory; its flags: SPM_LITERAL reads CONTROL pieces' strings as text,
  * SPM_NO_PREFIX leaves out the space prefix (a fragment from inside a text, as llguidance asks); spm_first_special: the byte offset of the first CONTROL piece
  * in s (its length in *found_len), or -1; spm_piece_id: the id of the piece s, or -1. */
 void *spm_vocab_new(const char *text, const int64_t *starts, const int64_t *lengths, const int *types,

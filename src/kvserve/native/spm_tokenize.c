@@ -289,10 +289,19 @@ static int utf8_length(uint8_t lead) {
 }
 
 /* The ids of one normalized segment text[0, n) appended at out; returns how many, or -2 out of memory.
- * sym has room for a symbol per character (and per byte of a character that falls back to bytes). */
+ * sym has room for n symbols (one per byte at most). Unknown characters wait as one run, fused, until a
+ * character of the vocabulary or the end: a character that falls back to bytes goes before the run, as
+ * in the `tokenizers` BPE. */
 static int64_t encode_segment(const Vocab *v, char *text, int64_t n, Symbol *sym, Heap *h, int *out) {
     int32_t count = 0;
     int64_t kept = 0;  /* text[0, kept): the characters kept, moved left over any dropped one */
+    int64_t unk_at = 0, unk_len = 0; /* the pending run of unknown characters */
+#define FLUSH_UNKNOWN()                                                                                      \
+    if (unk_len) {                                                                                           \
+        sym[count] = (Symbol){(int32_t)unk_at, (int32_t)unk_len, v->unk, -1, count - 1, -1};                 \
+        count++;                                                                                             \
+        unk_len = 0;                                                                                         \
+    }
     for (int64_t at = 0; at < n;) {
         int64_t len = utf8_length((uint8_t)text[at]);
         if (len > n - at) len = n - at;
@@ -300,6 +309,7 @@ static int64_t encode_segment(const Vocab *v, char *text, int64_t n, Symbol *sym
         int fallback = !slot;
         for (int64_t b = 0; fallback && b < len; b++) fallback = v->byte_ids[(uint8_t)text[at + b]] >= 0;
         if (slot) {
+            FLUSH_UNKNOWN();
             sym[count] = (Symbol){(int32_t)kept, (int32_t)len, slot->id, slot->normal, count - 1, -1};
             count++;
         } else if (fallback) {
@@ -307,12 +317,8 @@ static int64_t encode_segment(const Vocab *v, char *text, int64_t n, Symbol *sym
                 sym[count] = (Symbol){(int32_t)(kept + b), 1, v->byte_ids[(uint8_t)text[at + b]], -1, count - 1,
                                       -1};
         } else if (v->unk >= 0) {
-            if (count && sym[count - 1].id == v->unk && sym[count - 1].piece < 0) {
-                sym[count - 1].len += (int32_t)len;  /* fused with the unknown before it */
-            } else {
-                sym[count] = (Symbol){(int32_t)kept, (int32_t)len, v->unk, -1, count - 1, -1};
-                count++;
-            }
+            if (!unk_len) unk_at = kept;
+            unk_len += len;
         } else {  /* no unknown piece at all: the character is dropped, as the `tokenizers` BPE drops it */
             at += len;
             continue;
@@ -321,6 +327,8 @@ static int64_t encode_segment(const Vocab *v, char *text, int64_t n, Symbol *sym
         kept += len;
         at += len;
     }
+    FLUSH_UNKNOWN();
+#undef FLUSH_UNKNOWN
     for (int32_t i = 0; i + 1 < count; i++) sym[i].next = i + 1;
     h->n = 0;
     for (int32_t i = 0; i + 1 < count; i++) consider(v, text, sym, i, h);
@@ -366,16 +374,17 @@ static int64_t plain(const Vocab *v, const char *s, int64_t len, int prefix, cha
     return encode_segment(v, norm, n, sym, heap, out);
 }
 
-/* The ids of s[0, len) into out (room for `capacity`, at least 2 * len + 1: each plain segment gives at
- * most an id per byte plus its space prefix, and each segment but the last ends at an added piece of at
- * least one byte); returns how many, -1 for too little room, -2 out of memory. */
+/* The ids of s[0, len) into out (room for `capacity`, at least 4 * len + 3); returns how many, -1 for too
+ * little room or a text of 512 MiB or more, -2 out of memory. A plain segment of m bytes normalizes to at
+ * most 3 m + 3 (each ' ' as the 3 bytes of "▁", plus the prefix), and gives at most an id per normalized
+ * byte ("▁" falls back to 3 byte pieces in a vocabulary without it); every segment but the last ends at an
+ * added piece of at least one byte, one id: at most 3 len + 3 + len ids in all. */
 int64_t spm_encode(const void *vocab, const char *s, int64_t len, int flags, int *out, int64_t capacity) {
     const Vocab *v = vocab;
     int literal = flags & SPM_LITERAL, prefix = v->space_prefix && !(flags & SPM_NO_PREFIX);
-    if (capacity < 2 * len + 1) return -1;
-    if (len > INT32_MAX / 4) return -2;
-    char *norm = malloc((size_t)(3 * len + 3));  /* each ' ' becomes 3 bytes, plus a prefix */
-    Symbol *sym = malloc(sizeof(Symbol) * (size_t)(len + 1));  /* a symbol per byte at most, plus a prefix */
+    if (capacity < 4 * len + 3 || len >= INT32_MAX / 4) return -1;
+    char *norm = malloc((size_t)(3 * len + 3));
+    Symbol *sym = malloc(sizeof(Symbol) * (size_t)(3 * len + 3)); /* a symbol per normalized byte at most */
     Heap heap = {malloc(sizeof(Candidate) * 1024), 0, 1024, 0};
     int64_t written = 0, from = 0;
     for (int64_t i = 0; norm && sym && heap.items && written >= 0 && i < len;) {
