@@ -54,11 +54,25 @@ class Server:
                 samples[key] = float(value)
         return samples
 
+    def loaded_cache(self) -> dict:
+        """``cache()``, the model loaded first where the server has unloaded it (a 409 there): the
+        unload and its reason are written beside the server's log, for whoever wonders why."""
+        with self.client() as c:
+            r = c.get("/v1/kvserve/cache")
+            if r.status_code == 409:
+                events = c.get("/v1/kvserve/models").json()
+                with open(self.log.with_name("unloads.log"), "a") as f:
+                    f.write(f"{time.strftime('%H:%M:%S')} {r.text} {events}\n")
+                c.post("/api/generate", json={"model": "smollm2", "prompt": ""}).raise_for_status()
+                r = c.get("/v1/kvserve/cache")
+            r.raise_for_status()
+            return r.json()
+
     def wait_idle(self, timeout: float = 60) -> dict:
         """Waits until no request runs or waits; returns the cache snapshot."""
         deadline = time.monotonic() + timeout
         while True:
-            snap = self.cache()
+            snap = self.loaded_cache()
             if not snap["requests"] and snap["num_running"] == 0 and snap["num_waiting"] == 0:
                 return snap
             if time.monotonic() > deadline:
