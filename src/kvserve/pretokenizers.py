@@ -53,19 +53,22 @@ class PreTokenizer:
     """splits: regexes applied in turn, each cutting the pieces the one before left (a match and the
     text between matches both become pieces). nfc: the text is NFC-normalized first, as the model's
     own tokenizer does. ignore_merges: a piece that is itself a token is that token, whatever the merges
-    would build (tiktoken's rule). add_bos: llama.cpp's default for a BOS when the file does not say."""
+    would build (tiktoken's rule). add_bos: llama.cpp's default for a BOS when the file does not say.
+    kernel: the same splits as native/bpe_tokenize.c writes them out (its BPE_SPLIT_<name>s), or None
+    where it does not (the `tokenizers` library then tokenizes)."""
 
     splits: tuple[str, ...]
     nfc: bool = False
     ignore_merges: bool = False
     add_bos: bool = False
+    kernel: tuple[str, ...] | None = None
 
 
-_GPT2_SPLIT = PreTokenizer((_GPT2,))
-_DEFAULT_SPLIT = PreTokenizer(_DEFAULT)
-_DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2))
-_LLAMA3_SPLIT = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
-_QWEN2_SPLIT = PreTokenizer((_QWEN2,), nfc=True)
+_GPT2_SPLIT = PreTokenizer((_GPT2,), kernel=("GPT2",))
+_DEFAULT_SPLIT = PreTokenizer(_DEFAULT, kernel=("PUNCTUATION", "GPT2", "DIGITS", "THREE_DIGITS"))
+_DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2), kernel=("DIGIT", "GPT2"))
+_LLAMA3_SPLIT = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True, kernel=("LLAMA3",))
+_QWEN2_SPLIT = PreTokenizer((_QWEN2,), nfc=True, kernel=("QWEN2",))
 _GPT4O_SPLIT = PreTokenizer((_GPT4O,))
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -83,8 +86,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "llama-bpe": _LLAMA3_SPLIT,
     "falcon3": _LLAMA3_SPLIT,
     "pixtral": _LLAMA3_SPLIT,
-    "dbrx": PreTokenizer((_LLAMA3,)),  # cl100k vocabularies
-    "smaug-bpe": PreTokenizer((_LLAMA3,)),
+    "dbrx": PreTokenizer((_LLAMA3,), kernel=("LLAMA3",)),  # cl100k vocabularies
+    "smaug-bpe": PreTokenizer((_LLAMA3,), kernel=("LLAMA3",)),
     "qwen2": _QWEN2_SPLIT,  # Qwen2, 2.5, 3, 3-MoE
     "deepseek-r1-qwen": _QWEN2_SPLIT,
     "gpt-4o": _GPT4O_SPLIT,

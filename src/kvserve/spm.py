@@ -23,7 +23,7 @@ import numpy as np
 
 from kvserve.errors import ModelLoadError
 from kvserve.native import cache_root
-from kvserve.string_array import StringArray
+from kvserve.string_array import spans
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +137,7 @@ class SpmVocabulary:
         for name, values in (("scores", scores), ("token types", token_types)):
             if values is not None and len(values) != len(tokens):
                 raise ModelLoadError(f"the vocabulary has {len(tokens)} pieces but {len(values)} {name}")
-        if isinstance(tokens, StringArray):
-            text, starts, lengths = tokens.data, tokens.starts, tokens.lengths
-        else:
-            encoded = [t.encode("utf-8", "surrogatepass") for t in tokens]
-            lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(tokens))
-            starts = np.zeros(len(tokens), dtype=np.int64)
-            np.cumsum(lengths[:-1], out=starts[1:])
-            text = b"".join(encoded)
+        text, starts, lengths = spans(tokens)
         self._types = np.asarray(token_types, dtype=np.int32)
         score_array = None if scores is None else np.asarray(scores, dtype=np.float32)
         self._max_bytes = max(int(lengths.max(initial=0)), 1)

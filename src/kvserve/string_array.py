@@ -68,3 +68,17 @@ def decoded(view, base: int, starts, lengths) -> list[str]:
     raw = bytes(view[base:])
     return [raw[a : a + n].decode("utf-8", errors="replace")
             for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+
+
+def spans(strings: Sequence[str]) -> tuple[bytes, object, object]:
+    """(bytes, starts, lengths) of ``strings`` as the tokenizer kernels take them (i64 arrays): a
+    ``StringArray``'s own, or a list's encoded back to back."""
+    import numpy as np
+
+    if isinstance(strings, StringArray):
+        return strings.data, strings.starts, strings.lengths
+    encoded = [s.encode("utf-8", "surrogatepass") for s in strings]
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    starts = np.zeros(len(encoded), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return b"".join(encoded), starts, lengths

@@ -1,8 +1,9 @@
 """Tokenizer built from a model's own vocabulary, chat-template rendering, and streaming detokenization.
 
 GGUF files carry the vocabulary, merges and pre-tokenizer name: a SentencePiece vocabulary is tokenized by
-our kernel (spm.py), a byte-level BPE one rebuilt with the `tokenizers` library (no hub access). HF folders
-bring a tokenizer.json. Either stands behind ``vocabulary.Vocabulary``.
+our kernel (spm.py), a byte-level BPE one too (bpe.py), each built with the `tokenizers` library (no hub
+access) where the kernels do not load. HF folders bring a tokenizer.json. Any stands behind
+``vocabulary.Vocabulary``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,19 @@ def check_unicode(text: str) -> None:
         ) from None
 
 
-def _build_gpt2_bpe(tokens: list[str], merges: list[str], token_types: list[int], pre: PreTokenizer):
+def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+                   pre: PreTokenizer) -> Vocabulary:
+    """A GGUF byte-level BPE vocabulary: tokenized by our kernel (bpe.py), or where it does not load or does
+    not write out ``pre``'s splits, by the `tokenizers` library (``hf_byte_level_bpe``)."""
+    from kvserve.bpe import native_bpe
+
+    return native_bpe(tokens, merges, token_types, pre) or hf_byte_level_bpe(tokens, merges, token_types, pre)
+
+
+def hf_byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+                      pre: PreTokenizer) -> HFVocabulary:
+    """The vocabulary as a `tokenizers` BPE, set up as the model's own tokenizer.json is: the reference the
+    kernel's ids are held to."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -257,7 +271,7 @@ class Tokenizer:
         if model == "gpt2":
             merges = gf.get("tokenizer.ggml.merges") or []
             pre = pre_tokenizer_for(gf.get("tokenizer.ggml.pre"), gf.path)
-            backend = _build_gpt2_bpe(tokens, merges, token_types, pre)
+            backend = byte_level_bpe(tokens, merges, token_types, pre)
             default_bos = pre.add_bos
         elif model == "llama":
             from kvserve.spm import spm_vocabulary

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvserve.kv.cache_types import kv_bytes_per_token
 from kvserve.plan.model_spec import resolve_model
 from kvserve.plan.planner import (
+    BPE_TOKENIZER_BYTES_PER_TOKEN,
     RUNTIME_OVERHEAD_BYTES,
     SPM_TOKENIZER_BYTES_PER_TOKEN,
     TOKENIZER_BYTES_PER_TOKEN,
@@ -260,12 +263,18 @@ def test_types_a_model_cannot_store_are_skipped_with_the_reason():
     assert plan.skipped[0][0] == "q8_0" and "divisible by 32" in plan.skipped[0][1]
 
 
-@pytest.mark.parametrize(("model", "per_token"), [("gemma3-270m", SPM_TOKENIZER_BYTES_PER_TOKEN),
-                                                  ("smollm2", TOKENIZER_BYTES_PER_TOKEN)])
-def test_the_tokenizers_share_follows_its_kind(model, per_token):
-    """A SentencePiece vocabulary is the kernel's table (spm.py), a byte-level BPE one the `tokenizers`
-    library's: the header tells which."""
+@pytest.mark.parametrize(("model", "pre", "per_token"), [
+    ("gemma3-270m", None, SPM_TOKENIZER_BYTES_PER_TOKEN),
+    ("smollm2", None, BPE_TOKENIZER_BYTES_PER_TOKEN),
+    ("smollm2", "gpt-4o", TOKENIZER_BYTES_PER_TOKEN),  # splits the kernel does not write out
+])
+def test_the_tokenizers_share_follows_its_kind(model, pre, per_token):
+    """A SentencePiece vocabulary is the kernel's table (spm.py), a byte-level BPE one the kernel's tables
+    (bpe.py) where it writes out the file's splits, else the `tokenizers` library's: the header tells
+    which."""
     spec = resolve_model(model)
     assert spec.tokenizer_model == ("llama" if model.startswith("gemma") else "gpt2")
+    if pre is not None:
+        spec = dataclasses.replace(spec, tokenizer_pre=pre)
     s = PlanSettings(contexts=(1024,), kv_types=(("f16", "f16"),), memory=8 << 30)
     assert make_plan(spec, s).runtime_overhead == RUNTIME_OVERHEAD_BYTES + per_token * spec.config.vocab_size

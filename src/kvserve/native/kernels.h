@@ -82,6 +82,27 @@ int64_t spm_encode(const void *vocab, const char *s, int64_t len, int flags, int
 int64_t spm_first_special(const void *vocab, const char *s, int64_t len, int64_t *found_len);
 int spm_piece_id(const void *vocab, const char *s, int64_t len);
 
+/* bpe_tokenize.c: a byte-level BPE vocabulary (GGUF "gpt2": tokens, merges "left right", token types) and
+ * the splits its pre-tokenizer makes, in turn (pretokenizers.py writes each as a regex). Token i is
+ * text[starts[i], starts[i] + lengths[i]), merge r merge_text[merge_starts[r], ...). bpe_vocab_new copies
+ * what it keeps (NULL when out of memory or for more than BPE_MAX_SPLITS splits); bpe_encode takes valid
+ * UTF-8 (NFC-normalized by the caller where the vocabulary asks) and returns the number of ids written, -1
+ * when capacity < len + 1 or len >= 512 MiB, -2 out of memory; BPE_LITERAL reads CONTROL tokens' strings as
+ * text. bpe_decode writes the ids' bytes (ids out of range left out, CONTROL ones too when skip_special):
+ * their number, or -1 past capacity. bpe_first_special and bpe_token_id as spm_first_special and
+ * spm_piece_id. */
+enum { BPE_LITERAL = 1, BPE_MAX_SPLITS = 4 };
+enum { BPE_SPLIT_GPT2 = 0, BPE_SPLIT_LLAMA3 = 1, BPE_SPLIT_QWEN2 = 2, BPE_SPLIT_DIGIT = 3, BPE_SPLIT_DIGITS = 4,
+       BPE_SPLIT_PUNCTUATION = 5, BPE_SPLIT_THREE_DIGITS = 6 };
+void *bpe_vocab_new(const char *text, const int64_t *starts, const int64_t *lengths, const int *types, int n,
+                    const char *merge_text, const int64_t *merge_starts, const int64_t *merge_lengths,
+                    int num_merges, const int *splits, int num_splits, int ignore_merges);
+void bpe_vocab_free(void *vocab);
+int64_t bpe_encode(const void *vocab, const char *s, int64_t len, int flags, int *out, int64_t capacity);
+int64_t bpe_decode(const void *vocab, const int *ids, int64_t n, int skip_special, char *out, int64_t capacity);
+int64_t bpe_first_special(const void *vocab, const char *s, int64_t len, int64_t *found_len);
+int bpe_token_id(const void *vocab, const char *s, int64_t len);
+
 /* int8_matmul.c: the int8 grids (f16 scale per 32 inputs; _g16: f32 scale and offset per 16).
  * Every matmul writes row m of its output at y + m * ldy (ldy <= 0: N), so the parts of a stacked
  * projection (q and k in one layout, v in another) fill their columns of one output. */

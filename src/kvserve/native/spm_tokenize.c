@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "token_trie.h"
 
 enum { TYPE_NORMAL = 1, TYPE_CONTROL = 3, TYPE_USER_DEFINED = 4 };
 
@@ -37,13 +38,6 @@ typedef struct {
     int32_t normal;   /* the last NORMAL piece of it, or -1: only those merge */
 } Slot;
 
-/* A byte trie of the added pieces: a node's children are a list (first child, next sibling); `id` is the
- * added piece that ends there, or -1. Node 0 is the root. */
-typedef struct {
-    int32_t child, sibling, id;
-    uint8_t byte;
-} TrieNode;
-
 typedef struct {
     char *text;
     float *scores;
@@ -53,16 +47,8 @@ typedef struct {
     int32_t byte_ids[256];  /* "<0xXX>"'s id, or -1 */
     int32_t unk;
     int space_prefix;
-    TrieNode *trie;
-    int32_t trie_nodes, trie_room;
-    int32_t root_child[256];  /* the root's child for each byte, or -1 (the root is walked the most) */
+    Trie added;  /* the CONTROL and USER_DEFINED pieces */
 } Vocab;
-
-static uint64_t hash_bytes(const char *s, int64_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (int64_t i = 0; i < n; i++) h = (h ^ (uint8_t)s[i]) * 1099511628211ull;
-    return h ^ (h >> 29);
-}
 
 static Slot *find(const Vocab *v, const char *s, int64_t n) {
     for (uint64_t i = hash_bytes(s, n) & v->mask;; i = (i + 1) & v->mask) {
@@ -70,37 +56,6 @@ static Slot *find(const Vocab *v, const char *s, int64_t n) {
         if (slot->len < 0) return NULL;
         if (slot->len == n && memcmp(v->text + slot->at, s, (size_t)n) == 0) return slot;
     }
-}
-
-static int32_t trie_step(const Vocab *v, int32_t node, uint8_t byte) {
-    if (node == 0) return v->root_child[byte];
-    for (int32_t c = v->trie[node].child; c >= 0; c = v->trie[c].sibling)
-        if (v->trie[c].byte == byte) return c;
-    return -1;
-}
-
-/* The last added piece of this string wins, as in the table. */
-static int trie_insert(Vocab *v, const char *s, int64_t len, int32_t id) {
-    int32_t node = 0;
-    for (int64_t i = 0; i < len; i++) {
-        uint8_t byte = (uint8_t)s[i];
-        int32_t next = trie_step(v, node, byte);
-        if (next < 0) {
-            if (v->trie_nodes == v->trie_room) {
-                TrieNode *more = realloc(v->trie, sizeof(TrieNode) * (size_t)v->trie_room * 2);
-                if (!more) return -1;
-                v->trie = more;
-                v->trie_room *= 2;
-            }
-            next = v->trie_nodes++;
-            v->trie[next] = (TrieNode){-1, v->trie[node].child, -1, byte};
-            v->trie[node].child = next;
-            if (node == 0) v->root_child[byte] = next;
-        }
-        node = next;
-    }
-    v->trie[node].id = id;
-    return 0;
 }
 
 void *spm_vocab_new(const char *text, const int64_t *starts, const int64_t *lengths, const int *types,
@@ -115,17 +70,12 @@ void *spm_vocab_new(const char *text, const int64_t *starts, const int64_t *leng
     v->scores = malloc(sizeof(float) * (size_t)(n ? n : 1));
     v->types = malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
     v->slots = malloc(sizeof(Slot) * size);
-    v->trie = malloc(sizeof(TrieNode) * 64);
-    if (!v->text || !v->scores || !v->types || !v->slots || !v->trie) {
+    if (!v->text || !v->scores || !v->types || !v->slots || trie_init(&v->added) < 0) {
         spm_vocab_free(v);
         return NULL;
     }
     v->mask = size - 1;
     v->space_prefix = space_prefix;
-    v->trie_room = 64;
-    v->trie_nodes = 1;
-    v->trie[0] = (TrieNode){-1, -1, -1, 0};
-    for (int b = 0; b < 256; b++) v->root_child[b] = -1;
     for (uint64_t i = 0; i < size; i++) v->slots[i].len = -1;
     int64_t at = 0; /* the pieces copied back to back */
     for (int id = 0; id < n; id++) {
@@ -146,7 +96,7 @@ void *spm_vocab_new(const char *text, const int64_t *starts, const int64_t *leng
         slot->id = id;
         if (types[id] == TYPE_NORMAL) slot->normal = id;
         if ((types[id] == TYPE_CONTROL || types[id] == TYPE_USER_DEFINED) && len > 0) {
-            if (trie_insert(v, s, len, id) < 0) {
+            if (trie_insert(&v->added, s, len, id) < 0) {
                 spm_vocab_free(v);
                 return NULL;
             }
@@ -171,34 +121,13 @@ void spm_vocab_free(void *vocab) {
     free(v->scores);
     free(v->types);
     free(v->slots);
-    free(v->trie);
+    free(v->added.nodes);
     free(v);
-}
-
-/* The longest added piece starting at s, with `want` its kind (CONTROL) or any kind (0); its id, its
- * length in *found_len; -1 for none. */
-static int32_t added_at(const Vocab *v, const char *s, int64_t left, int want, int64_t *found_len) {
-    int32_t found = -1;
-    int32_t node = 0;
-    for (int64_t i = 0; i < left; i++) {
-        node = trie_step(v, node, (uint8_t)s[i]);
-        if (node < 0) break;
-        int32_t id = v->trie[node].id;
-        if (id >= 0 && (!want || v->types[id] == want)) {
-            found = id;
-            *found_len = i + 1;
-        }
-    }
-    return found;
 }
 
 int64_t spm_first_special(const void *vocab, const char *s, int64_t len, int64_t *found_len) {
     const Vocab *v = vocab;
-    for (int64_t i = 0; i < len; i++) {
-        if (v->root_child[(uint8_t)s[i]] >= 0 && added_at(v, s + i, len - i, TYPE_CONTROL, found_len) >= 0)
-            return i;
-    }
-    return -1;
+    return trie_first(&v->added, v->types, s, len, TYPE_CONTROL, found_len);
 }
 
 int spm_piece_id(const void *vocab, const char *s, int64_t len) {
@@ -278,14 +207,6 @@ static void consider(const Vocab *v, const char *text, const Symbol *sym, int32_
     if (!merged || merged->normal < 0) return;
     heap_push(h, (Candidate){v->scores[merged->normal], merged->normal, sym[left].piece, left, sym[left].len,
                              sym[right].len});
-}
-
-static int utf8_length(uint8_t lead) {
-    if (lead < 0x80) return 1;
-    if ((lead & 0xE0) == 0xC0) return 2;
-    if ((lead & 0xF0) == 0xE0) return 3;
-    if ((lead & 0xF8) == 0xF0) return 4;
-    return 1;
 }
 
 /* The ids of one normalized segment text[0, n) appended at out; returns how many, or -2 out of memory.
@@ -389,7 +310,8 @@ int64_t spm_encode(const void *vocab, const char *s, int64_t len, int flags, int
     int64_t written = 0, from = 0;
     for (int64_t i = 0; norm && sym && heap.items && written >= 0 && i < len;) {
         int64_t found_len = 0;
-        int32_t added = v->root_child[(uint8_t)s[i]] >= 0 ? added_at(v, s + i, len - i, 0, &found_len) : -1;
+        int32_t added = v->added.root_child[(uint8_t)s[i]] >= 0
+                            ? trie_longest(&v->added, v->types, s + i, len - i, 0, &found_len) : -1;
         if (added < 0) {
             i++;
             continue;

@@ -41,6 +41,7 @@ class ModelSpec:
     mapped_bytes: int = 0  # file bytes the loader memory-maps (GGUF), resident while it loads
     tensors: tuple = ()  # a GGUF's TensorInfo: what the engine's integer formats hold of each (held_bytes)
     tokenizer_model: str | None = None  # a GGUF's tokenizer.ggml.model ("llama": SentencePiece, "gpt2": BPE)
+    tokenizer_pre: str | None = None  # and its tokenizer.ggml.pre (the BPE's splits)
 
 
 # bytes a weight of each GGUF type takes in the engine's int8 format (models/linear.py's layouts: int8 groups
@@ -155,6 +156,7 @@ def _from_gguf(source, shown: str) -> ModelSpec:
         mapped_bytes=header.num_weight_bytes,
         tensors=tuple(header.tensors.values()),
         tokenizer_model=header.get("tokenizer.ggml.model"),
+        tokenizer_pre=header.get("tokenizer.ggml.pre"),
     )
 
 

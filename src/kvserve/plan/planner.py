@@ -32,6 +32,7 @@ from kvserve.kv.pool_sizing import context_pool as engine_pool  # the engine's o
 from kvserve.kv.pool_sizing import context_pool_bytes as planned_kv_pool_bytes  # noqa: F401 (kvserve.plan's name)
 from kvserve.models.layouts import ROW_CHUNK
 from kvserve.plan.model_spec import ModelSpec, held_bytes
+from kvserve.pretokenizers import PRE_TOKENIZERS
 
 MiB, GiB = 1 << 20, 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -46,13 +47,21 @@ RUNTIME_OVERHEAD_BYTES = 220 * MiB
 # The tokenizer's tables in Python per vocabulary entry: Tokenizer.from_gguf measured 29 MiB for SmolLM2's
 # 49,152 tokens and 129 MiB for Gemma 3's 262,144 (619 and 516 bytes a token) through the `tokenizers`
 # library. A SentencePiece vocabulary ("llama" in GGUF) has the kernel's table instead (spm.py): the header's
-# pieces kept as bytes plus the table, 42 MiB for Gemma 3's (168 bytes a token).
+# pieces kept as bytes plus the table, 42 MiB for Gemma 3's (168 bytes a token). A byte-level BPE one ("gpt2")
+# whose splits the kernel writes out has its tables (bpe.py): tokens and merges kept as bytes plus three hash
+# tables, 38 MiB for Qwen2.5's 151,936 tokens (265 bytes a token) and 10 MiB for SmolLM2's (218).
 TOKENIZER_BYTES_PER_TOKEN = 560
 SPM_TOKENIZER_BYTES_PER_TOKEN = 170
+BPE_TOKENIZER_BYTES_PER_TOKEN = 270
 
 
 def tokenizer_bytes_per_token(spec: ModelSpec) -> int:
-    return SPM_TOKENIZER_BYTES_PER_TOKEN if spec.tokenizer_model == "llama" else TOKENIZER_BYTES_PER_TOKEN
+    if spec.tokenizer_model == "llama":
+        return SPM_TOKENIZER_BYTES_PER_TOKEN
+    split = PRE_TOKENIZERS.get(spec.tokenizer_pre or "default")
+    if spec.tokenizer_model == "gpt2" and split is not None and split.kernel is not None:
+        return BPE_TOKENIZER_BYTES_PER_TOKEN
+    return TOKENIZER_BYTES_PER_TOKEN
 
 
 def runtime_overhead(spec: ModelSpec) -> int:

@@ -1,0 +1,163 @@
+"""Byte-level BPE vocabularies ("gpt2" in GGUF: GPT-2, Llama 3, Qwen2, SmolLM2, ...) tokenized by our kernel.
+
+``BpeVocabulary`` hands the file's tokens and merges, as the bytes the header keeps, to
+native/bpe_tokenize.c, which splits text as the pre-tokenizer `tokenizer.ggml.pre` names
+(pretokenizers.py) and merges by rank: Qwen2.5's 151k tokens and merges load in tens of milliseconds
+where the `tokenizers` library, built from Python lists of them, took 0.4 s and +55 MiB. That build
+(``tokenizer.byte_level_bpe``) stays where the kernels do not load, for the pre-tokenizers the kernel does
+not write out, and as the tests' reference for the kernel's ids.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import unicodedata
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvserve.errors import ModelLoadError
+from kvserve.pretokenizers import PreTokenizer
+from kvserve.string_array import spans
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+MAX_TEXT_BYTES = 512 << 20  # bpe_encode's bound
+
+
+def native_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int], pre: PreTokenizer):
+    """The vocabulary tokenized by the kernel, or None where the kernels do not load or the pre-tokenizer's
+    splits are not written out in C."""
+    from kvserve import native
+
+    if pre.kernel is None or native.function("bpe_tokenize", "bpe_vocab_new") is None:
+        return None
+    return BpeVocabulary(tokens, merges, token_types, pre)
+
+
+class BpeVocabulary:
+    """A byte-level BPE vocabulary as a ``vocabulary.Vocabulary``, with the ids and text of the `tokenizers`
+    build of the same file (``tokenizer.byte_level_bpe``). Pickles as its tokens and merges."""
+
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+                 pre: PreTokenizer) -> None:
+        """``tokens``, ``merges``: lists, or the GGUF header's ``StringArray``s (their bytes go to the kernel
+        as they are: no Python string per token)."""
+        from kvserve import native
+        from kvserve.native import abi
+
+        if len(token_types) != len(tokens):
+            raise ModelLoadError(
+                f"the vocabulary has {len(tokens)} tokens but {len(token_types)} token types")
+        if pre.kernel is None:
+            raise ValueError("the kernel does not write out this pre-tokenizer's splits")
+        self._args = (tokens, merges, token_types, pre)
+        self.tokens = tokens
+        self._nfc = pre.nfc
+        constants = abi.header().constants
+        self._literal_flag = constants["BPE_LITERAL"]
+        splits = np.array([constants[f"BPE_SPLIT_{name}"] for name in pre.kernel], dtype=np.int32)
+        text, starts, lengths = spans(tokens)
+        merge_text, merge_starts, merge_lengths = spans(merges)
+        self._types = np.asarray(token_types, dtype=np.int32)
+        self._max_bytes = max(int(lengths.max(initial=0)), 1)
+        self._encode = native.function("bpe_tokenize", "bpe_encode")
+        self._decode = native.function("bpe_tokenize", "bpe_decode")
+        self._first = native.function("bpe_tokenize", "bpe_first_special")
+        self._token_id = native.function("bpe_tokenize", "bpe_token_id")
+        handle = native.function("bpe_tokenize", "bpe_vocab_new")(
+            text, starts.ctypes.data, lengths.ctypes.data, self._types.ctypes.data, len(tokens),
+            merge_text, merge_starts.ctypes.data, merge_lengths.ctypes.data, len(merges), splits.ctypes.data,
+            len(splits), int(pre.ignore_merges))
+        if not handle:
+            raise MemoryError("no memory for the vocabulary's tables")
+        self._handle = handle
+        # not at exit: a daemon thread may still be encoding then (the process's end frees the tables)
+        weakref.finalize(self, native.function("bpe_tokenize", "bpe_vocab_free"), handle).atexit = False
+
+    def __reduce__(self):
+        """Rebuilt where it is unpickled: by the kernel, or as the `tokenizers` build where none loads."""
+        from kvserve.tokenizer import byte_level_bpe
+
+        return byte_level_bpe, self._args
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_token_bytes(self) -> int:
+        return self._max_bytes
+
+    def ids(self, text: str, literal: bool = False) -> list[int]:
+        """ctypes lets go of the GIL for the call: a long prompt does not stall the server's event loop."""
+        if self._nfc and not text.isascii():
+            text = unicodedata.normalize("NFC", text)
+        data = text.encode("utf-8")
+        if len(data) >= MAX_TEXT_BYTES:
+            raise ValueError(f"a text of {len(data)} bytes is too long to tokenize (under {MAX_TEXT_BYTES})")
+        out = np.empty(len(data) + 1, dtype=np.int32)  # an id covers one byte at least
+        n = self._encode(self._handle, data, len(data), self._literal_flag if literal else 0, out.ctypes.data,
+                         len(out))
+        if n < 0:
+            raise MemoryError(f"no memory to tokenize a text of {len(data)} bytes")
+        return out[:n].tolist()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The ids' bytes, with each run that is not UTF-8 replaced as the ByteLevel decoder replaces it."""
+        return self._bytes_of(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def _bytes_of(self, ids: list[int], skip_special_tokens: bool) -> bytes:
+        array = np.asarray(ids, dtype=np.int64)
+        array = array[(array >= 0) & (array < len(self.tokens))].astype(np.int32)
+        out = ctypes.create_string_buffer(len(array) * self._max_bytes + 1)
+        n = self._decode(self._handle, array.ctypes.data, len(array), int(skip_special_tokens), out, len(out))
+        return out.raw[:n]
+
+    def token_to_id(self, token: str) -> int | None:
+        data = token.encode("utf-8", "surrogatepass")
+        found = self._token_id(self._handle, data, len(data))
+        return None if found < 0 else found
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tokens[token_id] if 0 <= token_id < len(self.tokens) else None
+
+    def specials(self) -> list[str]:
+        return [self.tokens[int(i)] for i in np.flatnonzero(self._types == TOKEN_TYPE_CONTROL)]
+
+    def first_special(self, text: str) -> str | None:
+        data = text.encode("utf-8", "surrogatepass")  # a lone surrogate is refused later, with its place
+        length = ctypes.c_int64(0)
+        at = self._first(self._handle, data, len(data), ctypes.addressof(length))
+        return None if at < 0 else data[at : at + length.value].decode("utf-8", errors="replace")
+
+    def guidance(self, n_vocab: int, eos_token: int | None):
+        """llguidance's tokenizer from the tokens' bytes, as its tokenizer.json reader makes them: each
+        token's bytes, and special tokens (CONTROL, and added ones spelled <...>) as their spelling behind
+        a 0xFF byte, which no text holds."""
+        from llguidance import LLTokenizer, TokenizerWrapper
+
+        return LLTokenizer(TokenizerWrapper(_Encoder(self, eos_token)), n_vocab=n_vocab, eos_token=eos_token)
+
+    def _token_bytes(self, i: int) -> bytes:
+        kind = int(self._types[i])
+        if kind == TOKEN_TYPE_CONTROL or (kind == TOKEN_TYPE_USER_DEFINED and self.tokens[i].startswith("<")
+                                          and self.tokens[i].endswith(">")):
+            return b"\xff" + self.tokens[i].encode()
+        return self._bytes_of([i], False)
+
+
+class _Encoder:
+    """What llguidance's TokenizerWrapper reads: the tokens' bytes, the special ids, a call from bytes to
+    ids."""
+
+    def __init__(self, vocab: BpeVocabulary, eos_token: int | None) -> None:
+        self.vocab = vocab
+        self.eos_token_id = eos_token
+        self.bos_token_id = None
+        self.tokens = [vocab._token_bytes(i) for i in range(vocab.size)]
+        self.special_token_ids = [int(i) for i in np.flatnonzero(vocab._types == TOKEN_TYPE_CONTROL)]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self.vocab.ids(text.decode("utf-8", errors="replace"))
