@@ -166,7 +166,7 @@ def preempted(loaded, prompts):
 
 def forward_path(loaded, prompts):
     engine = make_engine(loaded, max_num_seqs=1, prefix_caching=False)
-    engine.runner.native_decode = None
+    engine.runner.native_step = None
     return engine, run_alone(engine, prompts, "forward")
 
 
@@ -197,7 +197,7 @@ def test_the_baseline_runs_the_served_kernels(served):
     downs = [layer.down for layer in loaded.model.layers]
     assert all(isinstance(down, Int4Linear) and down.kernel is not None for down in downs)
     assert native_paged.for_storage(engine.storage) is not None
-    assert engine.runner.native_decode.calls >= len(baseline) * (NUM_NEW - 1)
+    assert engine.runner.native_step.calls >= len(baseline) * (NUM_NEW - 1)
     assert all(len(o.tokens) == len(o.logprobs) == o.logits.shape[0] == NUM_NEW for o in baseline)
 
 
@@ -245,14 +245,14 @@ def test_prefix_cache_hits_are_misses(served):
 def test_forward_path_is_the_one_call_step(served):
     loaded, prompts, baseline, _ = served
     engine, got = forward_path(loaded, prompts)
-    assert engine.runner.native_decode is None and engine.recorder.max_ready == 1
+    assert engine.runner.native_step is None and engine.recorder.max_ready == 1
     assert_identical(baseline, got)
 
 
 def test_thread_count_changes_nothing(served):
     loaded, prompts, baseline, _ = served
     engine, got = other_thread_count(loaded, prompts)
-    assert engine.runner.native_decode.threads != torch.get_num_threads()  # planned for the other count
+    assert engine.runner.native_step.threads != torch.get_num_threads()  # planned for the other count
     assert_identical(baseline, got)
 
 

@@ -104,7 +104,7 @@ def test_speculation_changes_no_token_and_no_logprob(smollm2_q4, check_no_leaks,
         engine = _speculative(make_engine(smollm2_q4, max_num_seqs=4), k)
         check_no_leaks.append(engine)
         assert _run(engine, prompts, params) == expected, f"k={k}"
-        assert engine.runner.native_decode.calls > 0
+        assert engine.runner.native_step.calls > 0
         if params.repetition_penalty == 1.0:  # (a penalized answer does not repeat its context: no drafts)
             assert engine.num_accepted_tokens > 0  # drafts were kept, so the check above means something
 

@@ -67,7 +67,7 @@ def test_same_logits_as_every_token_kept(gemma3, prompts, cache_types, budget, c
     assert windowed.storage.nbytes < full.storage.nbytes / 2
     a, b = recorded_run(windowed, prompts), recorded_run(full, prompts)
     assert_same_steps(a, b)
-    assert windowed.runner.native_decode.calls > 0  # the one-call step ran on the window tables
+    assert windowed.runner.native_step.calls > 0  # the one-call step ran on the window tables
     assert windowed.scheduler.requests == {} and windowed.kv.tied[0].num_held_blocks() == 0
     # the second request reused the first one's prefix in both engines
     assert windowed.kv.prefix_hits == full.kv.prefix_hits > WINDOW
@@ -100,7 +100,7 @@ def test_preemption_and_fp8_through_the_torch_path(gemma3, prompts, check_no_lea
     windowed = make_engine(gemma3, kv_cache_memory=window_bytes + full_blocks * 3 * layer_block, **kw)
     full = make_engine(gemma3, window_kv=False, **kw)
     check_no_leaks.extend([windowed, full])
-    assert windowed.runner.native_decode is None
+    assert windowed.runner.native_step is None
     assert windowed.kv.num_blocks == full_blocks and windowed.storage.window_layers
     out = []
     unshared = [prompts[0], prompts[0][3:] + prompts[2][:3], prompts[2]]  # two long prompts, no common prefix

@@ -111,7 +111,8 @@ class _Spy:
 @pytest.mark.parametrize("name", ["gemma2", "qwen3"])
 def test_softcapped_attention_runs_on_the_native_kernels(q4_files, monkeypatch, name):
     """The native attention kernels cap scores themselves: gemma2 calls them, as a model without a cap
-    does, and gives the reference's (torch, contiguous) tokens over a window-crossing prompt."""
+    does (from Python, or inside the one-call step), and gives the reference's (torch, contiguous) tokens
+    over a window-crossing prompt."""
     lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
     spy = _Spy(monkeypatch)
     engine = make_engine(lm, budget=16)
@@ -119,7 +120,8 @@ def test_softcapped_attention_runs_on_the_native_kernels(q4_files, monkeypatch, 
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).request_id
     out = engine.run_to_completion()[rid]
     if native_paged.for_storage(engine.storage) is not None:
-        assert spy.calls > 0
+        step = engine.runner.native_step
+        assert spy.calls + (step.calls if step is not None else 0) > 0
     assert_same_or_near_tie(lm, prompt, reference_greedy(lm, prompt, 10), out.token_ids)
 
 
@@ -169,7 +171,7 @@ def test_gemma2_capped_in_torch_without_native_attention(gemma2_folder, monkeypa
     ps = [_prompt(n, seed) for n, seed in ((40, 4), (23, 5))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = make_engine(lm, budget=16, max_num_seqs=2, block_size=8)
-    assert engine.runner.native_decode is None
+    assert engine.runner.native_step is None
     ids = [engine.add_request(p, params).request_id for p in ps]
     final = engine.run_to_completion()
     assert spy.calls == 0  # no native attention ran: the torch path did
@@ -180,19 +182,19 @@ def test_gemma2_capped_in_torch_without_native_attention(gemma2_folder, monkeypa
 @pytest.mark.parametrize("name,one_call",
                          [("mistral", True), ("qwen3", True), ("gemma2", True), ("phi3", False),
                                            ("granite", False), ("qwen3moe", False)])
-def test_one_call_decode_step_only_where_its_kernels_cover_the_arch(q4_files, name, one_call):
-    """The one-call native decode step (models/native_decode.py) runs Mistral (a plain Llama with a
+def test_one_call_step_only_where_its_kernels_cover_the_arch(q4_files, name, one_call):
+    """The one-call native step (models/native_step.py) runs Mistral (a plain Llama with a
     window), Qwen3 (q/k norms per head) and Gemma 2 (capped scores, post-norms, GELU); partial rotary,
     Granite's multipliers and experts go through ``forward``. Either way the engine's tokens are the reference
     path's."""
     lm = load_model(str(q4_files(name)), device="cpu", weight_format="q4")
     engine = make_engine(lm, budget=16)
-    step = engine.runner.native_decode
+    step = engine.runner.native_step
     prompt = _prompt(30)  # longer than mistral's window of 8
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).request_id
     out = engine.run_to_completion()[rid]
     if one_call and native_paged.for_storage(engine.storage) is not None:
-        assert step is not None and step.calls > 0
+        assert step is not None and step.calls > step.prefill_calls > 0
     if not one_call:
         assert step is None
     assert_same_or_near_tie(lm, prompt, reference_greedy(lm, prompt, 10), out.token_ids)

@@ -220,7 +220,7 @@ def served(gguf_path, smollm2_q4):
     layer = model.layers[0]
     assert all(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in (layer.qkv, layer.down))
     assert native_paged.for_storage(engine.storage) is not None
-    assert engine.runner.native_decode is not None
+    assert engine.runner.native_step is not None
     return engine
 
 
@@ -236,15 +236,16 @@ def served_teacher_forced(engine, ids: list[int], num_prompt: int) -> torch.Tens
         return [(next(forced), None) for _ in requests]
 
     engine.sampler.sample = feed_the_text
-    calls = engine.runner.native_decode.calls
+    step = engine.runner.native_step
+    calls, prefills = step.calls, step.prefill_calls
     try:
         engine.add_request(ids[:num_prompt], SamplingParams(temperature=0, max_tokens=len(ids) - num_prompt,
                                                             ignore_eos=True))
         engine.run_to_completion()
     finally:
         engine.sampler.sample = sample
-    # every step after the prefill: one call
-    assert engine.runner.native_decode.calls - calls == len(rows) - 1
+    # every step one call: the prefill, then each decode
+    assert (step.calls - calls, step.prefill_calls - prefills) == (len(rows), 1)
     return torch.cat(rows)
 
 

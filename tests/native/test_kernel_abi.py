@@ -1,7 +1,7 @@
 """One declaration of each native function (native/kernels.h), and everything that calls one held to it:
 the C definitions (each source includes the header), the libraries' exports, the ctypes signatures of
-the Python side (native/abi.py reads the header), decode_step.c's calls and the operation words
-native/decode_ops.py writes for them. Each check is also shown failing on a deliberate mismatch."""
+the Python side (native/abi.py reads the header), model_step.c's calls and the operation words
+native/step_ops.py writes for them. Each check is also shown failing on a deliberate mismatch."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from kvserve import native
 from kvserve.attention import native_paged
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import PagedKVStorage
-from kvserve.models import activations, linear, native_decode, norms, rope
-from kvserve.native import abi, decode_ops
+from kvserve.models import activations, linear, native_step, norms, rope
+from kvserve.native import abi, step_ops
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on this machine")
 
@@ -83,15 +83,15 @@ def test_a_definition_that_disagrees_with_the_header_does_not_compile(tmp_path):
     assert built.returncode != 0 and "conflicting types for" in built.stderr and "rms_norm" in built.stderr
 
 
-def test_a_decode_step_call_that_disagrees_with_the_header_does_not_compile(tmp_path):
-    """decode_step.c calls each kernel through the header's type: an integer word passed where the
+def test_a_step_call_that_disagrees_with_the_header_does_not_compile(tmp_path):
+    """model_step.c calls each kernel through the header's type: an integer word passed where the
     header now says pointer is an error (its #pragma), not a silent conversion."""
     header = (native.SOURCE_DIR / "kernels.h").read_text()
-    assert build_with_header("decode_step", header, tmp_path).returncode == 0
+    assert build_with_header("model_step", header, tmp_path).returncode == 0
     wrong = header.replace("void rope_in_place(float *x, int tokens, int heads,",
                            "void rope_in_place(float *x, int tokens, const float *heads,")
     assert wrong != header
-    built = build_with_header("decode_step", wrong, tmp_path)
+    built = build_with_header("model_step", wrong, tmp_path)
     assert built.returncode != 0 and "int-conversion" in built.stderr
 
 
@@ -117,7 +117,7 @@ def python_bindings() -> dict[str, object]:
         "int8_rows_g16": linear._int8_rows_kernel("int8_rows_g16"),
         "paged_decode_attention": attention.decode_kernel,
         "paged_prefill_attention": attention.prefill_kernel, "kv_write": writer.kernel,
-        "decode_step": native_decode._step_function(),
+        "model_step": native_step._step_function(),
     }
 
 
@@ -166,7 +166,7 @@ def test_the_parser_reads_only_its_form():
             abi.parse(bad)
 
 
-# --- the decode step's operations ---------------------------------------------------------------------
+# --- the step's operations ---------------------------------------------------------------------------
 
 
 def probe_source() -> str:
@@ -178,7 +178,7 @@ def probe_source() -> str:
              "static int64_t *row; static int at;",
              "static void put(int64_t v) { row[at++] = v; }",
              "static void put_float(float f) { double d = f; int64_t w; memcpy(&w, &d, 8); put(w); }"]
-    for number, name in enumerate(decode_ops.STEP_ARGS):
+    for number, name in enumerate(step_ops.STEP_ARGS):
         proto = abi.prototype(name)
         params = ", ".join(f"{p.type}{'' if p.type.endswith('*') else ' '}{p.name}" for p in proto.params)
         body = [f"row = probe_log[probe_calls++]; at = 0; put({number});"]
@@ -206,23 +206,32 @@ def sentinel(c_type: str, index: int) -> int | float:
 
 
 STEP = {"n": 3, "block_tables": 0xB000, "table_stride": (1 << 41) + 5, "context_lens": 0xC000,
-        "slot_rows": 0xD000}
+        "slot_rows": 0xD000, "sequence_tables": 0xE000, "decodes": 2, "sequence_rows": 5,
+        "sequence_position": (1 << 40) + 7}
 
 
 def run_operations(probes, ops: list[list[int]]) -> list[list[int]]:
-    """The words decode_step.c passed to each stand-in, in call order ([which, arguments...])."""
+    """The words model_step.c passed to each stand-in, in call order ([which, arguments...]), for a batch of
+    STEP["decodes"] decodes and one prefill chunk (from row 0, its block table first in sequence_tables)."""
     ctypes.c_int.in_dll(probes, "probe_calls").value = 0
-    step = native.function("decode_step", "decode_step")
+    step = native.function("model_step", "model_step")
     table = torch.tensor(ops, dtype=torch.int64)
-    assert step(table.data_ptr(), len(ops), STEP["n"], STEP["block_tables"], STEP["table_stride"],
-                STEP["context_lens"], STEP["slot_rows"]) == 0
+    constants = abi.header().constants
+    batch = torch.zeros(constants["BATCH_HEADER"] + STEP["decodes"] + constants["BATCH_SEQUENCE_WORDS"],
+                        dtype=torch.int64)
+    batch[constants["BATCH_DECODES"]], batch[constants["BATCH_SEQUENCES"]] = STEP["decodes"], 1
+    batch[constants["BATCH_TABLE_WORDS"]] = 9
+    batch[-4:] = torch.tensor([0, STEP["sequence_rows"], STEP["sequence_position"], 0])
+    STEP["decode_rows"] = batch.data_ptr() + 8 * constants["BATCH_HEADER"]
+    assert step(table.data_ptr(), len(ops), STEP["n"], batch.data_ptr(), STEP["block_tables"],
+                STEP["table_stride"], STEP["context_lens"], STEP["slot_rows"], STEP["sequence_tables"]) == 0
     log = (ctypes.c_int64 * 32 * 64).in_dll(probes, "probe_log")
     return [list(log[c]) for c in range(ctypes.c_int.in_dll(probes, "probe_calls").value)]
 
 
 def expected_words(name: str, args: dict) -> list[int]:
-    proto, step = abi.prototype(name), decode_ops.STEP_ARGS[name]
-    words = [list(decode_ops.STEP_ARGS).index(name)]
+    proto, step = abi.prototype(name), step_ops.STEP_ARGS[name]
+    words = [list(step_ops.STEP_ARGS).index(name)]
     for p in proto.params:
         value = STEP[step[p.name]] if p.name in step else args[p.name]
         float_type = abi.ctype(p.type) is ctypes.c_float
@@ -231,12 +240,12 @@ def expected_words(name: str, args: dict) -> list[int]:
 
 
 def layout_mismatches(probes, corrupt=lambda name, words: words) -> list[str]:
-    """Each function's operation as decode_ops writes it, run by decode_step.c against the stand-ins:
+    """Each function's operation as step_ops writes it, run by model_step.c against the stand-ins:
     the parameters (by name) whose argument was not the value given for it."""
-    names = list(decode_ops.STEP_ARGS)
+    names = list(step_ops.STEP_ARGS)
     args = {name: {p.name: sentinel(p.type, i) for i, p in enumerate(abi.prototype(name).params)
-                   if p.name not in decode_ops.STEP_ARGS[name]} for name in names}
-    ops = [corrupt(name, decode_ops.operation(name, ctypes.cast(getattr(probes, name), ctypes.c_void_p).value,
+                   if p.name not in step_ops.STEP_ARGS[name]} for name in names}
+    ops = [corrupt(name, step_ops.operation(name, ctypes.cast(getattr(probes, name), ctypes.c_void_p).value,
                                               **args[name])) for name in names]
     calls = run_operations(probes, ops)
     assert len(calls) == len(names)
@@ -248,7 +257,7 @@ def layout_mismatches(probes, corrupt=lambda name, words: words) -> list[str]:
     return wrong
 
 
-def test_decode_step_passes_each_parameter_the_word_decode_ops_wrote(probes):
+def test_model_step_passes_each_parameter_the_word_step_ops_wrote(probes):
     assert layout_mismatches(probes) == []
 
 
@@ -265,16 +274,17 @@ def test_a_wrong_operation_layout_is_caught(probes):
 def test_an_operation_names_every_parameter_the_header_has():
     address = 0x1000
     with pytest.raises(TypeError, match=r"missing \['out'\], not parameters \['output'\]"):
-        decode_ops.operation("silu_mul", address, gate_up=1, inter=2, output=3)
+        step_ops.operation("silu_mul", address, gate_up=1, inter=2, output=3)
     with pytest.raises(ValueError, match="inter=4294967296 does not fit int"):
-        decode_ops.operation("silu_mul", address, gate_up=1, inter=1 << 32, out=3)
-    words = decode_ops.operation("silu_mul", address, gate_up=1, inter=2, out=3)
+        step_ops.operation("silu_mul", address, gate_up=1, inter=1 << 32, out=3)
+    words = step_ops.operation("silu_mul", address, gate_up=1, inter=2, out=3)
     assert words[:6] == [abi.header().constants["OP_SILU_MUL"], address, 1, 0, 2, 3]
     assert len(words) == abi.header().constants["OP_FIELDS"]
 
 
 def test_every_operation_kind_is_declared():
-    for name, step in decode_ops.STEP_ARGS.items():
+    for name, step in step_ops.STEP_ARGS.items():
         assert f"OP_{name.upper()}" in abi.header().constants, name
         assert set(step) <= {p.name for p in abi.prototype(name).params}, name
-        assert set(step.values()) <= {p.name for p in abi.prototype("decode_step").params}, name
+        taken = {p.name for p in abi.prototype("model_step").params} | set(step_ops.BATCH_PARTS)
+        assert set(step.values()) <= taken, name

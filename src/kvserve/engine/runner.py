@@ -9,8 +9,9 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import PagedKVStorage
-from kvserve.models import native_decode
+from kvserve.models import native_step
 from kvserve.models.decoder import DecoderLM
+from kvserve.models.native_step import StepDecodes, StepSequence
 
 
 class ModelRunner:
@@ -21,8 +22,8 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.block_size = storage.block_size
-        # steps of single-token sequences only: the whole forward in one native call where it applies
-        self.native_decode = native_decode.for_model(model, storage)
+        # the whole forward in one native call where it applies (a rotated KV codec's prefill chunks not)
+        self.native_step = native_step.for_model(model, storage)
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run one forward over every scheduled token. Returns the requests whose known tokens are now
@@ -75,9 +76,8 @@ class ModelRunner:
         if n == 1 and end > r.num_prompt_tokens:
             step.add_decode(tables, first_row, num_blocks, end)
         else:
-            step.sequences.append(SequenceSlice(first_row, n, end, tuple(
-                torch.tensor(tables[g][:num_blocks], dtype=torch.long, device=self.device)
-                for g in step.kv_groups)))
+            step.sequences.append(StepSequence(first_row, n, start, [tables[g][:num_blocks]
+                                                                     for g in step.kv_groups]))
         last_row = len(step.input_ids) - 1
         if r.params.pooling == "logits":  # its last row's logits, computed with the sampled requests'
             if end == r.num_prompt_tokens:
@@ -90,21 +90,25 @@ class ModelRunner:
             step.ready.append(r)
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
-        """The final hidden states of every row: one native call where only decodes run, else the model's
+        """The final hidden states of every row: one native call where the step has one, else the model's
         forward over the paged attention."""
         device, kv_groups = self.device, step.kv_groups
-        decodes = None
-        if step.decode_rows:
-            decodes = build_decode_batch(step.decode_rows, step.decode_tables, step.decode_lens, device,
-                                         len(step.input_ids))
         kv_group_slots = tuple(torch.tensor(step.slots[g], dtype=torch.long,
                                             device=device) for g in kv_groups)
         ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
         pos = torch.tensor(step.positions, dtype=torch.long, device=device)
-        if decodes is not None and decodes.only_decodes and self.native_decode is not None:
-            return self.native_decode(ids, pos, [decodes.tables(g) for g in kv_groups], decodes.context_lens,
-                                      [self.storage.slot_rows(kv_group_slots[g], g) for g in kv_groups])
-        metadata = PagedAttentionMetadata(kv_group_slots, sequences=step.sequences, decodes=decodes)
+        native = self.native_step
+        if native is not None and (native.prefills or not step.sequences):
+            decodes = StepDecodes(step.decode_rows, step.decode_tables, step.decode_lens)
+            slot_rows = [self.storage.slot_rows(kv_group_slots[g], g) for g in kv_groups]
+            return native(ids, pos, slot_rows, decodes, step.sequences)
+        decodes = None
+        if step.decode_rows:
+            decodes = build_decode_batch(step.decode_rows, step.decode_tables, step.decode_lens, device,
+                                         len(step.input_ids))
+        sequences = [SequenceSlice(s.first_row, s.rows, s.position + s.rows, tuple(
+            torch.tensor(t, dtype=torch.long, device=device) for t in s.tables)) for s in step.sequences]
+        metadata = PagedAttentionMetadata(kv_group_slots, sequences=sequences, decodes=decodes)
         return self.model.forward(ids, pos, PagedAttention(self.storage, metadata))
 
 
@@ -118,7 +122,7 @@ class StepInputs:
         self.input_ids: list[int] = []
         self.positions: list[int] = []
         self.slots: list[list[int]] = [[] for _ in kv_groups]
-        self.sequences: list[SequenceSlice] = []  # prompt chunks, attended by the prefill path
+        self.sequences: list[StepSequence] = []  # prompt chunks, attended by the prefill path
         self.decode_rows: list[int] = []  # rows attended by the decode kernel, one query each
         self.decode_tables: list[list[list[int]]] = [[] for _ in kv_groups]
         self.decode_lens: list[int] = []

@@ -81,7 +81,7 @@ class DecoderLM:
     @functools.cached_property
     def steps(self) -> list[tuple]:
         """The decoder's operations in order, the one place the order is written: ``forward`` runs them
-        in torch, ``native_decode.NativeDecodeStep`` as native kernel calls. A block's output is held
+        in torch, ``native_step.NativeStep`` as native kernel calls. A block's output is held
         apart ("pending") until the next norm adds it to the residual stream:
 
             ("norm", w, last)      add the pending output (if any) to the residual stream, RMS-normalize

@@ -136,13 +136,14 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
                             int64_t v_scale_stride, const float *v_table, int num_threads);
 int paged_prefill_int_keys(void);
 
-/* decode_step.c: a decode step as a list of operations, OP_FIELDS int64 words each:
+/* model_step.c: a model's step (prefill chunks and decodes, in any mix) as a list of operations,
+ * OP_FIELDS int64 words each:
  *
  *   [kind, function address, word 0, word 1, ...]   word i: parameter i of the kind's function
  *
  * (a pointer as its address, an integer as itself, a float as the bits of a double). The parameters
- * that change between steps (the number of sequences, block tables, ...) the step passes itself; their
- * words are unused (native/decode_ops.py names them). OP_<NAME> calls the function <name> above. */
+ * that change between steps (the number of rows, block tables, ...) the step passes itself; their
+ * words are unused (native/step_ops.py names them). OP_<NAME> calls the function <name> above. */
 #define OP_FIELDS 32
 enum {
     OP_RMS_NORM = 1,
@@ -157,12 +158,27 @@ enum {
     OP_INT8_MATMUL_G16 = 10,
     OP_RMS_NORM_HEADS = 11,
     OP_GELU_TANH_MUL = 12,
+    OP_PAGED_PREFILL_ATTENTION = 13,
+    OP_GATHER_ROWS = 14,
+    OP_SCATTER_ROWS = 15,
 };
 /* Row r of dst (strides in floats) = the first `width` floats of row r of src, for r < n. */
 void copy_rows(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t width, int n);
-/* Returns 0, or the (1-based) index of the operation that failed: a kernel that could not allocate its
- * workspace, or an unknown kind. */
-int decode_step(const int64_t *ops, int num_ops, int n, const int64_t *block_tables, int64_t table_stride,
-                const int64_t *context_lens, const int64_t *slot_rows);
+/* Row r of dst = row rows[r] of src (gather_rows); row rows[r] of dst = row r of src (scatter_rows); r < n. */
+void gather_rows(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t width,
+                 const int64_t *rows, int n);
+void scatter_rows(const float *src, int64_t src_stride, float *dst, int64_t dst_stride, int64_t width,
+                  const int64_t *rows, int n);
+/* The step's batch (int64 words): [decodes, sequences, sequence table words, the decodes' rows...,
+ * then per sequence (prefill chunk): first row, rows, position of its first row, offset of its block
+ * table in sequence_tables]. */
+enum { BATCH_DECODES = 0, BATCH_SEQUENCES = 1, BATCH_TABLE_WORDS = 2, BATCH_HEADER = 3, BATCH_SEQUENCE_WORDS = 4 };
+/* n rows (tokens). block_tables [groups, decodes, table_stride] int64 and context_lens [decodes] int64:
+ * the decodes'; sequence_tables [groups, table words]: the sequences' block tables back to back; slot_rows
+ * [groups, kv heads * n] (kv_write.c's layout). Returns 0, or the (1-based) index of the operation that
+ * failed: a kernel that could not allocate its workspace, or an unknown kind. */
+int model_step(const int64_t *ops, int num_ops, int n, const int64_t *batch, const int64_t *block_tables,
+               int64_t table_stride, const int64_t *context_lens, const int64_t *slot_rows,
+               const int64_t *sequence_tables);
 
 #endif

@@ -1,7 +1,7 @@
 /* Paged attention on the CPU, reading (possibly quantized) KV blocks where they are stored: decode (one
  * query per sequence, decode_attention.h) and prefill (a chunk of one sequence's queries,
  * prefill_attention.h), both over the rows kv_rows.h reads. This file holds the entry points
- * attention/native_paged.py and decode_step.c call.
+ * attention/native_paged.py and model_step.c call.
  */
 #include "decode_attention.h"
 #include "kernels.h"

@@ -1,4 +1,4 @@
-"""The operations of ``decode_step.c``, written from kernels.h's prototypes.
+"""The operations of ``model_step.c``, written from kernels.h's prototypes.
 
     operation = OP_FIELDS int64 words: [kind, function address, word 0, word 1, ...]
                 word i: parameter i of the function, in kernels.h's order
@@ -7,7 +7,7 @@
 The caller names every parameter (as kernels.h names it) except those the step passes itself on every
 call (``STEP_ARGS``); ``operation`` orders and converts them by the declaration. So the layout has no
 second copy here: a parameter added, dropped or moved in the header moves here too, and a name the
-header does not have raises. ``decode_step.c`` reads word i in argument position i through the same
+header does not have raises. ``model_step.c`` reads word i in argument position i through the same
 declaration, and tests/native/test_kernel_abi.py runs every kind against recording stand-ins.
 """
 
@@ -20,16 +20,22 @@ from functools import cache
 from kvserve import native
 from kvserve.native import abi
 
-# The functions an operation calls, and per function the parameters decode_step.c fills in itself
-# (what changes between steps), each with the decode_step parameter it passes there.
+# The functions an operation calls, and per function the parameters model_step.c fills in itself
+# (what changes between steps), each with what it passes there: a model_step parameter, or a part of the
+# batch (BATCH_PARTS). The prefill attention's q and out are the operation's, advanced to each chunk's
+# first row.
 STEP_ARGS = {
     "rms_norm": {"n": "n"},
     "add_rms_norm": {"n": "n"},
     "int4_matmul": {"M": "n"},
     "rope_in_place": {"tokens": "n"},
     "copy_rows": {"n": "n"},
+    "gather_rows": {"rows": "decode_rows", "n": "decodes"},
+    "scatter_rows": {"rows": "decode_rows", "n": "decodes"},
     "kv_write": {"tokens": "n", "slot_rows": "slot_rows"},
-    "paged_decode_attention": {"n": "n", "block_tables": "block_tables", "table_stride": "table_stride",
+    "paged_prefill_attention": {"n": "sequence_rows", "q_start": "sequence_position",
+                                "block_table": "sequence_tables"},
+    "paged_decode_attention": {"n": "decodes", "block_tables": "block_tables", "table_stride": "table_stride",
                                "context_lens": "context_lens"},
     "silu_mul": {"n": "n"},
     "gelu_tanh_mul": {"n": "n"},
@@ -44,19 +50,22 @@ def op_fields() -> int:
     return abi.header().constants["OP_FIELDS"]
 
 
+# What the batch gives (kernels.h's BATCH_*): the number of decodes and their rows; per prefill chunk its
+# rows and the position of its first.
+BATCH_PARTS = ("decodes", "decode_rows", "sequence_rows", "sequence_position")
 # The step's arrays with one part per KV group: an operation's word for them holds its group.
-PER_KV_GROUP = ("block_tables", "slot_rows")
+PER_KV_GROUP = ("block_tables", "slot_rows", "sequence_tables")
 
 
 def operation(kernel: str, address: int, kv_group: int = 0, **args: float | None) -> list[int]:
     """The words of one operation calling ``kernel`` at ``address``, padded to OP_FIELDS. ``args``:
     every parameter of ``kernel`` but STEP_ARGS[kernel]'s, by name; ``kv_group``: the KV group whose
-    block tables and slot rows it takes (see decode_step.c)."""
+    block tables and slot rows it takes (see model_step.c)."""
     proto, step = abi.prototype(kernel), STEP_ARGS[kernel]
     wanted = [p.name for p in proto.params if p.name not in step]
     if sorted(args) != sorted(wanted):
         missing, unknown = set(wanted) - set(args), set(args) - set(wanted)
-        raise TypeError(f"decode operation {kernel}: kernels.h's parameters are {wanted} "
+        raise TypeError(f"step operation {kernel}: kernels.h's parameters are {wanted} "
                         f"(missing {sorted(missing)}, not parameters {sorted(unknown)})")
     words = [abi.header().constants[f"OP_{kernel.upper()}"], address]
     words += [
@@ -64,20 +73,20 @@ def operation(kernel: str, address: int, kv_group: int = 0, **args: float | None
             kernel, p, args[p.name])
               for p in proto.params]
     if len(words) > op_fields():
-        raise ValueError(f"decode operation {kernel}: {len(words)} words, OP_FIELDS is {op_fields()}")
+        raise ValueError(f"step operation {kernel}: {len(words)} words, OP_FIELDS is {op_fields()}")
     return words + [0] * (op_fields() - len(words))
 
 
 def _word(kernel: str, param: abi.Parameter, value: float | None) -> int:
-    """``value`` as the int64 word decode_step.c reads for a parameter of this type."""
+    """``value`` as the int64 word model_step.c reads for a parameter of this type."""
     kind = abi.ctype(param.type)
     if kind is ctypes.c_float:
-        return struct.unpack("<q", struct.pack("<d", float(value)))[0]  # decode_step.c's arg_float
+        return struct.unpack("<q", struct.pack("<d", float(value)))[0]  # model_step.c's arg_float
     if kind is ctypes.c_void_p:
         return int(value or 0)
     bits = _RANGES[kind]
     if not -(2 ** (bits - 1)) <= int(value) < 2 ** (bits - 1):
-        raise ValueError(f"decode operation {kernel}: {param.name}={value} does not fit {param.type}")
+        raise ValueError(f"step operation {kernel}: {param.name}={value} does not fit {param.type}")
     return int(value)
 
 

@@ -1,7 +1,7 @@
-"""The one-call decode step (``models/native_decode.py``) gives the same logits, bit for bit, as
+"""The one-call step (``models/native_step.py``) gives the same logits, bit for bit, as
 ``DecoderLM.forward`` on the same steps: it makes the same kernel calls without the Python between
 them. Checked on SmolLM2 in the q4 formats, with plain, block-quantized and rotated KV, while the
-batch grows and shrinks."""
+batch grows and shrinks, prompts arrive beside decodes and are read in chunks; and on Gemma 3."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.models import native_decode
+from kvserve.models import native_step
 from kvserve.models.loader import load_model
 from tests.support import make_engine, recorded_steps
 
@@ -33,18 +33,24 @@ def run(engine, prompts: list[list[int]], late: list[int]) -> list:
     return steps
 
 
-def assert_same_logits_as_forward(loaded, cache_types, prompts, late, check_no_leaks) -> None:
+def assert_same_logits_as_forward(loaded, cache_types, prompts, late, check_no_leaks, budget=None) -> None:
     """The same steps through the one-call path and through ``forward``: the same requests each step,
-    the same logits bit for bit."""
+    the same logits bit for bit. ``budget``: tokens a step (prompts read in chunks beside decodes)."""
     k, v = cache_types
-    native = make_engine(loaded, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
-    plain = make_engine(loaded, max_num_seqs=4, cache_type_k=k, cache_type_v=v)
+    options = {"max_num_seqs": 4, "cache_type_k": k, "cache_type_v": v}
+    options |= {"budget": budget} if budget else {}
+    native = make_engine(loaded, **options)
+    plain = make_engine(loaded, **options)
     check_no_leaks.extend([native, plain])
-    assert native.runner.native_decode is not None
-    plain.runner.native_decode = None
+    step = native.runner.native_step
+    assert step is not None
+    plain.runner.native_step = None
     got, expected = run(native, prompts, late), run(plain, prompts, late)
-    assert native.runner.native_decode.calls >= 10  # the one-call path ran, at 1 to 4 sequences
-    assert native.runner.native_decode.capacity >= 4
+    assert step.calls >= 10  # the one-call path ran, at 1 to 4 sequences
+    assert step.capacity >= 4
+    # prefill chunks too, but not with a codec that rotates the query (forward rotates it in torch)
+    rotated = any(c.startswith("tq") for c in cache_types)
+    assert (step.prefill_calls > 0) is not rotated and step.prefills is not rotated
     assert len(got) == len(expected)
     for (ids, logits), (ids_ref, logits_ref) in zip(got, expected, strict=True):
         assert ids == ids_ref
@@ -60,13 +66,22 @@ def test_same_logits_as_forward(request, weights, cache_types, check_no_leaks):
     assert_same_logits_as_forward(loaded, cache_types, prompts, [1, 9690, 28, 1064, 281], check_no_leaks)
 
 
+@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("q8_0", "q4_0")])
+def test_chunks_beside_decodes_same_logits_as_forward(smollm2_q4, cache_types, check_no_leaks):
+    """A budget of 20 tokens a step: each prompt is read in chunks, most of them in the same step as
+    other requests' decodes (the batch's rows then interleave chunks and decodes)."""
+    prompts = [[1, 504, 3458, 282, 4649, 314, 28] * (3 + 2 * i) for i in range(3)]
+    assert_same_logits_as_forward(smollm2_q4, cache_types, prompts, [1, 9690, 28, 1064, 281] * 7,
+                                  check_no_leaks, budget=20)
+
+
 def test_not_used_where_its_kernels_do_not_apply(smollm2, smollm2_q4):
     f32_weights = make_engine(smollm2)
     fp8_kv = make_engine(smollm2_q4, cache_type_k="fp8")  # the C KV writer does not take fp8
-    assert f32_weights.runner.native_decode is None
-    assert fp8_kv.runner.native_decode is None
-    assert not native_decode.supports(smollm2.model)
-    assert native_decode.supports(smollm2_q4.model)
+    assert f32_weights.runner.native_step is None
+    assert fp8_kv.runner.native_step is None
+    assert not native_step.supports(smollm2.model)
+    assert native_step.supports(smollm2_q4.model)
 
 
 @pytest.fixture(scope="module")
@@ -80,4 +95,4 @@ def test_gemma3_same_logits_as_forward(gemma3_q4, cache_types, check_no_leaks):
     sliding layers with their own RoPE table and window (a prompt longer than the window of 512)."""
     prompts = [[2, 818, 5279, 529, 7001, 563] * n for n in (3, 7, 90)]
     assert_same_logits_as_forward(gemma3_q4, cache_types, prompts, [2, 9259, 236764, 1217, 107],
-                                  check_no_leaks)
+                                  check_no_leaks, budget=256)

@@ -1,10 +1,13 @@
-"""A pure decode step of ``DecoderLM`` in one native call (``native/decode_step.c``).
+"""A step of ``DecoderLM`` (prefill chunks and decodes, in any mix) in one native call
+(``native/model_step.c``).
 
-``DecoderLM.forward`` calls a C kernel, or a torch op, ~300 times a decode step; at one sequence and
-short context that Python is ~3 ms of an ~8 ms step. ``NativeDecodeStep`` writes the same kernel calls
-once, as a list of operations over activation buffers it owns, and a step becomes: the embedding
-rows, the RoPE rows, one call. The arithmetic is the same calls with the same arguments, so the
-hidden states are the same bits as ``forward``'s (tested).
+``DecoderLM.forward`` calls a C kernel, or a torch op, ~300 times a step; at one sequence and short
+context that Python is ~3 ms of an ~8 ms decode step, and a prefill chunk's q/k/v are copied and
+converted between the calls. ``NativeStep`` writes the same kernel calls once, as a list of operations
+over activation buffers it owns, and a step becomes: the embedding rows, the RoPE rows, one call. The
+arithmetic is the same calls with the same arguments, so the hidden states are the same bits as
+``forward``'s (tested), and torch holds the buffers but computes nothing: the step the CPU runtime
+without torch will run.
 
 It covers what those kernels cover: decoders on the CPU in f32 whose projections all run through the
 4-bit or int8 kernels (``--weights q4`` / ``q4-fast`` / ``int8``), SiLU or GELU gating, q/k norms per
@@ -12,13 +15,16 @@ head, post-norms, an embedding scale, a second RoPE table for sliding layers, so
 scores (the Llama family, Qwen3, Gemma 2 and 3; Gemma 2's capped logits come after the step, in
 ``compute_logits``), and KV codecs the C writer and the decode kernel both take (all but fp8).
 ``for_model`` returns None for anything else (partial rotary, residual multipliers, experts, other
-weight formats, fp8 KV, no compiler), and the engine keeps ``forward``.
+weight formats, fp8 KV, no compiler), and the engine keeps ``forward``. Rotated KV codecs (tq2-4) run
+their decode steps here but not their prefill chunks (``prefills``): the prefill kernel takes the query
+rotated, which ``forward`` does in torch.
 """
 
 from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
 import torch
 
 from kvserve import native
@@ -27,12 +33,13 @@ from kvserve.kv.storage import PagedKVStorage
 from kvserve.models import activations
 from kvserve.models.decoder import DecoderLM
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, StackedLinear
-from kvserve.native.decode_ops import kernel_addresses, operation
+from kvserve.native import abi
+from kvserve.native.step_ops import kernel_addresses, operation
 
 
 @cache
 def _step_function():
-    return native.function("decode_step", "decode_step")
+    return native.function("model_step", "model_step")
 
 
 def _kernel_name(lin) -> str | None:
@@ -48,7 +55,7 @@ def _kernel_name(lin) -> str | None:
 
 
 def supports(model: DecoderLM) -> bool:
-    """Whether every call of this model's decode step has a kernel (see the module's docstring)."""
+    """Whether every call of this model's step has a kernel (see the module's docstring)."""
     cfg = model.config
     native_matmuls = all(
         layer.moe is None and all(
@@ -61,8 +68,8 @@ def supports(model: DecoderLM) -> bool:
             and plain_config)
 
 
-def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeDecodeStep | None:
-    """The one-call decode step for this model and KV cache, or None where it does not apply."""
+def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeStep | None:
+    """The one-call step for this model and KV cache, or None where it does not apply."""
     if not supports(model) or kernel_addresses() is None or _step_function() is None:
         return None
     attention = native_paged.for_storage(storage)
@@ -71,31 +78,37 @@ def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeDecodeStep | N
         return None
     if any(part is None for layer in writer.layer_args for part in layer):
         return None  # a codec the C writer does not take (fp8)
-    return NativeDecodeStep(model, attention, writer, storage.kv_group_of_layer)
+    prefills = not (storage.k_codec.rotated or storage.v_codec.rotated)
+    return NativeStep(model, attention, writer, storage.kv_group_of_layer, prefills)
 
 
-class NativeDecodeStep:
-    """Runs ``model.forward`` for a batch of single-token sequences in one native call. Holds the KV
-    cache's addresses (through the attention kernel's and the writer's argument packs), not the cache:
-    its owner keeps both alive together."""
+class NativeStep:
+    """Runs ``model.forward`` for a step's rows in one native call. Holds the KV cache's addresses (through
+    the attention kernel's and the writer's argument packs), not the cache: its owner keeps both alive
+    together."""
 
     def __init__(self, model: DecoderLM, attention: native_paged.NativePagedAttention,
-                 writer: native_paged.NativeKVWrite, kv_groups: list[int] | None = None) -> None:
+                 writer: native_paged.NativeKVWrite, kv_groups: list[int] | None = None,
+                 prefills: bool = True) -> None:
+        """prefills: whether steps with prefill chunks run here too (see the module's docstring)."""
         self.model, self.attention, self.writer = model, attention, writer
         self.kv_groups = kv_groups or [0] * len(model.layers)  # per layer, its KV group
+        self.num_kv_groups = max(self.kv_groups) + 1
+        self.prefills = prefills
         self.capacity = 0
         self.threads = -1
         self.calls = 0  # steps run (tests check the path was taken)
+        self.prefill_calls = 0  # of which with prefill chunks
 
     def _plan(self, capacity: int, threads: int) -> None:
-        """Activation buffers for ``capacity`` sequences and the operations over them."""
+        """Activation buffers for ``capacity`` rows and the operations over them."""
         model, cfg = self.model, self.model.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden, inter = cfg.hidden_size, model.layers[0].gate_up.out_features // 2
         widths = {"x": hidden, "h": hidden, "qkv": q_dim + 2 * kv_dim, "q": q_dim, "k": kv_dim, "v": kv_dim,
-                  "attn": q_dim, "o": hidden, "o_normed": hidden, "gate_up": 2 * inter, "act": inter,
-                  "down": hidden, "down_normed": hidden, "out": hidden, "cos": cfg.head_dim,
-                  "sin": cfg.head_dim}
+                  "attn": q_dim, "q_decode": q_dim, "attn_decode": q_dim, "o": hidden, "o_normed": hidden,
+                  "gate_up": 2 * inter, "act": inter, "down": hidden, "down_normed": hidden, "out": hidden,
+                  "cos": cfg.head_dim, "sin": cfg.head_dim}
         if model.rope_local is not model.rope:
             widths |= {"cos_local": cfg.head_dim, "sin_local": cfg.head_dim}
         self.buffers = {name: torch.zeros(capacity, width) for name, width in widths.items()}
@@ -123,12 +136,14 @@ class NativeDecodeStep:
                     q_rotation=q_rotation, out_rotation=out_rotation)
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: list[torch.Tensor],
-                 context_lens: torch.Tensor, slot_rows: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids, positions, context_lens [n] int64; per KV group, block_tables [n, max_blocks] int64
-        (the same width in each group) and slot_rows [kv_heads * n] (``PagedKVStorage.slot_rows``).
-        Returns the final hidden states [n, hidden]."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_rows: list[torch.Tensor],
+                 decodes: StepDecodes | None = None, sequences: list[StepSequence] = ()) -> torch.Tensor:
+        """input_ids, positions [n] int64; per KV group, slot_rows [kv_heads * n]
+        (``PagedKVStorage.slot_rows``); the rows that are decodes and the prefill chunks, which together
+        are every row. Returns the final hidden states [n, hidden]."""
         n = input_ids.shape[0]
+        if sequences and not self.prefills:
+            raise ValueError("this model's KV codecs rotate the query: its prefill chunks run in forward")
         threads = torch.get_num_threads()
         if n > self.capacity or threads != self.threads:
             self._plan(max(n, 2 * self.capacity if n > self.capacity else self.capacity), threads)
@@ -142,14 +157,66 @@ class NativeDecodeStep:
                 cos, sin = rope.tables(positions, max_position)
                 b["cos" + suffix][:n].copy_(cos.squeeze(1))
                 b["sin" + suffix][:n].copy_(sin.squeeze(1))
-        tables, rows = torch.stack(block_tables), torch.cat(slot_rows)  # one group after the other
-        lens = context_lens.contiguous()
-        failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, tables.data_ptr(),
-                                  tables.stride(1), lens.data_ptr(), rows.data_ptr())
+        batch, tables, lens, sequence_tables = self._batch(decodes, sequences)
+        rows = torch.cat(slot_rows)  # one group after the other
+        failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, batch.ctypes.data,
+                                  tables.ctypes.data, tables.shape[2], lens.ctypes.data, rows.data_ptr(),
+                                  sequence_tables.ctypes.data)
         if failed:
-            raise MemoryError(f"native decode step: operation {failed - 1} could not allocate its workspace")
+            raise MemoryError(f"native step: operation {failed - 1} could not allocate its workspace")
         self.calls += 1
+        self.prefill_calls += bool(sequences)
         return self.buffers["out"][:n].clone()
+
+    def _batch(self, decodes: StepDecodes | None, sequences: list[StepSequence]) -> tuple[np.ndarray, ...]:
+        """model_step's batch words, the decodes' block tables [groups, decodes, width] (padded with block
+        0) and context lengths, and the chunks' block tables [groups, words] (each chunk's padded to its
+        longest group's)."""
+        constants = abi.header().constants
+        groups = self.num_kv_groups
+        decode_rows = decodes.rows if decodes is not None else []
+        words = [len(decode_rows), len(sequences), 0, *decode_rows]
+        offset = 0
+        for s in sequences:
+            words += [s.first_row, s.rows, s.position, offset]
+            offset += max(len(t) for t in s.tables)
+        words[constants["BATCH_TABLE_WORDS"]] = offset
+        sequence_tables = np.zeros((groups, max(offset, 1)), dtype=np.int64)
+        at = 0
+        for s in sequences:
+            for g, table in enumerate(s.tables):
+                sequence_tables[g, at : at + len(table)] = table
+            at += max(len(t) for t in s.tables)
+        if decodes is None or not decode_rows:
+            return (np.array(words, dtype=np.int64), np.zeros((groups, 0, 1), dtype=np.int64),
+                    np.zeros(1, dtype=np.int64), sequence_tables)
+        width = max(len(t) for g in decodes.tables for t in g)
+        tables = np.zeros((groups, len(decode_rows), width), dtype=np.int64)
+        for g, group in enumerate(decodes.tables):
+            for i, table in enumerate(group):
+                tables[g, i, : len(table)] = table
+        return (np.array(words, dtype=np.int64), tables, np.asarray(decodes.context_lens, dtype=np.int64),
+                sequence_tables)
+
+
+class StepDecodes:
+    """The decode rows of a step: each row's index, its block table per KV group ([group][decode]), its
+    context length (its position + 1)."""
+
+    __slots__ = ("context_lens", "rows", "tables")
+
+    def __init__(self, rows: list[int], tables: list[list[list[int]]], context_lens: list[int]) -> None:
+        self.rows, self.tables, self.context_lens = rows, tables, context_lens
+
+
+class StepSequence:
+    """A prefill chunk of a step: its first row, its rows, the position of its first row, and the blocks
+    of positions [0, position + rows) per KV group."""
+
+    __slots__ = ("first_row", "position", "rows", "tables")
+
+    def __init__(self, first_row: int, rows: int, position: int, tables: list[list[int]]) -> None:
+        self.first_row, self.rows, self.position, self.tables = first_row, rows, position, tables
 
 
 class _StepOperations:
@@ -157,7 +224,7 @@ class _StepOperations:
     the step's arguments). ``pending`` names the buffer holding the last block's output, which the next
     norm adds to the residual stream."""
 
-    def __init__(self, owner: NativeDecodeStep, threads: int) -> None:
+    def __init__(self, owner: NativeStep, threads: int) -> None:
         self.owner, self.threads = owner, threads
         self.model, self.cfg, self.b = owner.model, owner.model.config, owner.buffers
         self.ptr = {name: t.data_ptr() for name, t in self.b.items()}
@@ -214,7 +281,9 @@ class _StepOperations:
                 sin=self.ptr["sin" + table])
 
     def step_attend(self, i: int) -> None:
-        """Layer i's attention: q, k, v copied out of qkv, k and v written to the cache, the decode kernel."""
+        """Layer i's attention: q, k, v copied out of qkv, k and v written to the cache; the prefill
+        chunks attended row by row in place, the decodes' queries gathered, attended together and
+        scattered back."""
         owner, cfg, b = self.owner, self.cfg, self.b
         kv_heads, d = cfg.num_kv_heads, cfg.head_dim
         offset = 0
@@ -230,10 +299,20 @@ class _StepOperations:
                     code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
                     levels=levels)
         window = cfg.sliding_window if cfg.is_sliding(i) else None
-        self.op("paged_decode_attention", kv_group, num_heads=cfg.num_heads, num_kv_heads=kv_heads,
-                head_dim=d, q=self.ptr["q"], out=self.ptr["attn"], window=window or 0, scale=self.model.scale,
-                softcap=cfg.attn_logit_softcap or 0.0, num_threads=self.threads,
-                **owner.attention_cache_args(i))
+        shape = {"num_heads": cfg.num_heads, "num_kv_heads": kv_heads, "head_dim": d, "window": window or 0,
+                 "scale": self.model.scale, "softcap": cfg.attn_logit_softcap or 0.0,
+                 "num_threads": self.threads}
+        cache = owner.attention_cache_args(i)
+        q_rotation, out_rotation = cache.pop("q_rotation"), cache.pop("out_rotation")
+        if owner.prefills:
+            self.op("paged_prefill_attention", kv_group, q=self.ptr["q"], out=self.ptr["attn"], **shape,
+                    **cache)
+        width = b["q"].shape[1]
+        rows = {"src_stride": width, "dst_stride": width, "width": width}
+        self.op("gather_rows", src=self.ptr["q"], dst=self.ptr["q_decode"], **rows)
+        self.op("paged_decode_attention", kv_group, q=self.ptr["q_decode"], out=self.ptr["attn_decode"],
+                q_rotation=q_rotation, out_rotation=out_rotation, **shape, **cache)
+        self.op("scatter_rows", src=self.ptr["attn_decode"], dst=self.ptr["attn"], **rows)
 
     def step_o(self, i: int) -> None:
         self.matmul(self.model.layers[i].o, "attn", "o")
