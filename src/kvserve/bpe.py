@@ -4,7 +4,7 @@
 native/bpe_tokenize.c, which splits text as the pre-tokenizer `tokenizer.ggml.pre` names
 (pretokenizers.py) and merges by rank: Qwen2.5's 151k tokens and merges load in tens of milliseconds
 where the `tokenizers` library, built from Python lists of them, took 0.4 s and +55 MiB. That build
-(``tokenizer.byte_level_bpe``) stays where the kernels do not load, for the pre-tokenizers the kernel does
+(``hf_byte_level_bpe``) stays where the kernels do not load, for the pre-tokenizers the kernel does
 not write out, and as the tests' reference for the kernel's ids.
 """
 
@@ -18,12 +18,45 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvserve.errors import ModelLoadError
-from kvserve.pretokenizers import PreTokenizer
+from kvserve.pretokenizers import PreTokenizer, build_normalizer, build_pre_tokenizer
 from kvserve.string_array import spans
+from kvserve.vocabulary import HFVocabulary, Vocabulary
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 MAX_TEXT_BYTES = 512 << 20  # bpe_encode's bound
+
+
+def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+                   pre: PreTokenizer) -> Vocabulary:
+    """A GGUF byte-level BPE vocabulary: tokenized by our kernel, or where it does not load or does not
+    write out ``pre``'s splits, by the `tokenizers` library (``hf_byte_level_bpe``)."""
+    return native_bpe(tokens, merges, token_types, pre) or hf_byte_level_bpe(tokens, merges, token_types, pre)
+
+
+def hf_byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+                      pre: PreTokenizer) -> HFVocabulary:
+    """The vocabulary as a `tokenizers` BPE, set up as the model's own tokenizer.json is: the reference the
+    kernel's ids are held to."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tk = Tokenizer(models.BPE(vocab, merge_pairs, fuse_unk=False, byte_fallback=False,
+                              ignore_merges=pre.ignore_merges))
+    normalizer = build_normalizer(pre)
+    if normalizer is not None:
+        tk.normalizer = normalizer
+    tk.pre_tokenizer = build_pre_tokenizer(pre)
+    tk.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(tokens[i], special=(t == TOKEN_TYPE_CONTROL), normalized=False)
+        for i, t in enumerate(token_types)
+        if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+    ]
+    tk.add_special_tokens([s for s in specials if s.special])
+    tk.add_tokens([s for s in specials if not s.special])
+    return HFVocabulary(tk)
 
 
 def native_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int], pre: PreTokenizer):
@@ -38,7 +71,7 @@ def native_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequen
 
 class BpeVocabulary:
     """A byte-level BPE vocabulary as a ``vocabulary.Vocabulary``, with the ids and text of the `tokenizers`
-    build of the same file (``tokenizer.byte_level_bpe``). Pickles as its tokens and merges."""
+    build of the same file (``hf_byte_level_bpe``). Pickles as its tokens and merges."""
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
                  pre: PreTokenizer) -> None:
@@ -78,8 +111,6 @@ class BpeVocabulary:
 
     def __reduce__(self):
         """Rebuilt where it is unpickled: by the kernel, or as the `tokenizers` build where none loads."""
-        from kvserve.tokenizer import byte_level_bpe
-
         return byte_level_bpe, self._args
 
     @property

@@ -11,14 +11,14 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvserve.bpe import byte_level_bpe
 from kvserve.errors import ModelLoadError
 from kvserve.fim import FimTokens, fim_prompt, find_fim_tokens
-from kvserve.pretokenizers import PreTokenizer, build_normalizer, build_pre_tokenizer, pre_tokenizer_for
+from kvserve.pretokenizers import pre_tokenizer_for
 from kvserve.vocabulary import HFVocabulary, Vocabulary
 
 # Chat formats of architectures whose GGUF files may lack tokenizer.chat_template.
@@ -34,8 +34,6 @@ KNOWN_TEMPLATES = {
     ),
 }
 
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
 
 # Stand-ins for message contents while the chat template renders (private-use characters): where they
 # land in the output tells which characters came from a message and which from the template.
@@ -54,40 +52,6 @@ def check_unicode(text: str) -> None:
             f"the text holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}, "
             "which is not valid Unicode; send whole characters"
         ) from None
-
-
-def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
-                   pre: PreTokenizer) -> Vocabulary:
-    """A GGUF byte-level BPE vocabulary: tokenized by our kernel (bpe.py), or where it does not load or does
-    not write out ``pre``'s splits, by the `tokenizers` library (``hf_byte_level_bpe``)."""
-    from kvserve.bpe import native_bpe
-
-    return native_bpe(tokens, merges, token_types, pre) or hf_byte_level_bpe(tokens, merges, token_types, pre)
-
-
-def hf_byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
-                      pre: PreTokenizer) -> HFVocabulary:
-    """The vocabulary as a `tokenizers` BPE, set up as the model's own tokenizer.json is: the reference the
-    kernel's ids are held to."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tk = Tokenizer(models.BPE(vocab, merge_pairs, fuse_unk=False, byte_fallback=False,
-                              ignore_merges=pre.ignore_merges))
-    normalizer = build_normalizer(pre)
-    if normalizer is not None:
-        tk.normalizer = normalizer
-    tk.pre_tokenizer = build_pre_tokenizer(pre)
-    tk.decoder = decoders.ByteLevel()
-    specials = [
-        AddedToken(tokens[i], special=(t == TOKEN_TYPE_CONTROL), normalized=False)
-        for i, t in enumerate(token_types)
-        if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
-    ]
-    tk.add_special_tokens([s for s in specials if s.special])
-    tk.add_tokens([s for s in specials if not s.special])
-    return HFVocabulary(tk)
 
 
 THINK_TAGS = ("<think>", "</think>")  # a thought, as reasoning models write it

@@ -17,13 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve import native
-from kvserve.bpe import BpeVocabulary, native_bpe
+from kvserve.bpe import BpeVocabulary, hf_byte_level_bpe, native_bpe
 from kvserve.errors import ModelLoadError
 from kvserve.models.gguf_file import GGUFFile
 from kvserve.models.registry import resolve
 from kvserve.native import unicode_classes
 from kvserve.pretokenizers import PRE_TOKENIZERS, pre_tokenizer_for
-from kvserve.tokenizer import Tokenizer, hf_byte_level_bpe
+from kvserve.tokenizer import Tokenizer
 from kvserve.vocabulary import HFVocabulary
 from tests.tokenizer.test_spm_native import PROSE, corpus
 
