@@ -20,7 +20,7 @@ import numpy as np
 from kvserve.errors import ModelLoadError
 from kvserve.pretokenizers import PreTokenizer, build_normalizer, build_pre_tokenizer
 from kvserve.string_array import spans
-from kvserve.vocabulary import HFVocabulary, Vocabulary
+from kvserve.vocabulary import HFVocabulary, KernelVocabulary, Vocabulary
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -69,7 +69,7 @@ def native_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequen
     return BpeVocabulary(tokens, merges, token_types, pre)
 
 
-class BpeVocabulary:
+class BpeVocabulary(KernelVocabulary):
     """A byte-level BPE vocabulary as a ``vocabulary.Vocabulary``, with the ids and text of the `tokenizers`
     build of the same file (``hf_byte_level_bpe``). Pickles as its tokens and merges."""
 
@@ -113,14 +113,6 @@ class BpeVocabulary:
         """Rebuilt where it is unpickled: by the kernel, or as the `tokenizers` build where none loads."""
         return byte_level_bpe, self._args
 
-    @property
-    def size(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def max_token_bytes(self) -> int:
-        return self._max_bytes
-
     def ids(self, text: str, literal: bool = False) -> list[int]:
         """ctypes lets go of the GIL for the call: a long prompt does not stall the server's event loop."""
         if self._nfc and not text.isascii():
@@ -146,49 +138,14 @@ class BpeVocabulary:
         n = self._decode(self._handle, array.ctypes.data, len(array), int(skip_special_tokens), out, len(out))
         return out.raw[:n]
 
-    def token_to_id(self, token: str) -> int | None:
-        data = token.encode("utf-8", "surrogatepass")
-        found = self._token_id(self._handle, data, len(data))
-        return None if found < 0 else found
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.tokens[token_id] if 0 <= token_id < len(self.tokens) else None
-
-    def specials(self) -> list[str]:
-        return [self.tokens[int(i)] for i in np.flatnonzero(self._types == TOKEN_TYPE_CONTROL)]
-
-    def first_special(self, text: str) -> str | None:
-        data = text.encode("utf-8", "surrogatepass")  # a lone surrogate is refused later, with its place
-        length = ctypes.c_int64(0)
-        at = self._first(self._handle, data, len(data), ctypes.addressof(length))
-        return None if at < 0 else data[at : at + length.value].decode("utf-8", errors="replace")
-
-    def guidance(self, n_vocab: int, eos_token: int | None):
-        """llguidance's tokenizer from the tokens' bytes, as its tokenizer.json reader makes them: each
-        token's bytes, and special tokens (CONTROL, and added ones spelled <...>) as their spelling behind
-        a 0xFF byte, which no text holds."""
-        from llguidance import LLTokenizer, TokenizerWrapper
-
-        return LLTokenizer(TokenizerWrapper(_Encoder(self, eos_token)), n_vocab=n_vocab, eos_token=eos_token)
+    def _fragment_ids(self, text: str) -> list[int]:
+        return self.ids(text)
 
     def _token_bytes(self, i: int) -> bytes:
+        """A token as llguidance's tokenizer.json reader makes it: its bytes, and special tokens (CONTROL,
+        and added ones spelled <...>) as their spelling behind a 0xFF byte, which no text holds."""
         kind = int(self._types[i])
         if kind == TOKEN_TYPE_CONTROL or (kind == TOKEN_TYPE_USER_DEFINED and self.tokens[i].startswith("<")
                                           and self.tokens[i].endswith(">")):
             return b"\xff" + self.tokens[i].encode()
         return self._bytes_of([i], False)
-
-
-class _Encoder:
-    """What llguidance's TokenizerWrapper reads: the tokens' bytes, the special ids, a call from bytes to
-    ids."""
-
-    def __init__(self, vocab: BpeVocabulary, eos_token: int | None) -> None:
-        self.vocab = vocab
-        self.eos_token_id = eos_token
-        self.bos_token_id = None
-        self.tokens = [vocab._token_bytes(i) for i in range(vocab.size)]
-        self.special_token_ids = [int(i) for i in np.flatnonzero(vocab._types == TOKEN_TYPE_CONTROL)]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return self.vocab.ids(text.decode("utf-8", errors="replace"))

@@ -24,6 +24,7 @@ import numpy as np
 from kvserve.errors import ModelLoadError
 from kvserve.native import cache_root
 from kvserve.string_array import spans
+from kvserve.vocabulary import KernelVocabulary
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def spm_vocabulary(tokens: Sequence[str], scores: list[float] | None, token_type
     return native_spm(*args) or HFVocabulary(build_spm_tokenizer(*args))
 
 
-class SpmVocabulary:
+class SpmVocabulary(KernelVocabulary):
     """A SentencePiece vocabulary as a ``vocabulary.Vocabulary``, tokenized by native/spm_tokenize.c with
     the ids of ``build_spm_tokenizer``'s `tokenizers` BPE, and decoded as its decoders do (▁ as a space,
     <0xXX> pieces as bytes, a byte run that is no UTF-8 as one U+FFFD per byte). Pickles as its pieces."""
@@ -145,7 +146,7 @@ class SpmVocabulary:
         self._literal_flag, self._no_prefix_flag = (abi.header().constants[c] for c in ("SPM_LITERAL",
                                                                                           "SPM_NO_PREFIX"))
         self._first = native.function("spm_tokenize", "spm_first_special")
-        self._piece = native.function("spm_tokenize", "spm_piece_id")
+        self._token_id = native.function("spm_tokenize", "spm_piece_id")
         handle = native.function("spm_tokenize", "spm_vocab_new")(
             text, starts.ctypes.data, lengths.ctypes.data, self._types.ctypes.data,
             None if score_array is None else score_array.ctypes.data, len(tokens), int(add_space_prefix))
@@ -172,14 +173,6 @@ class SpmVocabulary:
     def __reduce__(self):
         """Rebuilt where it is unpickled: by the kernel, or as the `tokenizers` build where none loads."""
         return spm_vocabulary, self._args
-
-    @property
-    def size(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def max_token_bytes(self) -> int:
-        return self._max_bytes
 
     def ids(self, text: str, literal: bool = False, prefix: bool = True) -> list[int]:
         """ctypes lets go of the GIL for the call: a long prompt does not stall the server's event loop.
@@ -213,34 +206,15 @@ class SpmVocabulary:
             parts.append(_bytes_text(run))
         return "".join(parts)
 
-    def token_to_id(self, token: str) -> int | None:
-        data = token.encode("utf-8", "surrogatepass")
-        found = self._piece(self._handle, data, len(data))
-        return None if found < 0 else found
+    def _fragment_ids(self, text: str) -> list[int]:
+        """llguidance tokenizes pieces of text it has already placed: no space prefix (its reader of a
+        tokenizer.json takes the prefix normalizer away likewise)."""
+        return self.ids(text, prefix=False)
 
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.tokens[token_id] if 0 <= token_id < len(self.tokens) else None
-
-    def specials(self) -> list[str]:
-        return [self.tokens[int(i)] for i in np.flatnonzero(self._types == TOKEN_TYPE_CONTROL)]
-
-    def first_special(self, text: str) -> str | None:
-        import ctypes
-
-        data = text.encode("utf-8", "surrogatepass")  # a lone surrogate is refused later, with its place
-        length = ctypes.c_int64(0)
-        at = self._first(self._handle, data, len(data), ctypes.addressof(length))
-        return None if at < 0 else data[at : at + length.value].decode("utf-8", errors="replace")
-
-    def guidance(self, n_vocab: int, eos_token: int | None):
-        """llguidance's tokenizer from the pieces' bytes, as its llama.cpp reader makes them: a piece's
-        text with ▁ as a space, a <0xXX> piece its byte, and special pieces (CONTROL, UNKNOWN, and
-        USER_DEFINED ones spelled <...>) behind a 0xFF byte, which no text holds."""
-        from llguidance import LLTokenizer, TokenizerWrapper
-
-        return LLTokenizer(TokenizerWrapper(_Encoder(self, eos_token)), n_vocab=n_vocab, eos_token=eos_token)
-
-    def _piece_bytes(self, i: int) -> bytes:
+    def _token_bytes(self, i: int) -> bytes:
+        """A piece as llguidance's llama.cpp reader makes it: its text with ▁ as a space, a <0xXX> piece its
+        byte, and special pieces (CONTROL, UNKNOWN, and USER_DEFINED ones spelled <...>) behind a 0xFF
+        byte, which no text holds."""
         b = self._bytes.get(i)
         if b is not None:
             return bytes([b])
@@ -249,23 +223,6 @@ class SpmVocabulary:
                 kind == TOKEN_TYPE_USER_DEFINED and text.startswith("<") and text.endswith(">")):
             return b"\xff" + text.encode()
         return text.replace("\u2581", " ").encode()
-
-
-class _Encoder:
-    """What llguidance's TokenizerWrapper reads: the pieces' bytes, the special ids, a call from bytes to
-    ids."""
-
-    def __init__(self, vocab: SpmVocabulary, eos_token: int | None) -> None:
-        self.vocab = vocab
-        self.eos_token_id = eos_token
-        self.bos_token_id = None
-        self.tokens = [vocab._piece_bytes(i) for i in range(vocab.size)]
-        self.special_token_ids = [i for i, special in enumerate(vocab._special) if special]
-
-    def __call__(self, text: bytes) -> list[int]:
-        """llguidance tokenizes pieces of text it has already placed: no space prefix (its reader of a
-        tokenizer.json takes the prefix normalizer away likewise)."""
-        return self.vocab.ids(text.decode("utf-8", errors="replace"), prefix=False)
 
 
 def _bytes_text(run: bytearray) -> str:

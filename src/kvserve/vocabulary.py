@@ -1,8 +1,9 @@
 """What a tokenizer needs of a vocabulary: text to ids, ids to text, pieces by name, and the special pieces.
 
-Two kinds stand behind it: ``spm.SpmVocabulary``, a GGUF SentencePiece vocabulary tokenized by our
-kernel straight from its pieces and scores, and ``HFVocabulary``, a `tokenizers` library tokenizer (HF
-folders' tokenizer.json, GGUF byte-level BPE, and SentencePiece where the kernels do not load).
+Two kinds stand behind it: a GGUF vocabulary tokenized by one of our kernels straight from the file's
+arrays (``KernelVocabulary``: ``spm.SpmVocabulary``, ``bpe.BpeVocabulary``), and ``HFVocabulary``, a
+`tokenizers` library tokenizer (HF folders' tokenizer.json, and GGUF vocabularies where the kernels do not
+load).
 ``Tokenizer`` (tokenizer.py) holds one and asks only these calls of it.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -104,3 +106,71 @@ class HFVocabulary:
                 literal.encode_special_tokens = True
                 self._literal = literal
         return self._literal
+
+
+TOKEN_TYPE_CONTROL = 3  # GGUF's tokenizer.ggml.token_type of a special (control) piece
+
+
+class KernelVocabulary:
+    """What the vocabularies our tokenizer kernels read have in common (``spm.SpmVocabulary``,
+    ``bpe.BpeVocabulary``): the file's tokens (a list, or the header's ``StringArray``), their types, the
+    kernel's tables behind ``_handle``, and the lookups every kernel has: a token by its spelling
+    (``_token_id``), the first special string in a text (``_first``). A subclass sets those, encodes and
+    decodes, and says each token's bytes as llguidance reads them (``_token_bytes``) and how llguidance's
+    fragments of text are tokenized (``_fragment_ids``)."""
+
+    tokens: Sequence[str]
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_token_bytes(self) -> int:
+        return self._max_bytes
+
+    def token_to_id(self, token: str) -> int | None:
+        data = token.encode("utf-8", "surrogatepass")
+        found = self._token_id(self._handle, data, len(data))
+        return None if found < 0 else found
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tokens[token_id] if 0 <= token_id < len(self.tokens) else None
+
+    def special_ids(self) -> list[int]:
+        import numpy as np
+
+        return [int(i) for i in np.flatnonzero(np.asarray(self._types) == TOKEN_TYPE_CONTROL)]
+
+    def specials(self) -> list[str]:
+        return [self.tokens[i] for i in self.special_ids()]
+
+    def first_special(self, text: str) -> str | None:
+        import ctypes
+
+        data = text.encode("utf-8", "surrogatepass")  # a lone surrogate is refused later, with its place
+        length = ctypes.c_int64(0)
+        at = self._first(self._handle, data, len(data), ctypes.addressof(length))
+        return None if at < 0 else data[at : at + length.value].decode("utf-8", errors="replace")
+
+    def guidance(self, n_vocab: int, eos_token: int | None):
+        """llguidance's tokenizer from the tokens' bytes (``_token_bytes``)."""
+        from llguidance import LLTokenizer, TokenizerWrapper
+
+        return LLTokenizer(TokenizerWrapper(_GuidanceEncoder(self, eos_token)), n_vocab=n_vocab,
+                           eos_token=eos_token)
+
+
+class _GuidanceEncoder:
+    """What llguidance's TokenizerWrapper reads: the tokens' bytes, the special ids, a call from bytes to
+    ids."""
+
+    def __init__(self, vocab: KernelVocabulary, eos_token: int | None) -> None:
+        self.vocab = vocab
+        self.eos_token_id = eos_token
+        self.bos_token_id = None
+        self.tokens = [vocab._token_bytes(i) for i in range(vocab.size)]
+        self.special_token_ids = vocab.special_ids()
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self.vocab._fragment_ids(text.decode("utf-8", errors="replace"))

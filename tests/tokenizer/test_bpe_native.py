@@ -25,7 +25,7 @@ from kvserve.native import unicode_classes
 from kvserve.pretokenizers import PRE_TOKENIZERS, pre_tokenizer_for
 from kvserve.tokenizer import Tokenizer
 from kvserve.vocabulary import HFVocabulary
-from tests.tokenizer.test_spm_native import PROSE, corpus
+from tests.tokenizer.test_spm_native import PROSE, assert_same_masks, corpus
 
 pytestmark = pytest.mark.skipif(
     native.function("bpe_tokenize", "bpe_encode") is None,
@@ -213,17 +213,6 @@ def test_pre_tokenizers_it_does_not_write_out_go_to_the_library():
         *file_arguments("smollm2")).ids("x")
 
 
-@pytest.fixture
-def no_kernels(monkeypatch):
-    monkeypatch.setenv("KVSERVE_NATIVE", "0")
-    native.load.cache_clear()
-    native.function.cache_clear()
-    yield
-    monkeypatch.delenv("KVSERVE_NATIVE")
-    native.load.cache_clear()
-    native.function.cache_clear()
-
-
 def test_without_the_kernels_the_library_stands_in(no_kernels):
     args = file_arguments("smollm2")
     assert native_bpe(*args) is None
@@ -239,21 +228,6 @@ def test_a_vocabulary_whose_arrays_disagree_is_refused():
 
 
 def test_llguidance_reads_the_same_vocabulary():
-    """A grammar's token masks from our tokens' bytes equal those from the reference's tokenizer.json, step
-    by step along one path the grammar allows (the highest allowed id each time)."""
-    from llguidance import LLMatcher
-
     args = file_arguments("smollm2")
     ours, reference = BpeVocabulary(*args), hf_byte_level_bpe(*args)
-    eos = ours.token_to_id("<|endoftext|>")
-    grammar = LLMatcher.grammar_from_regex(r"(the|a) [a-z]{1,12}( é中)?\n")
-    matchers = [LLMatcher(v.guidance(v.size, eos), grammar, log_level=0) for v in (ours, reference)]
-    for _ in range(10):
-        masks = [bytes(m.compute_logit_bias()) for m in matchers]
-        assert masks[0] == masks[1]
-        allowed = [i for i, bias in enumerate(masks[0]) if bias]
-        assert allowed
-        if matchers[0].is_accepting():
-            break
-        for m in matchers:
-            assert m.consume_token(allowed[-1])
+    assert_same_masks(ours, reference, ours.token_to_id("<|endoftext|>"), r"(the|a) [a-z]{1,12}( é中)?\n", 10)

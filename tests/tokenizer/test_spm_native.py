@@ -171,17 +171,6 @@ def test_it_pickles_as_its_pieces(small):
     assert again.ids(CORPUS[0]) == ours.ids(CORPUS[0]) and again.size == ours.size
 
 
-@pytest.fixture
-def no_kernels(monkeypatch):
-    monkeypatch.setenv("KVSERVE_NATIVE", "0")
-    native.load.cache_clear()
-    native.function.cache_clear()
-    yield
-    monkeypatch.delenv("KVSERVE_NATIVE")
-    native.load.cache_clear()
-    native.function.cache_clear()
-
-
 def test_without_the_kernels_the_tokenizers_build_stands_in(no_kernels, tmp_path, monkeypatch):
     from tests.tokenizer.test_pretokenizers import write_spm_gguf
 
@@ -192,16 +181,14 @@ def test_without_the_kernels_the_tokenizers_build_stands_in(no_kernels, tmp_path
     assert isinstance(tok.backend, HFVocabulary) and tok.encode(CORPUS[0])[:2] != []
 
 
-def test_llguidance_reads_the_same_vocabulary(small):
-    """A grammar's token masks from our pieces equal those from the reference's tokenizer.json, step by
+def assert_same_masks(ours, reference, eos: int, pattern: str, steps: int) -> None:
+    """A grammar's token masks from our vocabulary equal those from the reference's tokenizer.json, step by
     step along one path the grammar allows (the highest allowed id each time)."""
     from llguidance import LLMatcher
 
-    ours, reference = small
-    eos = ours.token_to_id("</s>")
-    grammar = LLMatcher.grammar_from_regex(r"(the|a) [a-z]{1,12}( é中)?")
+    grammar = LLMatcher.grammar_from_regex(pattern)
     matchers = [LLMatcher(v.guidance(v.size, eos), grammar, log_level=0) for v in (ours, reference)]
-    for _ in range(8):
+    for _ in range(steps):
         masks = [bytes(m.compute_logit_bias()) for m in matchers]
         assert masks[0] == masks[1]
         allowed = [i for i, bias in enumerate(masks[0]) if bias]
@@ -210,6 +197,11 @@ def test_llguidance_reads_the_same_vocabulary(small):
             break
         for m in matchers:
             assert m.consume_token(allowed[-1])
+
+
+def test_llguidance_reads_the_same_vocabulary(small):
+    ours, reference = small
+    assert_same_masks(ours, reference, ours.token_to_id("</s>"), r"(the|a) [a-z]{1,12}( é中)?", 8)
 
 
 def few_pieces(pieces: list[str], byte_values: list[int]) -> tuple:
