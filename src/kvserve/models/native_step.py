@@ -6,8 +6,8 @@ context that Python is ~3 ms of an ~8 ms decode step, and a prefill chunk's q/k/
 converted between the calls. ``NativeStep`` writes the same kernel calls once, as a list of operations
 over activation buffers it owns, and a step becomes: the embedding rows, the RoPE rows, one call. The
 arithmetic is the same calls with the same arguments, so the hidden states are the same bits as
-``forward``'s (tested), and torch holds the buffers but computes nothing: the step the CPU runtime
-without torch will run.
+``forward``'s (tested). Torch only holds the buffers and looks up the embedding and RoPE rows: this is
+the step the CPU runtime without torch will run.
 
 It covers what those kernels cover: decoders on the CPU in f32 whose projections all run through the
 4-bit or int8 kernels (``--weights q4`` / ``q4-fast`` / ``int8``), SiLU or GELU gating, q/k norms per
@@ -122,12 +122,13 @@ class NativeStep:
         for kind, *args in self.model.steps:
             step = getattr(ops, "step_" + kind, None)
             if step is None:  # "scale", "moe": ``supports`` refuses such models
-                raise ValueError(f"no native decode step for {kind!r}")
+                raise ValueError(f"no native step for {kind!r}")
             step(*args)
         return ops.ops
 
     def attention_cache_args(self, layer: int) -> dict[str, int]:
-        """paged_decode_attention's arguments that describe the KV cache of ``layer``, by name."""
+        """The attention kernels' arguments that describe the KV cache of ``layer``, by name (the query's
+        rotation and the output's un-rotation: the decode kernel's only)."""
         attention, parts = self.attention, self.attention.layer_args[layer]
         q_rotation, out_rotation = attention.rotation_args
         kv = {f"{side}_{field}": value for side, part in (("k", parts[:6]), ("v", parts[6:]))
