@@ -4,8 +4,9 @@
 native/bpe_tokenize.c, which splits text as the pre-tokenizer `tokenizer.ggml.pre` names
 (pretokenizers.py) and merges by rank: Qwen2.5's 151k tokens and merges load in tens of milliseconds
 where the `tokenizers` library, built from Python lists of them, took 0.4 s and +55 MiB. That build
-(``hf_byte_level_bpe``) stays where the kernels do not load, for the pre-tokenizers the kernel does
-not write out, and as the tests' reference for the kernel's ids.
+(``hf_byte_level_bpe``) stays where the kernels do not load, for a split the kernel does not write out
+(``PreTokenizer.kernel`` None; every named one has its kernel), and as the tests' reference for the
+kernel's ids.
 """
 
 from __future__ import annotations

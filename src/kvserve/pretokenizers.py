@@ -69,7 +69,7 @@ _DEFAULT_SPLIT = PreTokenizer(_DEFAULT, kernel=("PUNCTUATION", "GPT2", "DIGITS",
 _DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2), kernel=("DIGIT", "GPT2"))
 _LLAMA3_SPLIT = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True, kernel=("LLAMA3",))
 _QWEN2_SPLIT = PreTokenizer((_QWEN2,), nfc=True, kernel=("QWEN2",))
-_GPT4O_SPLIT = PreTokenizer((_GPT4O,))
+_GPT4O_SPLIT = PreTokenizer((_GPT4O,), kernel=("GPT4O",))
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     # llama.cpp's own split, not GPT-2's (transformers' GGUF loader knows neither name)
@@ -92,7 +92,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "deepseek-r1-qwen": _QWEN2_SPLIT,
     "gpt-4o": _GPT4O_SPLIT,
     "llama4": _GPT4O_SPLIT,
-    "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
+    "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True, kernel=("TEKKEN",)),
 }
 
 

@@ -8,6 +8,7 @@ text back from any ids; the character classes as the library's regex engine has 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import pickle
 import random
 import re
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve import native
-from kvserve.bpe import BpeVocabulary, hf_byte_level_bpe, native_bpe
+from kvserve.bpe import BpeVocabulary, byte_level_bpe, hf_byte_level_bpe, native_bpe
 from kvserve.errors import ModelLoadError
 from kvserve.models.gguf_file import GGUFFile
 from kvserve.models.registry import resolve
@@ -162,7 +163,9 @@ EDGES = [*(f"x'\u017f{c}" for c in "abcdefghij"), *(f"x'\u212a{c}" for c in "abc
                                                "\u2028 ", "\x0b\x0c", "\u0085"]),
          "1234567", "\u0663\u0664\u0665\u0666\u0667", "12\u00bd3\u216b", "$+<=>^~|x", "a.,;!?b", " ...\n\nx",
          "e\u0301x", "A\u030angstr\u00f6m", "\u1c89\u1c8aab", "\U00010d40\U00010d41x", "HTTPServerError",
-         "<|im_start|>user\n", " <|endoftext|> "]
+         "<|im_start|>user\n", " <|endoftext|> ", *(f"{c}.//\n/{c}" for c in "abcde"), "path/to/file.py\n",
+         *(f"{c}\u0301{c}" for c in "aB.  "), " \u0301abc", "\u0301\u0302Xy", "DON'T can'T",
+         "camelCaseJSONParser"]
 
 
 @pytest.mark.parametrize("pre", KERNEL_PRES)
@@ -206,11 +209,14 @@ def test_it_pickles_as_its_tokens(split_pair):
     assert isinstance(again, BpeVocabulary) and again.ids(PROSE[0]) == ours.ids(PROSE[0])
 
 
-def test_pre_tokenizers_it_does_not_write_out_go_to_the_library():
-    args = file_arguments("smollm2", "gpt-4o")
-    assert native_bpe(*args) is None
-    assert Tokenizer.from_gguf(GGUFFile(resolve("smollm2"))).backend.ids("x") == BpeVocabulary(
-        *file_arguments("smollm2")).ids("x")
+def test_every_named_split_is_written_out_and_one_that_is_not_goes_to_the_library():
+    assert all(spec.kernel is not None for spec in PRE_TOKENIZERS.values())
+    tokens, merges, types, pre = file_arguments("smollm2")
+    unwritten = dataclasses.replace(pre, kernel=None)
+    assert native_bpe(tokens, merges, types, unwritten) is None
+    library = byte_level_bpe(tokens, merges, types, unwritten)
+    assert isinstance(library, HFVocabulary) and library.ids(PROSE[0]) == BpeVocabulary(
+        tokens, merges, types, pre).ids(PROSE[0])
 
 
 def test_without_the_kernels_the_library_stands_in(no_kernels):

@@ -371,6 +371,72 @@ static int64_t match_llama3(const Segment *t, int64_t i, int64_t end, int64_t di
     return spaces(t, i, end);
 }
 
+/* GPT-4o's word classes: [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] ("upper"), [\p{Ll}\p{Lm}\p{Lo}\p{M}] ("lower"), and
+ * the optional character before a word, [^\r\n\p{L}\p{N}]. */
+#define IS_UPPERISH(k) (HAS(k, UC_M) || (HAS(k, UC_L) && !HAS(k, UC_LOWER)))
+#define IS_LOWERISH(k) (HAS(k, UC_M) || (HAS(k, UC_L) && !HAS(k, UC_UPPER)))
+#define IS_BEFORE_WORD(k) (!IS_NEWLINE(k) && !HAS(k, UC_L | UC_N))
+
+/* [upper]*[lower]+ at s: the upper run backs off until a lower character follows it (the backtracking
+ * of the greedy star); 0 for no match. */
+static int64_t upper_then_lower(const Segment *t, int64_t s, int64_t end) {
+    int64_t u = 0;
+    while (s + u < end && IS_UPPERISH(s + u)) u++;
+    for (int64_t j = u; j >= 0; j--) {
+        if (s + j < end && IS_LOWERISH(s + j)) {
+            int64_t k = s + j;
+            while (k < end && IS_LOWERISH(k)) k++;
+            return k - s;
+        }
+    }
+    return 0;
+}
+
+/* [upper]+[lower]* at s; 0 for no match. */
+static int64_t upper_run_then_lower(const Segment *t, int64_t s, int64_t end) {
+    int64_t k = s;
+    while (k < end && IS_UPPERISH(k)) k++;
+    if (k == s) return 0;
+    while (k < end && IS_LOWERISH(k)) k++;
+    return k - s;
+}
+
+/* A word of GPT-4o's split at i: [before]?<word>, the optional character taken first and given back where
+ * the word then fails; its length with a contraction after it (`contractions`), or 0. */
+static int64_t case_word(const Segment *t, int64_t i, int64_t end, int64_t (*word)(const Segment *, int64_t, int64_t),
+                         int contractions) {
+    int64_t m = 0;
+    if (IS_BEFORE_WORD(i) && i + 1 < end && (m = word(t, i + 1, end)) > 0) m += 1;
+    else m = word(t, i, end);
+    if (m > 0 && contractions && i + m < end) m += contraction(t, i + m, end, 1);
+    return m;
+}
+
+/* GPT-4o's (contractions, digits 3) and Mistral's tekken (neither contractions nor runs of digits):
+ * [^\r\n\p{L}\p{N}]?[upper]*[lower]+(?i:'s|...)?|[^\r\n\p{L}\p{N}]?[upper]+[lower]*(?i:'s|...)?|\p{N}{1,3}|
+ * ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+ */
+static int64_t match_case_split(const Segment *t, int64_t i, int64_t end, int64_t digits, int contractions) {
+    int64_t m = case_word(t, i, end, upper_then_lower, contractions);
+    if (m) return m;
+    m = case_word(t, i, end, upper_run_then_lower, contractions);
+    if (m) return m;
+    if (HAS(i, UC_N)) {
+        m = run_of(t, i, end, UC_N);
+        return m < digits ? m : digits;
+    }
+    int64_t j = i + (t->cp[i] == ' ' && i + 1 < end);
+    if (!HAS(j, UC_SPACE | UC_L | UC_N)) {
+        int64_t k = j + run_not(t, j, end, UC_SPACE | UC_L | UC_N);
+        while (k < end && (IS_NEWLINE(k) || t->cp[k] == '/')) k++;
+        return k - i;
+    }
+    int64_t k = i, last_newline = -1; /* \s*[\r\n]+: through the run's last line break */
+    for (; k < end && HAS(k, UC_SPACE); k++)
+        if (IS_NEWLINE(k)) last_newline = k;
+    if (last_newline >= 0) return last_newline + 1 - i;
+    return spaces(t, i, end);
+}
+
 static int is_default_symbol(uint32_t c) {
     return c == '$' || c == '+' || c == '<' || c == '=' || c == '>' || c == '^' || c == '~' || c == '|';
 }
@@ -381,6 +447,8 @@ static int64_t match(int kind, const Segment *t, int64_t i, int64_t end) {
     case BPE_SPLIT_GPT2: return match_gpt2(t, i, end);
     case BPE_SPLIT_LLAMA3: return match_llama3(t, i, end, 3);
     case BPE_SPLIT_QWEN2: return match_llama3(t, i, end, 1);
+    case BPE_SPLIT_GPT4O: return match_case_split(t, i, end, 3, 1);
+    case BPE_SPLIT_TEKKEN: return match_case_split(t, i, end, 1, 0);
     case BPE_SPLIT_DIGIT: return HAS(i, UC_N) ? 1 : 0;
     case BPE_SPLIT_DIGITS: return run_of(t, i, end, UC_N);
     case BPE_SPLIT_PUNCTUATION: {  /* [\p{P}$+<=>^~|]+ */

@@ -93,7 +93,7 @@ int spm_piece_id(const void *vocab, const char *s, int64_t len);
  * spm_piece_id. */
 enum { BPE_LITERAL = 1, BPE_MAX_SPLITS = 4 };
 enum { BPE_SPLIT_GPT2 = 0, BPE_SPLIT_LLAMA3 = 1, BPE_SPLIT_QWEN2 = 2, BPE_SPLIT_DIGIT = 3, BPE_SPLIT_DIGITS = 4,
-       BPE_SPLIT_PUNCTUATION = 5, BPE_SPLIT_THREE_DIGITS = 6 };
+       BPE_SPLIT_PUNCTUATION = 5, BPE_SPLIT_THREE_DIGITS = 6, BPE_SPLIT_GPT4O = 7, BPE_SPLIT_TEKKEN = 8 };
 void *bpe_vocab_new(const char *text, const int64_t *starts, const int64_t *lengths, const int *types, int n,
                     const char *merge_text, const int64_t *merge_starts, const int64_t *merge_lengths,
                     int num_merges, const int *splits, int num_splits, int ignore_merges);
