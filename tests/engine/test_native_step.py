@@ -96,3 +96,14 @@ def test_gemma3_same_logits_as_forward(gemma3_q4, cache_types, check_no_leaks):
     prompts = [[2, 818, 5279, 529, 7001, 563] * n for n in (3, 7, 90)]
     assert_same_logits_as_forward(gemma3_q4, cache_types, prompts, [2, 9259, 236764, 1217, 107],
                                   check_no_leaks, budget=256)
+
+
+def test_buffers_double_for_decodes_and_fit_prefill_chunks():
+    """A batch growing a row at a time replans at 1, 2, 4, ... (doubling up to 256 rows); a step past that
+    gets exactly its rows (the planner's ``native_step_bytes`` counts no more)."""
+    capacity, planned = 0, []
+    for n in [1, 2, 3, 4, 5, 9, 100, 101, 300, 512, 40, 700]:
+        if (new := native_step.rows_to_plan(n, capacity)) != capacity:
+            planned.append(new)
+            capacity = new
+    assert planned == [1, 2, 4, 8, 16, 200, 256, 300, 512, 700]

@@ -82,6 +82,19 @@ def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeStep | None:
     return NativeStep(model, attention, writer, storage.kv_group_of_layer, prefills)
 
 
+# A batch of decodes grows a row at a time: buffers double up to this many rows, so that it is not
+# planned again at every new request; past it (prefill chunks) they are planned for the rows a step has,
+# and kept for the next (the planner counts them: plan/planner.py's ``native_step_rows``).
+DOUBLING_ROWS = 256
+
+
+def rows_to_plan(n: int, capacity: int) -> int:
+    """The rows to plan buffers for when a step has ``n`` rows (and the buffers ``capacity``)."""
+    if n <= capacity:
+        return capacity
+    return max(n, min(2 * capacity, DOUBLING_ROWS))
+
+
 class NativeStep:
     """Runs ``model.forward`` for a step's rows in one native call. Holds the KV cache's addresses (through
     the attention kernel's and the writer's argument packs), not the cache: its owner keeps both alive
@@ -147,7 +160,7 @@ class NativeStep:
             raise ValueError("this model's KV codecs rotate the query: its prefill chunks run in forward")
         threads = torch.get_num_threads()
         if n > self.capacity or threads != self.threads:
-            self._plan(max(n, 2 * self.capacity if n > self.capacity else self.capacity), threads)
+            self._plan(rows_to_plan(n, self.capacity), threads)
         model, b = self.model, self.buffers
         x = model.embed_tokens(input_ids, out=b["x"][:n])
         if model.config.embedding_scale != 1.0:  # forward's multiply, in place

@@ -107,7 +107,9 @@ class Activations:
     """Peak working memory of one engine step, in --dtype floats (f) unless noted. An upper bound:
     the terms are summed although not all are alive at once.
 
-    hidden_states  chunk x (hidden + q + k + v + 2 x intermediate) f, chunk = min(budget, ctx)
+    hidden_states  chunk x (hidden + q + k + v + 2 x intermediate) f, chunk = min(budget, ctx); where the
+                   native kernels run, the one-call step's buffers instead, held between steps
+                   (``native_step_bytes``)
     attention      the larger of two paths, per layer (layers run one after another):
       prefill      one query tile (min(chunk, 1024) queries) against ``keys`` = ctx keys:
                      scores and their softmax  2 x heads x tile x keys f
@@ -242,6 +244,7 @@ def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) 
     logits = rows * c.vocab_size * (4 if fb == 4 else 4 + fb)
     rope = rope_table_bytes(c, ctx, fb)
     if attention_kernels(c, s) == "native":
+        hidden = max(hidden, native_step_bytes(c, chunk))
         attention, path = native_attention(c, ctx, s)
         return Activations(hidden, attention, logits, path, "native", rope)
     tile = min(chunk, QUERY_TILE)
@@ -260,6 +263,17 @@ def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) 
     if decode > prefill:
         return Activations(hidden, decode, logits, "decode", rope_tables=rope)
     return Activations(hidden, prefill, logits, "prefill", rope_tables=rope)
+
+
+def native_step_bytes(c: ModelConfig, chunk: int) -> int:
+    """The one-call step's f32 buffers (models/native_step.py's ``NativeStep._plan``) for the rows of a
+    chunk, which it keeps between steps: per row the residual stream and its norm, qkv and q, k, v apart,
+    the attention output and the decodes' gathered q and output, the output projection and the MLP (each
+    with a post-norm's copy), the step's output, and cos/sin rows (two tables for sliding layers). Buffers
+    double up to 256 rows while a batch of decodes grows (``native_step.rows_to_plan``)."""
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_row = 7 * c.hidden_size + 5 * q_dim + 4 * kv_dim + 3 * c.intermediate_size + 4 * c.head_dim
+    return max(chunk, min(2 * chunk, 256)) * per_row * 4
 
 
 def rope_table_bytes(c: ModelConfig, ctx: int, float_bytes: int) -> int:
