@@ -106,4 +106,4 @@ def test_buffers_double_for_decodes_and_fit_prefill_chunks():
         if (new := native_step.rows_to_plan(n, capacity)) != capacity:
             planned.append(new)
             capacity = new
-    assert planned == [1, 2, 4, 8, 16, 200, 256, 300, 512, 700]
+    assert planned == [1, 2, 4, 8, 16, 100, 200, 300, 512, 700]
