@@ -39,7 +39,8 @@ def test_matches_torch_path_for_every_kv_type(cache_type):
 
 @pytest.mark.parametrize("cache_type", ["f16", *INT_KEY_TYPES])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block"), [
-    (8, 1, 128, 16),  # a group of 8: value sums four heads at a time
+    (8, 1, 128, 16),  # a group of 8: value sums eight heads a sweep (four with AVX-512)
+    (14, 2, 64, 16),  # Qwen2.5's groups of 7
     (4, 1, 256, 32),  # Gemma 3's shape; blocks of 32 rows score as two groups of 16
     (3, 3, 96, 8),    # no grouping; a head dim that is not a multiple of 64; blocks of 8 rows
 ])
@@ -84,7 +85,7 @@ def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(cache_type):
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "f32", "q4_0", "tq4"])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2), (4, 4)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2), (4, 4), (14, 2)])
 def test_speculative_rows_attended_together_give_the_bits_of_each_alone(cache_type, heads, kv_heads):
     """A request's verify rows (its context one longer each, over the same blocks) and requests sharing a
     prefix are attended together, each block read once for all of them; each row must get its own bits."""
@@ -107,10 +108,13 @@ def test_speculative_rows_attended_together_give_the_bits_of_each_alone(cache_ty
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])  # q4_0's rows are scored in lane order
-def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f32(cache_type):
+# groups of 3, 6 and 7 (Qwen2.5's): up to 8 heads a sweep, one to four rows beside them
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (12, 2), (14, 2)])
+def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f32(cache_type, heads, kv_heads):
     """These rows are decoded as they are loaded and scored several query heads a sweep; f32 rows (and a
-    block's partial rows, decoded into the buffer) one head a sweep. Each score is the same FMA chain."""
-    cfg = config(heads=9, kv_heads=3)
+    block's partial rows, decoded into the buffer) as the sweeps of each path take them. Each score is
+    the same FMA chain, each value sum too."""
+    cfg = config(heads=heads, kv_heads=kv_heads)
     lens = [300, 5, 1030, 64]
     storage, tables = filled_storage(cfg, cache_type, lens, seed=5)
     exact = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, "f32", torch.device("cpu"))

@@ -26,9 +26,10 @@
 #include "kv_rows.h"
 #include "softcap.h"
 
-/* acc_g += sum_r w[g * PARTITION + r] * row_r for H (at most 4) query heads; acc_g at out + g * (D + 2).
- * H is a constant in each specialization, so with D a multiple of 64 the H x 4 accumulators of a
- * 64-wide slice stay in registers across the rows, each row's vectors loaded (and decoded) once. */
+/* acc_g += sum_r w[g * PARTITION + r] * row_r for H query heads (at most 4 with AVX-512, else 8); acc_g at
+ * out + g * (D + 2). H is a constant in each specialization, so with D a multiple of 64 the H x 4
+ * accumulators of a 64-wide slice stay in registers across the rows, each row's vectors loaded (and
+ * decoded) once. Each lane is an FMA chain over the rows in order: the same bits however heads group. */
 static inline __attribute__((always_inline)) void accumulate_heads(const float *w, const rows_view *R, int nr,
                                                                    int D, float *out, const int H, const int kind) {
 #if defined(__AVX512F__)
@@ -51,7 +52,19 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
         return;
     }
 #endif
-    if (D % (2 * VL) == 0) { /* H x 2 accumulators in registers across the rows, each row vector loaded once */
+    if (H > 4 && D % VL == 0) { /* H x 1 accumulators across the rows: each row vector decoded once for H heads */
+        for (int d = 0; d < D; d += VL) {
+            vf a[8];
+            for (int g = 0; g < H; g++) a[g] = vf_load(out + g * (D + 2) + d);
+            for (int r = 0; r < nr; r++) {
+                const vf v = row_vector(R, r, d, D, kind);
+                for (int g = 0; g < H; g++) a[g] = vf_fma(vf_set1(w[g * PARTITION + r]), v, a[g]);
+            }
+            for (int g = 0; g < H; g++) vf_store(out + g * (D + 2) + d, a[g]);
+        }
+        return;
+    }
+    if (H <= 4 && D % (2 * VL) == 0) { /* H x 2 accumulators in registers across the rows, each row vector loaded once */
         for (int d = 0; d < D; d += 2 * VL) {
             vf a[4][2];
             for (int g = 0; g < H; g++)
@@ -75,20 +88,33 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float *
             for (int d = 0; d < D; d++) out[g * (D + 2) + d] += w[g * PARTITION + r] * rows[r * D + d];
 }
 
+#if defined(__AVX512F__)
+#define ACCUMULATE_HEADS 4
+#define ACCUMULATE_MORE(kind)
+#else /* up to 8 heads a sweep, one vector each: a group of 7 (Qwen2.5) decodes each value vector once */
+#define ACCUMULATE_HEADS 8
+#define ACCUMULATE_MORE(kind)                                                                                  \
+    case 8: accumulate_heads(wg, R, nr, D, og, 8, kind); break;                                                \
+    case 7: accumulate_heads(wg, R, nr, D, og, 7, kind); break;                                                \
+    case 6: accumulate_heads(wg, R, nr, D, og, 6, kind); break;                                                \
+    case 5: accumulate_heads(wg, R, nr, D, og, 5, kind); break;
+#endif
+
 #define ACCUMULATE_KIND(kind)                                                                                  \
     switch (H) {                                                                                               \
+    ACCUMULATE_MORE(kind)                                                                                      \
     case 1: accumulate_heads(wg, R, nr, D, og, 1, kind); break;                                                \
     case 2: accumulate_heads(wg, R, nr, D, og, 2, kind); break;                                                \
     case 3: accumulate_heads(wg, R, nr, D, og, 3, kind); break;                                                \
     default: accumulate_heads(wg, R, nr, D, og, 4, kind); break;                                               \
     }
 
-/* Every query head of the group, four at a time. */
+/* Every query head of the group, ACCUMULATE_HEADS at a time. */
 static void block_accumulate(const float *w, const rows_view *R, int nr, int D, float *out, int G) {
-    for (int g0 = 0; g0 < G; g0 += 4) {
+    for (int g0 = 0; g0 < G; g0 += ACCUMULATE_HEADS) {
         const float *wg = w + g0 * PARTITION;
         float *og = out + g0 * (D + 2);
-        int H = G - g0 < 4 ? G - g0 : 4;
+        int H = G - g0 < ACCUMULATE_HEADS ? G - g0 : ACCUMULATE_HEADS;
         FOR_KIND(R->kind, ACCUMULATE_KIND)
     }
 }

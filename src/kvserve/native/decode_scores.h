@@ -135,41 +135,56 @@ static inline __attribute__((always_inline)) vf row_vector(const rows_view *R, i
     }
 }
 
-/* sums[h * 4 + r] = q_h . row_(r0 + r) for 4 rows and H (at most 3) query heads: 4 x H accumulators
- * (12 of AVX2's 16 registers), each key vector loaded once for the H heads. A score is an FMA chain
- * over the row in element order from zero, then vf_sum4's lane sum: the same whatever H, the rows
- * beside it, or whether the row was read in place. */
-static inline __attribute__((always_inline)) void score_rows_4(const float *q, const rows_view *R, int r0, int D,
-                                                               float *sums, const int H, const int kind) {
-    vf a[3][4];
-    for (int h = 0; h < H; h++)
-        for (int r = 0; r < 4; r++) a[h][r] = vf_zero();
-    for (int d = 0; d < D; d += VL)
-        for (int r = 0; r < 4; r++) {
-            const vf k = row_vector(R, r0 + r, d, D, kind);
-            for (int h = 0; h < H; h++) a[h][r] = vf_fma(vf_load(q + h * D + d), k, a[h][r]);
-        }
-    for (int h = 0; h < H; h++) vf_sum4(a[h][0], a[h][1], a[h][2], a[h][3], sums + 4 * h);
+/* lanes[h * 4 + r] = the VL lane partials of q_h . row_(r0 + r) for 4 rows and H query heads, RR rows a
+ * sweep: each key vector is loaded (and decoded) once for all H heads while the H x RR accumulators
+ * (at most 12: AVX2 has 16 registers) stay in registers. A partial is an FMA chain over the row in
+ * element order from zero, whatever H and RR. */
+static inline __attribute__((always_inline)) void score_lanes_4(const float *q, const rows_view *R, int r0, int D,
+                                                                vf *lanes, const int H, const int RR,
+                                                                const int kind) {
+    for (int r1 = 0; r1 < 4; r1 += RR) {
+        vf a[8][4];
+        for (int h = 0; h < H; h++)
+            for (int r = 0; r < RR; r++) a[h][r] = vf_zero();
+        for (int d = 0; d < D; d += VL)
+            for (int r = 0; r < RR; r++) {
+                const vf k = row_vector(R, r0 + r1 + r, d, D, kind);
+                for (int h = 0; h < H; h++) a[h][r] = vf_fma(vf_load(q + h * D + d), k, a[h][r]);
+            }
+        for (int h = 0; h < H; h++)
+            for (int r = 0; r < RR; r++) lanes[h * 4 + r1 + r] = a[h][r];
+    }
 }
 
 /* block_scores without AVX-512, 4 rows a pass (rows past nr, up to the next multiple of 4, are read,
- * from the buffer or from the block that holds them, and not stored); query heads 3 at a time (4 as
- * 2 + 2). */
+ * from the buffer or from the block that holds them, and not stored); up to 8 query heads a sweep, so
+ * a group of 7 (Qwen2.5) decodes each key vector once, not three times (measured: q8_0 keys at 4K
+ * positions 0.38 -> 0.29 ms a layer on Zen 3). A score is its lanes' partials summed by vf_sum4: the
+ * same bits whatever the heads and rows beside it. */
 static inline __attribute__((always_inline)) void block_scores_4(const float *q, const rows_view *R, int nr, int D,
                                                                  float scale, float *scores, int G, const int kind) {
-    float sums[3 * 4];
+    vf lanes[8 * 4];
+    float sums[4];
     for (int r0 = 0; r0 < nr; r0 += 4) {
         const int keep = nr - r0 < 4 ? nr - r0 : 4;
         for (int g0 = 0; g0 < G;) {
-            const int H = G - g0 == 4 ? 2 : G - g0 < 3 ? G - g0 : 3;
+            const int H = G - g0 < 8 ? G - g0 : 8;
             const float *qg = q + g0 * D;
-            switch (H) {
-            case 3: score_rows_4(qg, R, r0, D, sums, 3, kind); break;
-            case 2: score_rows_4(qg, R, r0, D, sums, 2, kind); break;
-            default: score_rows_4(qg, R, r0, D, sums, 1, kind); break;
+            switch (H) { /* H x RR <= 12 accumulators */
+            case 8: score_lanes_4(qg, R, r0, D, lanes, 8, 1, kind); break;
+            case 7: score_lanes_4(qg, R, r0, D, lanes, 7, 1, kind); break;
+            case 6: score_lanes_4(qg, R, r0, D, lanes, 6, 2, kind); break;
+            case 5: score_lanes_4(qg, R, r0, D, lanes, 5, 2, kind); break;
+            case 4: score_lanes_4(qg, R, r0, D, lanes, 4, 2, kind); break;
+            case 3: score_lanes_4(qg, R, r0, D, lanes, 3, 4, kind); break;
+            case 2: score_lanes_4(qg, R, r0, D, lanes, 2, 4, kind); break;
+            default: score_lanes_4(qg, R, r0, D, lanes, 1, 4, kind); break;
             }
-            for (int h = 0; h < H; h++)
-                for (int r = 0; r < keep; r++) scores[(g0 + h) * PARTITION + r0 + r] = sums[4 * h + r] * scale;
+            for (int h = 0; h < H; h++) {
+                const vf *l = lanes + h * 4;
+                vf_sum4(l[0], l[1], l[2], l[3], sums);
+                for (int r = 0; r < keep; r++) scores[(g0 + h) * PARTITION + r0 + r] = sums[r] * scale;
+            }
             g0 += H;
         }
     }
