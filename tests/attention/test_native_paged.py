@@ -110,7 +110,8 @@ def test_speculative_rows_attended_together_give_the_bits_of_each_alone(cache_ty
 @pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0"])  # q4_0's rows are scored in lane order
 # groups of 3, 6 and 7 (Qwen2.5's): up to 8 heads a sweep, one to four rows beside them
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (12, 2), (14, 2)])
-def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f32(cache_type, heads, kv_heads):
+def test_rows_decoded_in_registers_give_the_bits_of_the_same_values_stored_as_f32(
+        cache_type, heads, kv_heads):
     """These rows are decoded as they are loaded and scored several query heads a sweep; f32 rows (and a
     block's partial rows, decoded into the buffer) as the sweeps of each path take them. Each score is
     the same FMA chain, each value sum too."""
