@@ -54,7 +54,8 @@ def test_eval_cli_on_smollm2(tmp_path):
     assert set(rows) == {"f32", "q8_0", "q4_0", "tq4"}
     assert all(set(row) == KEYS for row in rows.values())
     assert rows["q8_0"]["top1_agreement"] >= 98.0
-    assert rows["tq4"]["kld"] < rows["q4_0"]["kld"]  # the rotated 4.25-bit codec beats q4_0 (4.5 bits)
+    # 8 bits beat 4; q4_0's keys are rotated too, and now edge out tq4 here (0.050 against 0.066 at 512)
+    assert rows["q8_0"]["kld"] * 10 < min(rows["q4_0"]["kld"], rows["tq4"]["kld"])
     assert rows["f32"]["needle"] == 1.0
     assert "KLD" in r.stdout
 

@@ -102,13 +102,13 @@ class NativePagedAttention:
     ) -> torch.Tensor:
         """q: [n, heads, head_dim], one sequence's queries at positions q_start .. q_start + n - 1 (their
         keys already stored); block_table [blocks] int64; softcap as in ``decode``. Returns
-        [n, heads, head_dim] in q's dtype."""
+        [n, heads, head_dim] in q's dtype; rotations as in ``decode``."""
         n, heads, head_dim = q.shape
         table = block_table.contiguous()
         return self._run(
             self.prefill_kernel, "prefill", q, (n, q_start, heads, self.num_kv_heads, head_dim),
             (table.data_ptr(), self.layer_num_blocks[layer], self.block_size, window or 0, scale,
-             softcap or 0.0, *self.layer_args[layer]),
+             softcap or 0.0, *self.layer_args[layer], *self.rotation_args),
         )
 
 
@@ -117,46 +117,52 @@ WRITABLE = ("f32", "f16", "bf16", "q8_0", "q4_0", "tq2", "tq3", "tq4")
 
 class NativeKVWrite:
     """Encodes and stores this step's k/v in one C pass (``native/kv_write.c``) for the codecs it
-    knows (all but fp8): f32 to q4_0 the same codes as the codec's torch ``encode``, tq2-4 the same
-    steps (rotation sums in another order: a coordinate at a bucket edge may round to its neighbour).
+    knows (all but fp8): f32 to q4_0 the same codes as the codec's torch ``encode``, tq2-4 and rotated
+    q8_0/q4_0 keys the same steps (rotation sums in another order: a coordinate at a rounding or bucket
+    edge may round to its neighbour); keys centred first where the storage keeps centres.
     Others keep ``PagedKVStorage.write``."""
 
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
         self.storage = weakref.ref(storage)  # not the storage: the entry must not keep its key alive
         self.kernel = abi.bind(library, "kv_write")
         self._tables = [self._rotation(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
+        # per layer, K's and V's (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre)
         self.layer_args = [
-            [self._part(parts, codec, tables) for parts, codec, tables in
-             ((storage.k[layer], storage.k_codec, self._tables[0]),
-              (storage.v[layer], storage.v_codec, self._tables[1]))]
+            [self._part(parts, codec, tables, centre) for parts, codec, tables, centre in
+             ((storage.k[layer], storage.k_codec, self._tables[0], storage.k_centres[layer]),
+              (storage.v[layer], storage.v_codec, self._tables[1], None))]
             for layer in range(len(storage.k))
         ]
 
     @staticmethod
-    def _rotation(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A rotated codec's matrix and codebook as the writer takes them (f32, contiguous)."""
+    def _rotation(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A rotated codec's matrix and codebook (None for rotated q8_0/q4_0 keys) as the writer takes them
+        (f32, contiguous)."""
         if not codec.rotated:
             return None
-        return rotation_matrix(codec), codec.codebook.float().contiguous()
+        codebook = getattr(codec, "codebook", None)
+        return rotation_matrix(codec), None if codebook is None else codebook.float().contiguous()
 
     @staticmethod
-    def _part(parts: list[torch.Tensor], codec: KVCodec, tables: tuple | None) -> tuple | None:
+    def _part(parts: list[torch.Tensor], codec: KVCodec, tables: tuple | None,
+              centre: torch.Tensor | None) -> tuple | None:
         if codec.name not in WRITABLE:
             return None
         codes, scales, code_stride, scale_stride = _layout(parts)
-        rotation, levels = (t.data_ptr() for t in tables) if tables else (0, 0)
-        return KV_KIND_CODES[codec.name], codes, code_stride, scales, scale_stride, rotation, levels
+        rotation, levels = (0 if t is None else t.data_ptr() for t in tables) if tables else (0, 0)
+        return (KV_KIND_CODES[codec.name], codes, code_stride, scales, scale_stride, rotation, levels,
+                0 if centre is None else centre.data_ptr())
 
     def __call__(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_args, v_args = self.layer_args[layer]
         if k_args is None or v_args is None:
             return self.storage().write(layer, slot_rows, k, v)
         tokens, heads, head_dim = k.shape
-        for x, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in (
+        for x, (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre) in (
             (k, k_args), (v, v_args)):
             x = x.float().contiguous()
             self.kernel(kind, x.data_ptr(), tokens, heads, head_dim, slot_rows.data_ptr(), codes, code_stride,
-                        scales, scale_stride, rotation, levels)
+                        scales, scale_stride, rotation, levels, centre)
 
 
 def rotation_matrix(codec: KVCodec, transposed: bool = False) -> torch.Tensor | None:

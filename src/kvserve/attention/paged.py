@@ -123,18 +123,19 @@ class PagedAttention:
         if d is not None and d.only_decodes:  # a pure decode step: no scatter into a prefill batch
             return self._decode_attention(layer, q, window, scale, softcap)
         out = torch.empty_like(q)
-        if self.metadata.sequences:
+        if self.metadata.sequences and self.native is not None:  # blocks read in place, quantized or not;
+            for s in self.metadata.sequences:  # rotated codecs' q rotated and output un-rotated in the kernel
+                out[s.query_start : s.query_start + s.query_len] = self.native.prefill(
+                    layer, q[s.query_start : s.query_start + s.query_len], s.context_len - s.query_len,
+                    s.table(kv_group), window, scale, softcap)
+        elif self.metadata.sequences:
             rotated = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
             for i, s in enumerate(self.metadata.sequences):
                 qs = rotated[s.query_start : s.query_start + s.query_len]
-                q_start = s.context_len - s.query_len
-                if self.native is not None:  # reads the blocks in place, quantized or not
-                    o = self.native.prefill(layer, qs, q_start, s.table(kv_group), window, scale, softcap)
-                else:
-                    keys, values = storage.gather(layer, self.sequence_block_rows(i, kv_group), s.context_len,
-                                                  q.dtype)
-                    o = sequence_attention(qs, keys, values, q_start, window, scale, softcap)
-                out[s.query_start : s.query_start + s.query_len] = o
+                keys, values = storage.gather(layer, self.sequence_block_rows(i, kv_group), s.context_len,
+                                              q.dtype)
+                out[s.query_start : s.query_start + s.query_len] = sequence_attention(
+                    qs, keys, values, s.context_len - s.query_len, window, scale, softcap)
             out = storage.v_codec.unrotate(out)  # values were summed in their rotated domain
         if d is not None:
             decoded = self._decode_attention(layer, q.index_select(0, d.token_rows), window, scale, softcap)

@@ -56,6 +56,7 @@ class LLMEngine:
         self.storage = PagedKVStorage(
             loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_type_k,
             loaded.model.device, config.cache.cache_type_v, size.window_layers, size.num_window_blocks,
+            loaded.model.key_centres() if hasattr(loaded.model, "key_centres") else None,
         )
         self._identity: dict | None = None
         self.disk: DiskTier | None = None

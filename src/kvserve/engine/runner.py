@@ -22,7 +22,7 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.block_size = storage.block_size
-        # the whole forward in one native call where it applies (a rotated KV codec's prefill chunks not)
+        # the whole forward in one native call where it applies
         self.native_step = native_step.for_model(model, storage)
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
@@ -98,7 +98,7 @@ class ModelRunner:
         ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
         pos = torch.tensor(step.positions, dtype=torch.long, device=device)
         native = self.native_step
-        if native is not None and (native.prefills or not step.sequences):
+        if native is not None:
             decodes = StepDecodes(step.decode_rows, step.decode_tables, step.decode_lens)
             slot_rows = [self.storage.slot_rows(kv_group_slots[g], g) for g in kv_groups]
             return native(ids, pos, slot_rows, decodes, step.sequences)

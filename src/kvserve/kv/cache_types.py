@@ -89,6 +89,15 @@ KV_TYPES: dict[str, KVType] = {
 }
 
 
+# Block types whose keys are stored rotated (kv/codecs.py RotatedKeys) where head_dim is a power of two.
+ROTATED_KEYS = ("q8_0", "q4_0")
+
+
+def keys_rotated(name: str, head_dim: int) -> bool:
+    """Whether keys of this type are stored rotated, so attention rotates each query."""
+    return kv_type(name).rotated or (name in ROTATED_KEYS and head_dim & (head_dim - 1) == 0)
+
+
 def kv_type(name: str) -> KVType:
     try:
         return KV_TYPES[name]

@@ -16,7 +16,9 @@ leading token dimension (codes, scales, norms). The paged storage keeps one
 
 Rotated codecs (tqB, after TurboQuant, arXiv 2504.19874) store ``R x`` for a fixed random orthogonal
 R (random signs, then a Walsh-Hadamard transform). Decoding stays in the rotated domain: attention
-rotates the query instead (q.k = Rq.Rk) and rotates the value sum back once at the end.
+rotates the query instead (q.k = Rq.Rk) and rotates the value sum back once at the end. q8_0 and q4_0
+*keys* are stored rotated the same way (``RotatedKeys``, ``make_codec(..., keys=True)``), their values
+not.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from functools import cache
 
 import torch
 
-from kvserve.kv.cache_types import GROUP, KV_TYPES, kv_type
+from kvserve.kv.cache_types import GROUP, KV_TYPES, keys_rotated, kv_type
 
 
 class KVCodec:
@@ -169,6 +171,51 @@ def hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+def signed_hadamard(head_dim: int, seed: int = 0x5EED) -> torch.Tensor:
+    """R with x @ R = H (signs * x): a Walsh-Hadamard transform after seeded random signs, orthogonal."""
+    g = torch.Generator().manual_seed(seed + head_dim)
+    signs = torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
+    return signs[:, None] * hadamard(head_dim)
+
+
+class RotatedKeys(KVCodec):
+    """A block codec (q8_0, q4_0) applied to keys rotated by ``signed_hadamard``: an outlier channel,
+    which would set the step of its whole group of 32, is spread over all D coordinates. Stored codes and
+    their layout are the base codec's; attention scores with the query rotated alike (q.k = Rq.Rk).
+    Values are not rotated: their errors average out in the weighted sum (measured: q8_0 values cost
+    Qwen2.5 a KLD of 0.00002, its keys 0.022)."""
+
+    rotated = True
+
+    def __init__(self, base: KVCodec) -> None:
+        super().__init__(base.head_dim)
+        self.base, self.name = base, base.name
+        self.matrix = signed_hadamard(base.head_dim)
+        self._matrices: dict[tuple, torch.Tensor] = {}
+
+    def _matrix(self, x: torch.Tensor) -> torch.Tensor:
+        key = (x.device, x.dtype)
+        if key not in self._matrices:
+            self._matrices[key] = self.matrix.to(x.device, x.dtype)
+        return self._matrices[key]
+
+    def part_specs(self):
+        return self.base.part_specs()
+
+    def rotate(self, x):
+        return x @ self._matrix(x)
+
+    def unrotate(self, x):
+        return x @ self._matrix(x).T
+
+    def encode(self, x):
+        x = x.float()
+        return self.base.encode(x @ self._matrix(x))
+
+    def decode(self, parts, dtype):
+        return self.base.decode(parts, dtype)
+
+
 class RotatedCodec(KVCodec):
     """Random-sign Hadamard rotation, Lloyd-Max indices per coordinate, one f16 norm per vector.
 
@@ -181,9 +228,7 @@ class RotatedCodec(KVCodec):
         super().__init__(head_dim)
         self.bits = bits
         self.name = f"tq{bits}"
-        g = torch.Generator().manual_seed(seed + head_dim)
-        signs = torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
-        self.matrix = signs[:, None] * hadamard(head_dim)  # x @ matrix = H (signs * x)
+        self.matrix = signed_hadamard(head_dim, seed)  # x @ matrix = H (signs * x)
         self.codebook = lloyd_max_codebook(bits) / math.sqrt(head_dim)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._byte_tables: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> [256, codes per byte]
@@ -289,11 +334,14 @@ _SIMPLE = {c.name: c for c in (KVCodec, F16Codec, BF16Codec, Q8_0Codec, Q4_0Code
 CACHE_TYPES = tuple(KV_TYPES)
 
 
-def make_codec(name: str, head_dim: int) -> KVCodec:
-    """The codec of a KV type (``cache_types.KV_TYPES`` states its exact storage cost)."""
+def make_codec(name: str, head_dim: int, keys: bool = False) -> KVCodec:
+    """The codec of a KV type (``cache_types.KV_TYPES`` states its exact storage cost); ``keys``: the
+    codec of the K side, which rotates q8_0 and q4_0 keys."""
     spec = kv_type(name)
     spec.check(head_dim)
     codec = RotatedCodec(head_dim, spec.code_bits) if spec.rotated else _SIMPLE[name](head_dim)
+    if keys and keys_rotated(name, head_dim) and not spec.rotated:
+        codec = RotatedKeys(codec)
     assert codec.bytes_per_vector() == spec.bytes_per_vector(head_dim), (
         f"{name} layout disagrees with KV_TYPES"
     )

@@ -8,6 +8,12 @@ so attention reads ``[kv_heads, tokens, head_dim]`` without a transpose; the gat
 indexing was 14x slower, measured). K and V may use different codecs (``--cache-type-k`` /
 ``--cache-type-v``); the element type is a property of the storage only, bookkeeping never sees it.
 
+Quantized keys may be stored *centred*: minus a fixed vector per layer and KV head (``key_centres``,
+``DecoderLM.key_centres``: a K bias on the RoPE pairs that barely turn). Every score of a query then moves
+by the same q . centre, which softmax ignores, so attention is unchanged; what changes is that a bias of
+~145 (Qwen2.5, layer 0) no longer sets the quantization step of its group. q8_0/q4_0 keys are also
+rotated (``codecs.RotatedKeys``).
+
 With ``window_layers`` (sliding-window layers, see ``kv.groups``) those layers' tensors have
 ``num_window_blocks`` blocks of their own: a second group with its own block ids, tables and slots.
 Group 0 is every other layer (all layers without a window group). Each call that takes block ids or
@@ -22,6 +28,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.host_memory import arena
+from kvserve.kv.cache_types import kv_type
 from kvserve.kv.codecs import KVCodec, make_codec
 
 
@@ -31,6 +38,9 @@ class BlockRows:
 
     rows: torch.Tensor
     shape: tuple[int, ...]
+
+
+UNCENTRED_KEYS = ("f32", "f16", "bf16")
 
 
 class PagedKVStorage:
@@ -44,12 +54,17 @@ class PagedKVStorage:
         cache_type_v: str | None = None,
         window_layers: frozenset[int] = frozenset(),
         num_window_blocks: int = 0,
+        key_centres: list[torch.Tensor | None] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = heads = config.num_kv_heads
-        self.k_codec: KVCodec = make_codec(cache_type, config.head_dim)
+        self.k_codec: KVCodec = make_codec(cache_type, config.head_dim, keys=True)
         self.v_codec: KVCodec = make_codec(cache_type_v or cache_type, config.head_dim)
+        # per layer [kv_heads, head_dim] f32 or None: kept only for quantized keys (f16 keys stay exact)
+        quantized = self.k_codec.name not in UNCENTRED_KEYS
+        self.k_centres = [None if c is None else c.float().to(device).contiguous()
+                          for c in key_centres] if key_centres and quantized else [None] * config.num_layers
         if window_layers and num_window_blocks < 1:
             raise ValueError("a window group needs at least one block")
         self.window_layers = frozenset(window_layers)
@@ -110,7 +125,7 @@ class PagedKVStorage:
             "cache_type_v": self.v_codec.name,
             "parts": [[p.shape[-1], str(p.dtype).removeprefix("torch.")] for p in self.k[0] + self.v[0]],
             "bytes_per_block": self.bytes_per_block,
-        } | (
+        } | self._key_transform() | (
             {
                 "window_layers": sorted(self.window_layers),
                 "window_bytes_per_block": self.kv_group_bytes_per_block(self.window_kv_group),
@@ -166,8 +181,18 @@ class PagedKVStorage:
         shape = (*block_tables.shape[:-1], self.num_kv_heads, block_tables.shape[-1] * self.block_size, -1)
         return BlockRows(rows, shape)
 
+    def _key_transform(self) -> dict[str, object]:
+        """How keys are turned before their codes (rotated, centred in which layers): nothing for plain
+        keys, so the identity of an f16 cache is what it was before keys could be either."""
+        centred = [i for i, c in enumerate(self.k_centres) if c is not None]
+        rotated = self.k_codec.rotated and not kv_type(self.k_codec.name).rotated
+        return ({"keys_rotated": True} if rotated else {}) | ({"keys_centred": centred} if centred else {})
+
     def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [num_tokens, num_kv_heads, head_dim] encoded and stored at their ``slot_rows``."""
+        """k, v: [num_tokens, num_kv_heads, head_dim] encoded (k centred first) and stored at their
+        ``slot_rows``."""
+        if self.k_centres[layer] is not None:
+            k = k.float() - self.k_centres[layer]
         for parts, codec, x in ((self.k[layer], self.k_codec, k), (self.v[layer], self.v_codec, v)):
             for stored, encoded in zip(parts, codec.encode(x), strict=True):
                 stored.view(-1, stored.shape[-1]).index_copy_(0, slot_rows,

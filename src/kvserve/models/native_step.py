@@ -13,11 +13,10 @@ It covers what those kernels cover: decoders on the CPU in f32 whose projections
 4-bit or int8 kernels (``--weights q4`` / ``q4-fast`` / ``int8``), SiLU or GELU gating, q/k norms per
 head, post-norms, an embedding scale, a second RoPE table for sliding layers, soft-capped attention
 scores (the Llama family, Qwen3, Gemma 2 and 3; Gemma 2's capped logits come after the step, in
-``compute_logits``), and KV codecs the C writer and the decode kernel both take (all but fp8).
+``compute_logits``), and KV codecs the C writer and the attention kernels take (all but fp8; rotated
+codecs' query rotation and value un-rotation happen inside the attention kernels).
 ``for_model`` returns None for anything else (partial rotary, residual multipliers, experts, other
-weight formats, fp8 KV, no compiler), and the engine keeps ``forward``. Rotated KV codecs (tq2-4) run
-their decode steps here but not their prefill chunks (``prefills``): the prefill kernel takes the query
-rotated, which ``forward`` does in torch.
+weight formats, fp8 KV, no compiler), and the engine keeps ``forward``.
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ def for_model(model: DecoderLM, storage: PagedKVStorage) -> NativeStep | None:
         return None
     if any(part is None for layer in writer.layer_args for part in layer):
         return None  # a codec the C writer does not take (fp8)
-    prefills = not (storage.k_codec.rotated or storage.v_codec.rotated)
-    return NativeStep(model, attention, writer, storage.kv_group_of_layer, prefills)
+    return NativeStep(model, attention, writer, storage.kv_group_of_layer)
 
 
 # A batch of decodes grows a row at a time: buffers double up to this many rows, so that it is not
@@ -101,13 +99,10 @@ class NativeStep:
     together."""
 
     def __init__(self, model: DecoderLM, attention: native_paged.NativePagedAttention,
-                 writer: native_paged.NativeKVWrite, kv_groups: list[int] | None = None,
-                 prefills: bool = True) -> None:
-        """prefills: whether steps with prefill chunks run here too (see the module's docstring)."""
+                 writer: native_paged.NativeKVWrite, kv_groups: list[int] | None = None) -> None:
         self.model, self.attention, self.writer = model, attention, writer
         self.kv_groups = kv_groups or [0] * len(model.layers)  # per layer, its KV group
         self.num_kv_groups = max(self.kv_groups) + 1
-        self.prefills = prefills
         self.capacity = 0
         self.threads = -1
         self.calls = 0  # steps run (tests check the path was taken)
@@ -140,8 +135,8 @@ class NativeStep:
         return ops.ops
 
     def attention_cache_args(self, layer: int) -> dict[str, int]:
-        """The attention kernels' arguments that describe the KV cache of ``layer``, by name (the query's
-        rotation and the output's un-rotation: the decode kernel's only)."""
+        """The attention kernels' arguments that describe the KV cache of ``layer``, by name (with the
+        query's rotation and the output's un-rotation of rotated codecs)."""
         attention, parts = self.attention, self.attention.layer_args[layer]
         q_rotation, out_rotation = attention.rotation_args
         kv = {f"{side}_{field}": value for side, part in (("k", parts[:6]), ("v", parts[6:]))
@@ -156,8 +151,6 @@ class NativeStep:
         (``PagedKVStorage.slot_rows``); the rows that are decodes and the prefill chunks, which together
         are every row. Returns the final hidden states [n, hidden]."""
         n = input_ids.shape[0]
-        if sequences and not self.prefills:
-            raise ValueError("this model's KV codecs rotate the query: its prefill chunks run in forward")
         threads = torch.get_num_threads()
         if n > self.capacity or threads != self.threads:
             self._plan(rows_to_plan(n, self.capacity), threads)
@@ -307,25 +300,22 @@ class _StepOperations:
                     dst=self.ptr[name], dst_stride=width, width=width)
             offset += width
         kv_group = owner.kv_groups[i]
-        for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels) in zip(
+        for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre) in zip(
                 ("k", "v"), owner.writer.layer_args[i], strict=True):
             self.op("kv_write", kv_group, kind=kind, x=self.ptr[name], kv_heads=kv_heads, D=d, codes=codes,
                     code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
-                    levels=levels)
+                    levels=levels, centre=centre)
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         shape = {"num_heads": cfg.num_heads, "num_kv_heads": kv_heads, "head_dim": d, "window": window or 0,
                  "scale": self.model.scale, "softcap": cfg.attn_logit_softcap or 0.0,
                  "num_threads": self.threads}
         cache = owner.attention_cache_args(i)
-        q_rotation, out_rotation = cache.pop("q_rotation"), cache.pop("out_rotation")
-        if owner.prefills:
-            self.op("paged_prefill_attention", kv_group, q=self.ptr["q"], out=self.ptr["attn"], **shape,
-                    **cache)
+        self.op("paged_prefill_attention", kv_group, q=self.ptr["q"], out=self.ptr["attn"], **shape, **cache)
         width = b["q"].shape[1]
         rows = {"src_stride": width, "dst_stride": width, "width": width}
         self.op("gather_rows", src=self.ptr["q"], dst=self.ptr["q_decode"], **rows)
         self.op("paged_decode_attention", kv_group, q=self.ptr["q_decode"], out=self.ptr["attn_decode"],
-                q_rotation=q_rotation, out_rotation=out_rotation, **shape, **cache)
+                **shape, **cache)
         self.op("scatter_rows", src=self.ptr["attn_decode"], dst=self.ptr["attn"], **rows)
 
     def step_o(self, i: int) -> None:

@@ -24,6 +24,16 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even (finite
     return (uint16_t)(u >> 16);
 }
 
+/* y = x R (y may not alias x): sums in row order (torch's matmul may sum in
+ * another: see above). */
+static void rotate_vector(const float *x, const float *rotation, int D, float *restrict y) {
+    for (int j = 0; j < D; j++) y[j] = 0.0f;
+    for (int i = 0; i < D; i++) {
+        const float xi = x[i], *row = rotation + (int64_t)i * D;
+        for (int j = 0; j < D; j++) y[j] += xi * row[j];
+    }
+}
+
 /* tqB (kv/codecs.py RotatedCodec): y = x @ rotation, unit = y / |y|, code = number of bucket edges
  * (midpoints of the levels) below unit, packed little-endian B bits a code; scale = |y| / |levels[code]|. */
 static void encode_rotated(int bits, const float *x, int D, const float *rotation, const float *levels,
@@ -31,11 +41,7 @@ static void encode_rotated(int bits, const float *x, int D, const float *rotatio
     float y[D], edges[15];
     const int n_edges = (1 << bits) - 1;
     for (int e = 0; e < n_edges; e++) edges[e] = (levels[e] + levels[e + 1]) * 0.5f;
-    for (int j = 0; j < D; j++) y[j] = 0.0f;
-    for (int i = 0; i < D; i++) {
-        const float xi = x[i], *row = rotation + (int64_t)i * D;
-        for (int j = 0; j < D; j++) y[j] += xi * row[j];
-    }
+    rotate_vector(x, rotation, D, y);
     float squares = 0.0f;
     for (int j = 0; j < D; j++) squares += y[j] * y[j];
     const float norm = __builtin_sqrtf(squares), divisor = norm > 1e-30f ? norm : 1e-30f;
@@ -115,15 +121,28 @@ static void encode_vector(int kind, const float *x, int D, uint8_t *code, uint8_
     }
 }
 
-/* rotation [D][D] and levels [2^B] f32: the tq codecs' matrix and codebook (NULL for the others). */
+/* rotation [D][D] f32: the tq codecs' matrix, or a rotated q8_0/q4_0 key codec's (applied here before
+ * the codes); levels [2^B]: the tq codebook (NULL for the others). centre [kv_heads][D] f32: subtracted
+ * from each head's vector first (keys centred by a fixed vector: see kv/storage.py), or NULL. */
 void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const int64_t *slot_rows, uint8_t *codes,
               int64_t code_stride, uint8_t *scales, int64_t scale_stride, const float *rotation,
-              const float *levels) {
+              const float *levels, const float *centre) {
+    const int rotate_here = rotation && kind != KV_TQ2 && kind != KV_TQ3 && kind != KV_TQ4;
 #pragma omp parallel for if (tokens >= 64)
     for (int t = 0; t < tokens; t++)
         for (int h = 0; h < kv_heads; h++) {
             int64_t row = slot_rows[(int64_t)h * tokens + t];
-            encode_vector(kind, x + ((int64_t)t * kv_heads + h) * D, D, codes + row * code_stride,
-                          scales ? scales + row * scale_stride : NULL, rotation, levels);
+            const float *v = x + ((int64_t)t * kv_heads + h) * D;
+            float centred[D], rotated[D];
+            if (centre) {
+                for (int i = 0; i < D; i++) centred[i] = v[i] - centre[(int64_t)h * D + i];
+                v = centred;
+            }
+            if (rotate_here) {
+                rotate_vector(v, rotation, D, rotated);
+                v = rotated;
+            }
+            encode_vector(kind, v, D, codes + row * code_stride, scales ? scales + row * scale_stride : NULL,
+                          rotation, levels);
         }
 }

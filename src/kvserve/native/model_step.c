@@ -73,7 +73,7 @@ static int prefill_attention(const int64_t *a, const int64_t *batch, const int64
         float *out = (float *)P(6) + seq[0] * row_floats;
         int rc = CALL(paged_prefill_attention)((int)seq[1], seq[2], I(2), I(3), I(4), q, out, tables + seq[3], I(8),
                                                I(9), I(10), F(11), F(12), I(13), P(14), P(15), L(16), L(17), P(18),
-                                               I(19), P(20), P(21), L(22), L(23), P(24), I(25));
+                                               I(19), P(20), P(21), L(22), L(23), P(24), P(25), P(26), I(27));
         if (rc != 0) return rc;
     }
     return 0;
@@ -111,7 +111,7 @@ int model_step(const int64_t *ops, int num_ops, int n, const int64_t *batch, con
             break;
         case OP_KV_WRITE:
             CALL(kv_write)(I(0), P(1), n, I(3), I(4), slot_rows + L(5) * I(3) * (int64_t)n, P(6), L(7), P(8), L(9),
-                           P(10), P(11));
+                           P(10), P(11), P(12));
             break;
         case OP_PAGED_PREFILL_ATTENTION:
             rc = prefill_attention(a, batch, sequence_tables);

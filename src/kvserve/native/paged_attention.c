@@ -168,7 +168,17 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
                             float scale, float softcap, int k_kind, const void *k_codes, const void *k_scales,
                             int64_t k_code_stride, int64_t k_scale_stride, const float *k_table, int v_kind,
                             const void *v_codes, const void *v_scales, int64_t v_code_stride,
-                            int64_t v_scale_stride, const float *v_table, int num_threads) {
+                            int64_t v_scale_stride, const float *v_table, const float *q_rotation,
+                            const float *out_rotation, int num_threads) {
+    float *rotated = NULL; /* q R, when the keys are stored rotated (as paged_decode_attention) */
+    if (q_rotation) {
+        rotated = malloc(sizeof(float) * (size_t)n * num_heads * head_dim);
+        if (!rotated) return -1;
+#pragma omp parallel for num_threads(num_threads) if (n * num_heads >= 256)
+        for (int r = 0; r < n * num_heads; r++)
+            rotate_row(q + (int64_t)r * head_dim, q_rotation, head_dim, rotated + (int64_t)r * head_dim);
+        q = rotated;
+    }
     problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q, out,
                  block_table, 0, NULL,
                  {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
@@ -219,6 +229,15 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
         }
         free(mem);
         free(int_mem);
+    }
+    free(rotated);
+    if (out_rotation && !failed) { /* values were summed in their rotated domain */
+#pragma omp parallel for num_threads(num_threads) if (n * num_heads >= 256)
+        for (int r = 0; r < n * num_heads; r++) {
+            float summed[head_dim];
+            memcpy(summed, out + (int64_t)r * head_dim, sizeof(float) * head_dim);
+            rotate_row(summed, out_rotation, head_dim, out + (int64_t)r * head_dim);
+        }
     }
     return failed ? -1 : 0;
 }

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
-from kvserve.kv.cache_types import kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
+from kvserve.kv.cache_types import keys_rotated, kv_bytes_per_token, kv_bytes_per_token_per_layer, kv_type
 from kvserve.kv.disk_tier import capacity as disk_capacity
 from kvserve.kv.pool_sizing import PoolSize
 from kvserve.kv.pool_sizing import context_pool as engine_pool  # the engine's own arithmetic: no drift
@@ -213,11 +213,12 @@ def attention_kernels(config: ModelConfig, s: PlanSettings) -> str:
     return "native" if usable and s.dtype == "float32" else "torch"
 
 
-def native_attention(config: ModelConfig, ctx: int, s: PlanSettings) -> tuple[int, str]:
+def native_attention(config: ModelConfig, ctx: int, s: PlanSettings, k: str = "f16") -> tuple[int, str]:
     """Workspace bytes of the native kernels, which read K/V blocks in place (nothing gathered):
 
     prefill  per thread: a tile of 32 queries x G heads (q, accumulator, max, sum: 2D + 2 floats a row)
-             and 64 keys decoded (K, V, K transposed: 3D floats each), plus int16 copies for q8_0/q4_0 keys
+             and 64 keys decoded (K, V, K transposed: 3D floats each), plus int16 copies for q8_0/q4_0 keys;
+             the chunk's queries rotated once where keys of type k are stored rotated
     decode   per (sequence, kv head, 256-position partition) a softmax state of G x (D + 2) floats,
              per thread the scores of a partition (G x 256) and one decoded block; a rotated query
     """
@@ -227,6 +228,8 @@ def native_attention(config: ModelConfig, ctx: int, s: PlanSettings) -> tuple[in
     rows = NATIVE_QUERY_TILE * g
     int_keys = 2 * (rows * d + NATIVE_KEY_TILE * d) + 4 * (rows + NATIVE_KEY_TILE * d // 32)
     prefill = threads * (4 * (rows * (2 * d + 2) + NATIVE_KEY_TILE * d * 3) + int_keys)
+    if keys_rotated(k, d):
+        prefill += 4 * min(s.max_num_batched_tokens, ctx) * c.num_heads * d
     partitions = -(-ctx // NATIVE_PARTITION)
     block_rows = -(-s.block_size // 16) * 16
     decode = (4 * s.max_num_seqs * c.num_kv_heads * partitions * g * (d + 2)
@@ -245,7 +248,7 @@ def activations(config: ModelConfig, ctx: int, k: str, v: str, s: PlanSettings) 
     rope = rope_table_bytes(c, ctx, fb)
     if attention_kernels(c, s) == "native":
         hidden = max(hidden, native_step_bytes(c, chunk))
-        attention, path = native_attention(c, ctx, s)
+        attention, path = native_attention(c, ctx, s, k)
         return Activations(hidden, attention, logits, path, "native", rope)
     tile = min(chunk, QUERY_TILE)
     all_sliding = bool(c.sliding_window) and all(c.is_sliding(i) for i in range(c.num_layers))
