@@ -11,7 +11,8 @@ on the torch reference path (teacher-forced KLD and top-1 against the f32 cache,
     rotated   keys stored times a random-sign Hadamard matrix R (the tq codecs' rotation), the query
               rotated alike (q . k = Rq . Rk): an outlier is spread over all D coordinates.
 
-Neither is in the engine yet: this is the measurement that says which to build.
+The engine now does both (``codecs.RotatedKeys``, ``DecoderLM.key_centres``); this script turns them off
+and on one at a time, on the torch path, to show what each is worth.
 
     .venv/bin/python bench/kv_key_outliers.py qwen2.5-coder-0.5b [--text FILE] [--ctx 1024] [--max-angle 3]
 """
@@ -90,8 +91,9 @@ def main() -> None:
     mode = {"centred": False, "rotated": False}
     make_codec, write = storage_module.make_codec, PagedKVStorage.write
 
-    def codec(name, head_dim):
-        return RotatedQ8(head_dim) if mode["rotated"] and name == "q8_0" else make_codec(name, head_dim)
+    def codec(name, head_dim, keys=False):
+        rotated = mode["rotated"] and keys and name == "q8_0"
+        return RotatedQ8(head_dim) if rotated else make_codec(name, head_dim)
 
     def centred_write(self, layer, rows, k, v):
         if mode["centred"] and layer in centres:
@@ -99,6 +101,7 @@ def main() -> None:
         return write(self, layer, rows, k, v)
 
     storage_module.make_codec, PagedKVStorage.write = codec, centred_write
+    model.key_centres = lambda: None  # the engine's own centring off: this script's mode decides
     reference = reference_run(model, ids, 256)
     rows = []
     for centred in (False, True) if centres else (False,):
