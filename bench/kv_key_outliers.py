@@ -36,27 +36,6 @@ from kvserve.quality.teacher_forced import reference_run, score
 from kvserve.quality.text import load_text
 
 
-class RotatedQ8(codecs.Q8_0Codec):
-    """q8_0 codes of x R, R as RotatedCodec's; attention scores with the query rotated alike."""
-
-    rotated = True
-
-    def __init__(self, head_dim: int, seed: int = 0x5EED) -> None:
-        super().__init__(head_dim)
-        g = torch.Generator().manual_seed(seed + head_dim)
-        signs = torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
-        self.matrix = signs[:, None] * codecs.hadamard(head_dim)
-
-    def rotate(self, x):
-        return x @ self.matrix.to(x.dtype)
-
-    def unrotate(self, x):
-        return x @ self.matrix.to(x.dtype).T
-
-    def encode(self, x):
-        return super().encode(x.float() @ self.matrix)
-
-
 def key_centres(path: str, head_dim: int, rope_theta: float, max_angle: float) -> dict[int, torch.Tensor]:
     """Per layer, mu [kv_heads, head_dim]: the K bias on the pairs (i, i + D/2) that RoPE turns less
     than max_angle radians over 32K positions, zero elsewhere; {} for a model without a K bias."""
@@ -93,7 +72,7 @@ def main() -> None:
 
     def codec(name, head_dim, keys=False):
         rotated = mode["rotated"] and keys and name == "q8_0"
-        return RotatedQ8(head_dim) if rotated else make_codec(name, head_dim)
+        return codecs.RotatedKeys(codecs.Q8_0Codec(head_dim)) if rotated else make_codec(name, head_dim)
 
     def centred_write(self, layer, rows, k, v):
         if mode["centred"] and layer in centres:

@@ -22,6 +22,16 @@ static int reads_blocks_of(const int64_t *tables, int64_t stride, const int64_t 
 }
 
 /* Returns 0, or -1 when the workspace could not be allocated. */
+/* A new buffer of rows x D: each row of x times R (the query of rotated keys), or NULL when it cannot be
+ * allocated. */
+static float *rotated_rows(const float *x, int rows, int D, const float *R, int num_threads) {
+    float *y = malloc(sizeof(float) * (size_t)rows * D);
+    if (!y) return NULL;
+#pragma omp parallel for num_threads(num_threads) if (rows >= 256)
+    for (int r = 0; r < rows; r++) rotate_row(x + (int64_t)r * D, R, D, y + (int64_t)r * D);
+    return y;
+}
+
 int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim, const float *q, float *out,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            int num_blocks, int block_size, int window, float scale, float softcap,
@@ -32,13 +42,7 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
                            const float *out_rotation, int num_threads) {
     int rows = n * num_heads;
     float *rotated = NULL; /* q R, when the keys are stored rotated and the caller left q as it is */
-    if (q_rotation) {
-        rotated = malloc(sizeof(float) * (size_t)rows * head_dim);
-        if (!rotated) return -1;
-        for (int r = 0; r < rows; r++)
-            rotate_row(q + (int64_t)r * head_dim, q_rotation, head_dim, rotated + (int64_t)r * head_dim);
-        q = rotated;
-    }
+    if (q_rotation && !(q = rotated = rotated_rows(q, rows, head_dim, q_rotation, num_threads))) return -1;
     problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q, out,
                  block_tables, table_stride, context_lens,
                  {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
@@ -171,14 +175,7 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
                             int64_t v_scale_stride, const float *v_table, const float *q_rotation,
                             const float *out_rotation, int num_threads) {
     float *rotated = NULL; /* q R, when the keys are stored rotated (as paged_decode_attention) */
-    if (q_rotation) {
-        rotated = malloc(sizeof(float) * (size_t)n * num_heads * head_dim);
-        if (!rotated) return -1;
-#pragma omp parallel for num_threads(num_threads) if (n * num_heads >= 256)
-        for (int r = 0; r < n * num_heads; r++)
-            rotate_row(q + (int64_t)r * head_dim, q_rotation, head_dim, rotated + (int64_t)r * head_dim);
-        q = rotated;
-    }
+    if (q_rotation && !(q = rotated = rotated_rows(q, n * num_heads, head_dim, q_rotation, num_threads))) return -1;
     problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q, out,
                  block_table, 0, NULL,
                  {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
