@@ -34,10 +34,10 @@ int main(int argc, char **argv) {
     float *out = calloc(q_n, sizeof(float));
     int rc = prefill ? paged_prefill_attention(n, ctx - n, heads, kv_heads, D, q, out, table, blocks, bs, window, f[0],
                                                f[1], kind, k, k_scales, code_bytes, scale_bytes, NULL, kind, v,
-                                               v_scales, code_bytes, scale_bytes, NULL, NULL, NULL, 2)
+                                               v_scales, code_bytes, scale_bytes, NULL, NULL, NULL, NULL, 2)
                      : paged_decode_attention(n, heads, kv_heads, D, q, out, table, 0, &ctx, blocks, bs, window, f[0],
                                               f[1], kind, k, k_scales, code_bytes, scale_bytes, NULL, kind, v,
-                                              v_scales, code_bytes, scale_bytes, NULL, NULL, NULL, 2);
+                                              v_scales, code_bytes, scale_bytes, NULL, NULL, NULL, NULL, 2);
     if (rc != 0) return 3;
     FILE *o = fopen(argv[2], "wb");
     if (!o) return 2;

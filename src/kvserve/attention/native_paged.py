@@ -46,6 +46,8 @@ class NativePagedAttention:
         self._rotations = [rotation_matrix(storage.k_codec),
                            rotation_matrix(storage.v_codec, transposed=True)]
         self.rotation_args = tuple(0 if m is None else m.data_ptr() for m in self._rotations)
+        # per layer, the queries' balance (balanced keys) or 0; the storage's tensors, alive as long as it
+        self.balance_args = [0 if b is None else b.data_ptr() for b in storage.q_balance]
         self.layer_args = [
             (*self._part(storage.k[layer], storage.k_codec, self._tables[0]),
              *self._part(storage.v[layer], storage.v_codec, self._tables[1]))
@@ -86,14 +88,14 @@ class NativePagedAttention:
     ) -> torch.Tensor:
         """q: [n, heads, head_dim] (one query per sequence); block_tables [n, max_blocks] int64;
         context_lens [n] int64; softcap: scores s -> softcap * tanh(s / softcap) (Gemma 2), None for
-        none. Returns [n, heads, head_dim] in q's dtype. The kernel itself rotates q for rotated keys
-        and un-rotates the output of rotated values."""
+        none. Returns [n, heads, head_dim] in q's dtype. The kernel itself balances and rotates q as
+        the keys are stored and un-rotates the output of rotated values."""
         n, heads, head_dim = q.shape
         return self._run(
             self.decode_kernel, "decode", q, (n, heads, self.num_kv_heads, head_dim),
             (block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
              self.layer_num_blocks[layer], self.block_size, window or 0, scale, softcap or 0.0,
-             *self.layer_args[layer], *self.rotation_args),
+             *self.layer_args[layer], self.balance_args[layer], *self.rotation_args),
         )
 
     def prefill(
@@ -108,7 +110,7 @@ class NativePagedAttention:
         return self._run(
             self.prefill_kernel, "prefill", q, (n, q_start, heads, self.num_kv_heads, head_dim),
             (table.data_ptr(), self.layer_num_blocks[layer], self.block_size, window or 0, scale,
-             softcap or 0.0, *self.layer_args[layer], *self.rotation_args),
+             softcap or 0.0, *self.layer_args[layer], self.balance_args[layer], *self.rotation_args),
         )
 
 
@@ -119,18 +121,20 @@ class NativeKVWrite:
     """Encodes and stores this step's k/v in one C pass (``native/kv_write.c``) for the codecs it
     knows (all but fp8): f32 to q4_0 the same codes as the codec's torch ``encode``, tq2-4 and rotated
     q8_0/q4_0 keys the same steps (rotation sums in another order: a coordinate at a rounding or bucket
-    edge may round to its neighbour); keys centred first where the storage keeps centres.
+    edge may round to its neighbour); keys centred and balanced first where the storage says so.
     Others keep ``PagedKVStorage.write``."""
 
     def __init__(self, storage: PagedKVStorage, library: ctypes.CDLL) -> None:
         self.storage = weakref.ref(storage)  # not the storage: the entry must not keep its key alive
         self.kernel = abi.bind(library, "kv_write")
         self._tables = [self._rotation(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
-        # per layer, K's and V's (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre)
+        # per layer, K's and V's (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre,
+        # balance)
         self.layer_args = [
-            [self._part(parts, codec, tables, centre) for parts, codec, tables, centre in
-             ((storage.k[layer], storage.k_codec, self._tables[0], storage.k_centres[layer]),
-              (storage.v[layer], storage.v_codec, self._tables[1], None))]
+            [self._part(parts, codec, tables, centre, balance) for parts, codec, tables, centre, balance in
+             ((storage.k[layer], storage.k_codec, self._tables[0], storage.k_centres[layer],
+               storage.k_balance[layer]),
+              (storage.v[layer], storage.v_codec, self._tables[1], None, None))]
             for layer in range(len(storage.k))
         ]
 
@@ -145,24 +149,24 @@ class NativeKVWrite:
 
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec, tables: tuple | None,
-              centre: torch.Tensor | None) -> tuple | None:
+              centre: torch.Tensor | None, balance: torch.Tensor | None) -> tuple | None:
         if codec.name not in WRITABLE:
             return None
         codes, scales, code_stride, scale_stride = _layout(parts)
         rotation, levels = (0 if t is None else t.data_ptr() for t in tables) if tables else (0, 0)
         return (KV_KIND_CODES[codec.name], codes, code_stride, scales, scale_stride, rotation, levels,
-                0 if centre is None else centre.data_ptr())
+                *(0 if t is None else t.data_ptr() for t in (centre, balance)))
 
     def __call__(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_args, v_args = self.layer_args[layer]
         if k_args is None or v_args is None:
             return self.storage().write(layer, slot_rows, k, v)
         tokens, heads, head_dim = k.shape
-        for x, (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre) in (
+        for x, (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre, balance) in (
             (k, k_args), (v, v_args)):
             x = x.float().contiguous()
             self.kernel(kind, x.data_ptr(), tokens, heads, head_dim, slot_rows.data_ptr(), codes, code_stride,
-                        scales, scale_stride, rotation, levels, centre)
+                        scales, scale_stride, rotation, levels, centre, balance)
 
 
 def rotation_matrix(codec: KVCodec, transposed: bool = False) -> torch.Tensor | None:

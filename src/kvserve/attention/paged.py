@@ -129,7 +129,7 @@ class PagedAttention:
                     layer, q[s.query_start : s.query_start + s.query_len], s.context_len - s.query_len,
                     s.table(kv_group), window, scale, softcap)
         elif self.metadata.sequences:
-            rotated = storage.k_codec.rotate(q)  # rotated keys: score with the rotated query
+            rotated = storage.query(layer, q)  # balanced, rotated keys: score with such a query
             for i, s in enumerate(self.metadata.sequences):
                 qs = rotated[s.query_start : s.query_start + s.query_len]
                 keys, values = storage.gather(layer, self.sequence_block_rows(i, kv_group), s.context_len,
@@ -158,7 +158,7 @@ class PagedAttention:
         kv_group = self.storage.kv_group_of_layer[layer]
         if self.native is not None:  # reads the blocks in place, quantized or not
             return self.native.decode(layer, q, d.tables(kv_group), d.context_lens, window, scale, softcap)
-        q = self.storage.k_codec.rotate(q)
+        q = self.storage.query(layer, q)
         # [n, kv_heads, keys, head_dim]
         keys, values = self.storage.read_blocks(layer, self.decode_rows[kv_group], q.dtype)
         mask = d.mask(window, keys.shape[2])

@@ -32,7 +32,7 @@ from kvserve.kv.hashing import PROCESS_KEY, cache_key
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.offload import DiskOffload
 from kvserve.kv.pool_sizing import pool_size
-from kvserve.kv.storage import PagedKVStorage
+from kvserve.kv.storage import UNCENTRED_KEYS, PagedKVStorage
 from kvserve.kv.type_choice import context_advice
 from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import LoadedModel, load_model
@@ -53,10 +53,12 @@ class LLMEngine:
         size = pool_size(loaded.config, config.cache, config.scheduler.max_num_seqs,
                          config.scheduler.max_num_batched_tokens)
         self.max_model_len = size.max_model_len
+        quantized_keys = config.cache.cache_type_k not in UNCENTRED_KEYS  # else nothing to centre or balance
         self.storage = PagedKVStorage(
             loaded.config, size.num_blocks, config.cache.block_size, config.cache.cache_type_k,
             loaded.model.device, config.cache.cache_type_v, size.window_layers, size.num_window_blocks,
-            loaded.model.key_centres() if hasattr(loaded.model, "key_centres") else None,
+            **(loaded.model.key_transforms() if quantized_keys and hasattr(loaded.model, "key_transforms")
+               else {}),
         )
         self._identity: dict | None = None
         self.disk: DiskTier | None = None

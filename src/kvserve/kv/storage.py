@@ -11,8 +11,10 @@ indexing was 14x slower, measured). K and V may use different codecs (``--cache-
 Quantized keys may be stored *centred*: minus a fixed vector per layer and KV head (``key_centres``,
 ``DecoderLM.key_centres``: a K bias on the RoPE pairs that barely turn). Every score of a query then moves
 by the same q . centre, which softmax ignores, so attention is unchanged; what changes is that a bias of
-~145 (Qwen2.5, layer 0) no longer sets the quantization step of its group. q8_0/q4_0 keys are also
-rotated (``codecs.RotatedKeys``).
+~145 (Qwen2.5, layer 0) no longer sets the quantization step of its group. They may also be stored
+*balanced*: times a vector per layer and KV head (``key_balance``, ``DecoderLM.key_balance``), the queries
+divided by it (``query``), so every score is unchanged while the coordinates a query weighs most get
+most of the codes' precision. q8_0/q4_0 keys are then rotated (``codecs.RotatedKeys``).
 
 With ``window_layers`` (sliding-window layers, see ``kv.groups``) those layers' tensors have
 ``num_window_blocks`` blocks of their own: a second group with its own block ids, tables and slots.
@@ -55,6 +57,7 @@ class PagedKVStorage:
         window_layers: frozenset[int] = frozenset(),
         num_window_blocks: int = 0,
         key_centres: list[torch.Tensor | None] | None = None,
+        key_balance: list[torch.Tensor | None] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -63,8 +66,13 @@ class PagedKVStorage:
         self.v_codec: KVCodec = make_codec(cache_type_v or cache_type, config.head_dim)
         # per layer [kv_heads, head_dim] f32 or None: kept only for quantized keys (f16 keys stay exact)
         quantized = self.k_codec.name not in UNCENTRED_KEYS
-        self.k_centres = [None if c is None else c.float().to(device).contiguous()
-                          for c in key_centres] if key_centres and quantized else [None] * config.num_layers
+        def per_layer(vectors):
+            return [None if c is None else c.float().to(device).contiguous()
+                    for c in vectors] if vectors and quantized else [None] * config.num_layers
+
+        self.k_centres = per_layer(key_centres)
+        self.k_balance = per_layer(key_balance)  # keys stored times it, queries times its inverse:
+        self.q_balance = [None if b is None else (1 / b).contiguous() for b in self.k_balance]
         if window_layers and num_window_blocks < 1:
             raise ValueError("a window group needs at least one block")
         self.window_layers = frozenset(window_layers)
@@ -185,18 +193,32 @@ class PagedKVStorage:
         """How keys are turned before their codes (rotated, centred in which layers): nothing for plain
         keys, so the identity of an f16 cache is what it was before keys could be either."""
         centred = [i for i, c in enumerate(self.k_centres) if c is not None]
+        balanced = [i for i, b in enumerate(self.k_balance) if b is not None]
         rotated = self.k_codec.rotated and not kv_type(self.k_codec.name).rotated
-        return ({"keys_rotated": True} if rotated else {}) | ({"keys_centred": centred} if centred else {})
+        return (({"keys_rotated": True} if rotated else {}) | ({"keys_centred": centred} if centred else {})
+                | ({"keys_balanced": balanced} if balanced else {}))
 
     def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [num_tokens, num_kv_heads, head_dim] encoded (k centred first) and stored at their
-        ``slot_rows``."""
+        """k, v: [num_tokens, num_kv_heads, head_dim] encoded (k centred and balanced first) and stored at
+        their ``slot_rows``."""
         if self.k_centres[layer] is not None:
             k = k.float() - self.k_centres[layer]
+        if self.k_balance[layer] is not None:
+            k = k.float() * self.k_balance[layer]
         for parts, codec, x in ((self.k[layer], self.k_codec, k), (self.v[layer], self.v_codec, v)):
             for stored, encoded in zip(parts, codec.encode(x), strict=True):
                 stored.view(-1, stored.shape[-1]).index_copy_(0, slot_rows,
                                                               encoded.transpose(0, 1).flatten(0, 1))
+
+    def query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [n, heads, head_dim] as the stored keys of ``layer`` are scored: over their balance (each
+        KV head's group of query heads), then rotated with rotated keys. What the C kernels do to q."""
+        balance = self.q_balance[layer]
+        if balance is not None:
+            n, heads, d = q.shape
+            q = (q.float().view(n, self.num_kv_heads, heads // self.num_kv_heads, d) * balance[:, None]).view(
+                n, heads, d).to(q.dtype)
+        return self.k_codec.rotate(q)
 
     def _read(self, parts: list[torch.Tensor], codec: KVCodec, block_rows: BlockRows, dtype) -> torch.Tensor:
         blocks = [p.view(-1, self.block_size * p.shape[-1]).index_select(0, block_rows.rows) for p in parts]

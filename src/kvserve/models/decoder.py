@@ -22,6 +22,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.models.activations import gated
 from kvserve.models.decoder_weights import DecoderWeights, LayerWeights
+from kvserve.models.key_balance import key_balance
 from kvserve.models.norms import add_rms_norm, rms_norm, rms_norm_heads
 from kvserve.models.rope import rotate_heads
 
@@ -100,6 +101,15 @@ class DecoderLM:
             keep[: 2 * len(still)] = torch.cat([still, still])
             centres.append(k_bias * keep)
         return centres if any(c is not None for c in centres) else None
+
+    def key_balance(self) -> list[torch.Tensor | None] | None:
+        """Per layer, the scales quantized keys are stored times (the queries divided by them), or None:
+        see ``models.key_balance``."""
+        return key_balance(self)
+
+    def key_transforms(self) -> dict[str, list[torch.Tensor | None] | None]:
+        """``PagedKVStorage``'s keyword arguments for quantized keys: their centres and balance."""
+        return {"key_centres": self.key_centres(), "key_balance": self.key_balance()}
 
     @functools.cached_property
     def steps(self) -> list[tuple]:

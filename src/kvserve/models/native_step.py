@@ -139,10 +139,11 @@ class NativeStep:
         query's rotation and the output's un-rotation of rotated codecs)."""
         attention, parts = self.attention, self.attention.layer_args[layer]
         q_rotation, out_rotation = attention.rotation_args
+        q_balance = attention.balance_args[layer]
         kv = {f"{side}_{field}": value for side, part in (("k", parts[:6]), ("v", parts[6:]))
               for field, value in zip(native_paged.KV_PART, part, strict=True)}
         return dict(kv, num_blocks=attention.layer_num_blocks[layer], block_size=attention.block_size,
-                    q_rotation=q_rotation, out_rotation=out_rotation)
+                    q_balance=q_balance, q_rotation=q_rotation, out_rotation=out_rotation)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_rows: list[torch.Tensor],
@@ -300,11 +301,11 @@ class _StepOperations:
                     dst=self.ptr[name], dst_stride=width, width=width)
             offset += width
         kv_group = owner.kv_groups[i]
-        for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre) in zip(
+        for name, (kind, codes, code_stride, scales, scale_stride, rotation, levels, centre, balance) in zip(
                 ("k", "v"), owner.writer.layer_args[i], strict=True):
             self.op("kv_write", kv_group, kind=kind, x=self.ptr[name], kv_heads=kv_heads, D=d, codes=codes,
                     code_stride=code_stride, scales=scales, scale_stride=scale_stride, rotation=rotation,
-                    levels=levels, centre=centre)
+                    levels=levels, centre=centre, balance=balance)
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         shape = {"num_heads": cfg.num_heads, "num_kv_heads": kv_heads, "head_dim": d, "window": window or 0,
                  "scale": self.model.scale, "softcap": cfg.attn_logit_softcap or 0.0,

@@ -114,28 +114,29 @@ void int8_rows(const uint8_t *w, const int64_t *ids, int n, int K, float *out);
 void int8_rows_g16(const uint8_t *w, const int64_t *ids, int n, int K, float *out);
 
 /* kv_write.c: x [tokens, kv_heads, D] into the rows slot_rows [kv_heads * tokens] of a paged cache; centre
- * [kv_heads, D] (or NULL) subtracted first. */
+ * [kv_heads, D] (or NULL) subtracted first, then times balance [kv_heads, D] (or NULL). */
 void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const int64_t *slot_rows, uint8_t *codes,
               int64_t code_stride, uint8_t *scales, int64_t scale_stride, const float *rotation,
-              const float *levels, const float *centre);
+              const float *levels, const float *centre, const float *balance);
 
 /* paged_attention.c: 0, or -1 when the workspace could not be allocated. softcap > 0 caps each scaled score
- * s -> softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: no cap. */
+ * s -> softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: no cap. q_balance [num_kv_heads, head_dim]
+ * (or NULL): each query of a KV head's group times it, then times q_rotation (or NULL), before scoring. */
 int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim, const float *q, float *out,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            int num_blocks, int block_size, int window, float scale, float softcap,
                            int k_kind, const void *k_codes, const void *k_scales, int64_t k_code_stride,
                            int64_t k_scale_stride, const float *k_table,
                            int v_kind, const void *v_codes, const void *v_scales, int64_t v_code_stride,
-                           int64_t v_scale_stride, const float *v_table, const float *q_rotation,
-                           const float *out_rotation, int num_threads);
+                           int64_t v_scale_stride, const float *v_table, const float *q_balance,
+                           const float *q_rotation, const float *out_rotation, int num_threads);
 int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_heads, int head_dim, const float *q,
                             float *out, const int64_t *block_table, int num_blocks, int block_size, int window,
                             float scale, float softcap, int k_kind, const void *k_codes, const void *k_scales,
                             int64_t k_code_stride, int64_t k_scale_stride, const float *k_table, int v_kind,
                             const void *v_codes, const void *v_scales, int64_t v_code_stride,
-                            int64_t v_scale_stride, const float *v_table, const float *q_rotation,
-                            const float *out_rotation, int num_threads);
+                            int64_t v_scale_stride, const float *v_table, const float *q_balance,
+                            const float *q_rotation, const float *out_rotation, int num_threads);
 int paged_prefill_int_keys(void);
 
 /* model_step.c: a model's step (prefill chunks and decodes, in any mix) as a list of operations,

@@ -123,10 +123,12 @@ static void encode_vector(int kind, const float *x, int D, uint8_t *code, uint8_
 
 /* rotation [D][D] f32: the tq codecs' matrix, or a rotated q8_0/q4_0 key codec's (applied here before
  * the codes); levels [2^B]: the tq codebook (NULL for the others). centre [kv_heads][D] f32: subtracted
- * from each head's vector first (keys centred by a fixed vector: see kv/storage.py), or NULL. */
+ * from each head's vector first (keys centred by a fixed vector: see kv/storage.py), or NULL; balance
+ * [kv_heads][D] f32: the centred vector times it, coordinate by coordinate (keys balanced against the
+ * queries, which the attention kernels divide by it), or NULL. */
 void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const int64_t *slot_rows, uint8_t *codes,
               int64_t code_stride, uint8_t *scales, int64_t scale_stride, const float *rotation,
-              const float *levels, const float *centre) {
+              const float *levels, const float *centre, const float *balance) {
     const int rotate_here = rotation && kind != KV_TQ2 && kind != KV_TQ3 && kind != KV_TQ4;
 #pragma omp parallel for if (tokens >= 64)
     for (int t = 0; t < tokens; t++)
@@ -134,8 +136,11 @@ void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const i
             int64_t row = slot_rows[(int64_t)h * tokens + t];
             const float *v = x + ((int64_t)t * kv_heads + h) * D;
             float centred[D], rotated[D];
-            if (centre) {
-                for (int i = 0; i < D; i++) centred[i] = v[i] - centre[(int64_t)h * D + i];
+            if (centre || balance) {
+                for (int i = 0; i < D; i++) {
+                    float c = centre ? v[i] - centre[(int64_t)h * D + i] : v[i];
+                    centred[i] = balance ? c * balance[(int64_t)h * D + i] : c;
+                }
                 v = centred;
             }
             if (rotate_here) {

@@ -73,7 +73,8 @@ static int prefill_attention(const int64_t *a, const int64_t *batch, const int64
         float *out = (float *)P(6) + seq[0] * row_floats;
         int rc = CALL(paged_prefill_attention)((int)seq[1], seq[2], I(2), I(3), I(4), q, out, tables + seq[3], I(8),
                                                I(9), I(10), F(11), F(12), I(13), P(14), P(15), L(16), L(17), P(18),
-                                               I(19), P(20), P(21), L(22), L(23), P(24), P(25), P(26), I(27));
+                                               I(19), P(20), P(21), L(22), L(23), P(24), P(25), P(26), P(27),
+                                               I(28));
         if (rc != 0) return rc;
     }
     return 0;
@@ -111,7 +112,7 @@ int model_step(const int64_t *ops, int num_ops, int n, const int64_t *batch, con
             break;
         case OP_KV_WRITE:
             CALL(kv_write)(I(0), P(1), n, I(3), I(4), slot_rows + L(5) * I(3) * (int64_t)n, P(6), L(7), P(8), L(9),
-                           P(10), P(11), P(12));
+                           P(10), P(11), P(12), P(13));
             break;
         case OP_PAGED_PREFILL_ATTENTION:
             rc = prefill_attention(a, batch, sequence_tables);
@@ -122,7 +123,7 @@ int model_step(const int64_t *ops, int num_ops, int n, const int64_t *batch, con
                                                   block_tables + L(6) * decodes * table_stride, table_stride,
                                                   context_lens, I(9), I(10), I(11), F(12), F(13), I(14), P(15),
                                                   P(16), L(17), L(18), P(19), I(20), P(21), P(22), L(23), L(24),
-                                                  P(25), P(26), P(27), I(28));
+                                                  P(25), P(26), P(27), P(28), I(29));
             break;
         case OP_SILU_MUL:
             CALL(silu_mul)(P(0), n, I(2), P(3));

@@ -21,14 +21,27 @@ static int reads_blocks_of(const int64_t *tables, int64_t stride, const int64_t 
     return memcmp(tables + (int64_t)i * stride, tables + (int64_t)j * stride, sizeof(int64_t) * blocks) == 0;
 }
 
-/* Returns 0, or -1 when the workspace could not be allocated. */
-/* A new buffer of rows x D: each row of x times R (the query of rotated keys), or NULL when it cannot be
+/* A new buffer of rows x D, the queries as the stored keys need them (rows are [n, num_heads] major): each
+ * times its KV head's balance (balanced keys), then times R (rotated keys); NULL when it cannot be
  * allocated. */
-static float *rotated_rows(const float *x, int rows, int D, const float *R, int num_threads) {
+static float *query_rows(const float *x, int rows, int num_heads, int G, int D, const float *balance,
+                         const float *R, int num_threads) {
     float *y = malloc(sizeof(float) * (size_t)rows * D);
     if (!y) return NULL;
 #pragma omp parallel for num_threads(num_threads) if (rows >= 256)
-    for (int r = 0; r < rows; r++) rotate_row(x + (int64_t)r * D, R, D, y + (int64_t)r * D);
+    for (int r = 0; r < rows; r++) {
+        const float *q = x + (int64_t)r * D;
+        float balanced[D];
+        if (balance) {
+            const float *b = balance + (int64_t)(r % num_heads / G) * D;
+            for (int i = 0; i < D; i++) balanced[i] = q[i] * b[i];
+            q = balanced;
+        }
+        if (R)
+            rotate_row(q, R, D, y + (int64_t)r * D);
+        else
+            memcpy(y + (int64_t)r * D, q, sizeof(float) * D);
+    }
     return y;
 }
 
@@ -38,11 +51,14 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
                            int k_kind, const void *k_codes, const void *k_scales, int64_t k_code_stride,
                            int64_t k_scale_stride, const float *k_table,
                            int v_kind, const void *v_codes, const void *v_scales, int64_t v_code_stride,
-                           int64_t v_scale_stride, const float *v_table, const float *q_rotation,
-                           const float *out_rotation, int num_threads) {
+                           int64_t v_scale_stride, const float *v_table, const float *q_balance,
+                           const float *q_rotation, const float *out_rotation, int num_threads) {
     int rows = n * num_heads;
-    float *rotated = NULL; /* q R, when the keys are stored rotated and the caller left q as it is */
-    if (q_rotation && !(q = rotated = rotated_rows(q, rows, head_dim, q_rotation, num_threads))) return -1;
+    float *rotated = NULL; /* the query balanced and rotated as the keys are stored; the caller's q as it is */
+    if ((q_balance || q_rotation) &&
+        !(q = rotated = query_rows(q, rows, num_heads, num_heads / num_kv_heads, head_dim, q_balance, q_rotation,
+                                   num_threads)))
+        return -1;
     problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q, out,
                  block_tables, table_stride, context_lens,
                  {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},
@@ -172,10 +188,13 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
                             float scale, float softcap, int k_kind, const void *k_codes, const void *k_scales,
                             int64_t k_code_stride, int64_t k_scale_stride, const float *k_table, int v_kind,
                             const void *v_codes, const void *v_scales, int64_t v_code_stride,
-                            int64_t v_scale_stride, const float *v_table, const float *q_rotation,
-                            const float *out_rotation, int num_threads) {
-    float *rotated = NULL; /* q R, when the keys are stored rotated (as paged_decode_attention) */
-    if (q_rotation && !(q = rotated = rotated_rows(q, n * num_heads, head_dim, q_rotation, num_threads))) return -1;
+                            int64_t v_scale_stride, const float *v_table, const float *q_balance,
+                            const float *q_rotation, const float *out_rotation, int num_threads) {
+    float *rotated = NULL; /* the query as the keys are stored (as paged_decode_attention) */
+    if ((q_balance || q_rotation) &&
+        !(q = rotated = query_rows(q, n * num_heads, num_heads, num_heads / num_kv_heads, head_dim, q_balance,
+                                   q_rotation, num_threads)))
+        return -1;
     problem P = {num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, scale, q, out,
                  block_table, 0, NULL,
                  {k_kind, k_codes, k_scales, k_code_stride, k_scale_stride, k_table},

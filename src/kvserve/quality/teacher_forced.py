@@ -24,7 +24,7 @@ def chunk_logprobs(model: DecoderLM, token_ids: list[int], cache_type_k: str, ca
     """Yields (start, log-probs [n, vocab]) per chunk, predicting tokens start+1 .. start+n."""
     num_blocks = -(-len(token_ids) // BLOCK_SIZE)
     storage = PagedKVStorage(model.config, num_blocks, BLOCK_SIZE, cache_type_k, model.device, cache_type_v,
-                             key_centres=model.key_centres())
+                             **model.key_transforms())
     table = torch.arange(num_blocks, device=model.device)
     ids = torch.tensor(token_ids, device=model.device)
     for start in range(0, len(token_ids) - 1, chunk):
