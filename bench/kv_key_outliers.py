@@ -81,6 +81,7 @@ def main() -> None:
 
     storage_module.make_codec, PagedKVStorage.write = codec, centred_write
     model.key_centres = lambda: None  # the engine's own centring off: this script's mode decides
+    model.key_balance = lambda: None  # and its balance (models/key_balance.py), which it does not measure
     reference = reference_run(model, ids, 256)
     rows = []
     for centred in (False, True) if centres else (False,):
