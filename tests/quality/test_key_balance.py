@@ -121,3 +121,20 @@ def test_qwen_q4_0_keys_gain_from_the_balance(qwen):
     model.key_balance = lambda: None  # the instance only: the fixture dies with this module
     unbalanced = score(model, ids, reference, "q4_0", "f16", 128)
     assert balanced.kld * 2 < unbalanced.kld
+
+
+def test_the_cache_identity_names_the_balance_and_its_values():
+    """Blocks written with one balance must not be read with another: the layout (part of the disk tier's
+    and prompt-cache files' identity) names the balanced layers and a digest of the scales."""
+    cfg = config()
+    ones = torch.ones(cfg.num_kv_heads, cfg.head_dim)
+
+    def layout(cache_type, balance):
+        storage = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, cache_type, torch.device("cpu"), key_balance=balance)
+        return storage.layout()
+
+    plain = layout("q8_0", None)
+    a, b = layout("q8_0", [ones * 2, None]), layout("q8_0", [ones * 3, None])
+    assert "keys_balanced" not in plain and a["keys_balanced"][0] == [0]
+    assert a != b and a != plain
+    assert layout("f16", [ones * 2, None]) == layout("f16", None)  # f16 keys are stored as they are

@@ -24,6 +24,7 @@ slots takes the group they belong to.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -190,13 +191,15 @@ class PagedKVStorage:
         return BlockRows(rows, shape)
 
     def _key_transform(self) -> dict[str, object]:
-        """How keys are turned before their codes (rotated, centred in which layers): nothing for plain
-        keys, so the identity of an f16 cache is what it was before keys could be either."""
+        """How keys are turned before their codes (rotated; centred and balanced in which layers): nothing
+        for plain keys, so the identity of an f16 cache is what it was before keys could be either."""
         centred = [i for i, c in enumerate(self.k_centres) if c is not None]
         balanced = [i for i, b in enumerate(self.k_balance) if b is not None]
         rotated = self.k_codec.rotated and not kv_type(self.k_codec.name).rotated
+        # the balance is computed by code that may change while the weights do not: its values are named
+        digest = hashlib.sha256(b"".join(self.k_balance[i].cpu().numpy().tobytes() for i in balanced))
         return (({"keys_rotated": True} if rotated else {}) | ({"keys_centred": centred} if centred else {})
-                | ({"keys_balanced": balanced} if balanced else {}))
+                | ({"keys_balanced": [balanced, digest.hexdigest()[:16]]} if balanced else {}))
 
     def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim] encoded (k centred and balanced first) and stored at
