@@ -46,7 +46,7 @@ def arm_programs(tmp_path_factory) -> dict[str, Path]:
     programs = {}
     for path, flags in ARM_PATHS.items():
         program = out / f"kernels-{path}"
-        sources = [native.SOURCE_DIR / "int4_matmul.c", native.SOURCE_DIR / "int8_matmul.c", DRIVER]
+        sources = [native.SOURCE_DIR / f"{name}.c" for name in ("int4_matmul", "int8_matmul", "kv_write")] + [DRIVER]
         base = [f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
         subprocess.run([CROSS_CC, *base, *native.SOURCE_FLAGS["int4_matmul"], *flags,
                         f"-I{native.SOURCE_DIR}", "-static", *map(str, sources), "-o", str(program)],
@@ -88,6 +88,26 @@ def test_arm_int8_groups16_same_bits_as_x86_portable(arm_programs, tmp_path, pat
         y, isa = run_arm(arm_programs[path], tmp_path, 16, x, packed, None, n)
         assert isa == path
         assert torch.equal(y, run_int8("portable", x, packed, n, 1, "int8_matmul_g16")), (path, m, n, k)
+
+
+@pytest.mark.parametrize("path", list(ARM_PATHS))
+def test_arm_hadamard_rotation_same_bits_as_x86_portable(arm_programs, tmp_path, path):
+    """The rotated codecs' fast Walsh-Hadamard transform (native/hadamard.h): NEON's in-register
+    butterflies give the x86 portable build's bits."""
+    from kvserve.kv.codecs import hadamard_signs
+    from tests.native.test_isa_paths import _rotated_rows
+
+    for dim in (2, 16, 64, 256):
+        x = torch.randn(5, 3, dim, generator=torch.Generator().manual_seed(dim)) * 5
+        signs = hadamard_signs(dim)
+        header = np.array([32, 5, 3, 3 * dim, 0, 0, 4 * dim, 0], dtype=np.int32)
+        (tmp_path / "in").write_bytes(header.tobytes() + x.numpy().tobytes() + signs.numpy().tobytes())
+        subprocess.run([QEMU, str(arm_programs[path]), str(tmp_path / "in"), str(tmp_path / "out")], check=True,
+                       timeout=300)
+        raw = (tmp_path / "out").read_bytes()
+        assert raw[4 * x.numel():].decode() == path
+        ours = torch.from_numpy(np.frombuffer(raw[: 4 * x.numel()], dtype=np.float32).copy())
+        assert torch.equal(ours.view(3, 5, dim).transpose(0, 1), _rotated_rows("portable", x, signs)), (path, dim)
 
 
 @pytest.mark.parametrize("path", list(ARM_PATHS))

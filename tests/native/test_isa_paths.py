@@ -116,6 +116,33 @@ def test_attention_on_every_path_matches_the_torch_path(isa, path_build):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)
 
 
+def _rotated_rows(isa: str, x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, D] through kv_write's rotation into an f32 cache (stored as rotated, uncoded)."""
+    write = kernel("kv_write", "kv_write", isa)
+    tokens, heads, dim = x.shape
+    out = torch.full((heads * tokens, dim), float("nan"))
+    slots = torch.arange(heads * tokens)
+    write(0, x.data_ptr(), tokens, heads, dim, slots.data_ptr(), out.data_ptr(), dim * 4, None, 0,
+          signs.data_ptr(), None, None, None)
+    return out.view(heads, tokens, dim).transpose(0, 1)
+
+
+@pytest.mark.parametrize("isa", FAST_PATHS)
+@pytest.mark.parametrize("dim", [4, 16, 64, 128, 256])
+def test_hadamard_rotation_same_bits_as_portable(isa, dim):
+    """The rotated codecs' fast Walsh-Hadamard transform (native/hadamard.h): butterflies inside a vector
+    by shuffles, across vectors by vector adds, in one order on every path, so the rotated keys are the
+    same bits as the portable build's (and so are their codes); and it is the codec's matrix product."""
+    from kvserve.kv.codecs import hadamard_signs, signed_hadamard
+
+    x = torch.randn(7, 3, dim, generator=torch.Generator().manual_seed(dim)) * 5
+    signs = hadamard_signs(dim)
+    ours = _rotated_rows(isa, x, signs)
+    assert torch.equal(ours, _rotated_rows("portable", x, signs))
+    exact = (x.double() @ signed_hadamard(dim).double()).float()
+    torch.testing.assert_close(ours, exact, rtol=0, atol=2e-6 * x.abs().max().item() * dim ** 0.5)
+
+
 @pytest.mark.parametrize("isa", list(native.ISA_FLAGS))
 def test_swiglu_on_every_path_matches_torch(isa):
     silu_mul = kernel("silu_mul", "silu_mul", isa)

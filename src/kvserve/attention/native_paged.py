@@ -43,8 +43,7 @@ class NativePagedAttention:
         self.prefill_kernel = abi.bind(library, "paged_prefill_attention")
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         # rotated codecs: the query's rotation (keys) and the output's un-rotation (values), kept alive
-        self._rotations = [rotation_matrix(storage.k_codec),
-                           rotation_matrix(storage.v_codec, transposed=True)]
+        self._rotations = [rotation_signs(storage.k_codec), rotation_signs(storage.v_codec)]
         self.rotation_args = tuple(0 if m is None else m.data_ptr() for m in self._rotations)
         # per layer, the queries' balance (balanced keys) or 0; the storage's tensors, alive as long as it
         self.balance_args = [0 if b is None else b.data_ptr() for b in storage.q_balance]
@@ -140,12 +139,12 @@ class NativeKVWrite:
 
     @staticmethod
     def _rotation(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A rotated codec's matrix and codebook (None for rotated q8_0/q4_0 keys) as the writer takes them
+        """A rotated codec's signs and codebook (None for rotated q8_0/q4_0 keys) as the writer takes them
         (f32, contiguous)."""
         if not codec.rotated:
             return None
         codebook = getattr(codec, "codebook", None)
-        return rotation_matrix(codec), None if codebook is None else codebook.float().contiguous()
+        return rotation_signs(codec), None if codebook is None else codebook.float().contiguous()
 
     @staticmethod
     def _part(parts: list[torch.Tensor], codec: KVCodec, tables: tuple | None,
@@ -169,12 +168,13 @@ class NativeKVWrite:
                         scales, scale_stride, rotation, levels, centre, balance)
 
 
-def rotation_matrix(codec: KVCodec, transposed: bool = False) -> torch.Tensor | None:
-    """A rotated codec's matrix R (x R rotates) as the kernels take it (f32, contiguous), or its
-    transpose (y R^T un-rotates); None for other codecs."""
+def rotation_signs(codec: KVCodec) -> torch.Tensor | None:
+    """A rotated codec's rotation as the kernels take it: the D signs of its signed Hadamard matrix
+    (native/hadamard.h rotates with them, and un-rotates where the kernel's parameter says so), f32,
+    contiguous; None for other codecs."""
     if not codec.rotated:
         return None
-    return (codec.matrix.T if transposed else codec.matrix).float().contiguous()
+    return codec.signs.float().contiguous()
 
 
 def _layout(parts: list[torch.Tensor]) -> tuple[int, int, int, int]:

@@ -171,11 +171,16 @@ def hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+def hadamard_signs(head_dim: int, seed: int = 0x5EED) -> torch.Tensor:
+    """The seeded random signs of ``signed_hadamard``: what the C kernels take (native/hadamard.h applies
+    the rotation as a fast transform, D log D additions instead of a D x D product)."""
+    g = torch.Generator().manual_seed(seed + head_dim)
+    return torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
+
+
 def signed_hadamard(head_dim: int, seed: int = 0x5EED) -> torch.Tensor:
     """R with x @ R = H (signs * x): a Walsh-Hadamard transform after seeded random signs, orthogonal."""
-    g = torch.Generator().manual_seed(seed + head_dim)
-    signs = torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
-    return signs[:, None] * hadamard(head_dim)
+    return hadamard_signs(head_dim, seed)[:, None] * hadamard(head_dim)
 
 
 class RotatedKeys(KVCodec):
@@ -191,6 +196,7 @@ class RotatedKeys(KVCodec):
         super().__init__(base.head_dim)
         self.base, self.name = base, base.name
         self.matrix = signed_hadamard(base.head_dim)
+        self.signs = hadamard_signs(base.head_dim)
         self._matrices: dict[tuple, torch.Tensor] = {}
 
     def _matrix(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +235,7 @@ class RotatedCodec(KVCodec):
         self.bits = bits
         self.name = f"tq{bits}"
         self.matrix = signed_hadamard(head_dim, seed)  # x @ matrix = H (signs * x)
+        self.signs = hadamard_signs(head_dim, seed)
         self.codebook = lloyd_max_codebook(bits) / math.sqrt(head_dim)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._byte_tables: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> [256, codes per byte]

@@ -23,6 +23,7 @@
 #ifndef KVSERVE_DECODE_ATTENTION_H
 #define KVSERVE_DECODE_ATTENTION_H
 #include "decode_scores.h"
+#include "hadamard.h"
 #include "kv_rows.h"
 #include "softcap.h"
 
@@ -241,13 +242,6 @@ static void attend_rows(const problem *P, float softcap, int seq, int rows, int 
             }
         }
     }
-}
-
-/* y = x R for one row of D (y may not alias x): a rotated codec's query rotation or value un-rotation. */
-static void rotate_row(const float *x, const float *R, int D, float *restrict y) {
-    memset(y, 0, sizeof(float) * D);
-    for (int i = 0; i < D; i++)
-        for (int j = 0; j < D; j++) y[j] += x[i] * R[(int64_t)i * D + j];
 }
 
 static int num_partitions(int64_t ctx) { return (int)((ctx + PARTITION - 1) / PARTITION); }

@@ -114,14 +114,16 @@ void int8_rows(const uint8_t *w, const int64_t *ids, int n, int K, float *out);
 void int8_rows_g16(const uint8_t *w, const int64_t *ids, int n, int K, float *out);
 
 /* kv_write.c: x [tokens, kv_heads, D] into the rows slot_rows [kv_heads * tokens] of a paged cache; centre
- * [kv_heads, D] (or NULL) subtracted first, then times balance [kv_heads, D] (or NULL). */
+ * [kv_heads, D] (or NULL) subtracted first, then times balance [kv_heads, D] (or NULL), then rotated by the
+ * D signs of rotation (or NULL: hadamard.h). */
 void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const int64_t *slot_rows, uint8_t *codes,
               int64_t code_stride, uint8_t *scales, int64_t scale_stride, const float *rotation,
               const float *levels, const float *centre, const float *balance);
 
 /* paged_attention.c: 0, or -1 when the workspace could not be allocated. softcap > 0 caps each scaled score
  * s -> softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: no cap. q_balance [num_kv_heads, head_dim]
- * (or NULL): each query of a KV head's group times it, then times q_rotation (or NULL), before scoring. */
+ * (or NULL): each query of a KV head's group times it, then rotated by q_rotation (D signs, hadamard.h; or
+ * NULL), before scoring; out_rotation (D signs or NULL): each output row un-rotated (rotated values). */
 int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim, const float *q, float *out,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            int num_blocks, int block_size, int window, float scale, float softcap,

@@ -3,7 +3,7 @@
  * 120 a decode step; for tq2-4 ~15 (rotate, norm, bucketize, codebook norm, bit packing).
  * f32/f16/bf16/q8_0/q4_0: bit-for-bit the same codes as kv/codecs.py (round half to even, the f16
  * scale rounded before its inverse is taken). tq2-4: the same steps in the same float precision; the
- * rotation's sums run in another order than torch's matmul, so a coordinate within rounding of a
+ * rotation is a fast Walsh-Hadamard transform whose sums run in another order than torch's matmul, so a coordinate within rounding of a
  * bucket edge may land in the bucket next to it, and the norm may differ in its last f16 bit.
  *
  *   x [tokens, kv_heads, D] f32  --(slot_rows[h * tokens + t])-->  codes/scales row of (h, t)
@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #endif
 
+#include "hadamard.h"
 #include "kernels.h"
 #include "kv_kinds.h"
 
@@ -24,16 +25,6 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even (finite
     return (uint16_t)(u >> 16);
 }
 
-/* y = x R (y may not alias x): sums in row order (torch's matmul may sum in
- * another: see above). */
-static void rotate_vector(const float *x, const float *rotation, int D, float *restrict y) {
-    for (int j = 0; j < D; j++) y[j] = 0.0f;
-    for (int i = 0; i < D; i++) {
-        const float xi = x[i], *row = rotation + (int64_t)i * D;
-        for (int j = 0; j < D; j++) y[j] += xi * row[j];
-    }
-}
-
 /* tqB (kv/codecs.py RotatedCodec): y = x @ rotation, unit = y / |y|, code = number of bucket edges
  * (midpoints of the levels) below unit, packed little-endian B bits a code; scale = |y| / |levels[code]|. */
 static void encode_rotated(int bits, const float *x, int D, const float *rotation, const float *levels,
@@ -41,7 +32,7 @@ static void encode_rotated(int bits, const float *x, int D, const float *rotatio
     float y[D], edges[15];
     const int n_edges = (1 << bits) - 1;
     for (int e = 0; e < n_edges; e++) edges[e] = (levels[e] + levels[e + 1]) * 0.5f;
-    rotate_vector(x, rotation, D, y);
+    hadamard_rotate(x, rotation, D, y);
     float squares = 0.0f;
     for (int j = 0; j < D; j++) squares += y[j] * y[j];
     const float norm = __builtin_sqrtf(squares), divisor = norm > 1e-30f ? norm : 1e-30f;
@@ -121,9 +112,9 @@ static void encode_vector(int kind, const float *x, int D, uint8_t *code, uint8_
     }
 }
 
-/* rotation [D][D] f32: the tq codecs' matrix, or a rotated q8_0/q4_0 key codec's (applied here before
- * the codes); levels [2^B]: the tq codebook (NULL for the others). centre [kv_heads][D] f32: subtracted
- * from each head's vector first (keys centred by a fixed vector: see kv/storage.py), or NULL; balance
+/* rotation [D] f32: the signs of the tq codecs' rotation, or of a rotated q8_0/q4_0 key codec's (applied
+ * here before the codes; hadamard.h); levels [2^B]: the tq codebook (NULL for the others). centre
+ * [kv_heads][D] f32: subtracted from each head's vector first (keys centred by a fixed vector: see kv/storage.py), or NULL; balance
  * [kv_heads][D] f32: the centred vector times it, coordinate by coordinate (keys balanced against the
  * queries, which the attention kernels divide by it), or NULL. */
 void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const int64_t *slot_rows, uint8_t *codes,
@@ -144,7 +135,7 @@ void kv_write(int kind, const float *x, int tokens, int kv_heads, int D, const i
                 v = centred;
             }
             if (rotate_here) {
-                rotate_vector(v, rotation, D, rotated);
+                hadamard_rotate(v, rotation, D, rotated);
                 v = rotated;
             }
             encode_vector(kind, v, D, codes + row * code_stride, scales ? scales + row * scale_stride : NULL,

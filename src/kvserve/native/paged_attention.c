@@ -22,8 +22,8 @@ static int reads_blocks_of(const int64_t *tables, int64_t stride, const int64_t 
 }
 
 /* A new buffer of rows x D, the queries as the stored keys need them (rows are [n, num_heads] major): each
- * times its KV head's balance (balanced keys), then times R (rotated keys); NULL when it cannot be
- * allocated. */
+ * times its KV head's balance (balanced keys), then rotated by the signs R (rotated keys: hadamard.h);
+ * NULL when it cannot be allocated. */
 static float *query_rows(const float *x, int rows, int num_heads, int G, int D, const float *balance,
                          const float *R, int num_threads) {
     float *y = malloc(sizeof(float) * (size_t)rows * D);
@@ -38,7 +38,7 @@ static float *query_rows(const float *x, int rows, int num_heads, int G, int D, 
             q = balanced;
         }
         if (R)
-            rotate_row(q, R, D, y + (int64_t)r * D);
+            hadamard_rotate(q, R, D, y + (int64_t)r * D);
         else
             memcpy(y + (int64_t)r * D, q, sizeof(float) * D);
     }
@@ -167,7 +167,7 @@ int paged_decode_attention(int n, int num_heads, int num_kv_heads, int head_dim,
                 if (out_rotation) { /* values were summed in their rotated domain */
                     float summed[D];
                     memcpy(summed, o, sizeof(float) * D);
-                    rotate_row(summed, out_rotation, D, o);
+                    hadamard_unrotate(summed, out_rotation, D, o);
                 }
             }
         }
@@ -252,7 +252,7 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
         for (int r = 0; r < n * num_heads; r++) {
             float summed[head_dim];
             memcpy(summed, out + (int64_t)r * head_dim, sizeof(float) * head_dim);
-            rotate_row(summed, out_rotation, head_dim, out + (int64_t)r * head_dim);
+            hadamard_unrotate(summed, out_rotation, head_dim, out + (int64_t)r * head_dim);
         }
     }
     return failed ? -1 : 0;

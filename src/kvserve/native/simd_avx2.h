@@ -21,6 +21,16 @@ static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+/* The Walsh-Hadamard butterflies of distance 1, 2, .. VL/2 inside one vector, in that order: at each, lane
+ * j of a pair (j, j + h) becomes x_j + x_{j+h} and lane j + h x_j - x_{j+h} (hadamard.h). */
+static inline vf vf_hadamard_lanes(vf x) {
+    vf b = _mm256_permute_ps(x, 0xB1); /* pairs swapped */
+    x = _mm256_blend_ps(_mm256_add_ps(x, b), _mm256_sub_ps(b, x), 0xAA);
+    b = _mm256_permute_ps(x, 0x4E);
+    x = _mm256_blend_ps(_mm256_add_ps(x, b), _mm256_sub_ps(b, x), 0xCC);
+    b = _mm256_permute2f128_ps(x, x, 1);
+    return _mm256_blend_ps(_mm256_add_ps(x, b), _mm256_sub_ps(b, x), 0xF0);
+}
 static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vf_abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
 static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }

@@ -17,6 +17,18 @@ static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+/* The Walsh-Hadamard butterflies of distance 1, 2, .. VL/2 inside one vector, in that order: at each, lane
+ * j of a pair (j, j + h) becomes x_j + x_{j+h} and lane j + h x_j - x_{j+h} (hadamard.h). */
+static inline vf vf_hadamard_lanes(vf x) {
+    vf b = _mm512_permute_ps(x, 0xB1); /* pairs swapped */
+    x = _mm512_mask_blend_ps(0xAAAA, _mm512_add_ps(x, b), _mm512_sub_ps(b, x));
+    b = _mm512_permute_ps(x, 0x4E);
+    x = _mm512_mask_blend_ps(0xCCCC, _mm512_add_ps(x, b), _mm512_sub_ps(b, x));
+    b = _mm512_shuffle_f32x4(x, x, 0xB1); /* 128-bit lanes 1 0 3 2 */
+    x = _mm512_mask_blend_ps(0xF0F0, _mm512_add_ps(x, b), _mm512_sub_ps(b, x));
+    b = _mm512_shuffle_f32x4(x, x, 0x4E); /* 256-bit halves swapped */
+    return _mm512_mask_blend_ps(0xFF00, _mm512_add_ps(x, b), _mm512_sub_ps(b, x));
+}
 static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vf_abs(vf a) { return _mm512_abs_ps(a); }
 static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }

@@ -21,6 +21,15 @@ static inline vf vf_fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
 static inline vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
 static inline vf vf_add(vf a, vf b) { return vaddq_f32(a, b); }
 static inline vf vf_sub(vf a, vf b) { return vsubq_f32(a, b); }
+/* The Walsh-Hadamard butterflies of distance 1, 2, .. VL/2 inside one vector, in that order: at each, lane
+ * j of a pair (j, j + h) becomes x_j + x_{j+h} and lane j + h x_j - x_{j+h} (hadamard.h). */
+static inline vf vf_hadamard_lanes(vf x) {
+    static const uint32_t odd[4] = {0, ~0u, 0, ~0u}, high[4] = {0, 0, ~0u, ~0u};
+    vf b = vrev64q_f32(x); /* pairs swapped */
+    x = vbslq_f32(vld1q_u32(odd), vsubq_f32(b, x), vaddq_f32(x, b));
+    b = vextq_f32(x, x, 2);
+    return vbslq_f32(vld1q_u32(high), vsubq_f32(b, x), vaddq_f32(x, b));
+}
 static inline vf vf_div(vf a, vf b) { return vdivq_f32(a, b); }
 static inline vf vf_abs(vf a) { return vabsq_f32(a); }
 static inline vf vf_max(vf a, vf b) { return vmaxq_f32(a, b); }

@@ -18,6 +18,18 @@ static inline vf vf_fma(vf a, vf b, vf c) SIMD_MAP(vf, fmaf(a.v[l], b.v[l], c.v[
 static inline vf vf_mul(vf a, vf b) SIMD_MAP(vf, a.v[l] * b.v[l])
 static inline vf vf_add(vf a, vf b) SIMD_MAP(vf, a.v[l] + b.v[l])
 static inline vf vf_sub(vf a, vf b) SIMD_MAP(vf, a.v[l] - b.v[l])
+/* The Walsh-Hadamard butterflies of distance 1, 2, .. VL/2 inside one vector, in that order: at each, lane
+ * j of a pair (j, j + h) becomes x_j + x_{j+h} and lane j + h x_j - x_{j+h} (hadamard.h). */
+static inline vf vf_hadamard_lanes(vf x) {
+    for (int h = 1; h < VL; h *= 2)
+        for (int i = 0; i < VL; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = x.v[j], b = x.v[j + h];
+                x.v[j] = a + b;
+                x.v[j + h] = a - b;
+            }
+    return x;
+}
 static inline vf vf_div(vf a, vf b) SIMD_MAP(vf, a.v[l] / b.v[l])
 static inline vf vf_abs(vf a) SIMD_MAP(vf, fabsf(a.v[l]))
 static inline vf vf_max(vf a, vf b) SIMD_MAP(vf, a.v[l] > b.v[l] ? a.v[l] : b.v[l])
