@@ -31,6 +31,8 @@ def test_bench_rows_json_and_plot(tmp_path):
         (t, p, c) for t in ("f16", "q8_0") for p in (16, 32) for c in (1, 2)}
     for row in rows:
         assert row["engine"] == "kvserve" and row["decode_tok_s"] > 0 and row["ttft_ms"] > 0
+        assert row["kv_baseline"] == ("f16" if row["cache_type"] == "q8_0" else "")
+        assert (row["kv_ratio_decode"] > 0) == (row["cache_type"] == "q8_0")
         assert row["kv_bytes"] > 0 and row["peak_rss_bytes"] > 0 and row["bandwidth_bytes_s"] > 0
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "roofline" in r.stdout
@@ -51,6 +53,25 @@ def test_many_streams_are_compared_with_the_peers_stream_measured_alike():
     batched = row("llama.cpp", 16, 10.0, 150.0)  # llama-batched-bench: its own 16 streams
     assert aggregate_ratio(ours, batched) == "aggregate 2.00x llama.cpp's 16 streams"
     assert bandwidth_range([ours, peer, row("kvserve", 1, 1.0, 1.0, 4.5e10)]) == "30.0-45.0 GB/s"
+
+
+def test_kv_types_are_compared_by_the_ratios_of_each_round():
+    """A KV type against the first one benched: the median of the per-round ratios (each pair run one
+    after the other), not the ratio of the medians, which drift between rounds would move."""
+    from types import SimpleNamespace
+
+    from kvserve.benchmark.bench_report import kv_ratio
+    from kvserve.benchmark.measure import BenchRow
+    from kvserve.cli.bench import _paired_kv_ratios
+
+    def runs(decodes):
+        return [SimpleNamespace(prefill_tok_s=d * 10, decode_tok_s=d, aggregate_tok_s=d / 2) for d in decodes]
+
+    baseline, q8 = runs([100.0, 50.0, 200.0]), runs([110.0, 50.0, 180.0])  # per round 1.1, 1.0, 0.9
+    row = BenchRow("kvserve", "q8_0", 128, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1, 1)
+    _paired_kv_ratios(row, q8, baseline, "f16")
+    assert (row.kv_ratio_prefill, row.kv_ratio_decode, row.kv_ratio_aggregate) == (1.0, 1.0, 1.0)
+    assert kv_ratio(row) == "1.00x, 1.00x, 1.00x f16"
 
 
 def test_peak_rss_is_the_rows_own(monkeypatch):

@@ -13,7 +13,7 @@ from kvserve.quality.evaluate import evaluate, parse_type_pairs
 from kvserve.quality.teacher_forced import chunk_logprobs
 
 KEYS = {"cache_type_k", "cache_type_v", "bits_per_element", "kld", "top1_agreement", "ppl", "delta_ppl",
-        "needle"}
+        "needle", "top1_by_window"}
 
 
 def test_parse_type_pairs():
@@ -32,6 +32,22 @@ def test_rows_on_tiny_model(tiny_llama_hd64):
     assert 0 < by["q8_0"].kld < by["tq4"].kld < by["tq2"].kld
     assert by["q8_0"].bits_per_element == 8.5 and by["tq2"].bits_per_element == 2.25
     assert by["q8_0"].needle is None  # no tokenizer: no needle trials
+
+
+def test_windows_pool_what_each_window_scores_alone(tiny_llama_hd64):
+    """--windows N: each window teacher-forced from an empty cache, the scores pooled over all positions."""
+    import math
+
+    tokens = [(i * 7919) % 90 + 3 for i in range(240)]
+    alone = [evaluate(tiny_llama_hd64, part, [("q4_0", "q4_0")], chunk=64)[-1]
+             for part in (tokens[:120], tokens[120:])]
+    both = evaluate(tiny_llama_hd64, tokens, [("q4_0", "q4_0")], chunk=64, windows=2)[-1]
+    assert both.top1_by_window == [r.top1_agreement for r in alone]
+    assert both.top1_agreement == pytest.approx(sum(r.top1_agreement for r in alone) / 2)
+    assert both.kld == pytest.approx(sum(r.kld for r in alone) / 2)
+    assert both.ppl == pytest.approx(math.sqrt(alone[0].ppl * alone[1].ppl))
+    with pytest.raises(ValueError, match="windows"):
+        evaluate(tiny_llama_hd64, tokens[:3], [("q8_0", "q8_0")], windows=2)
 
 
 def test_chunking_does_not_change_the_f32_reference(tiny_llama_hd64):

@@ -64,12 +64,21 @@ def where_it_ran(rows: list[BenchRow]) -> str:
     return f"{rows[0].cpu}, {'; '.join(paths)}, {rows[0].threads} threads"
 
 
+def kv_ratio(r: BenchRow) -> str:
+    """Our row against our row of the first KV type benched (paired per round: cli/bench.py)."""
+    if not r.kv_baseline:
+        return ""
+    return (f"{r.kv_ratio_prefill:.2f}x, {r.kv_ratio_decode:.2f}x, {r.kv_ratio_aggregate:.2f}x "
+            f"{r.kv_baseline}")
+
+
 def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table("engine", "KV", "prompt", "conc", "TTFT ms", "prefill tok/s", "decode tok/s",
                   "ITL p50/p99 ms", "aggr tok/s", "spread", "roofline", "vs llama.cpp (prefill, decode)",
+                  "vs KV (prefill, decode, aggr)",
                   title=f"kvserve bench on {where_it_ran(rows)} (memory bandwidth beside our rows: "
                         f"{bandwidth_range(rows)})")
     peers = {(r.cache_type, r.prompt_len, r.concurrency): r for r in rows if r.engine == "llama.cpp"}
@@ -85,7 +94,7 @@ def print_table(rows: list[BenchRow], roof: dict[int, tuple[int, float]]) -> Non
         table.add_row(r.engine, r.cache_type, str(r.prompt_len), str(r.concurrency), f"{r.ttft_ms:.0f}",
                       f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.2f}",
                       f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}", f"{r.aggregate_tok_s:.1f}",
-                      f"{r.spread * 100:.0f}%", roof_text, ratio)
+                      f"{r.spread * 100:.0f}%", roof_text, ratio, kv_ratio(r))
     Console(width=None if sys.stdout.isatty() else 200).print(table)  # files and pipes get every column
 
 

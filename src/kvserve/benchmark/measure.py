@@ -36,6 +36,11 @@ class BenchRow:
     isa: str = ""
     threads: int = 0
     build_flags: str = ""
+    # against our row of another KV type, same workload: medians of the per-round ratios (cli/bench.py)
+    kv_baseline: str = ""
+    kv_ratio_prefill: float = 0.0
+    kv_ratio_decode: float = 0.0
+    kv_ratio_aggregate: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -60,39 +60,57 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     vocab = min(loaded.config.vocab_size, 32000)
     shared = [rng.randrange(100, vocab) for _ in range(args.prefix_share)]
+    cache_types = [c.strip() for c in args.cache_types.split(",") if c.strip()]
     rows = []
-    for cache_type in [c.strip() for c in args.cache_types.split(",") if c.strip()]:
-        for plen in args.prompt_lens:
-            for conc in args.concurrency:
-                prompts = [shared + [rng.randrange(100, vocab) for _ in range(max(1, plen - len(shared)))]
-                           for _ in range(conc)]
-                active = [r for r in runners if getattr(r, "supports", lambda *a: True)(cache_type, conc)]
-                results = _alternate(args, runners, active, prompts, cache_type, shared, measured_bandwidth)
-                for name, rs in results.items():
-                    row = median_row(rs)
-                    row.cpu, row.threads = native.cpu_model(), args.threads
-                    row.isa, row.build_flags = where[name]
-                    rows.append(row)
-                    console.print(f"{name} {cache_type} prompt {plen} x{conc}: TTFT {row.ttft_ms:.0f} ms, "
-                                  f"decode {row.decode_tok_s:.1f} tok/s, aggregate {row.aggregate_tok_s:.1f}")
+    for plen in args.prompt_lens:
+        for conc in args.concurrency:
+            prompts = [shared + [rng.randrange(100, vocab) for _ in range(max(1, plen - len(shared)))]
+                       for _ in range(conc)]
+            units = [(r, t) for t in cache_types for r in runners
+                     if getattr(r, "supports", lambda *a: True)(t, conc)]
+            results = _alternate(args, runners[0], units, prompts, shared, measured_bandwidth)
+            for (name, cache_type), rs in results.items():
+                row = median_row(rs)
+                row.cpu, row.threads = native.cpu_model(), args.threads
+                row.isa, row.build_flags = where[name]
+                if name == runners[0].name and cache_type != cache_types[0]:
+                    _paired_kv_ratios(row, rs, results[(name, cache_types[0])], cache_types[0])
+                rows.append(row)
+                console.print(f"{name} {cache_type} prompt {plen} x{conc}: TTFT {row.ttft_ms:.0f} ms, "
+                              f"decode {row.decode_tok_s:.1f} tok/s, aggregate {row.aggregate_tok_s:.1f}")
     print_table(rows, roofline(loaded, rows))
     _write_outputs(args, rows, write_plot)
     return 0
 
 
-def _alternate(args, runners: list, active: list, prompts: list, cache_type: str, shared: list,
-               measured_bandwidth) -> dict[str, list]:
-    """One workload's rows by engine: a warm-up, then ``args.repeats`` rounds A B A B ..., so that the
-    engines share the machine's state; ours (``runners[0]``) also measures the roofline's bandwidth."""
-    active[0].run([prompts[0][:16]], 2, cache_type)  # warm-up
-    results = {r.name: [] for r in active}
-    for _ in range(args.repeats):  # A B A B ...
-        for r in active:
+def _alternate(args, ours, units: list, prompts: list, shared: list, measured_bandwidth) -> dict[tuple, list]:
+    """One workload's rows by (engine, KV type): a warm-up, then ``args.repeats`` rounds of every unit in
+    turn (A B C A B C ...), so that engines and KV types share the machine's state and drift; ours also
+    measures the roofline's bandwidth."""
+    ours.run([prompts[0][:16]], 2, units[0][1])  # warm-up
+    results = {(r.name, t): [] for r, t in units}
+    for _ in range(args.repeats):
+        for r, cache_type in units:
             row = r.run(prompts, args.gen, cache_type, shared or None)
-            if r is runners[0]:  # ours: the roofline's bandwidth, measured at the same moment
+            if r is ours:  # the roofline's bandwidth, measured at the same moment
                 row.bandwidth_bytes_s = measured_bandwidth()
-            results[r.name].append(row)
+            results[(r.name, cache_type)].append(row)
     return results
+
+
+def _paired_kv_ratios(row, runs: list, baseline: list, baseline_type: str) -> None:
+    """Our row of a KV type against our row of the first type asked for, as medians of the ratios of
+    the runs of each round (run one after the other): drift over the rounds cancels in each pair."""
+    import statistics
+
+    def ratio(field: str) -> float:
+        pairs = [getattr(a, field) / getattr(b, field) for a, b in zip(runs, baseline, strict=True)
+                 if getattr(b, field) > 0]
+        return statistics.median(pairs) if pairs else 0.0
+
+    row.kv_baseline = baseline_type
+    row.kv_ratio_prefill, row.kv_ratio_decode, row.kv_ratio_aggregate = (
+        ratio("prefill_tok_s"), ratio("decode_tok_s"), ratio("aggregate_tok_s"))
 
 
 def _write_outputs(args, rows: list, write_plot) -> None:

@@ -63,3 +63,11 @@ def score(
         nll_sum -= float(logprobs.gather(1, targets[start : start + n, None]).sum())
         count += n
     return QualityScores(kld_sum / count, 100.0 * agree / count, math.exp(nll_sum / count), count)
+
+
+def pooled(parts: list[QualityScores]) -> QualityScores:
+    """Scores of several windows of text as one: each mean over all their positions."""
+    n = sum(p.num_positions for p in parts)
+    return QualityScores(sum(p.kld * p.num_positions for p in parts) / n,
+                         sum(p.top1_agreement * p.num_positions for p in parts) / n,
+                         math.exp(sum(math.log(p.ppl) * p.num_positions for p in parts) / n), n)
