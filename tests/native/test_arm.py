@@ -46,7 +46,8 @@ def arm_programs(tmp_path_factory) -> dict[str, Path]:
     programs = {}
     for path, flags in ARM_PATHS.items():
         program = out / f"kernels-{path}"
-        sources = [native.SOURCE_DIR / f"{name}.c" for name in ("int4_matmul", "int8_matmul", "kv_write")] + [DRIVER]
+        kernels = ("int4_matmul", "int8_matmul", "kv_write")
+        sources = [*(native.SOURCE_DIR / f"{name}.c" for name in kernels), DRIVER]
         base = [f for f in native.FLAGS if f not in ("-fPIC", "-shared")]
         subprocess.run([CROSS_CC, *base, *native.SOURCE_FLAGS["int4_matmul"], *flags,
                         f"-I{native.SOURCE_DIR}", "-static", *map(str, sources), "-o", str(program)],
@@ -102,12 +103,13 @@ def test_arm_hadamard_rotation_same_bits_as_x86_portable(arm_programs, tmp_path,
         signs = hadamard_signs(dim)
         header = np.array([32, 5, 3, 3 * dim, 0, 0, 4 * dim, 0], dtype=np.int32)
         (tmp_path / "in").write_bytes(header.tobytes() + x.numpy().tobytes() + signs.numpy().tobytes())
-        subprocess.run([QEMU, str(arm_programs[path]), str(tmp_path / "in"), str(tmp_path / "out")], check=True,
-                       timeout=300)
+        subprocess.run([QEMU, str(arm_programs[path]), str(tmp_path / "in"), str(tmp_path / "out")],
+                       check=True, timeout=300)
         raw = (tmp_path / "out").read_bytes()
         assert raw[4 * x.numel():].decode() == path
         ours = torch.from_numpy(np.frombuffer(raw[: 4 * x.numel()], dtype=np.float32).copy())
-        assert torch.equal(ours.view(3, 5, dim).transpose(0, 1), _rotated_rows("portable", x, signs)), (path, dim)
+        reference = _rotated_rows("portable", x, signs)
+        assert torch.equal(ours.view(3, 5, dim).transpose(0, 1), reference), (path, dim)
 
 
 @pytest.mark.parametrize("path", list(ARM_PATHS))

@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     rows = evaluate(loaded, token_ids, pairs, args.chunk, lengths,
                     on_row=lambda r: console.print(f"  {r.cache_type_k}/{r.cache_type_v}: KLD {r.kld:.5f}"),
                     windows=args.windows)
-    table = Table("K", "V", "bits/elem", "KLD", "top-1 %", *(["top-1 % by window"] if args.windows > 1 else []),
-                  "PPL", "ΔPPL", "needle",
+    by_window = ["top-1 % by window"] if args.windows > 1 else []
+    table = Table("K", "V", "bits/elem", "KLD", "top-1 %", *by_window, "PPL", "ΔPPL", "needle",
                   title=f"KV cache quality: {loaded.path.name}")
     for r in rows:
         table.add_row(r.cache_type_k, r.cache_type_v, f"{r.bits_per_element:.2f}", f"{r.kld:.5f}",

@@ -65,8 +65,8 @@ def evaluate(
     for w in range(windows):  # one window's f32 log-probs in memory at a time
         span = token_ids[w * size : (w + 1) * size]
         reference = reference_run(model, span, chunk)
-        for pair in scores:
-            scores[pair].append(score(model, span, reference, *pair, chunk))
+        for pair, parts in scores.items():
+            parts.append(score(model, span, reference, *pair, chunk))
         del reference
     base = pooled(scores[("f32", "f32")])
     filler = token_ids[:size]
