@@ -105,11 +105,13 @@ class DecoderLM:
     def key_balance(self) -> list[torch.Tensor | None] | None:
         """Per layer, the scales quantized keys are stored times (the queries divided by them), or None:
         see ``models.key_balance``."""
-        return key_balance(self)
+        return key_balance(self, self.key_centres())
 
     def key_transforms(self) -> dict[str, list[torch.Tensor | None] | None]:
-        """``PagedKVStorage``'s keyword arguments for quantized keys: their centres and balance."""
-        return {"key_centres": self.key_centres(), "key_balance": self.key_balance()}
+        """``PagedKVStorage``'s keyword arguments for quantized keys: their centres and balance (the
+        balance is measured on the centred keys, so it takes the centres computed once here)."""
+        centres = self.key_centres()
+        return {"key_centres": centres, "key_balance": key_balance(self, centres)}
 
     @functools.cached_property
     def steps(self) -> list[tuple]:

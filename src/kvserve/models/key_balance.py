@@ -80,12 +80,12 @@ def layer_mean_squares(layer, q_dim: int, kv_dim: int, heads: int, kv_heads: int
     return ms[:q_dim].view(heads, head_dim), ms[q_dim:].view(kv_heads, head_dim)
 
 
-def key_balance(model) -> list[torch.Tensor | None] | None:
+def key_balance(model, centres: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
     """Per layer of a ``DecoderLM``, the keys' scales [kv_heads, head_dim] f32 (None: the layer as it
-    is); None when no layer is balanced."""
+    is); None when no layer is balanced. ``centres``: the model's ``key_centres()``."""
     cfg = model.config
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    centres = model.key_centres() or [None] * len(model.layers)
+    centres = centres or [None] * len(model.layers)
     out = []
     for i, layer in enumerate(model.layers):
         ms = layer_mean_squares(layer, model.q_dim, model.kv_dim, heads, kv_heads, d, centres[i])
