@@ -18,6 +18,16 @@
 #include "driver_io.h"
 #include "kernels.h"
 
+/* y [n] f32, then the path's name, to path: 0, or 2 when it cannot be written. */
+static int write_result(const char *path, const float *y, size_t n) {
+    FILE *out = fopen(path, "wb");
+    if (!out) return 2;
+    fwrite(y, sizeof(float), n, out);
+    fputs(simd_isa(), out);
+    fclose(out);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     FILE *in = open_input(argc, argv);
     int32_t *h = read_exactly(in, 8 * sizeof(int32_t));
@@ -30,23 +40,14 @@ int main(int argc, char **argv) {
         float *rows = calloc((size_t)M * K, sizeof(float));
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)M * N);
         for (int i = 0; i < M * N; i++) slots[i] = i;
-        kv_write(0, x, M, N, K / N, slots, (uint8_t *)rows, 4 * (int64_t)(K / N), NULL, 0, (const float *)w, NULL, NULL, NULL);
-        FILE *out = fopen(argv[2], "wb");
-        if (!out) return 2;
-        fwrite(rows, sizeof(float), (size_t)M * K, out);
-        fputs(simd_isa(), out);
-        fclose(out);
-        return 0;
+        kv_write(0, x, M, N, K / N, slots, (uint8_t *)rows, 4 * (int64_t)(K / N), NULL, 0, (const float *)w, NULL,
+                 NULL, NULL);
+        return write_result(argv[2], rows, (size_t)M * K);
     }
     float *y = calloc((size_t)M * N, sizeof(float));
     int rc = kind == 4 ? int4_matmul(x, w, bias, M, N, K, y, 2, digits, layout, N)
              : kind == 16 ? int8_matmul_g16(x, w, bias, M, N, K, y, 2, N)
                           : int8_matmul(x, w, bias, M, N, K, y, 2, N);
     if (rc != 0) return 3;
-    FILE *out = fopen(argv[2], "wb");
-    if (!out) return 2;
-    fwrite(y, sizeof(float), (size_t)M * N, out);
-    fputs(simd_isa(), out);
-    fclose(out);
-    return 0;
+    return write_result(argv[2], y, (size_t)M * N);
 }

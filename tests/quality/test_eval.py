@@ -46,8 +46,9 @@ def test_windows_pool_what_each_window_scores_alone(tiny_llama_hd64):
     assert both.top1_agreement == pytest.approx(sum(r.top1_agreement for r in alone) / 2)
     assert both.kld == pytest.approx(sum(r.kld for r in alone) / 2)
     assert both.ppl == pytest.approx(math.sqrt(alone[0].ppl * alone[1].ppl))
-    with pytest.raises(ValueError, match="windows"):
-        evaluate(tiny_llama_hd64, tokens[:3], [("q8_0", "q8_0")], windows=2)
+    for few, windows in ((tokens[:3], 2), (tokens, 0)):
+        with pytest.raises(ValueError, match="windows"):
+            evaluate(tiny_llama_hd64, few, [("q8_0", "q8_0")], windows=windows)
 
 
 def test_chunking_does_not_change_the_f32_reference(tiny_llama_hd64):

@@ -52,14 +52,14 @@ def evaluate(
     windows: int = 1,
 ) -> list[EvalRow]:
     """``windows`` > 1: ``token_ids`` cut into that many equal windows, each teacher-forced from an empty
-    cache and the scores pooled over all their positions (top-1 over 1K positions moves by a few
-    tenths of a percent with the rounding of a single code; more windows at the same context say what a
-    type costs with less of that noise)."""
+    cache and the scores pooled over all their positions (the top-1 of one 1K window moves by up to a
+    percent between neighbouring windows of a text; more windows at the same context say what a type
+    costs with less of that noise)."""
     model = loaded.model
     for k, v in pairs:  # fail fast on a bad name before any long run
         make_codec(k, model.config.head_dim), make_codec(v, model.config.head_dim)
-    size = len(token_ids) // windows
-    if windows < 1 or size < 2:
+    size = len(token_ids) // windows if windows >= 1 else 0
+    if size < 2:
         raise ValueError(f"cannot cut {len(token_ids)} tokens into {windows} windows")
     scores: dict[tuple[str, str], list] = {pair: [] for pair in [("f32", "f32"), *pairs]}
     for w in range(windows):  # one window's f32 log-probs in memory at a time
