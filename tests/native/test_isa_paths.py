@@ -139,7 +139,7 @@ def test_hadamard_rotation_same_bits_as_portable(isa, dim):
     signs = hadamard_signs(dim)
     ours = _rotated_rows(isa, x, signs)
     assert torch.equal(ours, _rotated_rows("portable", x, signs))
-    exact = (x.double() @ signed_hadamard(dim).double()).float()
+    exact = (x.double() @ signed_hadamard(signs).double()).float()
     torch.testing.assert_close(ours, exact, rtol=0, atol=2e-6 * x.abs().max().item() * dim ** 0.5)
 
 

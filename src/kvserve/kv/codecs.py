@@ -178,9 +178,10 @@ def hadamard_signs(head_dim: int, seed: int = 0x5EED) -> torch.Tensor:
     return torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
 
 
-def signed_hadamard(head_dim: int, seed: int = 0x5EED) -> torch.Tensor:
-    """R with x @ R = H (signs * x): a Walsh-Hadamard transform after seeded random signs, orthogonal."""
-    return hadamard_signs(head_dim, seed)[:, None] * hadamard(head_dim)
+def signed_hadamard(signs: torch.Tensor) -> torch.Tensor:
+    """R with x @ R = H (signs * x): a Walsh-Hadamard transform after the signs (``hadamard_signs``),
+    orthogonal."""
+    return signs[:, None] * hadamard(signs.shape[0])
 
 
 class RotatedKeys(KVCodec):
@@ -195,8 +196,8 @@ class RotatedKeys(KVCodec):
     def __init__(self, base: KVCodec) -> None:
         super().__init__(base.head_dim)
         self.base, self.name = base, base.name
-        self.matrix = signed_hadamard(base.head_dim)
-        self.signs = hadamard_signs(base.head_dim)
+        self.signs = hadamard_signs(base.head_dim)  # what the C kernels take
+        self.matrix = signed_hadamard(self.signs)
         self._matrices: dict[tuple, torch.Tensor] = {}
 
     def _matrix(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,8 +235,8 @@ class RotatedCodec(KVCodec):
         super().__init__(head_dim)
         self.bits = bits
         self.name = f"tq{bits}"
-        self.matrix = signed_hadamard(head_dim, seed)  # x @ matrix = H (signs * x)
-        self.signs = hadamard_signs(head_dim, seed)
+        self.signs = hadamard_signs(head_dim, seed)  # what the C kernels take
+        self.matrix = signed_hadamard(self.signs)  # x @ matrix = H (signs * x)
         self.codebook = lloyd_max_codebook(bits) / math.sqrt(head_dim)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._byte_tables: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> [256, codes per byte]

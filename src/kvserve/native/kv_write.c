@@ -3,8 +3,9 @@
  * 120 a decode step; for tq2-4 ~15 (rotate, norm, bucketize, codebook norm, bit packing).
  * f32/f16/bf16/q8_0/q4_0: bit-for-bit the same codes as kv/codecs.py (round half to even, the f16
  * scale rounded before its inverse is taken). tq2-4: the same steps in the same float precision; the
- * rotation is a fast Walsh-Hadamard transform whose sums run in another order than torch's matmul, so a coordinate within rounding of a
- * bucket edge may land in the bucket next to it, and the norm may differ in its last f16 bit.
+ * rotation is a fast Walsh-Hadamard transform (hadamard.h) whose sums run in another order than torch's
+ * matmul, so a coordinate within rounding of a bucket edge may land in the bucket next to it, and the norm
+ * may differ in its last f16 bit.
  *
  *   x [tokens, kv_heads, D] f32  --(slot_rows[h * tokens + t])-->  codes/scales row of (h, t)
  */
