@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own llama-bench, llama-batched-bench and llama-server for this CPU from the
-# llama-cpp-python source package (its vendor/llama.cpp), the speed peer of `kvserve bench --compare
-# llama.cpp`. Not part of `make test`; nothing it writes is committed (build/ is ignored).
+# Builds llama.cpp's own llama-bench, llama-batched-bench, llama-server and llama-perplexity for this CPU
+# from the llama-cpp-python source package (its vendor/llama.cpp): the speed peer of `kvserve bench
+# --compare llama.cpp` and the quality peer of `kvserve eval --compare llama.cpp`. Not part of `make test`; nothing it writes is committed (build/ is ignored).
 #
 #   bench/build_llama_cpp.sh [DEST]      # DEST defaults to build/llama.cpp; ~20 minutes on 2 cores
 #
@@ -30,10 +30,10 @@ command -v cmake >/dev/null || "$python" -m pip install --quiet cmake
 cmake -S "$dest/src/vendor/llama.cpp" -B "$dest/cmake" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF ${LLAMA_CMAKE_ARGS:-} >"$dest/cmake.log"
-cmake --build "$dest/cmake" -j "$(nproc)" --target llama-bench llama-batched-bench llama-server >>"$dest/cmake.log"
+cmake --build "$dest/cmake" -j "$(nproc)" --target llama-bench llama-batched-bench llama-server llama-perplexity >>"$dest/cmake.log"
 mkdir -p "$dest/bin"
-for tool in llama-bench llama-batched-bench llama-server; do
+for tool in llama-bench llama-batched-bench llama-server llama-perplexity; do
     cp "$(find "$dest/cmake" -name "$tool" -type f -perm -u+x | head -1)" "$dest/bin/"
 done
 "$dest/bin/llama-bench" --help >/dev/null
-echo "built: $dest/bin (llama-bench, llama-batched-bench, llama-server)"
+echo "built: $dest/bin (llama-bench, llama-batched-bench, llama-server, llama-perplexity)"

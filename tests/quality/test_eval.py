@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvserve.quality.evaluate import evaluate, parse_type_pairs
-from kvserve.quality.teacher_forced import chunk_logprobs
+from kvserve.quality.teacher_forced import chunk_logprobs, reference_run, score
 
 KEYS = {"cache_type_k", "cache_type_v", "bits_per_element", "kld", "top1_agreement", "ppl", "delta_ppl",
-        "needle", "top1_by_window"}
+        "needle", "top1_by_window", "engine"}
 
 
 def test_parse_type_pairs():
@@ -49,6 +49,26 @@ def test_windows_pool_what_each_window_scores_alone(tiny_llama_hd64):
     for few, windows in ((tokens[:3], 2), (tokens, 0)):
         with pytest.raises(ValueError, match="windows"):
             evaluate(tiny_llama_hd64, few, [("q8_0", "q8_0")], windows=windows)
+
+
+def test_score_from_scores_only_the_later_positions(tiny_llama_hd64):
+    """llama.cpp's perplexity tool scores the second half of each window; score_from does the same."""
+    model = tiny_llama_hd64.model
+    tokens = [(i * 7919) % 90 + 3 for i in range(150)]
+    reference = reference_run(model, tokens, 64)
+    ours = torch.cat([lp for _, lp in chunk_logprobs(model, tokens, "q4_0", "q4_0", 64)])
+    ref = torch.cat(reference)
+    per_position_kld = (ref.exp() * (ref - ours)).sum(-1)
+    whole = score(model, tokens, reference, "q4_0", "q4_0", 64)
+    assert whole.kld == pytest.approx(float(per_position_kld.mean()))
+    for first in (70, 64, 1):  # inside a chunk, on a chunk's edge, near the start
+        late = score(model, tokens, reference, "q4_0", "q4_0", 64, score_from=first)
+        assert late.num_positions == len(tokens) - 1 - first
+        assert late.kld == pytest.approx(float(per_position_kld[first:].mean()))
+        agree = (ref.argmax(-1) == ours.argmax(-1))[first:].float().mean()
+        assert late.top1_agreement == pytest.approx(100 * float(agree))
+    with pytest.raises(ValueError, match="no position"):
+        score(model, tokens, reference, "q4_0", "q4_0", 64, score_from=len(tokens))
 
 
 def test_chunking_does_not_change_the_f32_reference(tiny_llama_hd64):

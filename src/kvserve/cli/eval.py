@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from kvserve.models.registry import DEFAULT_MODEL
 
@@ -24,13 +27,17 @@ def add_parser(sub, name: str) -> None:
                    help="context lengths of the needle-in-a-haystack trials; 'none' to skip")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT",
                    help="write the rows as JSON to OUT")
+    p.add_argument("--compare", choices=["llama.cpp"], default=None,
+                   help="also measure llama.cpp's KV types (those in --cache-types it has) with its own "
+                        "llama-perplexity --kl-divergence (built by `make llama-cpp`) on the same GGUF file "
+                        "and tokens; both sides then score the second half of each window, as llama.cpp does")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: all cores)")
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from kvserve.models.loader import load_model
     from kvserve.quality.evaluate import evaluate, parse_type_pairs
@@ -41,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         pairs.insert(0, ("f32", "f32"))
     if args.ctx < 32:
         raise ValueError("--ctx must be at least 32 tokens")
+    if args.windows < 1:
+        raise ValueError("--windows must be at least 1")
     lengths = [] if args.needle_lengths == "none" else [int(x) for x in args.needle_lengths.split(",") if x]
     text = load_text(args.text)
     console = Console(stderr=True)
@@ -48,30 +57,99 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_model(args.model, args.device, auto_pull=True)
     if loaded.tokenizer is None:
         raise ValueError("this model has no tokenizer; kvserve eval needs one")
-    if args.windows < 1:
-        raise ValueError("--windows must be at least 1")
-    want = args.ctx * args.windows
-    token_ids = loaded.tokenizer.encode(text)[:want]
-    if len(token_ids) < want:
-        raise ValueError(f"the text has only {len(token_ids)} tokens; lower --ctx or --windows, "
-                         "or give a longer --text")
-    console.print(f"teacher-forcing {args.windows} x {args.ctx} tokens per cache type; "
-                  f"needle lengths {lengths or 'skipped'}")
-    rows = evaluate(loaded, token_ids, pairs, args.chunk, lengths,
-                    on_row=lambda r: console.print(f"  {r.cache_type_k}/{r.cache_type_v}: KLD {r.kld:.5f}"),
-                    windows=args.windows)
-    by_window = ["top-1 % by window"] if args.windows > 1 else []
-    table = Table("K", "V", "bits/elem", "KLD", "top-1 %", *by_window, "PPL", "ΔPPL", "needle",
-                  title=f"KV cache quality: {loaded.path.name}")
-    for r in rows:
-        table.add_row(r.cache_type_k, r.cache_type_v, f"{r.bits_per_element:.2f}", f"{r.kld:.5f}",
-                      f"{r.top1_agreement:.2f}",
-                      *([" ".join(f"{t:.1f}" for t in r.top1_by_window)] if args.windows > 1 else []),
-                      f"{r.ppl:.3f}", f"{r.delta_ppl:+.3f}",
-                      "-" if r.needle is None else f"{r.needle:.2f}")
-    Console().print(table)
+    peer = _llama_perplexity(args, Path(loaded.path)) if args.compare else None
+    with tempfile.TemporaryDirectory(prefix="kvserve-eval-") as work:
+        if peer is not None:
+            token_ids = _peer_tokens(peer, loaded, text, args, Path(work))
+        else:
+            token_ids = _own_tokens(loaded, text, args)
+        console.print(f"teacher-forcing {args.windows} x {args.ctx} tokens per cache type; "
+                      f"needle lengths {lengths or 'skipped'}")
+        rows = evaluate(loaded, token_ids, pairs, args.chunk, lengths,
+                        on_row=lambda r: console.print(f"  {r.cache_type_k}/{r.cache_type_v}: "
+                                                       f"KLD {r.kld:.5f}"),
+                        windows=args.windows, score_from=args.ctx // 2 if peer is not None else 0)
+        if peer is not None:
+            rows += _peer_rows(peer, pairs, Path(work) / "reference.kld", args.ctx, console)
+    Console().print(_table(rows, loaded.path.name, args.windows, peer is not None))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump([r.as_dict() for r in rows], f, indent=2)
         print(f"wrote {args.json_out}", file=sys.stderr)
     return 0
+
+
+def _own_tokens(loaded, text: str, args: argparse.Namespace) -> list[int]:
+    want = args.ctx * args.windows
+    token_ids = loaded.tokenizer.encode(text)[:want]
+    if len(token_ids) < want:
+        raise ValueError(f"the text has only {len(token_ids)} tokens; lower --ctx or --windows, "
+                         "or give a longer --text")
+    return token_ids
+
+
+def _llama_perplexity(args: argparse.Namespace, path: Path):
+    from kvserve.benchmark.peers import llama_tools_dir
+    from kvserve.quality.llama_cpp import LlamaPerplexity
+
+    folder = llama_tools_dir(("llama-perplexity",))
+    if folder is None:
+        raise ValueError("--compare llama.cpp needs llama.cpp's llama-perplexity: build it with "
+                         "`make llama-cpp` (or point KVSERVE_LLAMA_CPP_BIN at a folder that has it)")
+    if (args.ctx - 1 - args.ctx // 2) * args.windows < 100:
+        raise ValueError("llama-perplexity prints no statistics under 100 scored positions: "
+                         "raise --ctx or --windows (it scores the second half of each window)")
+    if path.suffix != ".gguf":
+        raise ValueError(f"--compare llama.cpp needs a GGUF file; {args.model} is not one")
+    return LlamaPerplexity(folder, path, args.threads or os.cpu_count() or 1)
+
+
+def _peer_tokens(peer, loaded, text: str, args: argparse.Namespace, work: Path) -> list[int]:
+    """llama.cpp's reference run tokenizes the text and writes its windows' tokens with its log-probs; our
+    rows are scored on those same tokens, the first of each window made BOS where the model adds one (as
+    llama-perplexity does)."""
+    from kvserve.quality.llama_cpp import read_logits_tokens
+
+    (work / "text.txt").write_text(text, encoding="utf-8")
+    peer.reference(work / "text.txt", args.ctx, args.windows, work / "reference.kld")
+    n_ctx, windows = read_logits_tokens(work / "reference.kld")
+    if n_ctx != args.ctx or len(windows) != args.windows:
+        raise ValueError(f"llama-perplexity wrote {len(windows)} x {n_ctx} tokens, not {args.windows} x "
+                         f"{args.ctx}: the text is too short (needs 2 x --ctx, --ctx x --windows tokens)")
+    tokenizer = loaded.tokenizer
+    if tokenizer.add_bos and tokenizer.bos_token_id is not None:
+        windows = [[tokenizer.bos_token_id, *w[1:]] for w in windows]
+    return [t for w in windows for t in w]
+
+
+def _peer_rows(peer, pairs, logits_file: Path, ctx: int, console) -> list:
+    from kvserve.quality.evaluate import EvalRow
+    from kvserve.quality.llama_cpp import GGML_KV_BITS
+
+    rows = []
+    for k, v in pairs:
+        if k not in GGML_KV_BITS or v not in GGML_KV_BITS:
+            continue
+        with console.status(f"llama.cpp {k}/{v}"):
+            q = peer.measure(k, v, logits_file, ctx)
+        console.print(f"  llama.cpp {k}/{v}: KLD {q.kld:.5f}")
+        rows.append(EvalRow(k, v, (GGML_KV_BITS[k] + GGML_KV_BITS[v]) / 2, q.kld, q.top1_agreement, q.ppl,
+                            q.ppl - q.base_ppl, None, engine="llama.cpp"))
+    return rows
+
+
+def _table(rows, name: str, windows: int, compare: bool):
+    from rich.table import Table
+
+    by_window = ["top-1 % by window"] if windows > 1 else []
+    engine = ["engine"] if compare else []
+    scored = " (second half of each window scored, as llama.cpp does)" if compare else ""
+    table = Table(*engine, "K", "V", "bits/elem", "KLD", "top-1 %", *by_window, "PPL", "ΔPPL", "needle",
+                  title=f"KV cache quality: {name}{scored}")
+    for r in rows:
+        windows_cell = [" ".join(f"{t:.1f}" for t in r.top1_by_window) if r.top1_by_window else "-"]
+        table.add_row(*([r.engine] if compare else []), r.cache_type_k, r.cache_type_v,
+                      f"{r.bits_per_element:.2f}", f"{r.kld:.5f}", f"{r.top1_agreement:.2f}",
+                      *(windows_cell if windows > 1 else []), f"{r.ppl:.3f}", f"{r.delta_ppl:+.3f}",
+                      "-" if r.needle is None else f"{r.needle:.2f}")
+    return table

@@ -23,6 +23,7 @@ class EvalRow:
     delta_ppl: float
     needle: float | None  # fraction found, None when not run
     top1_by_window: list[float] = field(default_factory=list)  # each window's top-1 %, in text order
+    engine: str = "kvserve"  # or "llama.cpp": a peer's row (``--compare llama.cpp``)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,11 +51,13 @@ def evaluate(
     needle_depths: list[float] = (0.1, 0.5, 0.9),
     on_row=None,
     windows: int = 1,
+    score_from: int = 0,
 ) -> list[EvalRow]:
     """``windows`` > 1: ``token_ids`` cut into that many equal windows, each teacher-forced from an empty
     cache and the scores pooled over all their positions (the top-1 of one 1K window moves by up to a
     percent between neighbouring windows of a text; more windows at the same context say what a type
-    costs with less of that noise)."""
+    costs with less of that noise). ``score_from``: each window's first scored position (llama.cpp's
+    ``llama-perplexity`` scores the second half of each window: ``window // 2``)."""
     model = loaded.model
     for k, v in pairs:  # fail fast on a bad name before any long run
         make_codec(k, model.config.head_dim), make_codec(v, model.config.head_dim)
@@ -66,7 +69,7 @@ def evaluate(
         span = token_ids[w * size : (w + 1) * size]
         reference = reference_run(model, span, chunk)
         for pair, parts in scores.items():
-            parts.append(score(model, span, reference, *pair, chunk))
+            parts.append(score(model, span, reference, *pair, chunk, score_from))
         del reference
     base = pooled(scores[("f32", "f32")])
     filler = token_ids[:size]

@@ -50,18 +50,26 @@ def reference_run(model: DecoderLM, token_ids: list[int], chunk: int) -> list[to
 
 def score(
     model: DecoderLM, token_ids: list[int], reference: list[torch.Tensor], cache_type_k: str,
-    cache_type_v: str, chunk: int,
+    cache_type_v: str, chunk: int, score_from: int = 0,
 ) -> QualityScores:
+    """Scores the positions from ``score_from`` on (every earlier one still fills the cache): llama.cpp's
+    perplexity tool scores only the second half of each window, and a comparison with it must too."""
     kld_sum = agree = nll_sum = 0.0
     count = 0
     targets = torch.tensor(token_ids[1:], device=model.device)
     for (start, logprobs), ref in zip(chunk_logprobs(model, token_ids, cache_type_k, cache_type_v, chunk),
                                       reference, strict=True):
+        skip = max(0, score_from - start)
+        if skip >= logprobs.shape[0]:
+            continue
+        logprobs, ref, start = logprobs[skip:], ref[skip:], start + skip
         n = logprobs.shape[0]
         kld_sum += float((ref.exp() * (ref - logprobs)).sum())
         agree += int((ref.argmax(-1) == logprobs.argmax(-1)).sum())
         nll_sum -= float(logprobs.gather(1, targets[start : start + n, None]).sum())
         count += n
+    if count == 0:
+        raise ValueError(f"no position to score: {len(token_ids)} tokens, scoring from {score_from}")
     return QualityScores(kld_sum / count, 100.0 * agree / count, math.exp(nll_sum / count), count)
 
 
