@@ -146,6 +146,7 @@ def test_llama_cpps_own_tools_are_read_as_its_users_quote_them(tmp_path, monkeyp
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("KVSERVE_LLAMA_CPP_BIN", str(tmp_path))
     assert llama_tools_dir() == tmp_path
+    assert llama_tools_dir(("llama-perplexity",)) is None  # the variable names the one folder looked in
     runner = LlamaToolsRunner("model.gguf", 2, tmp_path)
     one = runner.run([[1] * 512], 64, "q8_0")
     assert (one.prefill_tok_s, one.decode_tok_s, one.ttft_ms) == (400.0, 50.0, 1280.0)

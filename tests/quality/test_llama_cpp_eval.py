@@ -73,7 +73,7 @@ if "--kl-divergence" not in args:
         f.write(b"_logits_" + struct.pack("<Iii", n_ctx, 49152, chunks))
         f.write(struct.pack(f"<{{len(tokens)}}i", *tokens))
 else:
-    kld = {{"f32": 0.00001, "q8_0": 0.004, "q4_0": 0.05}}[opt("-ctk")]
+    kld = {{"f32": 0.00001, "q8_0": 0.004, "q4_0": 0.05, "q4_1": 0.045}}[opt("-ctk")]
     print({summary!r}.replace("0.051234", f"{{kld:.6f}}"))
 '''
 
@@ -87,7 +87,7 @@ def test_compare_llama_cpp_rows_beside_ours(tmp_path):
     out = tmp_path / "eval.json"
     r = subprocess.run(
         [sys.executable, "-m", "kvserve", "eval", "smollm2", "--ctx", "256", "--windows", "2",
-         "--cache-types", "q8_0,q4_0,tq4", "--needle-lengths", "none", "--compare", "llama.cpp",
+         "--cache-types", "q8_0,q4_0,tq4,q4_1", "--needle-lengths", "none", "--compare", "llama.cpp",
          "--threads", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, "KVSERVE_LLAMA_CPP_BIN": str(tmp_path)},
@@ -97,8 +97,8 @@ def test_compare_llama_cpp_rows_beside_ours(tmp_path):
     ours = {row["cache_type_k"]: row for row in rows if row["engine"] == "kvserve"}
     peer = {row["cache_type_k"]: row for row in rows if row["engine"] == "llama.cpp"}
     assert set(ours) == {"f32", "q8_0", "q4_0", "tq4"}
-    assert set(peer) == {"f32", "q8_0", "q4_0"}  # llama.cpp has no tq4
-    assert [peer[t]["kld"] for t in ("f32", "q8_0", "q4_0")] == [0.00001, 0.004, 0.05]
+    assert set(peer) == {"f32", "q8_0", "q4_0", "q4_1"}  # llama.cpp has no tq4, we have no q4_1
+    assert [peer[t]["kld"] for t in ("f32", "q8_0", "q4_0", "q4_1")] == [0.00001, 0.004, 0.05, 0.045]
     assert peer["q4_0"]["bits_per_element"] == 4.5 and peer["q4_0"]["delta_ppl"] == pytest.approx(0.345678)
     assert len(ours["q4_0"]["top1_by_window"]) == 2 and 0 < ours["q8_0"]["kld"] < ours["q4_0"]["kld"]
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -106,15 +106,23 @@ def test_compare_llama_cpp_rows_beside_ours(tmp_path):
     assert reference[reference.index("-ctk") + 1] == "f32"
     assert reference[reference.index("--chunks") + 1] == "2"
     assert all(c[c.index("-fa") + 1] == "on" and c[c.index("-c") + 1] == "256" for c in calls)
-    assert [c[c.index("-ctv") + 1] for c in measured] == ["f32", "q8_0", "q4_0"]
+    assert [c[c.index("-ctv") + 1] for c in measured] == ["f32", "q8_0", "q4_0", "q4_1"]
     assert "llama.cpp" in r.stdout and "second half" in r.stdout
 
 
-def test_compare_needs_the_tool(tmp_path):
+@pytest.mark.parametrize("args, message", [
+    (["--compare", "llama.cpp"], "make llama-cpp"),  # no llama-perplexity where it looks
+    (["--compare", "llama.cpp", "--cache-types", "q4_1,q9_9"], "neither kvserve nor llama.cpp has it"),
+    (["--cache-types", "q4_1"], "unknown KV cache type 'q4_1'"),  # a llama.cpp type needs --compare
+])
+def test_compare_errors(tmp_path, args, message):
+    if "q9_9" in args[-1]:  # past the tool lookup: a stand-in that must not be reached
+        (tmp_path / "llama-perplexity").write_text("#!/bin/sh\nexit 3\n")
+        (tmp_path / "llama-perplexity").chmod(0o755)
     r = subprocess.run(
         [sys.executable, "-m", "kvserve", "eval", "smollm2", "--ctx", "256", "--needle-lengths", "none",
-         "--compare", "llama.cpp"],
+         *args],
         capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
         env={**os.environ, "KVSERVE_LLAMA_CPP_BIN": str(tmp_path)},
     )
-    assert r.returncode != 0 and "make llama-cpp" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr

@@ -86,11 +86,11 @@ LLAMA_TOOLS = ("llama-bench", "llama-batched-bench")
 
 def llama_tools_dir(tools: tuple[str, ...] = LLAMA_TOOLS) -> Path | None:
     """Where llama.cpp's ``tools`` (by default llama-bench and llama-batched-bench) are:
-    $KVSERVE_LLAMA_CPP_BIN, else the build/llama.cpp/bin that bench/build_llama_cpp.sh writes (from the
-    working directory or the checkout)."""
-    candidates = [os.environ.get("KVSERVE_LLAMA_CPP_BIN", "")]
-    candidates += [Path.cwd() / "build/llama.cpp/bin",
-                   Path(__file__).resolve().parents[3] / "build/llama.cpp/bin"]
+    $KVSERVE_LLAMA_CPP_BIN where it is set (and nowhere else), else the build/llama.cpp/bin that
+    bench/build_llama_cpp.sh writes (from the working directory or the checkout)."""
+    chosen = os.environ.get("KVSERVE_LLAMA_CPP_BIN", "")
+    candidates = [chosen] if chosen else [Path.cwd() / "build/llama.cpp/bin",
+                                          Path(__file__).resolve().parents[3] / "build/llama.cpp/bin"]
     for folder in candidates:
         if folder and all((Path(folder) / tool).is_file() for tool in tools):
             return Path(folder)

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     pairs = parse_type_pairs(args.cache_types)
     if ("f32", "f32") not in pairs:
         pairs.insert(0, ("f32", "f32"))
+    ours = _ours(pairs, args.compare is not None)
     if args.ctx < 32:
         raise ValueError("--ctx must be at least 32 tokens")
     if args.windows < 1:
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             token_ids = _own_tokens(loaded, text, args)
         console.print(f"teacher-forcing {args.windows} x {args.ctx} tokens per cache type; "
                       f"needle lengths {lengths or 'skipped'}")
-        rows = evaluate(loaded, token_ids, pairs, args.chunk, lengths,
+        rows = evaluate(loaded, token_ids, ours, args.chunk, lengths,
                         on_row=lambda r: console.print(f"  {r.cache_type_k}/{r.cache_type_v}: "
                                                        f"KLD {r.kld:.5f}"),
                         windows=args.windows, score_from=args.ctx // 2 if peer is not None else 0)
@@ -77,6 +78,21 @@ def run(args: argparse.Namespace) -> int:
             json.dump([r.as_dict() for r in rows], f, indent=2)
         print(f"wrote {args.json_out}", file=sys.stderr)
     return 0
+
+
+def _ours(pairs: list[tuple[str, str]], compare: bool) -> list[tuple[str, str]]:
+    """The pairs kvserve runs: with --compare llama.cpp, types only llama.cpp has (q4_1, q5_0, iq4_nl ...)
+    are its rows alone; a name neither knows is an error."""
+    from kvserve.kv.cache_types import KV_TYPES
+    from kvserve.quality.llama_cpp import GGML_KV_BITS
+
+    if not compare:
+        return pairs
+    for k, v in pairs:
+        for name in (k, v):
+            if name not in KV_TYPES and name not in GGML_KV_BITS:
+                raise ValueError(f"unknown KV cache type {name!r}: neither kvserve nor llama.cpp has it")
+    return [(k, v) for k, v in pairs if k in KV_TYPES and v in KV_TYPES]
 
 
 def _own_tokens(loaded, text: str, args: argparse.Namespace) -> list[int]:
