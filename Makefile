@@ -74,11 +74,11 @@ test: test-setup lint cross-tools browser agents
 	$(KVSERVE) pull all-minilm
 	$(PY) -m pytest -q --durations=30
 
-# llama.cpp's own llama-bench, llama-batched-bench and llama-server, built for this CPU from the
-# llama-cpp-python source package into build/llama.cpp/bin (~20 minutes on 2 cores, once): the speed peer of
-# `kvserve bench --compare llama.cpp`. Never part of `make test`.
+# llama.cpp's own llama-bench, llama-batched-bench, llama-server and llama-perplexity, built for this CPU from
+# the llama-cpp-python source package into build/llama.cpp/bin (~20 minutes on 2 cores, once): the peer of
+# `kvserve bench --compare llama.cpp` and `kvserve eval --compare llama.cpp`. Never part of `make test`.
 llama-cpp: setup
-	@test -x build/llama.cpp/bin/llama-bench || PYTHON=$(PY) bench/build_llama_cpp.sh
+	@test -x build/llama.cpp/bin/llama-perplexity || PYTHON=$(PY) bench/build_llama_cpp.sh
 
 # Side-by-side speed against llama.cpp's own tools.
 bench: model llama-cpp

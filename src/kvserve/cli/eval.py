@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.models.loader import load_model
     from kvserve.quality.evaluate import evaluate, parse_type_pairs
-    from kvserve.quality.text import load_text
+    from kvserve.quality.text import load_text, token_windows
 
     pairs = parse_type_pairs(args.cache_types)
     if ("f32", "f32") not in pairs:
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if peer is not None:
             token_ids = _peer_tokens(peer, loaded, text, args, Path(work))
         else:
-            token_ids = _own_tokens(loaded, text, args)
+            token_ids = token_windows(loaded.tokenizer, text, args.ctx, args.windows)
         console.print(f"teacher-forcing {args.windows} x {args.ctx} tokens per cache type; "
                       f"needle lengths {lengths or 'skipped'}")
         rows = evaluate(loaded, token_ids, ours, args.chunk, lengths,
@@ -93,15 +93,6 @@ def _ours(pairs: list[tuple[str, str]], compare: bool) -> list[tuple[str, str]]:
             if name not in KV_TYPES and name not in GGML_KV_BITS:
                 raise ValueError(f"unknown KV cache type {name!r}: neither kvserve nor llama.cpp has it")
     return [(k, v) for k, v in pairs if k in KV_TYPES and v in KV_TYPES]
-
-
-def _own_tokens(loaded, text: str, args: argparse.Namespace) -> list[int]:
-    want = args.ctx * args.windows
-    token_ids = loaded.tokenizer.encode(text)[:want]
-    if len(token_ids) < want:
-        raise ValueError(f"the text has only {len(token_ids)} tokens; lower --ctx or --windows, "
-                         "or give a longer --text")
-    return token_ids
 
 
 def _llama_perplexity(args: argparse.Namespace, path: Path):
