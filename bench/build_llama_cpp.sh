@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own llama-bench, llama-batched-bench, llama-server and llama-perplexity for this CPU
 # from the llama-cpp-python source package (its vendor/llama.cpp): the speed peer of `kvserve bench
-# --compare llama.cpp` and the quality peer of `kvserve eval --compare llama.cpp`. Not part of `make test`; nothing it writes is committed (build/ is ignored).
+# --compare llama.cpp` and the quality peer of `kvserve eval --compare llama.cpp`. Not part of `make
+# test`; nothing it writes is committed (build/ is ignored).
 #
 #   bench/build_llama_cpp.sh [DEST]      # DEST defaults to build/llama.cpp; ~20 minutes on 2 cores
 #

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvserve.quality.llama_cpp import parse_kld_output, read_logits_tokens
+from kvserve.quality.llama_cpp import PeerToolError, parse_kld_output, read_logits_tokens
 
 SUMMARY = """\
 ====== Perplexity statistics ======
@@ -35,7 +35,7 @@ Same top p: 87.912 ± 0.512 %
 def test_parse_kld_output():
     q = parse_kld_output("llama_context: n_ctx = 1024\n" + SUMMARY)
     assert (q.kld, q.top1_agreement, q.ppl, q.base_ppl) == (0.051234, 87.912, 12.345678, 12.0)
-    with pytest.raises(ValueError, match="kld"):
+    with pytest.raises(PeerToolError, match="kld"):
         parse_kld_output(SUMMARY.replace("Mean    KLD", "Mean KL"))
 
 
@@ -110,14 +110,15 @@ def test_compare_llama_cpp_rows_beside_ours(tmp_path):
     assert "llama.cpp" in r.stdout and "second half" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--compare", "llama.cpp"], "make llama-cpp"),  # no llama-perplexity where it looks
-    (["--compare", "llama.cpp", "--cache-types", "q4_1,q9_9"], "neither kvserve nor llama.cpp has it"),
-    (["--cache-types", "q4_1"], "unknown KV cache type 'q4_1'"),  # a llama.cpp type needs --compare
+@pytest.mark.parametrize("args, stand_in, message", [
+    (["--compare", "llama.cpp"], False, "make llama-cpp"),  # no llama-perplexity where it looks
+    (["--compare", "llama.cpp", "--cache-types", "q4_1,q9_9"], True, "neither kvserve nor llama.cpp has it"),
+    (["--cache-types", "q4_1"], False, "unknown KV cache type 'q4_1'"),  # a llama.cpp type needs --compare
+    (["--compare", "llama.cpp", "--cache-types", "q4_0"], True, "llama-perplexity failed: no such thing"),
 ])
-def test_compare_errors(tmp_path, args, message):
-    if "q9_9" in args[-1]:  # past the tool lookup: a stand-in that must not be reached
-        (tmp_path / "llama-perplexity").write_text("#!/bin/sh\nexit 3\n")
+def test_compare_errors(tmp_path, args, stand_in, message):
+    if stand_in:  # a llama-perplexity that fails (the q9_9 case must stop before it)
+        (tmp_path / "llama-perplexity").write_text("#!/bin/sh\necho no such thing >&2\nexit 3\n")
         (tmp_path / "llama-perplexity").chmod(0o755)
     r = subprocess.run(
         [sys.executable, "-m", "kvserve", "eval", "smollm2", "--ctx", "256", "--needle-lengths", "none",

@@ -19,11 +19,17 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.errors import KVServeError
+
 LOGITS_MAGIC = b"_logits_"
 
 # Bits per element of the ggml types llama.cpp's KV cache takes, block scales included.
 GGML_KV_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0,
                 "q4_0": 4.5, "iq4_nl": 4.5}
+
+
+class PeerToolError(KVServeError):
+    """llama-perplexity failed or printed no summary: its last lines say why."""
 
 
 @dataclass(slots=True)
@@ -67,7 +73,7 @@ def parse_kld_output(text: str) -> LlamaQuality:
     for name, pattern in _STATS.items():
         found = re.search(pattern, text)
         if found is None:
-            raise ValueError(f"llama-perplexity printed no {name!r} statistic")
+            raise PeerToolError(f"llama-perplexity printed no {name!r} statistic")
         values[name] = float(found.group(1))
     return LlamaQuality(**values)
 
@@ -81,11 +87,14 @@ class LlamaPerplexity:
         self.model_path, self.threads = str(model_path), threads
 
     def _run(self, *args: str) -> str:
-        out = subprocess.run([str(self.tool), "-m", self.model_path, "-t", str(self.threads), "-fa", "on",
-                              *args], capture_output=True, text=True, timeout=7200, check=False)
+        try:
+            out = subprocess.run([str(self.tool), "-m", self.model_path, "-t", str(self.threads), "-fa", "on",
+                                  *args], capture_output=True, text=True, timeout=7200, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise PeerToolError(f"llama-perplexity did not run: {e}") from e
         if out.returncode != 0:
             tail = [line for line in (out.stderr + out.stdout).strip().splitlines() if line.strip()][-3:]
-            raise RuntimeError("llama-perplexity failed: " + " | ".join(tail))
+            raise PeerToolError("llama-perplexity failed: " + " | ".join(tail))
         return out.stdout + out.stderr
 
     def reference(self, text_file: str | Path, ctx: int, chunks: int, logits_file: str | Path) -> None:
