@@ -59,19 +59,22 @@ def run(args: argparse.Namespace) -> int:
     if loaded.tokenizer is None:
         raise ValueError("this model has no tokenizer; kvserve eval needs one")
     peer = _llama_perplexity(args, Path(loaded.path)) if args.compare else None
+
+    def show(r) -> None:
+        console.print(f"  {'llama.cpp ' if r.engine != 'kvserve' else ''}{r.cache_type_k}/{r.cache_type_v}: "
+                      f"KLD {r.kld:.5f}")
+
     with tempfile.TemporaryDirectory(prefix="kvserve-eval-") as work:
         if peer is not None:
-            token_ids = _peer_tokens(peer, loaded, text, args, Path(work))
+            token_ids = peer.reference_tokens(loaded.tokenizer, text, args.ctx, args.windows, Path(work))
         else:
             token_ids = token_windows(loaded.tokenizer, text, args.ctx, args.windows)
         console.print(f"teacher-forcing {args.windows} x {args.ctx} tokens per cache type; "
                       f"needle lengths {lengths or 'skipped'}")
-        rows = evaluate(loaded, token_ids, ours, args.chunk, lengths,
-                        on_row=lambda r: console.print(f"  {r.cache_type_k}/{r.cache_type_v}: "
-                                                       f"KLD {r.kld:.5f}"),
-                        windows=args.windows, score_from=args.ctx // 2 if peer is not None else 0)
+        rows = evaluate(loaded, token_ids, ours, args.chunk, lengths, on_row=show, windows=args.windows,
+                         score_from=args.ctx // 2 if peer is not None else 0)
         if peer is not None:
-            rows += _peer_rows(peer, pairs, Path(work) / "reference.kld", args.ctx, console)
+            rows += peer.rows(pairs, Path(work), args.ctx, on_row=show)
     Console().print(_table(rows, loaded.path.name, args.windows, peer is not None))
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -109,40 +112,6 @@ def _llama_perplexity(args: argparse.Namespace, path: Path):
     if path.suffix != ".gguf":
         raise ValueError(f"--compare llama.cpp needs a GGUF file; {args.model} is not one")
     return LlamaPerplexity(folder, path, args.threads or os.cpu_count() or 1)
-
-
-def _peer_tokens(peer, loaded, text: str, args: argparse.Namespace, work: Path) -> list[int]:
-    """llama.cpp's reference run tokenizes the text and writes its windows' tokens with its log-probs; our
-    rows are scored on those same tokens, the first of each window made BOS where the model adds one (as
-    llama-perplexity does)."""
-    from kvserve.quality.llama_cpp import read_logits_tokens
-
-    (work / "text.txt").write_text(text, encoding="utf-8")
-    peer.reference(work / "text.txt", args.ctx, args.windows, work / "reference.kld")
-    n_ctx, windows = read_logits_tokens(work / "reference.kld")
-    if n_ctx != args.ctx or len(windows) != args.windows:
-        raise ValueError(f"llama-perplexity wrote {len(windows)} x {n_ctx} tokens, not {args.windows} x "
-                         f"{args.ctx}: the text is too short (needs 2 x --ctx, --ctx x --windows tokens)")
-    tokenizer = loaded.tokenizer
-    if tokenizer.add_bos and tokenizer.bos_token_id is not None:
-        windows = [[tokenizer.bos_token_id, *w[1:]] for w in windows]
-    return [t for w in windows for t in w]
-
-
-def _peer_rows(peer, pairs, logits_file: Path, ctx: int, console) -> list:
-    from kvserve.quality.evaluate import EvalRow
-    from kvserve.quality.llama_cpp import GGML_KV_BITS
-
-    rows = []
-    for k, v in pairs:
-        if k not in GGML_KV_BITS or v not in GGML_KV_BITS:
-            continue
-        with console.status(f"llama.cpp {k}/{v}"):
-            q = peer.measure(k, v, logits_file, ctx)
-        console.print(f"  llama.cpp {k}/{v}: KLD {q.kld:.5f}")
-        rows.append(EvalRow(k, v, (GGML_KV_BITS[k] + GGML_KV_BITS[v]) / 2, q.kld, q.top1_agreement, q.ppl,
-                            q.ppl - q.base_ppl, None, engine="llama.cpp"))
-    return rows
 
 
 def _table(rows, name: str, windows: int, compare: bool):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import KVServeError
+from kvserve.quality.evaluate import EvalRow
+from kvserve.quality.text import bos_prefix
 
 LOGITS_MAGIC = b"_logits_"
 
@@ -97,11 +99,32 @@ class LlamaPerplexity:
             raise PeerToolError("llama-perplexity failed: " + " | ".join(tail))
         return out.stdout + out.stderr
 
-    def reference(self, text_file: str | Path, ctx: int, chunks: int, logits_file: str | Path) -> None:
-        """Writes the f32-cache reference (tokens and log-probabilities) of ``chunks`` chunks of ``ctx``
-        tokens of the text to ``logits_file``."""
-        self._run("-f", str(text_file), "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
-                  "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", str(logits_file))
+    def reference_tokens(self, tokenizer, text: str, ctx: int, windows: int, work: Path) -> list[int]:
+        """Runs the f32-cache reference of ``windows`` chunks of ``ctx`` tokens of the text (its tokens
+        and log-probabilities into ``work``/reference.kld) and returns those tokens for our rows, the first
+        of each window made BOS where the model adds one, as llama-perplexity does."""
+        (work / "text.txt").write_text(text, encoding="utf-8")
+        self._run("-f", str(work / "text.txt"), "-c", str(ctx), "-b", str(ctx), "--chunks", str(windows),
+                  "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", str(work / "reference.kld"))
+        n_ctx, chunks = read_logits_tokens(work / "reference.kld")
+        if n_ctx != ctx or len(chunks) != windows:
+            raise ValueError(f"llama-perplexity wrote {len(chunks)} x {n_ctx} tokens, not {windows} x {ctx}: "
+                             "the text is too short (needs 2 x --ctx, --ctx x --windows tokens)")
+        bos = bos_prefix(tokenizer)
+        return [t for chunk in chunks for t in (*bos, *chunk[len(bos):])]
+
+    def rows(self, pairs: list[tuple[str, str]], work: Path, ctx: int, on_row=None) -> list[EvalRow]:
+        """One row per K/V pair llama.cpp has, against the reference in ``work``."""
+        rows = []
+        for k, v in pairs:
+            if k not in GGML_KV_BITS or v not in GGML_KV_BITS:
+                continue
+            q = self.measure(k, v, work / "reference.kld", ctx)
+            rows.append(EvalRow(k, v, (GGML_KV_BITS[k] + GGML_KV_BITS[v]) / 2, q.kld, q.top1_agreement, q.ppl,
+                                q.ppl - q.base_ppl, None, engine="llama.cpp"))
+            if on_row:
+                on_row(rows[-1])
+        return rows
 
     def measure(self, cache_type_k: str, cache_type_v: str, logits_file: str | Path,
                 ctx: int) -> LlamaQuality:

@@ -20,12 +20,17 @@ def load_text(path: str | None) -> str:
     return p.read_text(encoding="utf-8", errors="replace")
 
 
+def bos_prefix(tokenizer) -> list[int]:
+    """[BOS] where the model adds one to a prompt, else []."""
+    return [tokenizer.bos_token_id] if tokenizer.add_bos and tokenizer.bos_token_id is not None else []
+
+
 def token_windows(tokenizer, text: str, ctx: int, windows: int) -> list[int]:
     """``windows`` consecutive windows of ``ctx`` tokens of the text, concatenated, each opening with BOS
     where the model adds one, as a prompt does (and as llama.cpp's perplexity tool makes each of its
-    chunks open). Gemma 3 read from a window's middle without its BOS scored q8_0 keys at 98.3-98.5%
-    top-1 on windows 2-4 of pydoc text; opened by BOS, 98.6-99.6%."""
-    bos = [tokenizer.bos_token_id] if tokenizer.add_bos and tokenizer.bos_token_id is not None else []
+    chunks open). Gemma 3's q8_0 KV pooled over four 1K windows read from mid-text without their BOS
+    scored 98.8-99.3% top-1 on three texts; opened by BOS, 99.2-99.5%."""
+    bos = bos_prefix(tokenizer)
     per = ctx - len(bos)
     ids = tokenizer.encode(text, add_special=False)
     if len(ids) < per * windows:
