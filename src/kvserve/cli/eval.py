@@ -24,7 +24,8 @@ def add_parser(sub, name: str) -> None:
                         "(less noise in top-1 at the same context; default 1)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size (default 256)")
     p.add_argument("--needle-lengths", default="512,1024",
-                   help="context lengths of the needle-in-a-haystack trials; 'none' to skip")
+                   help="context lengths of the needle-in-a-haystack trials (3 depths each, the whole "
+                        "text as filler, the served weights); 'none' to skip")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT",
                    help="write the rows as JSON to OUT")
     p.add_argument("--compare", choices=["llama.cpp"], default=None,
@@ -41,9 +42,11 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.models.loader import load_model
     from kvserve.quality.evaluate import evaluate, parse_type_pairs
+    from kvserve.quality.needle import Needle
     from kvserve.quality.text import load_text, token_windows
 
     pairs = parse_type_pairs(args.cache_types)
+    asked = frozenset(pairs)
     if ("f32", "f32") not in pairs:
         pairs.insert(0, ("f32", "f32"))
     ours = _ours(pairs, args.compare is not None)
@@ -59,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
     if loaded.tokenizer is None:
         raise ValueError("this model has no tokenizer; kvserve eval needs one")
     peer = _llama_perplexity(args, Path(loaded.path)) if args.compare else None
+    needle = None
+    if lengths:
+        with console.status(f"loading {args.model} with its served weights for the needle trials"):
+            served = load_model(args.model, args.device, weight_format="auto")
+        needle = Needle(served, served.tokenizer.encode(text, add_special=False), lengths,
+                        frozenset(p for p in asked if p in ours))
 
     def show(r) -> None:
         console.print(f"  {'llama.cpp ' if r.engine != 'kvserve' else ''}{r.cache_type_k}/{r.cache_type_v}: "
@@ -71,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             token_ids = token_windows(loaded.tokenizer, text, args.ctx, args.windows)
         console.print(f"teacher-forcing {args.windows} x {args.ctx} tokens per cache type; "
                       f"needle lengths {lengths or 'skipped'}")
-        rows = evaluate(loaded, token_ids, ours, args.chunk, lengths, on_row=show, windows=args.windows,
+        rows = evaluate(loaded, token_ids, ours, args.chunk, needle, on_row=show, windows=args.windows,
                          score_from=args.ctx // 2 if peer is not None else 0)
         if peer is not None:
             rows += peer.rows(pairs, Path(work), args.ctx, on_row=show)

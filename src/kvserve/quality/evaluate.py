@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvserve.engine.engine import LLMEngine
 from kvserve.kv.codecs import make_codec
 from kvserve.models.loader import LoadedModel
-from kvserve.quality.needle import needle_score
+from kvserve.quality.needle import Needle
 from kvserve.quality.teacher_forced import pooled, reference_run, score
 
 
@@ -47,8 +45,7 @@ def evaluate(
     token_ids: list[int],
     pairs: list[tuple[str, str]],
     chunk: int = 256,
-    needle_lengths: list[int] | None = None,
-    needle_depths: list[float] = (0.1, 0.5, 0.9),
+    needle: Needle | None = None,
     on_row=None,
     windows: int = 1,
     score_from: int = 0,
@@ -57,7 +54,8 @@ def evaluate(
     cache and the scores pooled over all their positions (the top-1 of one 1K window moves by up to a
     percent between neighbouring windows of a text; more windows at the same context say what a type
     costs with less of that noise). ``score_from``: each window's first scored position (llama.cpp's
-    ``llama-perplexity`` scores the second half of each window: ``window // 2``)."""
+    ``llama-perplexity`` scores the second half of each window: ``window // 2``). ``needle``: the
+    needle-in-a-haystack trials each pair also runs, if any."""
     model = loaded.model
     for k, v in pairs:  # fail fast on a bad name before any long run
         make_codec(k, model.config.head_dim), make_codec(v, model.config.head_dim)
@@ -72,28 +70,16 @@ def evaluate(
             parts.append(score(model, span, reference, *pair, chunk, score_from))
         del reference
     base = pooled(scores[("f32", "f32")])
-    filler = token_ids[:size]
     rows = []
     for k, v in pairs:
         s = pooled(scores[(k, v)])
-        needle = None
-        if needle_lengths and loaded.tokenizer is not None:
-            engine = _engine(loaded, k, v, max(needle_lengths) + 64, len(needle_lengths) * len(needle_depths))
-            needle = needle_score(engine, filler, needle_lengths, list(needle_depths))
+        found = needle.score(k, v) if needle is not None and (k, v) in needle.pairs else None
         bits = (make_codec(k, model.config.head_dim).bits_per_element()
                 + make_codec(v, model.config.head_dim).bits_per_element()) / 2
-        row = EvalRow(k, v, bits, s.kld, s.top1_agreement, s.ppl, s.ppl - base.ppl, needle,
+        row = EvalRow(k, v, bits, s.kld, s.top1_agreement, s.ppl, s.ppl - base.ppl, found,
                       [p.top1_agreement for p in scores[(k, v)]])
         rows.append(row)
         if on_row:
             on_row(row)
     return rows
 
-
-def _engine(loaded: LoadedModel, k: str, v: str, num_ctx: int, num_seqs: int) -> LLMEngine:
-    config = EngineConfig(
-        model=str(loaded.path),
-        cache=CacheConfig(num_ctx=num_ctx, cache_type_k=k, cache_type_v=v),
-        scheduler=SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=1024),
-    )
-    return LLMEngine(config, loaded)
