@@ -187,14 +187,6 @@ static void attend_rows(const problem *P, float softcap, int seq, int rows, int 
     }
     const int64_t *table = P->block_tables + seq * P->table_stride;
     float scales[bs * D / GROUP + 1]; /* a block's q8_0/q4_0 group scales */
-    const int int_keys = P->k.kind == KV_Q8_0 && D % GROUP == 0; /* block_scores_q8 */
-    int16_t q16[int_keys ? heads * D : 1];
-    float factor[int_keys ? heads : 1];
-    for (int g = 0; int_keys && g < heads; g++) { /* pre-scaled, as prefill's (prefill_attention.h) */
-        float scaled[D];
-        for (int i = 0; i < D; i++) scaled[i] = q[g * D + i] * P->scale;
-        query_to_int16(scaled, D, q16 + g * D, &factor[g]);
-    }
     for (int pass = 0; pass < 2; pass++) {
         const kv_part *kv = pass == 0 ? &P->k : &P->v;
         for (int64_t t = begin; t < end;) {
@@ -202,13 +194,6 @@ static void attend_rows(const problem *P, float softcap, int seq, int rows, int 
             int nr = (int)(bs - off < end - t ? bs - off : end - t);
             int64_t row = ((int64_t)kvh * P->num_blocks + table[b]) * bs + off;
             rows_view R = {KV_F32, (const uint8_t *)block, NULL};
-            if (pass == 0 && int_keys) {
-                halves_to_floats((const uint16_t *)(kv->scales + row * kv->scale_stride), scales, nr * D / GROUP);
-                block_scores_q8(q16, factor, (const int8_t *)(kv->codes + row * kv->code_stride), kv->code_stride,
-                                scales, nr, D, scores + (t - begin), heads);
-                t += nr;
-                continue;
-            }
             if (in_place(kv->kind, nr, D, pass == 0)) {
                 R.kind = kv->kind;
                 R.codes = kv->codes + row * kv->code_stride;

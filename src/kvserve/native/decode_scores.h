@@ -190,61 +190,6 @@ static inline __attribute__((always_inline)) void block_scores_4(const float *q,
     }
 }
 
-/* q8_0 keys scored in integers: each query head, pre-scaled, is rounded once to int16 (query_to_int16:
- * relative error 2^-16 of its largest element, far below the keys' own int8 rounding), and a row's score
- * is (sum over groups g of I_g d_g, an FMA chain) * qs, I_g the exact int32 dot of group g's 32 codes with
- * q16 (vpmaddwd, vpdpwssd, smull: 2 products a lane, no conversion per element). The sums are integers,
- * so the order they are taken in is free, and the float steps are the same few in every case: a row's
- * score is the same bits on every instruction set, alone or 4 rows a pass, whatever the block's length.
- * Against converting each code to float and multiplying (3 operations per 8 codes and a broadcast per
- * group where F16C converts an f16 key in 1), keys are shared by up to 8 heads per load and cost 1
- * widening per 16 codes: fewer operations per score than f16 keys. */
-static inline int32_t dot_i8_i16(const int8_t *k, const int16_t *q, int n) {
-    int32_t s = 0;
-    for (int i = 0; i < n; i++) s += (int32_t)k[i] * q[i];
-    return s;
-}
-
-/* scores[h * PARTITION + r] for H heads (q16: H x D, factor[h] = their qs) and the nr q8_0 rows at
- * codes (row stride `stride` bytes, group scales d: nr x D / GROUP in order). 4 rows a pass share each
- * widened key vector across the heads; the rows past the last multiple of 4 are summed one by one (the
- * same integers, the same float steps). */
-static void block_scores_q8(const int16_t *q16, const float *factor, const int8_t *codes, int64_t stride,
-                            const float *d, int nr, int D, float *scores, int H) {
-    enum { W = GROUP / (2 * VL) }; /* int16 vectors per group of 32 */
-    const int ng = D / GROUP;
-    int r0 = 0;
-    for (; r0 + 4 <= nr; r0 += 4) {
-        for (int g = 0; g < ng; g++) {
-            vw k[4][W];
-            for (int r = 0; r < 4; r++)
-                for (int w = 0; w < W; w++) k[r][w] = vw_widen(codes + (r0 + r) * stride + g * GROUP + w * 2 * VL);
-            const float dg[4] = {d[(r0 + 0) * ng + g], d[(r0 + 1) * ng + g], d[(r0 + 2) * ng + g], d[(r0 + 3) * ng + g]};
-            for (int h = 0; h < H; h++) {
-                const int16_t *qh = q16 + h * D + g * GROUP;
-                vi a[4] = {vi_zero(), vi_zero(), vi_zero(), vi_zero()};
-                for (int w = 0; w < W; w++) {
-                    const vw qv = vw_load(qh + w * 2 * VL);
-                    for (int r = 0; r < 4; r++) a[r] = vi_madd(a[r], k[r][w], qv);
-                }
-                int32_t I[4];
-                vi_sum4(a[0], a[1], a[2], a[3], I);
-                float *s = scores + h * PARTITION + r0;
-                for (int r = 0; r < 4; r++) s[r] = fmaf((float)I[r], dg[r], g == 0 ? 0.0f : s[r]);
-            }
-        }
-        for (int h = 0; h < H; h++)
-            for (int r = 0; r < 4; r++) scores[h * PARTITION + r0 + r] *= factor[h];
-    }
-    for (; r0 < nr; r0++)
-        for (int h = 0; h < H; h++) {
-            float s = 0.0f;
-            for (int g = 0; g < ng; g++)
-                s = fmaf((float)dot_i8_i16(codes + r0 * stride + g * GROUP, q16 + h * D + g * GROUP, GROUP), d[r0 * ng + g], s);
-            scores[h * PARTITION + r0] = s * factor[h];
-        }
-}
-
 /* scores[g * PARTITION + r] = scale * (q_g . row_r) for the nr rows of a block, every query head g of
  * the group. A row's arithmetic is the same whatever nr is (16 rows a pass with AVX-512, else 4). */
 static void block_scores(const float *q, const rows_view *R, int nr, int D, float scale, float *scores, int G) {

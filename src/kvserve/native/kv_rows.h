@@ -31,24 +31,6 @@ static void halves_to_floats(const uint16_t *h, float *restrict dst, int n) {
     for (; i < n; i++) dst[i] = half_to_float(h[i]);
 }
 
-/* A pre-scaled query row q [D] -> q16 with q ~ q16 * scale, |q16| <= 32767 (relative error at most
- * 2^-16 of its largest element): the query of the integer key scores, prefill's and decode's alike.
- * A row that is not finite gets zero codes and a NaN scale (NaN scores, as the float path gives). */
-static void query_to_int16(const float *q, int D, int16_t *q16, float *scale) {
-    float amax = 0.0f;
-    int finite = 1;
-    for (int i = 0; i < D; i++) {
-        finite &= isfinite(q[i]) != 0;
-        amax = fabsf(q[i]) > amax ? fabsf(q[i]) : amax;
-    }
-    const float inv = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
-    for (int i = 0; i < D; i++) {
-        float c = __builtin_rintf(q[i] * inv);
-        q16[i] = (int16_t)(c > 32767.0f ? 32767.0f : c < -32767.0f ? -32767.0f : c);
-    }
-    *scale = finite ? amax / 32767.0f : NAN;
-}
-
 /* Packed codes decode fastest in a "lane order" that is not the element order: all low nibbles of
  * a group, then all high nibbles. Scores do not care about the order of a dot product, so the kernel
  * decodes keys and values in lane order, permutes the query into it once per task and the value sum

@@ -258,8 +258,7 @@ int paged_prefill_attention(int n, int64_t q_start, int num_heads, int num_kv_he
     return failed ? -1 : 0;
 }
 
-/* 1 where this build scores q8_0 and q4_0 keys in integers in prefill (every path since the generic
- * int_key_scores), else 0. */
+/* 1 where this build scores q8_0 and q4_0 keys in integers in prefill (AVX-512 VNNI), else 0. */
 int paged_prefill_int_keys(void) {
 #if defined(INT_KEYS)
     return 1;

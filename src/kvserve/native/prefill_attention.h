@@ -151,13 +151,8 @@ static inline __attribute__((always_inline)) void accumulate_values(prefill_work
     }
 }
 
-/* q8_0 and q4_0 keys are scored in integers in prefill on every path: the int16 query times the keys'
- * codes, an exact int32 sum per group of 32, then the group's scale and the row's query scale, in the
- * same float steps everywhere (so the same bits on every path). AVX-512 VNNI does 32 products an
- * instruction (vpdpwssd) and transposes the tile with shuffles; the other paths use simd.h's
- * vi_dot_s16 (vpmaddwd, vpdpwssd, smull: 2 products a lane) on the same int16 pair layout. */
-#define INT_KEYS 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT_KEYS 1
 /* acc + the int16 pair products of k with the 2 int16 at p in every lane, broadcast by the load
  * itself ({1to16}; compilers emit a separate vpbroadcastd). */
 static inline __m512i dpwssd_broadcast(__m512i acc, __m512i k, const int16_t *p) {
@@ -200,6 +195,18 @@ static inline __attribute__((always_inline)) void int_key_scores(const prefill_w
     }
 }
 
+/* The pre-scaled query row q [D] -> q16 with q ~ q16 * scale, |q16| <= 32767. */
+static void query_to_int16(const float *q, int D, int16_t *q16, float *scale) {
+    float amax = 0.0f;
+    for (int i = 0; i < D; i++) amax = fabsf(q[i]) > amax ? fabsf(q[i]) : amax;
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int i = 0; i < D; i++) {
+        float c = __builtin_rintf(q[i] * inv);
+        q16[i] = (int16_t)(c > 32767.0f ? 32767.0f : c < -32767.0f ? -32767.0f : c);
+    }
+    *scale = amax / 32767.0f;
+}
+
 /* A key's 32 codes of group g as int16, in the lane order the query was permuted into: q8_0 as stored,
  * q4_0 its 16 low nibbles then its 16 high nibbles, each minus 8. */
 static inline __m512i group_codes(int kind, const uint8_t *codes, int g) {
@@ -234,64 +241,6 @@ static void load_int_keys(const problem *P, const int64_t *table, int kvh, int64
             transpose_16x16(r);
             for (int p = 0; p < 16; p++)
                 _mm512_storeu_si512((void *)(w->kq + ((int64_t)(g * 16 + p) * KEY_TILE + j0) * 2), r[p]);
-        }
-    }
-}
-#else
-/* int_key_scores' steps with simd.h's vectors, 4 VL keys at a time (ROWS x 4 accumulators in registers). */
-static inline __attribute__((always_inline)) void int_key_scores(const prefill_work *w, int r0, const int nr, int D,
-                                                                 float s[][KEY_TILE]) {
-    for (int c0 = 0; c0 < KEY_TILE; c0 += 4 * VL)
-        for (int grp = 0; grp < D / GROUP; grp++) {
-            vi a[ROWS][4];
-            for (int r = 0; r < nr; r++)
-                for (int v = 0; v < 4; v++) a[r][v] = vi_zero();
-            for (int p = grp * GROUP / 2; p < (grp + 1) * GROUP / 2; p++) {
-                const int16_t *kp = w->kq + ((int64_t)p * KEY_TILE + c0) * 2;
-                vw k[4];
-                for (int v = 0; v < 4; v++) k[v] = vw_load(kp + 2 * VL * v);
-                for (int r = 0; r < nr; r++) {
-                    const int16_t *qp = w->q16 + (int64_t)(r0 + r) * D + 2 * p;
-                    for (int v = 0; v < 4; v++) a[r][v] = vi_dot_s16(a[r][v], k[v], qp);
-                }
-            }
-            for (int v = 0; v < 4; v++) {
-                const vf ks = vf_load(w->ks + grp * KEY_TILE + c0 + VL * v);
-                for (int r = 0; r < nr; r++) {
-                    float *sp = s[r] + c0 + VL * v;
-                    const vf part = vf_from_vi(a[r][v]);
-                    vf_store(sp, grp == 0 ? vf_mul(part, ks) : vf_fma(part, ks, vf_load(sp)));
-                }
-            }
-        }
-    for (int r = 0; r < nr; r++) {
-        const vf qs = vf_set1(w->q16_scale[r0 + r]);
-        for (int c = 0; c < KEY_TILE; c += VL) vf_store(s[r] + c, vf_mul(vf_load(s[r] + c), qs));
-    }
-}
-
-/* load_int_keys without AVX-512: the same layout, element by element (a tile is loaded once for all its
- * QUERY_TILE x G query rows). */
-static void load_int_keys(const problem *P, const int64_t *table, int kvh, int64_t kb, int nk, prefill_work *w) {
-    const int D = P->head_dim, bs = P->block_size;
-    for (int j = 0; j < KEY_TILE; j++) {
-        const uint8_t *c = NULL;
-        const uint16_t *sc = NULL;
-        if (j < nk) {
-            const int64_t t = kb + j, row = ((int64_t)kvh * P->num_blocks + table[t / bs]) * bs + t % bs;
-            c = P->k.codes + row * P->k.code_stride;
-            sc = (const uint16_t *)(P->k.scales + row * P->k.scale_stride);
-        }
-        for (int g = 0; g < D / GROUP; g++) w->ks[g * KEY_TILE + j] = sc ? half_to_float(sc[g]) : 0.0f;
-        for (int i = 0; i < D; i++) { /* lane i: q8_0 as stored; q4_0 a group's low nibbles, then its high */
-            int16_t code = 0;
-            if (c && P->k.kind == KV_Q8_0) {
-                code = (int8_t)c[i];
-            } else if (c) {
-                const uint8_t b = c[i / GROUP * (GROUP / 2) + i % 16];
-                code = (int16_t)((i % GROUP < 16 ? b & 15 : b >> 4) - 8);
-            }
-            w->kq[((int64_t)(i / 2) * KEY_TILE + j) * 2 + i % 2] = code;
         }
     }
 }

@@ -15,8 +15,6 @@
  * so an integer kernel gives the same bits on every path (tests compare them).
  *
  * Types: vf = VL floats, vi = VL int32, vb = VL lanes of 4 bytes, vw = VL lanes of 2 int16.
- * vi_madd(acc, a, b): acc + per lane the 2 products of its int16 pairs; vi_sum4(a, b, c, d, out): out[0..3] =
- * the lane sums of a, b, c, d (integers: exact in any order).
  * vf_fnma(a, b, c) = c - a b (fused); vf_pow2i(k) = 2^k for integral k in [-126, 127];
  * vf_select_sign(s, x, y) = x where s's sign bit is set, else y; vf_sum4(a, b, c, d, out): out[0..3] = the
  * lane sums of a, b, c, d (each in a fixed order of its own); vf_from_half / vf_from_bf16 / vf_from_i8: VL

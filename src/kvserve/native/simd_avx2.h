@@ -76,16 +76,6 @@ static inline vb vb_load(const void *p) { return _mm256_loadu_si256((const __m25
 static inline vb vb_low_nibbles(vb v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 static inline vb vb_high_nibbles(vb v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 static inline vw vw_widen(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
-static inline vw vw_load(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-#if defined(SIMD_AVXVNNI)
-static inline vi vi_madd(vi acc, vw a, vw b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
-#else
-static inline vi vi_madd(vi acc, vw a, vw b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
-#endif
-static inline void vi_sum4(vi a, vi b, vi c, vi d, int32_t *out) {
-    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d)); /* [a b c d | a b c d] */
-    _mm_storeu_si128((__m128i *)out, _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
-}
 static inline __m256i simd_broadcast4(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);

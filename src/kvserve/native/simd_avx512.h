@@ -61,16 +61,6 @@ static inline vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
 static inline vb vb_low_nibbles(vb v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 static inline vb vb_high_nibbles(vb v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 static inline vw vw_widen(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
-static inline vw vw_load(const int16_t *p) { return _mm512_loadu_si512(p); }
-static inline vi vi_madd(vi acc, vw a, vw b) { return _mm512_dpwssd_epi32(acc, a, b); }
-static inline void vi_sum4(vi a, vi b, vi c, vi d, int32_t *out) {
-    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-    /* per 128-bit lane [a b a b] and [c d c d] partials -> [a b c d] */
-    const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
-    _mm_storeu_si128((__m128i *)out, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-}
 
 /* acc + per lane the 4 products of its u8 codes with the 4 int8 at p, broadcast by the load itself
  * ({1to16}): compilers emit a separate vpbroadcastd, ~5% of the int4 kernel's time (measured). */

@@ -70,13 +70,6 @@ static inline vb vb_load(const void *p) { return vld1q_u8((const uint8_t *)p); }
 static inline vb vb_low_nibbles(vb v) { return vandq_u8(v, vdupq_n_u8(0x0F)); }
 static inline vb vb_high_nibbles(vb v) { return vshrq_n_u8(v, 4); }
 static inline vw vw_widen(const int8_t *p) { return vmovl_s8(vld1_s8(p)); }
-static inline vw vw_load(const int16_t *p) { return vld1q_s16(p); }
-static inline vi vi_madd(vi acc, vw a, vw b) {
-    return vaddq_s32(acc, vpaddq_s32(vmull_s16(vget_low_s16(a), vget_low_s16(b)), vmull_high_s16(a, b)));
-}
-static inline void vi_sum4(vi a, vi b, vi c, vi d, int32_t *out) {
-    vst1q_s32(out, vpaddq_s32(vpaddq_s32(a, b), vpaddq_s32(c, d)));
-}
 static inline int8x16_t simd_broadcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);

@@ -102,19 +102,6 @@ static inline vw vw_widen(const int8_t *p) {
     for (int i = 0; i < 2 * VL; i++) r.v[i] = p[i];
     return r;
 }
-static inline vw vw_load(const int16_t *p) {
-    vw r;
-    memcpy(r.v, p, sizeof r.v);
-    return r;
-}
-static inline vi vi_madd(vi acc, vw a, vw b) {
-    for (int l = 0; l < VL; l++) acc.v[l] += a.v[2 * l] * b.v[2 * l] + a.v[2 * l + 1] * b.v[2 * l + 1];
-    return acc;
-}
-static inline void vi_sum4(vi a, vi b, vi c, vi d, int32_t *out) {
-    out[0] = out[1] = out[2] = out[3] = 0;
-    for (int l = 0; l < VL; l++) out[0] += a.v[l], out[1] += b.v[l], out[2] += c.v[l], out[3] += d.v[l];
-}
 static inline vi vi_dot_u8s8(vi acc, vb w, const int8_t *p) {
     for (int l = 0; l < VL; l++)
         for (int i = 0; i < 4; i++) acc.v[l] += w.v[4 * l + i] * p[i];
