@@ -95,6 +95,7 @@ def test_eval_cli_on_smollm2(tmp_path):
     assert rows["q8_0"]["kld"] * 10 < min(rows["q4_0"]["kld"], rows["tq4"]["kld"])
     # needle trials for the pairs asked for, not for the f32 reference the evaluator adds
     assert rows["q8_0"]["needle"] == 1.0 and rows["f32"]["needle"] is None
+    assert "q8_0/q8_0: KLD" in r.stderr and "needle 1.00" in r.stderr  # said as the row ends
     assert "KLD" in r.stdout
 
 

@@ -69,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
         needle = Needle(served, served.tokenizer.encode(text, add_special=False), lengths,
                         frozenset(p for p in asked if p in ours))
 
-    def show(r) -> None:
+    def show(r) -> None:  # as each row ends: a 32K needle run is most of an hour a pair
+        found = "" if r.needle is None else f", needle {r.needle:.2f}"
         console.print(f"  {'llama.cpp ' if r.engine != 'kvserve' else ''}{r.cache_type_k}/{r.cache_type_v}: "
-                      f"KLD {r.kld:.5f}")
+                      f"KLD {r.kld:.5f}{found}")
 
     with tempfile.TemporaryDirectory(prefix="kvserve-eval-") as work:
         if peer is not None:
