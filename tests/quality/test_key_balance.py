@@ -16,6 +16,13 @@ from kvserve.quality.text import default_text
 from tests.attention.paged_cases import BLOCK, NUM_BLOCKS, config, decode, prefill
 
 
+def prefill_int_keys() -> bool:
+    from kvserve import native
+
+    library = native.load("paged_attention")
+    return bool(library and library.paged_prefill_int_keys())
+
+
 def written(cache_type, k, v, slots, native, centres=None, balance=None):
     cfg = config()
     storage = PagedKVStorage(cfg, NUM_BLOCKS, BLOCK, cache_type, torch.device("cpu"), key_centres=centres,
@@ -71,8 +78,11 @@ def test_balanced_keys_are_the_keys_times_the_balance_and_attend_alike(cache_typ
     chunk = q[-40:]
     ours = prefill(balanced, table, n, chunk, 0, None, True)
     torch_path = prefill(balanced, table, n, chunk, 0, None, False)
-    assert torch.allclose(ours, torch_path, atol=1e-4)
-    assert torch.allclose(ours[-1:], got, atol=1e-4)
+    # where prefill scores q8_0/q4_0 keys in integers (AVX-512 VNNI builds) the int16 query moves this
+    # skewed case (|q| up to 26) by ~1.3e-4: measured with the same arithmetic on every path, since reverted
+    atol = 3e-4 if cache_type in ("q8_0", "q4_0") and prefill_int_keys() else 1e-4
+    assert torch.allclose(ours, torch_path, atol=atol)
+    assert torch.allclose(ours[-1:], got, atol=atol)
 
 
 def test_head_scales_balance_only_where_it_pays():
