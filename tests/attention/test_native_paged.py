@@ -13,7 +13,15 @@ from kvserve.attention import native_paged
 from kvserve.config import ModelConfig
 from kvserve.kv.codecs import RotatedKeys
 from kvserve.kv.storage import PagedKVStorage
-from tests.attention.paged_cases import BLOCK, NUM_BLOCKS, config, decode, filled_storage, prefill
+from tests.attention.paged_cases import (
+    BLOCK,
+    NUM_BLOCKS,
+    config,
+    decode,
+    filled_storage,
+    prefill,
+    prefill_int_keys,
+)
 
 pytestmark = pytest.mark.skipif(native.load("paged_attention") is None,
                                 reason="no C compiler on this machine")
@@ -23,7 +31,7 @@ pytestmark = pytest.mark.skipif(native.load("paged_attention") is None,
 # the query rounded to int16 (at most 1/65534 of its largest element) is the one difference from the f32
 # arithmetic.
 INT_KEY_TYPES = ("q8_0", "q4_0")
-INT_KEYS = bool(native.load("paged_attention") and native.load("paged_attention").paged_prefill_int_keys())
+INT_KEYS = prefill_int_keys()
 
 
 @pytest.mark.parametrize("cache_type", list(native_paged.KV_KIND_CODES))

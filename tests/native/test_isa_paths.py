@@ -98,7 +98,7 @@ def test_a_path_the_cpu_cannot_run_is_not_built(monkeypatch, caplog):
 def test_attention_on_every_path_matches_the_torch_path(isa, path_build):
     """The float kernels (decode and prefill attention, whose sums each path orders its own way) within
     the bounds tests/attention holds the native build to, for the KV types read in place."""
-    from tests.attention.paged_cases import config, decode, filled_storage, prefill
+    from tests.attention.paged_cases import config, decode, filled_storage, prefill, prefill_int_keys
 
     path_build(isa)
     cfg = config(heads=9, kv_heads=3)
@@ -107,7 +107,7 @@ def test_attention_on_every_path_matches_the_torch_path(isa, path_build):
         g = torch.Generator().manual_seed(3)
         q = torch.randn(300, cfg.num_heads, cfg.head_dim, generator=g)
         ours, reference = (prefill(storage, tables[0], 300, q, 0, None, use) for use in (True, False))
-        if cache_type in ("q8_0", "q4_0") and native.load("paged_attention").paged_prefill_int_keys():
+        if cache_type in ("q8_0", "q4_0") and prefill_int_keys():
             assert 1e-6 < (ours - reference).abs().max() < 2e-4  # integer keys: the int16 query's rounding
         else:
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=2e-6)

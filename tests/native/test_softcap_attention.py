@@ -13,7 +13,7 @@ import torch
 
 from kvserve import native
 from kvserve.attention import native_paged
-from tests.attention.paged_cases import config, filled_storage
+from tests.attention.paged_cases import config, filled_storage, prefill_int_keys
 from tests.native.softcap_reference import capped_reference, stored_rows
 
 pytestmark = pytest.mark.skipif(native.load("paged_attention") is None,
@@ -71,7 +71,7 @@ def test_capped_prefill_matches_float64(isa, cache_type, path_build):
     cfg = config(heads=9, kv_heads=3)
     storage, tables = filled_storage(cfg, cache_type, [333])
     q = queries(333, cfg, 2)
-    int_keys = cache_type == "q8_0" and bool(native.load("paged_attention").paged_prefill_int_keys())
+    int_keys = cache_type == "q8_0" and prefill_int_keys()
     for layer, window in ((0, None), (1, 100)):
         keys, values = stored_rows(storage, layer, tables[0], 333)
         rotated = storage.k_codec.rotate(q.double())  # q8_0 keys are stored rotated

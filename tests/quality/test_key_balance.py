@@ -13,14 +13,7 @@ from kvserve.models.key_balance import MIN_GAIN, head_scales
 from kvserve.models.loader import load_model
 from kvserve.quality.teacher_forced import reference_run, score
 from kvserve.quality.text import default_text
-from tests.attention.paged_cases import BLOCK, NUM_BLOCKS, config, decode, prefill
-
-
-def prefill_int_keys() -> bool:
-    from kvserve import native
-
-    library = native.load("paged_attention")
-    return bool(library and library.paged_prefill_int_keys())
+from tests.attention.paged_cases import BLOCK, NUM_BLOCKS, config, decode, prefill, prefill_int_keys
 
 
 def written(cache_type, k, v, slots, native, centres=None, balance=None):
