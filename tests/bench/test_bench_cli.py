@@ -22,20 +22,40 @@ def kvserve(*args: str) -> subprocess.CompletedProcess:
 def test_bench_rows_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     r = kvserve("bench", "smollm2", "--prompt-lens", "16,32", "--gen", "4", "--concurrency", "1,2",
-                "--cache-types", "f16,q8_0", "--repeats", "1", "--json", str(out), "--plot", str(png))
+                "--cache-types", "f16,q8_0,q4_0/tq2", "--repeats", "1", "--json", str(out),
+                "--plot", str(png))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
-    assert len(rows) == 2 * 2 * 2
+    assert len(rows) == 3 * 2 * 2
     assert all(KEYS <= set(row) for row in rows)
     assert {(row["cache_type"], row["prompt_len"], row["concurrency"]) for row in rows} == {
-        (t, p, c) for t in ("f16", "q8_0") for p in (16, 32) for c in (1, 2)}
+        (t, p, c) for t in ("f16", "q8_0", "q4_0/tq2") for p in (16, 32) for c in (1, 2)}
     for row in rows:
         assert row["engine"] == "kvserve" and row["decode_tok_s"] > 0 and row["ttft_ms"] > 0
-        assert row["kv_baseline"] == ("f16" if row["cache_type"] == "q8_0" else "")
-        assert (row["kv_ratio_decode"] > 0) == (row["cache_type"] == "q8_0")
+        assert row["kv_baseline"] == ("" if row["cache_type"] == "f16" else "f16")
+        assert (row["kv_ratio_decode"] > 0) == (row["cache_type"] != "f16")
         assert row["kv_bytes"] > 0 and row["peak_rss_bytes"] > 0 and row["bandwidth_bytes_s"] > 0
+    kv_bytes = {row["cache_type"]: row["kv_bytes"] for row in rows if row["prompt_len"] == 32 and
+                row["concurrency"] == 1}
+    # the pair's engine held 4.5-bit keys and 2.25-bit values: fewer bytes than q8_0's, not f16's alone
+    assert kv_bytes["q4_0/tq2"] < kv_bytes["q8_0"] < kv_bytes["f16"]
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "roofline" in r.stdout
+
+
+def test_a_bad_kv_type_fails_before_the_model_loads():
+    r = kvserve("bench", "no-such-model", "--cache-types", "f16,q4_0/q3_x")
+    assert r.returncode != 0
+    assert "unknown KV cache type 'q3_x'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_kv_pairs_name_their_sides_for_llama_cpp():
+    from kvserve.benchmark.peers import ggml_pair
+    from kvserve.kv.cache_types import kv_pair
+
+    assert kv_pair(" q4_0/tq2 ") == ("q4_0", "tq2") and kv_pair("q8_0") == ("q8_0", "q8_0")
+    assert ggml_pair("q8_0/q4_0") == ("q8_0", "q4_0") and ggml_pair("f16") == ("f16", "f16")
+    assert ggml_pair("q4_0/tq2") is None  # llama.cpp has no tq2: the peer skips the row
 
 
 def test_many_streams_are_compared_with_the_peers_stream_measured_alike():

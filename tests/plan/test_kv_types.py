@@ -82,3 +82,11 @@ def test_the_engine_codecs_store_what_the_table_says():
             assert codecs.make_codec(name, head_dim).bytes_per_vector() == kv_type(name).bytes_per_vector(
                 head_dim
             )
+
+
+def test_a_pair_name_counts_its_keys_and_its_values():
+    config = llama(8, 128)
+    assert kv_bytes_per_token(config, "q4_0/tq2") == kv_bytes_per_token(config, "q4_0", "tq2")
+    assert kv_bytes_per_token(config, "q4_0/tq2") < kv_bytes_per_token(config, "q4_0")
+    with pytest.raises(ValueError, match="unknown KV cache type 'q3'"):
+        kv_bytes_per_token(config, "q4_0/q3")

@@ -9,6 +9,7 @@ from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile, rese
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.kv.cache_types import kv_pair
 from kvserve.models.linear import CPU_GGUF_FORMAT
 
 
@@ -34,10 +35,11 @@ class KVServeRunner:
     def run(self, prompts: list[list[int]], gen: int, cache_type: str,
             shared_prefix: list[int] | None = None) -> BenchRow:
         num_ctx = max(len(p) for p in prompts) + gen + 16
+        k, v = kv_pair(cache_type)  # "q4_0/tq2": K and V apart
         reset_peak_rss()
         engine = LLMEngine(
             EngineConfig(model=str(self.loaded.path),
-                         cache=CacheConfig(num_ctx=num_ctx, cache_type_k=cache_type),
+                         cache=CacheConfig(num_ctx=num_ctx, cache_type_k=k, cache_type_v=v),
                          scheduler=SchedulerConfig(max_num_seqs=len(prompts))),
             self.loaded,
         )

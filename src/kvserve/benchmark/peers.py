@@ -20,6 +20,13 @@ from kvserve.benchmark.measure import BenchRow, peak_rss_bytes, percentile, rese
 GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type ids, as llama.cpp's type_k / type_v take them
 
 
+def ggml_pair(cache_type: str) -> tuple[str, str] | None:
+    """(K, V) of a KV type or "K/V" pair that llama.cpp has, or None."""
+    k, _, v = cache_type.partition("/")
+    v = v or k
+    return (k, v) if k in GGML_TYPES and v in GGML_TYPES else None
+
+
 class LlamaCppRunner:
     name = "llama.cpp"
 
@@ -46,7 +53,7 @@ class LlamaCppRunner:
         return ",".join(features) or info.strip(), f"llama-cpp-python {llama_cpp.__version__}"
 
     def supports(self, cache_type: str, concurrency: int) -> bool:
-        return cache_type in GGML_TYPES and concurrency == 1
+        return ggml_pair(cache_type) is not None and concurrency == 1
 
     def _model(self, n_ctx: int, cache_type: str):
         from llama_cpp import Llama
@@ -54,9 +61,10 @@ class LlamaCppRunner:
         key = (n_ctx, cache_type)
         if self._key != key:
             self._llm = None  # free the old context first
+            k, v = ggml_pair(cache_type)
             self._llm = Llama(model_path=self.model_path, n_ctx=n_ctx, n_threads=self.threads,
                               n_threads_batch=self.threads, n_batch=512, flash_attn=True,
-                              type_k=GGML_TYPES[cache_type], type_v=GGML_TYPES[cache_type], verbose=False)
+                              type_k=GGML_TYPES[k], type_v=GGML_TYPES[v], verbose=False)
             self._key = key
         return self._llm
 
@@ -121,7 +129,7 @@ class LlamaToolsRunner:
         return isa, f"llama-bench {version[0] if version else ''} ({isa})"
 
     def supports(self, cache_type: str, concurrency: int) -> bool:
-        return cache_type in GGML_TYPES
+        return ggml_pair(cache_type) is not None
 
     def _tool(self, tool: str, *args: str) -> str:
         out = subprocess.run([str(self.folder / tool), "-m", self.model_path, "-t", str(self.threads), *args],
@@ -132,8 +140,8 @@ class LlamaToolsRunner:
 
     def _bench(self, cache_type: str, *args: str) -> float:
         """avg tokens/s of one llama-bench test."""
-        out = self._tool("llama-bench", "-fa", "1", "-ctk", cache_type, "-ctv", cache_type, "-r", "1", "-o",
-                         "json", *args)
+        k, v = ggml_pair(cache_type)
+        out = self._tool("llama-bench", "-fa", "1", "-ctk", k, "-ctv", v, "-r", "1", "-o", "json", *args)
         return float(json.loads(out)[0]["avg_ts"])
 
     def run(self, prompts: list[list[int]], gen: int, cache_type: str, shared_prefix=None) -> BenchRow:
@@ -144,7 +152,8 @@ class LlamaToolsRunner:
             ttft = n / prefill
             aggregate, itl = gen / (ttft + gen / decode), 1 / decode
         else:
-            out = self._tool("llama-batched-bench", "-fa", "on", "-ctk", cache_type, "-ctv", cache_type,
+            k, v = ggml_pair(cache_type)
+            out = self._tool("llama-batched-bench", "-fa", "on", "-ctk", k, "-ctv", v,
                              "-c", str(streams * (n + gen) + 64), "-b", "2048", "-ub", "512", "-npp", str(n),
                              "-ntg", str(gen), "-npl", str(streams), "--output-format", "jsonl")
             result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])

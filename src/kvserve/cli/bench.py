@@ -27,7 +27,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--prompt-lens", type=_ints, default=[128, 1024])
     p.add_argument("--gen", type=int, default=64, help="new tokens per request")
-    p.add_argument("--cache-types", default="f16")
+    p.add_argument("--cache-types", default="f16",
+                   help="KV types to run in turn, e.g. f16,q8_0,q4_0/tq2 (K/V: keys and values apart)")
     p.add_argument("--concurrency", type=_ints, default=[1])
     p.add_argument("--prefix-share", type=int, default=0, help="tokens of a prefix already in the cache")
     p.add_argument("--compare", default="", help="peers to run alongside: llama.cpp")
@@ -47,10 +48,16 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.benchmark.bench_report import print_table, roofline, write_plot
     from kvserve.benchmark.engine_runner import KVServeRunner
     from kvserve.benchmark.measure import measured_bandwidth, median_row
+    from kvserve.kv.cache_types import kv_pair
     from kvserve.models.loader import load_model
 
     if args.gen < 2 or args.repeats < 1:
         raise ValueError("--gen must be >= 2 and --repeats >= 1")
+    cache_types = [c.strip() for c in args.cache_types.split(",") if c.strip()]
+    if not cache_types:
+        raise ValueError("--cache-types is empty")
+    for name in cache_types:  # a bad name fails before the model loads
+        kv_pair(name)
     torch.set_num_threads(args.threads)
     peers = _peers(args)
     console = Console(stderr=True)
@@ -60,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     vocab = min(loaded.config.vocab_size, 32000)
     shared = [rng.randrange(100, vocab) for _ in range(args.prefix_share)]
-    cache_types = [c.strip() for c in args.cache_types.split(",") if c.strip()]
     rows = []
     for plen in args.prompt_lens:
         for conc in args.concurrency:

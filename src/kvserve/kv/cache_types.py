@@ -105,6 +105,14 @@ def kv_type(name: str) -> KVType:
         raise ValueError(f"unknown KV cache type {name!r}; choose one of {', '.join(KV_TYPES)}") from None
 
 
+def kv_pair(name: str) -> tuple[str, str]:
+    """"q4_0/tq2" -> (K type, V type); a single name is both. Each side checked (``kv_type``)."""
+    k, _, v = name.strip().partition("/")
+    k, v = k.strip(), (v or k).strip()
+    kv_type(k), kv_type(v)
+    return k, v
+
+
 def kv_bytes_per_token_per_layer(
     config: ModelConfig, cache_type_k: str, cache_type_v: str | None = None
 ) -> int:
@@ -115,7 +123,10 @@ def kv_bytes_per_token_per_layer(
 
 
 def kv_bytes_per_token(config: ModelConfig, cache_type_k: str, cache_type_v: str | None = None) -> int:
-    """K plus V bytes of one token over all layers (every layer keeping every token)."""
+    """K plus V bytes of one token over all layers (every layer keeping every token). ``cache_type_k`` may
+    name a pair ("q4_0/tq2") when ``cache_type_v`` is not given."""
+    if cache_type_v is None and "/" in cache_type_k:
+        cache_type_k, cache_type_v = kv_pair(cache_type_k)
     return config.num_layers * kv_bytes_per_token_per_layer(config, cache_type_k, cache_type_v)
 
 
