@@ -37,7 +37,7 @@ def test_bench_rows_json_and_plot(tmp_path):
         assert row["kv_bytes"] > 0 and row["peak_rss_bytes"] > 0 and row["bandwidth_bytes_s"] > 0
     kv_bytes = {row["cache_type"]: row["kv_bytes"] for row in rows if row["prompt_len"] == 32 and
                 row["concurrency"] == 1}
-    # the pair's engine held 4.5-bit keys and 2.25-bit values: fewer bytes than q8_0's, not f16's alone
+    # the pair's engine held 4.5-bit keys and 2.25-bit values: a smaller pool than q8_0's, and that f16's
     assert kv_bytes["q4_0/tq2"] < kv_bytes["q8_0"] < kv_bytes["f16"]
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "roofline" in r.stdout
