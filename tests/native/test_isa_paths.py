@@ -97,12 +97,13 @@ def test_a_path_the_cpu_cannot_run_is_not_built(monkeypatch, caplog):
 @pytest.mark.parametrize("isa", list(native.ISA_FLAGS))
 def test_attention_on_every_path_matches_the_torch_path(isa, path_build):
     """The float kernels (decode and prefill attention, whose sums each path orders its own way) within
-    the bounds tests/attention holds the native build to, for the KV types read in place."""
+    the bounds tests/attention holds the native build to, for the KV types read in place and the rotated
+    codes (tq*) decoded a vector at a time."""
     from tests.attention.paged_cases import config, decode, filled_storage, prefill, prefill_int_keys
 
     path_build(isa)
     cfg = config(heads=9, kv_heads=3)
-    for cache_type in ("f32", "f16", "q8_0", "q4_0"):
+    for cache_type in ("f32", "f16", "q8_0", "q4_0", "tq2", "tq3", "tq4"):
         storage, tables = filled_storage(cfg, cache_type, [300, 77])
         g = torch.Generator().manual_seed(3)
         q = torch.randn(300, cfg.num_heads, cfg.head_dim, generator=g)

@@ -48,7 +48,8 @@ static void lane_order(int kind, int D, int *order) {
 }
 
 /* tq2/tq4 rows: codes of `bits` bits, code k of each byte into lanes [k * D/per_byte, ...). The levels
- * (at most 16) sit in one register and are picked with a permute instead of a memory gather. */
+ * (at most 16) sit in one register (two on AVX2) and are picked with a permute instead of a memory
+ * gather; the product with the vector's norm is the scalar loop's, so the same bits. */
 static void decode_small_codes(int bits, const uint8_t *c, const uint16_t *s, const float *cb, int nrows, int D,
                                float *restrict dst) {
     int per_byte = 8 / bits, bytes = D / per_byte, mask = (1 << bits) - 1;
@@ -66,6 +67,20 @@ static void decode_small_codes(int bits, const uint8_t *c, const uint16_t *s, co
             for (int k = 0; k < per_byte; k++) {
                 __m512i code = _mm512_and_si512(_mm512_srli_epi32(x, bits * k), m);
                 _mm512_storeu_ps(o + k * bytes + j, _mm512_mul_ps(_mm512_permutexvar_ps(code, lv), dv));
+            }
+        }
+#elif defined(__AVX2__) /* 8 levels a register: tq4's 16 in two, picked by the code's bit 3 */
+        const __m256 lv0 = _mm256_loadu_ps(levels), lv1 = _mm256_loadu_ps(levels + 8), dv = _mm256_set1_ps(d);
+        const __m256i m = _mm256_set1_epi32(mask), seven = _mm256_set1_epi32(7);
+        for (; j + 8 <= bytes; j += 8) {
+            const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + j)));
+            for (int k = 0; k < per_byte; k++) {
+                const __m256i code = _mm256_and_si256(_mm256_srli_epi32(x, bits * k), m);
+                __m256 v = _mm256_permutevar8x32_ps(lv0, code);
+                if (bits == 4)
+                    v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(lv1, code),
+                                         _mm256_castsi256_ps(_mm256_cmpgt_epi32(code, seven)));
+                _mm256_storeu_ps(o + k * bytes + j, _mm256_mul_ps(v, dv));
             }
         }
 #endif
@@ -147,8 +162,19 @@ static void decode_rows(const kv_part *p, int64_t row, int nrows, int D, float *
             uint32_t words[D / 8];
             for (int w = 0; w < D / 8; w++)
                 words[w] = b[3 * w] | (uint32_t)b[3 * w + 1] << 8 | (uint32_t)b[3 * w + 2] << 16;
+            int w0 = 0;
+#if defined(__AVX2__) /* the 8 levels in one register, 8 words at a time (as decode_small_codes) */
+            const __m256 lv = _mm256_loadu_ps(cb), dv = _mm256_set1_ps(d);
+            for (; w0 + 8 <= D / 8; w0 += 8) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(words + w0));
+                for (int k = 0; k < 8; k++) {
+                    const __m256i code = _mm256_and_si256(_mm256_srli_epi32(x, 3 * k), _mm256_set1_epi32(7));
+                    _mm256_storeu_ps(o + k * (D / 8) + w0, _mm256_mul_ps(_mm256_permutevar8x32_ps(lv, code), dv));
+                }
+            }
+#endif
             for (int k = 0; k < 8; k++)
-                for (int w = 0; w < D / 8; w++) o[k * (D / 8) + w] = cb[(words[w] >> (3 * k)) & 7] * d;
+                for (int w = w0; w < D / 8; w++) o[k * (D / 8) + w] = cb[(words[w] >> (3 * k)) & 7] * d;
         }
         break;
     }
