@@ -31,7 +31,7 @@ import time
 import torch
 
 from kvserve import native
-from kvserve.models.layouts import GGUF_LAYOUTS
+from kvserve.models.layouts import GGUF_LAYOUTS, QL_F32
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, StackedLinear
 from kvserve.models.loader import load_model
 
@@ -57,9 +57,10 @@ def clock_ghz() -> tuple[float, str]:
 
 
 def type_name(lin) -> str:
+    """The GGUF type whose grid a projection holds (QL_F16 is Q4_1's; QL_F32 a 4-bit grid of no file type)."""
     if isinstance(lin, Int8GroupLinear):
         return "Q8_0" if lin.layout == "g32" else "int8 g16"
-    return LAYOUT_NAMES.get(lin.layout, "Q4_1") if lin.layout != 1 else "4-bit f32 scales"
+    return "4-bit f32 scales" if lin.layout == QL_F32 else LAYOUT_NAMES[lin.layout]
 
 
 def by_type(model) -> dict[str, object]:
