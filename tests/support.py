@@ -65,7 +65,7 @@ def recorded_steps(engine) -> list[tuple[list[str], torch.Tensor]]:
 
     def recording(out):
         ready, logits = execute(out)
-        steps.append(([r.request_id for r in ready], logits.clone()))
+        steps.append(([r.request_id for r in ready], torch.from_numpy(logits.copy())))
         return ready, logits
 
     engine.runner.execute = recording

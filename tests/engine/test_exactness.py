@@ -72,7 +72,7 @@ class Recorder:
             ready, logits = execute(out)
             self.max_ready = max(self.max_ready, len(ready))
             for request, row in zip(ready, logits, strict=True):
-                self.rows.setdefault(request.request_id, []).append(row.clone())
+                self.rows.setdefault(request.request_id, []).append(torch.from_numpy(row.copy()))
             return ready, logits
 
         engine.runner.execute = recording

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.models import native_step
@@ -105,3 +106,37 @@ def test_buffers_double_for_decodes_and_fit_prefill_chunks():
             planned.append(new)
             capacity = new
     assert planned == [1, 2, 4, 8, 16, 100, 200, 300, 512, 700]
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Records every torch function and tensor method called while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__qualname__", getattr(func, "__name__", repr(func))))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("loaded", ["smollm2_q4", "gemma3_q4"])
+def test_a_step_calls_no_torch(request, loaded, check_no_leaks):
+    """Once its buffers are planned and the RoPE tables cover the positions, a step on the one-call path
+    (a prompt chunk, then decodes, then a chunk beside decodes) calls no torch function or tensor method:
+    the inputs, the embedding rows, the RoPE rows, the logits and the sampled tokens are numpy and C."""
+    engine = make_engine(request.getfixturevalue(loaded), max_num_seqs=2)
+    check_no_leaks.append(engine)
+    assert engine.runner.native_step is not None
+    prompt = [2, 504, 3458, 282, 4649, 314, 28, 1064, 281, 13]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request(prompt + prompt, greedy, request_id="warm")  # plans 20 rows, grows the tables
+    engine.run_to_completion()
+    with _TorchCalls() as torch_calls:
+        engine.add_request(prompt, greedy, request_id="a")
+        for _ in range(3):
+            engine.step()
+        engine.add_request(prompt[:7], greedy, request_id="b")  # its chunk beside a's decode
+        engine.run_to_completion()
+    assert engine.runner.native_step.calls >= 8
+    assert torch_calls.calls == []

@@ -117,7 +117,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, progress=None, auto_pull: bool = False) -> LLMEngine:
         if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+            native.set_num_threads(config.num_threads)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
         loaded = load_model(config.model, config.device, dtype, progress, auto_pull=auto_pull,
                             weight_format=config.weights)
@@ -220,8 +220,7 @@ class LLMEngine:
         self.heap.after_step(out.num_tokens)
         if self.offload is not None:
             self.offload.save_computed(self.kv, [s.request for s in out.scheduled])
-        # the sampler reads numpy (no copy on the CPU; the rows come over once from a GPU)
-        rows = logits.float().cpu().numpy() if ready else None
+        rows = logits if ready else None  # numpy f32: the runner's rows, copied over once from a GPU
         return self._sampled_outputs(out, ready, rows) + self._pooled_outputs(out)
 
     def _sampled_outputs(self, out: SchedulerOutput, ready: list[Request],

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice, build_decode_batch
 from kvserve.engine.request import Request
@@ -12,6 +14,9 @@ from kvserve.kv.storage import PagedKVStorage
 from kvserve.models import native_step
 from kvserve.models.decoder import DecoderLM
 from kvserve.models.native_step import StepDecodes, StepSequence
+
+if TYPE_CHECKING:  # the one-call step needs no torch: the torch forward imports it
+    import torch
 
 
 class ModelRunner:
@@ -25,32 +30,45 @@ class ModelRunner:
         # the whole forward in one native call where it applies
         self.native_step = native_step.for_model(model, storage)
 
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], np.ndarray]:
         """Run one forward over every scheduled token. Returns the requests whose known tokens are now
-        all computed, with their last-position logits ([len(ready), vocab] float32); a request with
-        speculative drafts has one row more per draft, right after its own. A pooling request
-        (``params.pooling``) is not among them: its final hidden states are pooled into it, and once its
-        prompt is read its ``embedding`` is set."""
+        all computed, with their last-position logits ([len(ready), vocab] float32 numpy, what the
+        sampler reads); a request with speculative drafts has one row more per draft, right after its
+        own. A pooling request (``params.pooling``) is not among them: its final hidden states are pooled
+        into it, and once its prompt is read its ``embedding`` is set."""
         # every step, as engines of other contexts may share the model: a no-op unless LongRoPE switches
         self.model.fit_context(self.num_ctx)
         step = StepInputs(range(len(self.storage.kv_group_blocks)))
         for s in out.scheduled:
             self._add(step, s)
-        hidden = self._forward(step)
+        if self.native_step is not None:
+            hidden = self._native_forward(step)
+            if step.pooling:  # pooling requests (an embedding model) keep their torch states
+                hidden = _as_tensor(hidden)
+        else:
+            hidden = self._forward(step)
         for r, row, n in step.pooling:
             pooled = _pool(r, hidden[row : row + n])
             if pooled is not None:
                 r.embedding = pooled.float().cpu()
         if not step.logit_rows:
-            return [], hidden.new_empty((0, 0))
-        rows = torch.tensor(step.logit_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+            return [], np.empty((0, 0), np.float32)
+        logits = self._logits(hidden, step.logit_rows)
         if step.pooled_logits:
             for r, i in step.pooled_logits:
-                r.embedding = logits[i].float().cpu()
+                r.embedding = _as_tensor(logits[i].copy())
             taken = {i for _, i in step.pooled_logits}
             logits = logits[[i for i in range(len(step.logit_rows)) if i not in taken]]
         return step.ready, logits
+
+    def _logits(self, hidden, rows: list[int]) -> np.ndarray:
+        """The logits of ``rows`` of the final hidden states (numpy from the one-call step, else torch)."""
+        if isinstance(hidden, np.ndarray):
+            return self.native_step.logits(hidden[rows])
+        import torch
+
+        index = torch.tensor(rows, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index)).float().cpu().numpy()
 
     def _add(self, step: StepInputs, s: ScheduledRequest) -> None:
         """One scheduled request's tokens, slots, attention rows and outputs, appended to the step."""
@@ -89,19 +107,23 @@ class ModelRunner:
             step.logit_rows.append(last_row)
             step.ready.append(r)
 
+    def _native_forward(self, step: StepInputs) -> np.ndarray:
+        """The final hidden states of every row in one native call, from numpy inputs (no torch)."""
+        slot_rows = [self.storage.slot_rows(np.array(step.slots[g], dtype=np.int64), g)
+                     for g in step.kv_groups]
+        decodes = StepDecodes(step.decode_rows, step.decode_tables, step.decode_lens)
+        ids, positions = (np.array(values, dtype=np.int64) for values in (step.input_ids, step.positions))
+        return self.native_step(ids, positions, slot_rows, decodes, step.sequences)
+
     def _forward(self, step: StepInputs) -> torch.Tensor:
-        """The final hidden states of every row: one native call where the step has one, else the model's
-        forward over the paged attention."""
+        """The final hidden states of every row: the model's forward over the paged attention."""
+        import torch
+
         device, kv_groups = self.device, step.kv_groups
         kv_group_slots = tuple(torch.tensor(step.slots[g], dtype=torch.long,
                                             device=device) for g in kv_groups)
         ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
         pos = torch.tensor(step.positions, dtype=torch.long, device=device)
-        native = self.native_step
-        if native is not None:
-            decodes = StepDecodes(step.decode_rows, step.decode_tables, step.decode_lens)
-            slot_rows = [self.storage.slot_rows(kv_group_slots[g], g) for g in kv_groups]
-            return native(ids, pos, slot_rows, decodes, step.sequences)
         decodes = None
         if step.decode_rows:
             decodes = build_decode_batch(step.decode_rows, step.decode_tables, step.decode_lens, device,
@@ -138,6 +160,12 @@ class StepInputs:
         self.decode_lens.append(context)
 
 
+def _as_tensor(a: np.ndarray) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(a)
+
+
 def _pool(request: Request, hidden: torch.Tensor) -> torch.Tensor | None:
     """Fold one chunk's final hidden states ([n, hidden], the chunk ending at the request's computed count
     plus n) into a "last" or "mean" pooling request; after the prompt's last chunk, the pooled state."""
@@ -150,5 +178,7 @@ def _pool(request: Request, hidden: torch.Tensor) -> torch.Tensor | None:
         return None
     if request.params.pooling == "last":
         return hidden[-1]
+    import torch
+
     rows, request.pooled_rows = request.pooled_rows, []
     return (rows[0] if len(rows) == 1 else torch.cat(rows)).sum(0) / request.num_prompt_tokens

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
@@ -98,6 +99,8 @@ class PagedKVStorage:
         heads_column = torch.arange(heads, device=device)[:, None]
         self._kv_group_offsets = [heads_column * n for n in self.kv_group_blocks]
         self._head_offsets = self._kv_group_offsets[0]
+        self._kv_group_offsets_np = [np.arange(heads, dtype=np.int64)[:, None] * n
+                                     for n in self.kv_group_blocks]
 
     @property
     def windowed(self) -> bool:
@@ -177,10 +180,13 @@ class PagedKVStorage:
             p.index_copy_(1, ids, chunk.transpose(0, 1))
             offset += size
 
-    def slot_rows(self, slot_mapping: torch.Tensor, kv_group: int = 0) -> torch.Tensor:
+    def slot_rows(self, slot_mapping: torch.Tensor | np.ndarray,
+                  kv_group: int = 0) -> torch.Tensor | np.ndarray:
         """The flat row of each (head, token) slot of ``kv_group``: computed once per forward, used by
-        every layer of the group."""
+        every layer of the group. A numpy mapping (the one-call step's) gives numpy rows."""
         # [heads * tokens]
+        if isinstance(slot_mapping, np.ndarray):
+            return (self._kv_group_offsets_np[kv_group] * self.block_size + slot_mapping[None, :]).ravel()
         return (self._kv_group_offsets[kv_group] * self.block_size + slot_mapping[None, :]).flatten()
 
     def block_rows(self, block_tables: torch.Tensor, kv_group: int = 0) -> BlockRows:

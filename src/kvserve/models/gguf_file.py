@@ -192,13 +192,17 @@ class QuantRows:
         self.nbytes = int(raw.size)
 
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        values = torch.from_numpy(self.row_array(ids.to(torch.int64).cpu().numpy()))
+        return values if out is None else out.copy_(values)
+
+    def row_array(self, ids: np.ndarray) -> np.ndarray:
+        """f32 [len(ids), cols]: ``rows`` in numpy."""
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        picked = self.raw[ids.to(torch.int64).cpu().numpy()]
-        values = torch.from_numpy(
-            dequantize(picked, GGMLQuantizationType[self.type_name]).reshape(-1, self.cols))
-        return values if out is None else out.copy_(values)
+        picked = self.raw[ids]
+        return dequantize(picked, GGMLQuantizationType[self.type_name]).reshape(-1, self.cols).astype(
+            np.float32, copy=False)
 
 
 class GGUFWeights:

@@ -6,8 +6,9 @@ context that Python is ~3 ms of an ~8 ms decode step, and a prefill chunk's q/k/
 converted between the calls. ``NativeStep`` writes the same kernel calls once, as a list of operations
 over activation buffers it owns, and a step becomes: the embedding rows, the RoPE rows, one call. The
 arithmetic is the same calls with the same arguments, so the hidden states are the same bits as
-``forward``'s (tested). Torch only holds the buffers and looks up the embedding and RoPE rows: this is
-the step the CPU runtime without torch will run.
+``forward``'s (tested). The buffers are numpy arrays and a step calls no torch (tested): this is the step
+the CPU runtime without torch runs; what torch still does for it happens at load (the weights, the KV
+pool, the RoPE tables as they grow).
 
 It covers what those kernels cover: decoders on the CPU in f32 whose projections all run through the
 4-bit or int8 kernels (``--weights q4`` / ``q4-fast`` / ``int8``), SiLU or GELU gating, q/k norms per
@@ -107,6 +108,8 @@ class NativeStep:
         self.threads = -1
         self.calls = 0  # steps run (tests check the path was taken)
         self.prefill_calls = 0  # of which with prefill chunks
+        self.embedding = _embedding_lookup(model)
+        self.head = _HeadMatmul.for_model(model)
 
     def _plan(self, capacity: int, threads: int) -> None:
         """Activation buffers for ``capacity`` rows and the operations over them."""
@@ -119,8 +122,8 @@ class NativeStep:
                   "cos": cfg.head_dim, "sin": cfg.head_dim}
         if model.rope_local is not model.rope:
             widths |= {"cos_local": cfg.head_dim, "sin_local": cfg.head_dim}
-        self.buffers = {name: torch.zeros(capacity, width) for name, width in widths.items()}
-        self.ops = torch.tensor(self._operations(threads), dtype=torch.int64)
+        self.buffers = {name: np.zeros((capacity, width), np.float32) for name, width in widths.items()}
+        self.ops = np.array(self._operations(threads), dtype=np.int64)
         self.capacity, self.threads = capacity, threads
 
     def _operations(self, threads: int) -> list[list[int]]:
@@ -145,36 +148,44 @@ class NativeStep:
         return dict(kv, num_blocks=attention.layer_num_blocks[layer], block_size=attention.block_size,
                     q_balance=q_balance, q_rotation=q_rotation, out_rotation=out_rotation)
 
-    @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_rows: list[torch.Tensor],
-                 decodes: StepDecodes | None = None, sequences: list[StepSequence] = ()) -> torch.Tensor:
+    def __call__(self, input_ids: np.ndarray, positions: np.ndarray, slot_rows: list[np.ndarray],
+                 decodes: StepDecodes | None = None, sequences: list[StepSequence] = ()) -> np.ndarray:
         """input_ids, positions [n] int64; per KV group, slot_rows [kv_heads * n]
         (``PagedKVStorage.slot_rows``); the rows that are decodes and the prefill chunks, which together
-        are every row. Returns the final hidden states [n, hidden]."""
+        are every row. Returns the final hidden states [n, hidden] f32 (a copy: the buffers are reused)."""
         n = input_ids.shape[0]
-        threads = torch.get_num_threads()
+        threads = native.num_threads()
         if n > self.capacity or threads != self.threads:
             self._plan(rows_to_plan(n, self.capacity), threads)
         model, b = self.model, self.buffers
-        x = model.embed_tokens(input_ids, out=b["x"][:n])
-        if model.config.embedding_scale != 1.0:  # forward's multiply, in place
-            x.mul_(torch.tensor(model.config.embedding_scale, dtype=x.dtype))
+        x = self.embedding(input_ids, b["x"][:n])
+        if model.config.embedding_scale != 1.0:  # forward's multiply (f32 by an f32 scalar), in place
+            x *= np.float32(model.config.embedding_scale)
         max_position = int(positions.max())
         for rope, suffix in ((model.rope, ""), (model.rope_local, "_local")):
             if "cos" + suffix in b:
-                cos, sin = rope.tables(positions, max_position)
-                b["cos" + suffix][:n].copy_(cos.squeeze(1))
-                b["sin" + suffix][:n].copy_(sin.squeeze(1))
+                rope.rows_into(positions, max_position, b["cos" + suffix][:n], b["sin" + suffix][:n])
         batch, tables, lens, sequence_tables = self._batch(decodes, sequences)
-        rows = torch.cat(slot_rows)  # one group after the other
-        failed = _step_function()(self.ops.data_ptr(), self.ops.shape[0], n, batch.ctypes.data,
-                                  tables.ctypes.data, tables.shape[2], lens.ctypes.data, rows.data_ptr(),
+        rows = np.ascontiguousarray(np.concatenate(slot_rows), dtype=np.int64)  # one group after the other
+        failed = _step_function()(self.ops.ctypes.data, self.ops.shape[0], n, batch.ctypes.data,
+                                  tables.ctypes.data, tables.shape[2], lens.ctypes.data, rows.ctypes.data,
                                   sequence_tables.ctypes.data)
         if failed:
             raise MemoryError(f"native step: operation {failed - 1} could not allocate its workspace")
         self.calls += 1
         self.prefill_calls += bool(sequences)
-        return self.buffers["out"][:n].clone()
+        return b["out"][:n].copy()
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """``DecoderLM.compute_logits`` of hidden [m, hidden] f32, as f32 [m, vocab]: the head's kernels
+        with the addresses taken when the step was made (the same calls ``compute_logits`` makes, so the
+        same bits); torch's ``compute_logits`` for a head without one or a model that divides or caps its
+        logits."""
+        if self.head is not None:
+            return self.head(hidden)
+        import torch
+
+        return self.model.compute_logits(torch.from_numpy(np.ascontiguousarray(hidden))).numpy()
 
     def _batch(self, decodes: StepDecodes | None, sequences: list[StepSequence]) -> tuple[np.ndarray, ...]:
         """model_step's batch words, the decodes' block tables [groups, decodes, width] (padded with block
@@ -235,7 +246,7 @@ class _StepOperations:
     def __init__(self, owner: NativeStep, threads: int) -> None:
         self.owner, self.threads = owner, threads
         self.model, self.cfg, self.b = owner.model, owner.model.config, owner.buffers
-        self.ptr = {name: t.data_ptr() for name, t in self.b.items()}
+        self.ptr = {name: a.ctypes.data for name, a in self.b.items()}
         self.fn = kernel_addresses()
         self.ops: list[list[int]] = []
         self.pending: str | None = None
@@ -334,3 +345,61 @@ class _StepOperations:
         self.op(gate, gate_up=self.ptr["gate_up"], inter=self.b["act"].shape[1], out=self.ptr["act"])
         self.matmul(layer.down, "act", "down")
         self.pending = "down"
+
+
+def _embedding_lookup(model: DecoderLM):
+    """``model.embed_tokens`` for the one-call step, as ``(ids [n] int64, out f32 [n, hidden]) -> out`` in
+    numpy: the f32 table read through a numpy view of its memory, the file's rows dequantized by the gguf
+    library (``QuantRows``), or the tied int8 head's rows through its kernel."""
+    if model.embed is not None:
+        table = model.embed.numpy()
+        return lambda ids, out: np.take(table, ids, axis=0, out=out)
+    if model.embed_rows is not None:
+        quant_rows = model.embed_rows
+
+        def dequantized(ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+            out[...] = quant_rows.row_array(ids)
+            return out
+
+        return dequantized
+    head = model.lm_head
+    kernel = native.function("int8_matmul", "int8_rows_g16" if head.layout == "g16" else "int8_rows")
+    packed, width = head.packed.data_ptr(), head.in_features
+
+    def int8_rows(ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        kernel(packed, ids.ctypes.data, ids.shape[0], width, out.ctypes.data)
+        return out
+
+    return int8_rows
+
+
+class _HeadMatmul:
+    """The LM head's projection as its kernel calls, each part's weights, bias and columns taken once."""
+
+    def __init__(self, parts: list[tuple], in_features: int, out_features: int) -> None:
+        self.parts, self.in_features, self.out_features = parts, in_features, out_features
+
+    @classmethod
+    def for_model(cls, model: DecoderLM) -> _HeadMatmul | None:
+        head, cfg = model.lm_head, model.config
+        if _kernel_name(head) is None or cfg.logits_divisor != 1.0 or cfg.final_logit_softcap:
+            return None
+        parts, first = [], 0
+        for part in head.parts if isinstance(head, StackedLinear) else [head]:
+            options = (part.digits, part.layout) if isinstance(part, Int4Linear) else ()
+            bias = 0 if part.bias is None else part.bias.data_ptr()
+            parts.append((part.kernel, part.packed.data_ptr(), bias, part.out_features, first, options))
+            first += part.out_features
+        return cls(parts, head.in_features, head.out_features)
+
+    def __call__(self, hidden: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(hidden, dtype=np.float32)
+        m, threads = x.shape[0], native.num_threads()
+        y = np.empty((m, self.out_features), np.float32)
+        for kernel, packed, bias, n, first, options in self.parts:
+            rc = kernel(x.ctypes.data, packed, bias, m, n, self.in_features, y.ctypes.data + 4 * first,
+                        threads, *options, self.out_features)
+            if rc != 0:
+                raise MemoryError("native matmul: could not allocate the activation digits")
+        return y

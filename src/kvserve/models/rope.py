@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from functools import cache
 
+import numpy as np
 import torch
 
 from kvserve import native
@@ -132,6 +133,7 @@ class RotaryEmbedding:
         self.sin = torch.empty(0, device=device)
         self.max_length: int | None = None  # the served context (fit_context): tables never grow past it
         self._buffer: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of max_length positions
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # numpy views of cos, sin (CPU)
 
     def factors_for(self, num_ctx: int) -> str | None:
         """LongRoPE's factor set for a context of ``num_ctx``: "long" or "short"; None for other
@@ -154,7 +156,7 @@ class RotaryEmbedding:
             self.inv_freq = inv_freq
             self.cos = torch.empty(0, device=self.device)
             self.sin = torch.empty(0, device=self.device)
-            self._buffer = None
+            self._buffer = self._arrays = None
 
     def _grow(self, length: int) -> None:
         """Tables of at least ``length`` positions. Within the served context (``fit_context``): rows
@@ -197,12 +199,23 @@ class RotaryEmbedding:
             cos[start : start + len(t)] = c.to(self.device, self.dtype)
             sin[start : start + len(t)] = s.to(self.device, self.dtype)
         self.cos, self.sin = cos[:end], sin[:end]
+        self._arrays = (self.cos.numpy(), self.sin.numpy()) if self.device.type == "cpu" else None
 
     def tables(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each position: [num_tokens, 1, head_dim] (broadcast over heads)."""
         if max_position >= self.cos.shape[0]:
             self._grow(max_position + 1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+    def rows_into(self, positions: np.ndarray, max_position: int, cos: np.ndarray, sin: np.ndarray) -> None:
+        """``tables``' rows of ``positions`` [n] (int64) copied into ``cos``, ``sin`` (f32 [n, width]: the
+        one-call step's buffers), read through numpy views of the tables' own memory: no torch call unless
+        the tables grow. CPU only."""
+        if self._arrays is None or max_position >= len(self._arrays[0]):
+            self._grow(max_position + 1)
+        np.take(self._arrays[0], positions, axis=0, out=cos)
+        np.take(self._arrays[1], positions, axis=0, out=sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -327,3 +328,28 @@ def function(source: str, name: str, argtypes: tuple | None = None, restype=None
         abi.check(name, argtypes, restype)
     lib = load(source)
     return None if lib is None else abi.bind(lib, name)
+
+
+_threads: int | None = None  # set_num_threads's count, None: the default
+
+
+def set_num_threads(count: int) -> None:
+    """Threads every kernel call splits its work over from now on (``--threads``); torch's own count too
+    where torch is loaded, so that its ops and ours share the same cores."""
+    global _threads
+    _threads = max(1, int(count))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(_threads)
+
+
+def num_threads() -> int:
+    """Threads a kernel call splits its work over: torch's count while torch is loaded (the kernels link
+    the OpenMP runtime torch does, and tests that set torch's count expect ours to follow), else
+    ``set_num_threads``'s, else every CPU this process may run on (OpenMP's default)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.get_num_threads()
+    if _threads is not None:
+        return _threads
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
