@@ -52,7 +52,7 @@ def _hook_steps(streams: int) -> list[collections.Counter]:
 
     def planned(self, *a):
         plan(self, *a)
-        kinds_of[self.ops.data_ptr()] = self.ops[:, 0].tolist()
+        kinds_of[self.ops.ctypes.data] = self.ops[:, 0].tolist()
 
     native_step._step_function = lambda: one_by_one
     native_step.NativeStep._plan = planned

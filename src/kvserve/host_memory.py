@@ -12,7 +12,9 @@ but its mapping was shared (shmem, which gets none by default) and so never was:
 
 On another OS, another device, below 2 MiB, or where the kernel refuses: ordinary memory, the same
 bytes. Tensors laid out by ``arena`` are views of one buffer, so they stay exactly as they were
-(contiguous, same shape and dtype).
+(contiguous, same shape and dtype). Host memory is numpy (the CPU runtime needs no torch); the
+``*_bytes`` functions and ``arena`` hand it out as tensors for the torch path (and device memory
+elsewhere).
 """
 
 from __future__ import annotations
@@ -49,24 +51,42 @@ def _madvise():
     return function
 
 
+def empty_array(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] host memory; on Linux and from 2 MiB, starting on a 2 MiB boundary and advised as
+    huge pages (before it is touched, so the first write faults in whole 2 MiB pages)."""
+    madvise = _madvise() if sys.platform.startswith("linux") else None
+    if madvise is None or nbytes < HUGE_PAGE:
+        return _line_aligned(np.empty(nbytes + _ALIGN, dtype=np.uint8), nbytes)
+    return _huge_aligned(np.empty(nbytes + HUGE_PAGE, dtype=np.uint8), nbytes, madvise)
+
+
 def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """uint8 [nbytes]; on a Linux CPU and from 2 MiB, starting on a 2 MiB boundary and advised as huge
-    pages (before it is touched, so the first write faults in whole 2 MiB pages)."""
+    """``empty_array`` as a tensor on the CPU; plain device memory elsewhere."""
     import torch
 
-    madvise = _madvise() if device.type == "cpu" and sys.platform.startswith("linux") else None
-    if madvise is None or nbytes < HUGE_PAGE:
+    if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return _huge_aligned(torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8), nbytes, madvise)
+    return torch.from_numpy(empty_array(nbytes))
 
 
-def _huge_aligned(raw: torch.Tensor, nbytes: int, madvise) -> torch.Tensor:
+def _address(a) -> int:
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+
+
+def _line_aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
+    """The ``nbytes`` of ``raw`` (_ALIGN more than that) from its first cache line (numpy aligns to 16
+    bytes; the kernels' vectors and the arenas' offsets assume 64, as torch's allocator gave)."""
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes]
+
+
+def _huge_aligned(raw: np.ndarray, nbytes: int, madvise) -> np.ndarray:
     """The ``nbytes`` of ``raw`` (HUGE_PAGE more than that) from its first 2 MiB boundary, advised as huge
     pages where ``madvise`` is given: a view, which keeps ``raw`` alive."""
-    start = -raw.data_ptr() % HUGE_PAGE
+    start = -raw.ctypes.data % HUGE_PAGE
     buffer = raw[start : start + nbytes]
     advised = nbytes // HUGE_PAGE * HUGE_PAGE
-    if madvise is not None and madvise(buffer.data_ptr(), advised, _MADV_HUGEPAGE) != 0:
+    if madvise is not None and madvise(buffer.ctypes.data, advised, _MADV_HUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): 4 KiB pages", ctypes.get_errno())
     return buffer
 
@@ -94,28 +114,44 @@ def _views(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.devic
             offsets, sizes, specs, strict=True)]
 
 
-def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """``empty_bytes``, zeroed. On a Linux CPU from 2 MiB a fresh private anonymous mapping, which the
+def zeroed_array(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] host memory, zeroed. On Linux from 2 MiB a fresh private anonymous mapping, which the
     kernel zeroes page by page as each is first touched: no pass over the whole buffer at start-up (a KV
     pool of a 32K context: ~1 s of memset on 2 cores) and no resident page until a block is written.
 
-    Not advised as huge pages, unlike ``empty_bytes``: a pool is touched block by block, and each layer's
+    Not advised as huge pages, unlike ``empty_array``: a pool is touched block by block, and each layer's
     first block would fault in a whole 2 MiB page (SmolLM2 answering "Hi": +75 MiB resident), for a
     decode gain that did not reproduce (4K-token history, alternating pairs on a Zen 3 VM: +17% in one
     run, -14% in the next). Private, not Python's default MAP_SHARED: shared anonymous memory is shmem,
     counted and reclaimed apart from the process's own."""
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
+        return _line_aligned(np.zeros(nbytes + _ALIGN, dtype=np.uint8), nbytes)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    return _huge_aligned(np.frombuffer(region, dtype=np.uint8), nbytes, None)  # the view keeps it mapped
+
+
+def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``zeroed_array`` as a tensor on the CPU; zeroed device memory elsewhere."""
     import torch
 
-    if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
-        return empty_bytes(nbytes, device).zero_()
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
-    raw = torch.from_numpy(np.frombuffer(region, dtype=np.uint8))  # the view keeps the mapping alive
-    return _huge_aligned(raw, nbytes, None)
+    if device.type != "cpu":
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    return torch.from_numpy(zeroed_array(nbytes))
 
 
 def arena(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
     """Zeroed tensors of the given (shape, dtype), each a contiguous view of one buffer (``zeroed_bytes``)."""
     return _views(specs, device, zeroed=True)
+
+
+def array_arena(specs: list[tuple[tuple[int, ...], type]]) -> list[np.ndarray]:
+    """Zeroed numpy arrays of the given (shape, dtype), each a contiguous, cache-line aligned view of one
+    ``zeroed_array`` buffer: ``arena`` for the CPU runtime."""
+    sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs]
+    offsets, total = _offsets(sizes)
+    buffer = zeroed_array(total)
+    return [buffer[o : o + n].view(dtype).reshape(shape)
+            for o, n, (shape, dtype) in zip(offsets, sizes, specs, strict=True)]
 
 
 class PackingArena:
@@ -127,17 +163,15 @@ class PackingArena:
     fit (the caller then allocates as before and ``rehome`` copies)."""
 
     def __init__(self, capacity: int) -> None:
-        import torch
-
         self.capacity = -(-capacity // HUGE_PAGE) * HUGE_PAGE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
         self._region = mmap.mmap(-1, self.capacity + HUGE_PAGE, flags=flags)
-        raw = torch.from_numpy(np.frombuffer(self._region, dtype=np.uint8))  # the views keep it mapped
+        raw = np.frombuffer(self._region, dtype=np.uint8)  # the views keep it mapped
         madvise = _madvise() if sys.platform.startswith("linux") else None
         self.buffer = _huge_aligned(raw, self.capacity, madvise)
         self.used = 0
 
-    def take(self, nbytes: int) -> torch.Tensor | None:
+    def take(self, nbytes: int) -> np.ndarray | None:
         """uint8 [nbytes] of the region, starting on a cache line; None where it does not fit."""
         start = -(-self.used // _ALIGN) * _ALIGN
         if start + nbytes > self.capacity:
@@ -145,9 +179,9 @@ class PackingArena:
         self.used = start + nbytes
         return self.buffer[start : start + nbytes]
 
-    def holds(self, tensor: torch.Tensor) -> bool:
-        base = self.buffer.data_ptr()
-        return base <= tensor.data_ptr() < base + self.capacity
+    def holds(self, array: np.ndarray) -> bool:
+        base = self.buffer.ctypes.data
+        return base <= _address(array) < base + self.capacity
 
 
 _packing: ContextVar[PackingArena | None] = ContextVar("kvserve_packing_arena", default=None)
@@ -165,14 +199,12 @@ def packing_arena(capacity: int):
         _packing.reset(token)
 
 
-def packed_bytes(nbytes: int) -> torch.Tensor:
+def packed_bytes(nbytes: int) -> np.ndarray:
     """uint8 [nbytes] for a packed weight that lives as long as its model: from the open packing arena
-    where it fits, else ``empty_bytes`` (which ``rehome`` moves into an arena later)."""
-    import torch
-
+    where it fits, else ``empty_array`` (which ``rehome`` moves into an arena later)."""
     arena = _packing.get()
     taken = arena.take(nbytes) if arena is not None else None
-    return taken if taken is not None else empty_bytes(nbytes, torch.device("cpu"))
+    return taken if taken is not None else empty_array(nbytes)
 
 
 TRIM_EVERY = 16 << 20  # bytes moved or packed between two malloc_trim calls during a load
@@ -194,9 +226,9 @@ class HeapTrimmer:
 
 
 def rehome(owners: list, attribute: str) -> None:
-    """Moves each owner's CPU tensor ``attribute`` into one arena, written once. One at a time: an
+    """Moves each owner's host array ``attribute`` (numpy) into one arena, written once. One at a time: an
     original is let go (freed when nothing else holds it) before the next is copied, so the move costs
-    one tensor beyond the arena, not a second copy of them all (SmolLM2's packed weights: 96 MiB more
+    one array beyond the arena, not a second copy of them all (SmolLM2's packed weights: 96 MiB more
     at the load's peak when they were copied together); the C heap's freed pages go back to the OS every
     TRIM_EVERY bytes, else the originals stay resident in glibc's heap until the load's end."""
     arena = _packing.get()
@@ -205,12 +237,17 @@ def rehome(owners: list, attribute: str) -> None:
     if not owners:
         return
     release_freed_memory()  # what the load freed so far, before the arena adds to it
-    specs = [(tuple(getattr(o, attribute).shape), getattr(o, attribute).dtype) for o in owners]
+    arrays = [getattr(o, attribute) for o in owners]
+    offsets, total = _offsets([a.nbytes for a in arrays])
+    buffer = empty_array(total)
+    del arrays
     trimmer = HeapTrimmer()  # the originals' heap pages back to the OS as the arena fills
-    for owner, copy in zip(owners, _views(specs, getattr(owners[0], attribute).device), strict=True):
-        copy.copy_(getattr(owner, attribute))
+    for owner, offset in zip(owners, offsets, strict=True):
+        original = getattr(owner, attribute)
+        copy = buffer[offset : offset + original.nbytes].view(original.dtype).reshape(original.shape)
+        np.copyto(copy, original)
         setattr(owner, attribute, copy)
-        trimmer.add(copy.numel() * copy.element_size())
+        trimmer.add(original.nbytes)
 
 
 def release_freed_memory() -> None:

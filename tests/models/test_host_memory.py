@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,16 +69,19 @@ def test_big_buffers_start_on_a_huge_page_and_small_ones_stay_plain():
     assert empty_bytes(4096, CPU).numel() == 4096
 
 
-def test_rehome_moves_each_owners_tensor_into_one_arena_exactly():
-    originals = [torch.randn(300, 7), torch.randint(-128, 127, (1 << 21,), dtype=torch.int8)]
-    owners = [SimpleNamespace(packed=t) for t in originals]
+def test_rehome_moves_each_owners_array_into_one_arena_exactly():
+    rng = np.random.default_rng(0)
+    originals = [rng.standard_normal((300, 7), dtype=np.float32),
+                 rng.integers(-128, 127, 1 << 21, dtype=np.int8)]
+    owners = [SimpleNamespace(packed=a) for a in originals]
     rehome(owners, "packed")
     copies = [o.packed for o in owners]
-    assert all(
-        torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(originals, copies, strict=True))
-    assert copies[0].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr()
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) and a.ctypes.data != b.ctypes.data
+               for a, b in zip(originals, copies, strict=True))
+    assert copies[0].base is not None and copies[0].base is copies[1].base  # views of one buffer
+    assert copies[1].ctypes.data - copies[0].ctypes.data == 300 * 7 * 4 + 48  # packed, cache-line aligned
     if sys.platform.startswith("linux"):  # together over 2 MiB: the arena starts on a huge page
-        assert copies[0].data_ptr() % HUGE_PAGE == 0
+        assert copies[0].ctypes.data % HUGE_PAGE == 0
 
 
 def test_kv_pool_is_one_arena():
@@ -87,11 +91,15 @@ def test_kv_pool_is_one_arena():
     cfg = ModelConfig(architecture="llama", num_layers=3, hidden_size=64, intermediate_size=8, num_heads=2,
                       num_kv_heads=1, head_dim=32, vocab_size=8, max_position_embeddings=256)
     storage = PagedKVStorage(cfg, 8, 16, "q8_0", CPU, "f16")
-    parts = [p for layer in storage.k + storage.v for p in layer]
-    assert len(parts) == 3 * (2 + 1)  # q8_0 keys: codes and scales; f16 values: codes
-    assert len({p.untyped_storage().data_ptr() for p in parts}) == 1
-    assert all(p.is_contiguous() and not p.any() for p in parts)
-    assert storage.k[0][0].shape == (1, 8, 16, 32) and storage.k[0][1].dtype == torch.float16
+    arrays = [a for layer in storage.k_arrays + storage.v_arrays for a in layer]
+    assert len(arrays) == 3 * (2 + 1)  # q8_0 keys: codes and scales; f16 values: codes
+    assert len({id(a.base) for a in arrays}) == 1  # views of one buffer
+    assert all(a.flags.c_contiguous and a.ctypes.data % 64 == 0 and not a.any() for a in arrays)
+    assert storage.k_arrays[0][0].shape == (1, 8, 16, 32) and storage.k_arrays[0][1].dtype == np.float16
+    # the torch path's tensors are views of the same memory, with the codec's types
+    tensors = [p for layer in storage.k + storage.v for p in layer]
+    assert [t.data_ptr() for t in tensors] == [a.ctypes.data for a in arrays]
+    assert storage.k[0][0].dtype == torch.int8 and storage.k[0][1].dtype == torch.float16
 
 
 class FakeTrim:
@@ -142,14 +150,15 @@ def test_packing_arena_hands_out_aligned_disjoint_slices_then_falls_back():
 
     with packing_arena(3 << 20) as arena:
         a, b = packed_bytes(1000), packed_bytes(HUGE_PAGE)
-        assert arena.holds(a) and arena.holds(b) and b.data_ptr() - a.data_ptr() == 1024  # cache lines
-        assert a.data_ptr() % HUGE_PAGE == 0 and not a.any() and not b.any()
+        assert arena.holds(a) and arena.holds(b) and b.ctypes.data - a.ctypes.data == 1024  # cache lines
+        assert a.ctypes.data % HUGE_PAGE == 0 and not a.any() and not b.any()
         big = packed_bytes(2 * HUGE_PAGE)  # does not fit what is left: ordinary memory, same size
-        assert not arena.holds(big) and big.numel() == 2 * HUGE_PAGE
-        a.fill_(1)
+        assert not arena.holds(big) and big.size == 2 * HUGE_PAGE
+        a.fill(1)
         assert int(b[0]) == 0
         owners = [SimpleNamespace(packed=a), SimpleNamespace(packed=big)]
         rehome(owners, "packed")  # only what the arena does not hold moves
-        assert owners[0].packed.data_ptr() == a.data_ptr() and owners[1].packed.data_ptr() != big.data_ptr()
+        assert owners[0].packed.ctypes.data == a.ctypes.data
+        assert owners[1].packed.ctypes.data != big.ctypes.data
     outside = packed_bytes(1000)
     assert not arena.holds(outside)

@@ -20,7 +20,7 @@ def layout_inputs(m: int, n: int, k: int, seed: int, layout: str):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)
     x[0, :32] = 0.0
-    packed = block_layouts.pack_blocks(random_blocks(layout, n, k, seed), layout, n, k)
+    packed = torch.from_numpy(block_layouts.pack_blocks(random_blocks(layout, n, k, seed), layout, n, k))
     return x, packed, torch.randn(n, generator=g)
 
 

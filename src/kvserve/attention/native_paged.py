@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 
+import numpy as np
 import torch
 
 from kvserve import native
@@ -48,9 +49,9 @@ class NativePagedAttention:
         # per layer, the queries' balance (balanced keys) or 0; the storage's tensors, alive as long as it
         self.balance_args = [0 if b is None else b.data_ptr() for b in storage.q_balance]
         self.layer_args = [
-            (*self._part(storage.k[layer], storage.k_codec, self._tables[0]),
-             *self._part(storage.v[layer], storage.v_codec, self._tables[1]))
-            for layer in range(len(storage.k))
+            (*self._part(storage.k_arrays[layer], storage.k_codec, self._tables[0]),
+             *self._part(storage.v_arrays[layer], storage.v_codec, self._tables[1]))
+            for layer in range(len(storage.k_arrays))
         ]
 
     @staticmethod
@@ -59,7 +60,7 @@ class NativePagedAttention:
         return None if table is None else table().contiguous()
 
     @staticmethod
-    def _part(parts: list[torch.Tensor], codec: KVCodec, table: torch.Tensor | None) -> tuple:
+    def _part(parts: list[np.ndarray], codec: KVCodec, table: torch.Tensor | None) -> tuple:
         codes, scales, code_stride, scale_stride = _layout(parts)
         return (
             KV_KIND_CODES[codec.name],
@@ -131,10 +132,10 @@ class NativeKVWrite:
         # balance)
         self.layer_args = [
             [self._part(parts, codec, tables, centre, balance) for parts, codec, tables, centre, balance in
-             ((storage.k[layer], storage.k_codec, self._tables[0], storage.k_centres[layer],
+             ((storage.k_arrays[layer], storage.k_codec, self._tables[0], storage.k_centres[layer],
                storage.k_balance[layer]),
-              (storage.v[layer], storage.v_codec, self._tables[1], None, None))]
-            for layer in range(len(storage.k))
+              (storage.v_arrays[layer], storage.v_codec, self._tables[1], None, None))]
+            for layer in range(len(storage.k_arrays))
         ]
 
     @staticmethod
@@ -147,7 +148,7 @@ class NativeKVWrite:
         return rotation_signs(codec), None if codebook is None else codebook.float().contiguous()
 
     @staticmethod
-    def _part(parts: list[torch.Tensor], codec: KVCodec, tables: tuple | None,
+    def _part(parts: list[np.ndarray], codec: KVCodec, tables: tuple | None,
               centre: torch.Tensor | None, balance: torch.Tensor | None) -> tuple | None:
         if codec.name not in WRITABLE:
             return None
@@ -177,15 +178,15 @@ def rotation_signs(codec: KVCodec) -> torch.Tensor | None:
     return codec.signs.float().contiguous()
 
 
-def _layout(parts: list[torch.Tensor]) -> tuple[int, int, int, int]:
-    """A layer's codec parts as the kernels take them: codes and scales addresses (0: no scales), and
-    bytes per head-vector in each."""
-    assert all(p.is_contiguous() for p in parts)
+def _layout(parts: list[np.ndarray]) -> tuple[int, int, int, int]:
+    """A layer's codec parts (the storage's arrays) as the kernels take them: codes and scales addresses
+    (0: no scales), and bytes per head-vector in each."""
+    assert all(p.flags.c_contiguous for p in parts)
     codes, scales = parts[0], parts[1] if len(parts) > 1 else None
     if scales is None:
-        return codes.data_ptr(), 0, codes.shape[-1] * codes.element_size(), 0
-    return (codes.data_ptr(), scales.data_ptr(), codes.shape[-1] * codes.element_size(),
-            scales.shape[-1] * scales.element_size())
+        return codes.ctypes.data, 0, codes.shape[-1] * codes.itemsize, 0
+    return (codes.ctypes.data, scales.ctypes.data, codes.shape[-1] * codes.itemsize,
+            scales.shape[-1] * scales.itemsize)
 
 
 _BY_STORAGE: weakref.WeakKeyDictionary[PagedKVStorage,
@@ -197,7 +198,7 @@ def writer_for_storage(storage: PagedKVStorage):
     """A callable ``(layer, slot_rows, k, v)`` that stores k/v: the C writer on CPU, else
     ``storage.write``."""
     if storage not in _WRITERS:
-        library = native.load("kv_write") if storage.k[0][0].device.type == "cpu" else None
+        library = native.load("kv_write") if storage.k_arrays is not None else None
         _WRITERS[storage] = None if library is None else NativeKVWrite(storage, library)
     return _WRITERS[storage] or storage.write
 
@@ -207,7 +208,7 @@ def for_storage(storage: PagedKVStorage) -> NativePagedAttention | None:
     if storage not in _BY_STORAGE:
         kernel = None
         codecs_known = all(c.name in KV_KIND_CODES for c in (storage.k_codec, storage.v_codec))
-        if storage.k[0][0].device.type == "cpu" and codecs_known:
+        if storage.k_arrays is not None and codecs_known:
             library = native.load("paged_attention")
             kernel = None if library is None else NativePagedAttention(storage, library)
         _BY_STORAGE[storage] = kernel

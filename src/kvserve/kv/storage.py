@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.host_memory import arena
+from kvserve.host_memory import arena, array_arena
 from kvserve.kv.cache_types import kv_type
 from kvserve.kv.codecs import KVCodec, make_codec
 
@@ -45,6 +46,13 @@ class BlockRows:
 
 
 UNCENTRED_KEYS = ("f32", "f16", "bf16")
+# a stored part's element type -> the numpy type that holds its bits on the CPU (numpy has no bf16)
+_HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8,
+                "uint8": np.uint8}
+
+
+def _nbytes(part: np.ndarray | torch.Tensor) -> int:
+    return part.nbytes if isinstance(part, np.ndarray) else part.numel() * part.element_size()
 
 
 class PagedKVStorage:
@@ -81,26 +89,76 @@ class PagedKVStorage:
         self.kv_group_of_layer = [int(i in self.window_layers) for i in range(config.num_layers)]
         self.kv_group_blocks = [num_blocks, num_window_blocks] if window_layers else [num_blocks]
 
-        # every part of every layer in one arena (2 MiB pages on a Linux CPU: kvserve.host_memory)
+        # every part of every layer in one arena (2 MiB pages on a Linux CPU: kvserve.host_memory); on the
+        # CPU numpy arrays, which the C kernels read (``k_arrays``), seen by the torch path through tensor
+        # views made the first time it asks (``k``, ``v``)
         def specs(codec: KVCodec, blocks: int) -> list:
             return [((heads, blocks, block_size, w), d) for w, d in codec.part_specs()]
 
         layer_specs = [
             specs(self.k_codec, self.kv_group_blocks[g]) + specs(self.v_codec, self.kv_group_blocks[g])
                        for g in self.kv_group_of_layer]
-        parts = iter(arena([spec for layer in layer_specs for spec in layer], device))
-        num_k = len(self.k_codec.part_specs())
-        self.k, self.v = [], []
-        for layer in layer_specs:
-            mine = [next(parts) for _ in layer]
-            self.k.append(mine[:num_k])
-            self.v.append(mine[num_k:])
-        # per group, [heads, 1]: the first row of each head's blocks
-        heads_column = torch.arange(heads, device=device)[:, None]
-        self._kv_group_offsets = [heads_column * n for n in self.kv_group_blocks]
-        self._head_offsets = self._kv_group_offsets[0]
+        self.device = device
+        self._num_k_parts = len(self.k_codec.part_specs())
+        flat = [spec for layer in layer_specs for spec in layer]
+        self._part_names = [str(d).removeprefix("torch.") for _, d in flat]
+        self.k_arrays: list[list[np.ndarray]] | None = None
+        self.v_arrays: list[list[np.ndarray]] | None = None
+        self._k: list[list[torch.Tensor]] | None = None
+        self._v: list[list[torch.Tensor]] | None = None
+        if device.type == "cpu":
+            arrays = array_arena([(shape, _HOST_DTYPES[name]) for (shape, _), name in zip(
+                flat, self._part_names, strict=True)])
+            self.k_arrays, self.v_arrays = self._by_layer(arrays, layer_specs)
+        else:
+            self._k, self._v = self._by_layer(arena(flat, device), layer_specs)
         self._kv_group_offsets_np = [np.arange(heads, dtype=np.int64)[:, None] * n
                                      for n in self.kv_group_blocks]
+
+    def _by_layer(self, parts: list, layer_specs: list) -> tuple[list[list], list[list]]:
+        """Each layer's parts split into K's and V's."""
+        parts, k, v = iter(parts), [], []
+        for layer in layer_specs:
+            mine = [next(parts) for _ in layer]
+            k.append(mine[: self._num_k_parts])
+            v.append(mine[self._num_k_parts :])
+        return k, v
+
+    @property
+    def k(self) -> list[list[torch.Tensor]]:
+        """Per layer, K's parts as tensors (on the CPU views of ``k_arrays``, made at the first call)."""
+        if self._k is None:
+            self._k, self._v = self._tensor_views()
+        return self._k
+
+    @property
+    def v(self) -> list[list[torch.Tensor]]:
+        if self._v is None:
+            self._k, self._v = self._tensor_views()
+        return self._v
+
+    def _tensor_views(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        names = iter(self._part_names)  # in the arena's order: each layer's K parts, then its V parts
+
+        def view(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).view(getattr(torch, next(names)))
+
+        k, v = [], []
+        for k_parts, v_parts in zip(self.k_arrays, self.v_arrays, strict=True):
+            k.append([view(a) for a in k_parts])
+            v.append([view(a) for a in v_parts])
+        return k, v
+
+    @cached_property
+    def _kv_group_offsets(self) -> list[torch.Tensor]:
+        """Per group, [heads, 1]: the first row of each head's blocks (the torch path's)."""
+        heads_column = torch.arange(self.num_kv_heads, device=self.device)[:, None]
+        return [heads_column * n for n in self.kv_group_blocks]
+
+    def _parts(self) -> list:
+        """Every layer's K and V parts as held: arrays on the CPU, tensors elsewhere."""
+        k, v = (self.k_arrays, self.v_arrays) if self.k_arrays is not None else (self._k, self._v)
+        return [layer_k + layer_v for layer_k, layer_v in zip(k, v, strict=True)]
 
     @property
     def windowed(self) -> bool:
@@ -113,7 +171,7 @@ class PagedKVStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for layer in self.k + self.v for p in layer)
+        return sum(_nbytes(p) for layer in self._parts() for p in layer)
 
     @property
     def bytes_per_block(self) -> int:
@@ -121,21 +179,23 @@ class PagedKVStorage:
         return self.kv_group_bytes_per_block(0)
 
     def kv_group_bytes_per_block(self, kv_group: int) -> int:
-        return sum(p.numel() * p.element_size() // self.kv_group_blocks[kv_group]
-                   for layer in self.kv_group_layers(kv_group) for p in self.k[layer] + self.v[layer])
+        parts = self._parts()
+        return sum(_nbytes(p) // self.kv_group_blocks[kv_group]
+                   for layer in self.kv_group_layers(kv_group) for p in parts[layer])
 
     def kv_group_layers(self, kv_group: int) -> list[int]:
         return [i for i, g in enumerate(self.kv_group_of_layer) if g == kv_group]
 
     def layout(self) -> dict[str, object]:
         """What a block's bytes (``export_blocks``) mean: the stored parts' shapes and types, in order."""
+        first = self._parts()[0]  # layer 0's parts, the first of the arena's part names
         return {
             "block_size": self.block_size,
             "kv_heads": self.num_kv_heads,
-            "layers": len(self.k),
+            "layers": len(self.kv_group_of_layer),
             "cache_type_k": self.k_codec.name,
             "cache_type_v": self.v_codec.name,
-            "parts": [[p.shape[-1], str(p.dtype).removeprefix("torch.")] for p in self.k[0] + self.v[0]],
+            "parts": [[p.shape[-1], name] for p, name in zip(first, self._part_names, strict=False)],
             "bytes_per_block": self.bytes_per_block,
         } | self._key_transform() | (
             {
@@ -154,7 +214,7 @@ class PagedKVStorage:
         CPU ``[len(block_ids), kv_group_bytes_per_block(group)]`` uint8 copy, layer by layer, K's parts then
         V's, each part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of
         blocks."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self._head_offsets.device)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         # gathering from the transposed view writes each block's heads in order: one pass, no reorder copy
         rows = [
             p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1)
@@ -168,7 +228,7 @@ class PagedKVStorage:
         size = self.kv_group_bytes_per_block(kv_group)
         if data.shape != (len(block_ids), size):
             raise ValueError(f"expected {len(block_ids)} blocks of {size} bytes, got {tuple(data.shape)}")
-        device = self._head_offsets.device
+        device = self.device
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
         data = data.to(device)
         offset = 0

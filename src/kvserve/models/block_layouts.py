@@ -21,12 +21,15 @@ the tests hold bit for bit against ``gguf.quants.dequantize``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvserve import native
 from kvserve.host_memory import packed_bytes
+
+if TYPE_CHECKING:  # the packed weights are numpy: torch only for unpack_weight's tensor
+    import torch
 from kvserve.models.layouts import (
     CODE_BITS,
     GGUF_LAYOUTS,
@@ -164,7 +167,7 @@ def _code_planes(codes: np.ndarray, panels: int, bits: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
-def _packed_output(type_name: str, rows: int, cols: int) -> tuple[int, torch.Tensor]:
+def _packed_output(type_name: str, rows: int, cols: int) -> tuple[int, np.ndarray]:
     """(layout, u8 [panels, panel_bytes]) for a rows x cols tensor of ``type_name``, after checking its rows
     are whole file blocks."""
     layout, per_block, _ = GGUF_LAYOUTS[type_name]
@@ -172,11 +175,11 @@ def _packed_output(type_name: str, rows: int, cols: int) -> tuple[int, torch.Ten
         raise ValueError(f"{type_name}: rows of {cols} weights are not whole blocks of {per_block}")
     panels = -(-rows // 16)
     width = panel_bytes(layout, cols)
-    return layout, packed_bytes(panels * width).view(panels, width)
+    return layout, packed_bytes(panels * width).reshape(panels, width)
 
 
 def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int,
-                on_rows: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_rows: Callable[[int], None] | None = None) -> np.ndarray:
     """A tensor's file bytes (rows x cols weights of ``type_name``, rows in order) -> u8 [panels,
     panel_bytes] in int4_matmul.c's layout for the type (``native/block_repack.c``; where it cannot be
     built, ``pack_blocks_reference``). ROW_CHUNK rows at a time; ``on_rows(n)`` hears after each chunk that
@@ -186,10 +189,10 @@ def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int,
         return pack_blocks_reference(raw, type_name, rows, cols, on_rows)
     layout, out = _packed_output(type_name, rows, cols)
     blocks = np.ascontiguousarray(raw).reshape(rows, -1)  # the mapped file itself where it is contiguous
-    threads = torch.get_num_threads()
+    threads = native.num_threads()
     for r in range(0, rows, ROW_CHUNK):
         n = min(ROW_CHUNK, rows - r)
-        if repack(blocks[r:].ctypes.data, layout, n, cols, out[r // 16].data_ptr(), threads) != 0:
+        if repack(blocks[r:].ctypes.data, layout, n, cols, out[r // 16].ctypes.data, threads) != 0:
             raise ValueError(f"native repack refused {type_name} rows of {cols}")
         if on_rows is not None:
             on_rows(r + n)
@@ -197,13 +200,13 @@ def pack_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int,
 
 
 def pack_blocks_reference(raw: np.ndarray, type_name: str, rows: int, cols: int,
-                          on_rows: Callable[[int], None] | None = None) -> torch.Tensor:
+                          on_rows: Callable[[int], None] | None = None) -> np.ndarray:
     """``pack_blocks`` in numpy: the reference the native repack is held to (tests), and the packer where
     no compiler is found."""
     layout, out = _packed_output(type_name, rows, cols)
     _, per_block, block_bytes = GGUF_LAYOUTS[type_name]
     blocks = raw.reshape(rows, cols // per_block, block_bytes)
-    target, width = out.numpy(), out.shape[1]
+    target, width = out, out.shape[1]
     groups, super_bytes = cols // 32, SUPER_BYTES[layout]
     for r in range(0, rows, ROW_CHUNK):
         chunk = blocks[r : r + ROW_CHUNK]
@@ -298,10 +301,12 @@ def _half_scales(layout: int, sp: np.ndarray, rows: int, d, dmin):
     return scale, scale * np.float32(-32.0 if layout == QL_Q6_K else -4.0)
 
 
-def unpack_weight(packed: torch.Tensor, layout: int, rows: int, cols: int) -> torch.Tensor:
+def unpack_weight(packed: np.ndarray, layout: int, rows: int, cols: int) -> torch.Tensor:
     """A packed tensor's weights [rows, cols] f32, each scale * code + offset computed in f32 as the gguf
     library's dequantization computes the file's weight."""
-    data = packed.reshape(-1).numpy()
+    import torch
+
+    data = np.asarray(packed).reshape(-1)
     panels, groups = -(-rows // 16), cols // 32
     blocks, d, dmin = _unpack_blocks(data, layout, rows, panels, groups)
     codes, sp = _unpack_codes(blocks, CODE_BITS[layout], panels, groups, cols)

@@ -128,22 +128,22 @@ def int8_groups(weights: GGUFWeights, names: list[str], bias: torch.Tensor | Non
         return None
     rows, cols = sum(s[1] for s in shapes), shapes[0][2]
     panels, groups = -(-rows // 16), cols // 32
-    out = packed_bytes(panels * groups * 544).view(panels, groups * 544)
+    out = packed_bytes(panels * groups * 544).reshape(panels, groups * 544)
     first = 0
     for name, (type_name, part_rows, _) in zip(names, shapes, strict=True):
 
         def pack(raw, on_rows, code=INT8_SOURCES[type_name], n=part_rows, at=first // 16, name=name) -> None:
             for r in range(0, n, REPACK_ROWS):
                 count = min(REPACK_ROWS, n - r)
-                if repack(raw[r:].ctypes.data, code, count, cols, out[at + r // 16].data_ptr(),
-                          torch.get_num_threads()):
+                if repack(raw[r:].ctypes.data, code, count, cols, out[at + r // 16].ctypes.data,
+                          native.num_threads()):
                     raise ValueError(f"native repack refused {name}")
                 if on_rows is not None:
                     on_rows(r + count)
 
         weights.packed([name], pack)
         first += part_rows
-    return Int8GroupLinear.from_packed(rows, cols, out.view(panels, groups, 544), bias)
+    return Int8GroupLinear.from_packed(rows, cols, out.reshape(panels, groups, 544), bias)
 
 
 def tied_head(weights: GGUFWeights, weight_format: str) -> tuple[Linear, QuantRows] | None:

@@ -169,7 +169,7 @@ GRID_DECODERS = {
 }
 
 
-def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rope_rows(w: torch.Tensor | np.ndarray, num_heads: int) -> torch.Tensor | np.ndarray:
     """Undo llama.cpp's converter permutation of Q/K rows (interleaved -> half-split RoPE layout).
 
     The converter stores row (head, half, i) at (head, i, half) so that llama.cpp can rotate adjacent
@@ -178,6 +178,9 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     out_dim = w.shape[0]
     rest = w.shape[1:]
     half = out_dim // num_heads // 2
+    if isinstance(w, np.ndarray):  # a file's rows of blocks, packed as they are
+        swapped = np.swapaxes(w.reshape(num_heads, half, 2, *rest), 1, 2)
+        return np.ascontiguousarray(swapped.reshape(out_dim, *rest))
     return w.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(out_dim, *rest).contiguous()
 
 
@@ -280,7 +283,7 @@ class GGUFWeights:
             rows = self.gf.tensor_bytes(file_name).reshape(t.dims[1], -1)
             if self._permuted(name):
                 heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads
-                rows = unpermute_rope_rows(torch.from_numpy(np.array(rows)), heads).numpy()
+                rows = unpermute_rope_rows(rows, heads)
             parts.append(rows)
         # the mapped file itself: pages dropped as rows are packed
         if len(parts) == 1 and not self._permuted(names[0]):

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -151,11 +152,11 @@ class Int8GroupLinear(Int8Linear):
             grid16 = (grid16() if callable(grid16) else grid16) or int8_groups16(weight)
         if groups is None and grid16 is not None:
             self.layout, self.kernel = "g16", _int8_matmul_kernel("int8_matmul_g16")
-            self.packed = pack_int8_groups16(*grid16)
+            self.packed = host_array(pack_int8_groups16(*grid16))
         else:  # f16 scales per 32: a Q8_0/Q5_0/Q4_0 grid, or any tensor rounded to Q8_0's
             self.layout = "g32"
-            self.packed = pack_int8_groups(*(groups or int8_groups(weight)))
-        self.nbytes = self.packed.numel()
+            self.packed = host_array(pack_int8_groups(*(groups or int8_groups(weight))))
+        self.nbytes = self.packed.nbytes
 
     @staticmethod
     def native() -> bool:
@@ -163,7 +164,7 @@ class Int8GroupLinear(Int8Linear):
         return _int8_matmul_kernel() is not None
 
     @classmethod
-    def from_packed(cls, rows: int, cols: int, packed: torch.Tensor,
+    def from_packed(cls, rows: int, cols: int, packed: np.ndarray | torch.Tensor,
                     bias: torch.Tensor | None = None) -> Int8GroupLinear:
         """Around weights already in the g32 layout (``file_linears.int8_groups`` repacks a file's blocks
         into it). Needs the kernel."""
@@ -171,7 +172,8 @@ class Int8GroupLinear(Int8Linear):
         lin.kernel, lin.layout = _int8_matmul_kernel(), "g32"
         lin.out_features, lin.in_features = rows, cols
         lin.bias = None if bias is None else bias.float()
-        lin.packed, lin.nbytes = packed, packed.numel()
+        lin.packed = host_array(packed)
+        lin.nbytes = lin.packed.nbytes
         return lin
 
     @classmethod
@@ -183,8 +185,8 @@ class Int8GroupLinear(Int8Linear):
         lin.kernel, lin.layout = _int8_matmul_kernel(), "g32"
         lin.out_features, lin.in_features = rows, cols
         lin.bias = None if bias is None else bias.float()
-        lin.packed = pack_int8_groups_by_rows(rows, cols, chunks, huge_pages=True)
-        lin.nbytes = lin.packed.numel()
+        lin.packed = host_array(pack_int8_groups_by_rows(rows, cols, chunks, huge_pages=True))
+        lin.nbytes = lin.packed.nbytes
         return lin
 
     @property
@@ -209,7 +211,7 @@ class Int8GroupLinear(Int8Linear):
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.in_features) if out is None else out
         rows = _int8_rows_kernel("int8_rows_g16" if self.layout == "g16" else "int8_rows")
-        rows(self.packed.data_ptr(), ids.data_ptr(), ids.shape[0], self.in_features, out.data_ptr())
+        rows(self.packed.ctypes.data, ids.data_ptr(), ids.shape[0], self.in_features, out.data_ptr())
         return out
 
     def holds(self, weight: torch.Tensor) -> bool:
@@ -253,8 +255,8 @@ class Int4Linear:
         f32_scales = not all(torch.equal(t, t.half().float()) for t in (scale, lo))
         self.layout = QL_F32 if f32_scales else QL_F16
         if self.kernel is not None:
-            self.packed = pack_int4(codes, scale, lo, f32_scales)
-            self.nbytes = self.packed.numel()
+            self.packed = host_array(pack_int4(codes, scale, lo, f32_scales))
+            self.nbytes = self.packed.nbytes
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         zero = lo + 8 * scale
@@ -272,7 +274,7 @@ class Int4Linear:
         lin.bias = None if bias is None else bias.float().contiguous()
         lin.layout = GGUF_LAYOUTS[type_name][0]
         lin.packed = block_layouts.pack_blocks(raw, type_name, rows, cols, on_rows=on_rows)
-        lin.nbytes = lin.packed.numel()
+        lin.nbytes = lin.packed.nbytes
         return lin
 
     @staticmethod
@@ -285,7 +287,7 @@ class Int4Linear:
         """[out, in] f32: scale * code + offset per group, as the file's dequantization rounds it."""
         if self.layout not in (QL_F16, QL_F32):
             return block_layouts.unpack_weight(self.packed, self.layout, self.out_features, self.in_features)
-        packed = self.packed.view(self.packed.shape[0], self.in_features // INT4_GROUP, -1)
+        packed = torch.from_numpy(self.packed).view(self.packed.shape[0], self.in_features // INT4_GROUP, -1)
         codes, scale, lo = unpack_int4(packed, self.out_features, self.layout == QL_F32)
         groups = codes.view(self.out_features, -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]
         return groups.view(self.out_features, -1)
@@ -350,8 +352,9 @@ def _run_matmul(
     xf = x.float().contiguous()
     m, k = xf.shape
     y = torch.empty(m, out_features, dtype=torch.float32) if out is None else out
-    rc = kernel(xf.data_ptr(), *(w.data_ptr() for w in weights), 0 if bias is None else bias.data_ptr(),
-                m, out_features, k, y.data_ptr(), torch.get_num_threads(), *options, y.stride(0))
+    addresses = (host_array(w).ctypes.data for w in weights)
+    rc = kernel(xf.data_ptr(), *addresses, 0 if bias is None else bias.data_ptr(), m, out_features, k,
+                y.data_ptr(), native.num_threads(), *options, y.stride(0))
     if rc != 0:
         raise MemoryError("native matmul: could not allocate the activation digits")
     return y
@@ -361,10 +364,15 @@ def pack_into_arena(linears: list) -> None:
     """The C kernels' packed weights of ``linears`` moved into one arena (``kvserve.host_memory``: 2 MiB
     pages on a Linux CPU), so a decode step streams them with a TLB entry per 2 MiB, not per 4 KiB."""
     flat = [part for lin in linears for part in getattr(lin, "parts", [lin])]
-    owners = [lin for lin in flat
-              if getattr(lin, "kernel", None) is not None and isinstance(
-                  getattr(lin, "packed", None), torch.Tensor)]
+    owners = [lin for lin in flat if getattr(lin, "kernel", None) is not None
+              and isinstance(getattr(lin, "packed", None), np.ndarray)]
     rehome(owners, "packed")
+
+
+def host_array(packed: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A kernel's packed weights as numpy, what the CPU runtime holds (the packers of f32 grids make CPU
+    tensors: the same memory, no copy)."""
+    return packed if isinstance(packed, np.ndarray) else packed.numpy()
 
 
 def make_linear(

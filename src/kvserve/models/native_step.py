@@ -261,7 +261,7 @@ class _StepOperations:
             bias = None if part.bias is None else part.bias.data_ptr()
             kernel = _kernel_name(part)
             options = {"digits": part.digits, "layout": part.layout} if kernel == "int4_matmul" else {}
-            self.op(kernel, x=self.ptr[x], w=part.packed.data_ptr(), bias=bias, N=part.out_features,
+            self.op(kernel, x=self.ptr[x], w=part.packed.ctypes.data, bias=bias, N=part.out_features,
                     K=self.b[x].shape[1], y=self.ptr[y] + 4 * first, num_threads=self.threads,
                     ldy=self.b[y].shape[1], **options)
             first += part.out_features
@@ -364,7 +364,7 @@ def _embedding_lookup(model: DecoderLM):
         return dequantized
     head = model.lm_head
     kernel = native.function("int8_matmul", "int8_rows_g16" if head.layout == "g16" else "int8_rows")
-    packed, width = head.packed.data_ptr(), head.in_features
+    packed, width = head.packed.ctypes.data, head.in_features
 
     def int8_rows(ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -389,7 +389,7 @@ class _HeadMatmul:
         for part in head.parts if isinstance(head, StackedLinear) else [head]:
             options = (part.digits, part.layout) if isinstance(part, Int4Linear) else ()
             bias = 0 if part.bias is None else part.bias.data_ptr()
-            parts.append((part.kernel, part.packed.data_ptr(), bias, part.out_features, first, options))
+            parts.append((part.kernel, part.packed.ctypes.data, bias, part.out_features, first, options))
             first += part.out_features
         return cls(parts, head.in_features, head.out_features)
 
