@@ -31,12 +31,12 @@ def load_trace():
     taken: list[Taken] = []
     alive_at_take: list[list[Taken]] = []
     alive_at_release: list[list[Taken]] = []
-    load, release = gguf_file.GGUFWeights._load, loader.release_freed_memory
+    load, release = gguf_file.GGUFWeights._load_array, loader.release_freed_memory
 
     def traced_load(self, name):
         alive_at_take.append([t for t in taken if t.alive])
         w = load(self, name)
-        taken.append(Taken(weakref.ref(w), name, w.dim(), w.numel() * w.element_size()))
+        taken.append(Taken(weakref.ref(w), name, w.ndim, w.nbytes))
         return w
 
     def traced_release():
@@ -44,7 +44,7 @@ def load_trace():
         release()
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_file.GGUFWeights, "_load", traced_load)
+        mp.setattr(gguf_file.GGUFWeights, "_load_array", traced_load)
         mp.setattr(loader, "release_freed_memory", traced_release)
         model = loader.load_model("smollm2", weight_format="q4")
     assert model.config.num_layers == 30

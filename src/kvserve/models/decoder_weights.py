@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
@@ -39,6 +40,10 @@ class WeightSource(Protocol):
 
     def pop(self, name: str) -> torch.Tensor:
         """The tensor at f32, no longer held by the source."""
+        ...
+
+    def pop_array(self, name: str) -> np.ndarray:
+        """``pop`` as a numpy f32 array."""
         ...
 
     def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None: ...
@@ -65,6 +70,9 @@ class TensorWeights:
     def pop(self, name: str) -> torch.Tensor:
         return self.tensors.pop(name)
 
+    def pop_array(self, name: str) -> np.ndarray:
+        return self.tensors.pop(name).detach().float().cpu().numpy()
+
     def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.tensors.get(name, default)
 
@@ -76,20 +84,24 @@ class TensorWeights:
         return None
 
 
+Vector = np.ndarray | torch.Tensor  # a norm's weights
+
+
 @dataclass(slots=True)
 class LayerWeights:
-    """Norm weights as tensors; projections as ``Linear`` callables (see ``models.linear``)."""
+    """Norm weights as numpy f32 arrays for the CPU runtime, tensors on a device (``Vector``); projections
+    as ``Linear`` callables (see ``models.linear``)."""
 
-    attn_norm: torch.Tensor
+    attn_norm: Vector
     qkv: Linear  # hidden -> q_dim + 2 * kv_dim: q, k, v stacked (with qwen2's bias)
     o: Linear
-    ffn_norm: torch.Tensor
+    ffn_norm: Vector
     gate_up: Linear | None  # hidden -> 2 * intermediate: gate then up (None: the layer's MLP is ``moe``)
     down: Linear | None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    post_attn_norm: torch.Tensor | None = None
-    post_ffn_norm: torch.Tensor | None = None
+    q_norm: Vector | None = None
+    k_norm: Vector | None = None
+    post_attn_norm: Vector | None = None
+    post_ffn_norm: Vector | None = None
     moe: MoE | None = None
 
     @property
@@ -100,7 +112,7 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class DecoderWeights:
-    final_norm: torch.Tensor
+    final_norm: Vector
     layers: list[LayerWeights]
     lm_head: Linear
     embed: torch.Tensor | None  # the f32 table [vocab, hidden]; None where rows come from below
@@ -122,10 +134,12 @@ class _Builder:
         self.config, self.weights = config, weights
         self.device, self.dtype, self.weight_format = device, dtype, weight_format
         self.held = weights.file_linears(weight_format, device, dtype)
+        # the CPU runtime's f32 (the one-call step's): vectors as numpy arrays, which torch sees through
+        self.host = device.type == "cpu" and dtype == torch.float32
 
     def build(self) -> DecoderWeights:
         config, weights = self.config, self.weights
-        final_norm = self._w("output_norm.weight")
+        final_norm = self._norm("output_norm.weight")
         # every packed weight straight into one 2 MiB-page region (host_memory.PackingArena), sized for the
         # worst widening (4-bit blocks as int8 groups: 2x); what the model leaves unused stays virtual
         with packing_arena(0 if self.held is None else self.held.arena_bytes):
@@ -146,8 +160,14 @@ class _Builder:
     def _w(self, name: str) -> torch.Tensor:
         return self.weights.pop(name).to(device=self.device, dtype=self.dtype)
 
-    def _opt(self, name: str) -> torch.Tensor | None:
-        return self._w(name) if name in self.weights else None
+    def _norm(self, name: str) -> torch.Tensor | np.ndarray:
+        """A norm's weight vector: numpy f32 for the CPU runtime, else a tensor on the device."""
+        if not self.host:
+            return self._w(name)
+        return np.ascontiguousarray(self.weights.pop_array(name), dtype=np.float32)
+
+    def _opt_norm(self, name: str) -> torch.Tensor | np.ndarray | None:
+        return self._norm(name) if name in self.weights else None
 
     def _projection(self, names: list[str], bias: torch.Tensor | None = None) -> Linear:
         """The tensors ``names`` stacked as one projection: from the file's blocks where they allow, else
@@ -204,16 +224,16 @@ class _Builder:
         qkv = [p + "attn_qkv.weight"] if fused_qkv else [p + "attn_q.weight", p + "attn_k.weight",
                                                          p + "attn_v.weight"]
         layer = LayerWeights(
-            attn_norm=self._w(p + "attn_norm.weight"),
+            attn_norm=self._norm(p + "attn_norm.weight"),
             qkv=self._projection(qkv, bias),
             o=self._projection([p + "attn_output.weight"]),
-            ffn_norm=self._w(p + "ffn_norm.weight"),
+            ffn_norm=self._norm(p + "ffn_norm.weight"),
             gate_up=None,
             down=None,
-            q_norm=self._opt(p + "attn_q_norm.weight"),
-            k_norm=self._opt(p + "attn_k_norm.weight"),
-            post_attn_norm=self._opt(p + "post_attention_norm.weight"),
-            post_ffn_norm=self._opt(p + "post_ffw_norm.weight"),
+            q_norm=self._opt_norm(p + "attn_q_norm.weight"),
+            k_norm=self._opt_norm(p + "attn_k_norm.weight"),
+            post_attn_norm=self._opt_norm(p + "post_attention_norm.weight"),
+            post_ffn_norm=self._opt_norm(p + "post_ffw_norm.weight"),
         )
         if self.config.num_experts:
             layer.moe = self._experts(p)

@@ -70,6 +70,10 @@ class GGUFFile:
 
     def load_tensor(self, name: str) -> torch.Tensor:
         """Dequantize one tensor to float32, in torch layout ([out, in] for matrices)."""
+        return torch.from_numpy(self.load_array(name))
+
+    def load_array(self, name: str) -> np.ndarray:
+        """``load_tensor`` in numpy."""
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -80,14 +84,14 @@ class GGUFFile:
         shape = tuple(reversed(t.dims))  # torch order: the contiguous dimension last
         if t.type_name in ("F32", "F16"):  # a copy out of the mapped file
             array = np.array(raw.view(np.float32 if t.type_name == "F32" else np.float16), dtype=np.float32)
-            return torch.from_numpy(array.reshape(shape))
+            return array.reshape(shape)
         # block-quantized (and BF16): rows of packed bytes for gguf.quants, a few thousand at a time (it
         # makes several temporaries the size of its input: SmolLM2's embedding at once cost ~340 MiB)
         rows = raw.reshape(-1, t.num_bytes // (t.num_elements // t.dims[0]))
         out = np.empty((rows.shape[0], t.dims[0]), dtype=np.float32)
         for r in range(0, rows.shape[0], 4096):
             out[r : r + 4096] = dequantize(rows[r : r + 4096], GGMLQuantizationType[t.type_name])
-        return torch.from_numpy(out.reshape(shape))
+        return out.reshape(shape)
 
 
 def k_quant_grid(raw: np.ndarray, rows: int, cols: int, bits: int) -> tuple[
@@ -235,6 +239,12 @@ class GGUFWeights:
         self.gf.release(self._take(name))
         return w
 
+    def pop_array(self, name: str) -> np.ndarray:
+        """``pop`` in numpy (f32): what the CPU runtime keeps of a vector (a norm's weights)."""
+        w = self._load_array(name)
+        self.gf.release(self._take(name))
+        return w
+
     def _take(self, name: str) -> str:
         """Counts ``name`` as taken (the progress callback hears of it); returns its name in the file."""
         stored = self.names.pop(name)
@@ -316,7 +326,12 @@ class GGUFWeights:
         return self._load(name) if name in self.names else default
 
     def _load(self, name: str) -> torch.Tensor:
-        return self._fix_rows(name, self.gf.load_tensor(self.names[name]))  # a KeyError for a missing tensor
+        return torch.from_numpy(self._load_array(name))
+
+    def _load_array(self, name: str) -> np.ndarray:
+        """A tensor dequantized to f32, the architecture's fix-ups applied (a KeyError for a missing one):
+        every tensor a load takes at f32 comes through here."""
+        return self._fix_rows(name, self.gf.load_array(self.names[name]))
 
     def _permuted(self, name: str) -> bool:
         """Whether the architecture reorders this tensor's rows (the q/k RoPE permutation of llama and
@@ -324,7 +339,7 @@ class GGUFWeights:
         return ARCHS[self.config.architecture].gguf_permuted_qk and name.endswith(
             ("attn_q.weight", "attn_k.weight"))
 
-    def _fix_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
+    def _fix_rows(self, name: str, w: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
         """The architecture's fix-ups of a tensor's rows (the q/k RoPE permutation of llama and granite)."""
         if self._permuted(name):
             heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads

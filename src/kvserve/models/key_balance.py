@@ -62,14 +62,14 @@ def layer_mean_squares(layer, q_dim: int, kv_dim: int, heads: int, kv_heads: int
     if layer.q_norm is not None or layer.k_norm is not None:
         if layer.q_norm is None or layer.k_norm is None:
             return None
-        q_ms, k_ms = (w.float().square().flatten() for w in (layer.q_norm, layer.k_norm))
+        q_ms, k_ms = (torch.as_tensor(w).float().square().flatten() for w in (layer.q_norm, layer.k_norm))
         # per-head weights [D] shared by every head, or one weight per coordinate of all heads (olmoe)
         return (q_ms.repeat(q_dim // q_ms.numel()).view(heads, head_dim),
                 k_ms.repeat(kv_dim // k_ms.numel()).view(kv_heads, head_dim))
     weight = getattr(layer.qkv, "weight", None)
     if weight is None:
         return None
-    rows = weight[: q_dim + kv_dim].float() * layer.attn_norm.float()
+    rows = weight[: q_dim + kv_dim].float() * torch.as_tensor(layer.attn_norm).float()
     ms = rows.square().sum(-1)
     bias = getattr(layer.qkv, "bias", None)
     if bias is not None:

@@ -266,21 +266,21 @@ class _StepOperations:
                     ldy=self.b[y].shape[1], **options)
             first += part.out_features
 
-    def norm(self, x: str, w: torch.Tensor, out: str) -> None:
-        self.op("rms_norm", x=self.ptr[x], w=w.data_ptr(), eps=self.cfg.rms_norm_eps,
+    def norm(self, x: str, w: np.ndarray, out: str) -> None:
+        self.op("rms_norm", x=self.ptr[x], w=w.ctypes.data, eps=self.cfg.rms_norm_eps,
                 hidden=self.cfg.hidden_size, out=self.ptr[out])
 
-    def head_norm(self, first: int, count: int, w: torch.Tensor) -> None:
+    def head_norm(self, first: int, count: int, w: np.ndarray) -> None:
         d = self.cfg.head_dim
         self.op("rms_norm_heads", x=self.ptr["qkv"] + 4 * first * d, heads=count,
-                token_stride=self.b["qkv"].shape[1], D=d, w=w.data_ptr(), eps=self.cfg.rms_norm_eps)
+                token_stride=self.b["qkv"].shape[1], D=d, w=w.ctypes.data, eps=self.cfg.rms_norm_eps)
 
-    def step_norm(self, w: torch.Tensor, final: bool) -> None:
+    def step_norm(self, w: np.ndarray, final: bool) -> None:
         out = "out" if final else "h"
         if self.pending is None:
             self.norm("x", w, out)
             return
-        self.op("add_rms_norm", x=self.ptr["x"], h=self.ptr[self.pending], h_is_bf16=0, w=w.data_ptr(),
+        self.op("add_rms_norm", x=self.ptr["x"], h=self.ptr[self.pending], h_is_bf16=0, w=w.ctypes.data,
                 eps=self.cfg.rms_norm_eps, hidden=self.cfg.hidden_size, out=self.ptr[out])
         self.pending = None
 
@@ -334,7 +334,7 @@ class _StepOperations:
         self.matmul(self.model.layers[i].o, "attn", "o")
         self.pending = "o"
 
-    def step_pending_norm(self, w: torch.Tensor) -> None:
+    def step_pending_norm(self, w: np.ndarray) -> None:
         self.norm(self.pending, w, self.pending + "_normed")
         self.pending += "_normed"
 

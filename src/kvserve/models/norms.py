@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,8 +37,14 @@ def _native_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.is_contiguous() and weight.is_contiguous() and _rms_norm_kernel() is not None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _tensor(weight: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A norm's weight as a tensor: the CPU runtime holds them as numpy arrays (a view, no copy)."""
+    return torch.from_numpy(weight) if isinstance(weight, np.ndarray) else weight
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | np.ndarray, eps: float) -> torch.Tensor:
     """Normalizes over the last dimension."""
+    weight = _tensor(weight)
     if x.dtype != weight.dtype:  # a bf16 projection output (q4 weights) is normalized in f32
         x = x.to(weight.dtype)
     hidden = x.shape[-1]
@@ -49,10 +56,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor | np.ndarray, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + h, rms_norm(x + h)). x [n, hidden] f32 is updated in place where the kernel runs: callers
     pass a residual stream they own."""
+    weight = _tensor(weight)
     native_h = h.dtype in (torch.float32, torch.bfloat16) and h.is_contiguous() and h.shape == x.shape
     if not (native_h and _native_ok(x, weight)):
         x = x + h
@@ -64,10 +72,12 @@ def add_rms_norm(
     return x, out
 
 
-def rms_norm_heads(x: torch.Tensor, first: int, count: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_heads(x: torch.Tensor, first: int, count: int, weight: torch.Tensor | np.ndarray,
+                   eps: float) -> torch.Tensor:
     """Heads [first, first + count) of x [num_tokens, total_heads, head_dim] normalized (per head vector,
     ``weight`` [head_dim]): in place through the kernel where it runs (the arithmetic of ``rms_norm``'s
     rows, so a head's result never depends on the batch or on which path ran), else into a copy."""
+    weight = _tensor(weight)
     n, total, d = x.shape
     kernel = _rms_norm_heads_kernel()
     if _native_ok(x, weight) and kernel is not None:
