@@ -250,6 +250,12 @@ def rehome(owners: list, attribute: str) -> None:
         trimmer.add(original.nbytes)
 
 
+def host_array(packed: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A kernel's packed weights as numpy, what the CPU runtime holds (the packers of f32 grids make CPU
+    tensors: the same memory, no copy)."""
+    return packed if isinstance(packed, np.ndarray) else packed.numpy()
+
+
 def release_freed_memory() -> None:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim). Loading frees each weight's
     f32 copy as soon as it is packed, but glibc keeps freed blocks below its mmap threshold, which grows

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import native
-from kvserve.host_memory import rehome
+from kvserve.host_memory import host_array, rehome
 from kvserve.models import block_layouts
 from kvserve.models.layouts import GGUF_LAYOUTS, QL_F16, QL_F32
 from kvserve.models.weight_grids import (
@@ -367,12 +367,6 @@ def pack_into_arena(linears: list) -> None:
     owners = [lin for lin in flat if getattr(lin, "kernel", None) is not None
               and isinstance(getattr(lin, "packed", None), np.ndarray)]
     rehome(owners, "packed")
-
-
-def host_array(packed: np.ndarray | torch.Tensor) -> np.ndarray:
-    """A kernel's packed weights as numpy, what the CPU runtime holds (the packers of f32 grids make CPU
-    tensors: the same memory, no copy)."""
-    return packed if isinstance(packed, np.ndarray) else packed.numpy()
 
 
 def make_linear(
