@@ -69,10 +69,6 @@ def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(empty_array(nbytes))
 
 
-def _address(a) -> int:
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
-
-
 def _line_aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
     """The ``nbytes`` of ``raw`` (_ALIGN more than that) from its first cache line (numpy aligns to 16
     bytes; the kernels' vectors and the arenas' offsets assume 64, as torch's allocator gave)."""
@@ -181,7 +177,7 @@ class PackingArena:
 
     def holds(self, array: np.ndarray) -> bool:
         base = self.buffer.ctypes.data
-        return base <= _address(array) < base + self.capacity
+        return base <= array.ctypes.data < base + self.capacity
 
 
 _packing: ContextVar[PackingArena | None] = ContextVar("kvserve_packing_arena", default=None)
