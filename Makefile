@@ -8,16 +8,17 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: run test bench llama-cpp setup test-setup cross-tools browser agents model lint clean
 
+# `make run` installs no torch: the CPU runtime needs none. The tests compare with it (transformers, the torch
+# forward): the CPU build of torch 2.13.0 is on disk here; elsewhere pip picks the build for the machine.
 $(VENV)/.setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# The CPU build of torch 2.13.0 is on disk here; elsewhere pip picks the build for the machine.
-	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
 $(VENV)/.test-setup: $(VENV)/.setup pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,torch]'
 	touch $@
 
 setup: $(VENV)/.setup

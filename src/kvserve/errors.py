@@ -15,6 +15,11 @@ class ModelNotFoundError(ModelLoadError):
     """The model name or path does not resolve to anything on this machine."""
 
 
+class TorchMissingError(KVServeError, ModuleNotFoundError):
+    """Something only the torch backend does (a GPU, a Hugging Face folder, an encoder) was asked of an
+    install without torch."""
+
+
 class PromptTooLongError(KVServeError):
     """The prompt can never fit in the context or the KV cache."""
 

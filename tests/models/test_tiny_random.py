@@ -363,7 +363,7 @@ def test_gguf_weights_equal_folder_weights(tiny, ours_from_folder, ours_from_ggu
         assert torch.equal(la.qkv.weight, lb.qkv.weight)
         assert (la.qkv.bias is None) == (lb.qkv.bias is None)
         if la.qkv.bias is not None:
-            assert torch.equal(la.qkv.bias, lb.qkv.bias)
+            assert torch.equal(torch.as_tensor(la.qkv.bias), torch.as_tensor(lb.qkv.bias))
         assert torch.equal(la.gate_up.weight, lb.gate_up.weight)
         assert torch.equal(la.o.weight, lb.o.weight) and torch.equal(la.down.weight, lb.down.weight)
     assert torch.equal(a.lm_head.weight, b.lm_head.weight)

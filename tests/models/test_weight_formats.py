@@ -197,7 +197,8 @@ def test_a_tied_q8_0_embedding_is_read_from_the_head(smollm2, smollm2_q4):
 
 
 def exact_product(x: torch.Tensor, lin: Int4Linear, w: torch.Tensor) -> torch.Tensor:
-    return (x.double() @ w.double().T + (0 if lin.bias is None else lin.bias.double())).float()
+    bias = 0 if lin.bias is None else torch.as_tensor(lin.bias).double()
+    return (x.double() @ w.double().T + bias).float()
 
 
 def check_int4_kernel(lin: Int4Linear, w: torch.Tensor, bound: float) -> float:

@@ -64,7 +64,7 @@ def test_qwen_key_centres_are_its_k_bias_where_rope_barely_turns(qwen):
     assert layer0.shape == (model.config.num_kv_heads, model.config.head_dim)
     assert layer0.abs().max() > 100  # the bias outliers (up to ~145)
     half = model.config.head_dim // 2
-    turns = model.rope.inv_freq * 32768 >= 3.0  # the pairs that turn: no centre there
+    turns = torch.from_numpy(model.rope.inv_freq * 32768 >= 3.0)  # the pairs that turn: no centre there
     assert (layer0[:, :half][:, turns] == 0).all() and (layer0[:, half:][:, turns] == 0).all()
     assert (layer0[:, :half][:, ~turns] != 0).any()
 

@@ -101,13 +101,19 @@ def coder(tmp_path_factory):
     yield from serve(tmp_path_factory, "qwen2.5-coder-0.5b", "-c", "1024", "--max-num-seqs", "4")
 
 
-def serve(tmp_path_factory, model: str | list[str], *args: str):
+# `python -c` running kvserve with every `import torch` refused, as on an install without torch
+WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = 'kvserve'; "
+                 "runpy.run_module('kvserve', run_name='__main__')")
+
+
+def serve(tmp_path_factory, model: str | list[str], *args: str, without_torch: bool = False):
     """A ``kvserve serve MODEL ARGS`` (MODEL ... for a list) on a free port with the tests' API key, until
-    the generator ends."""
+    the generator ends; ``without_torch``: in a process that cannot import torch."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     models = [model] if isinstance(model, str) else model
-    cmd = [sys.executable, "-m", "kvserve", "serve", *models, "--host", "127.0.0.1", "--port", str(port),
+    python = [sys.executable, "-c", WITHOUT_TORCH] if without_torch else [sys.executable, "-m", "kvserve"]
+    cmd = [*python, "serve", *models, "--host", "127.0.0.1", "--port", str(port),
            *args, "--api-key", API_KEY, "--no-access-log"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(log, "wb") as out:

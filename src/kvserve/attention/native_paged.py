@@ -17,11 +17,11 @@ import ctypes
 import weakref
 
 import numpy as np
-import torch
 
 from kvserve import native
 from kvserve.kv.codecs import KVCodec
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.lazy_torch import torch
 from kvserve.native import abi
 
 # codec name -> kind in paged_attention.c

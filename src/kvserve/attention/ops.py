@@ -12,8 +12,7 @@ of ``CAPPED_QUERY_TILE`` queries at a time: the path where no native kernel caps
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from kvserve.lazy_torch import F, torch
 
 QUERY_TILE = 1024
 CAPPED_QUERY_TILE = 256  # queries scored at a time: [heads, tile, keys] scores, never [heads, seq, seq]

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
-
 from kvserve.attention import native_paged
 from kvserve.attention.ops import capped_attention, sequence_attention
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.lazy_torch import F, torch
 
 
 @dataclass(slots=True)

@@ -41,7 +41,6 @@ def add_parser(sub, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
 
     from kvserve import native
@@ -58,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--cache-types is empty")
     for name in cache_types:  # a bad name fails before the model loads
         kv_pair(name)
-    torch.set_num_threads(args.threads)
+    native.set_num_threads(args.threads)
     peers = _peers(args)
     console = Console(stderr=True)
     loaded = load_model(args.model, auto_pull=True, weight_format=args.weights)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import torch
-
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.errors import ModelLoadError
+from kvserve.lazy_torch import torch
 from kvserve.models.encoder_config import EncoderConfig
 from kvserve.models.gguf_encoder import header_pooling
 

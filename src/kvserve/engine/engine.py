@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from kvserve import native
 from kvserve.config import EngineConfig
@@ -118,8 +117,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, progress=None, auto_pull: bool = False) -> LLMEngine:
         if config.num_threads:
             native.set_num_threads(config.num_threads)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
-        loaded = load_model(config.model, config.device, dtype, progress, auto_pull=auto_pull,
+        loaded = load_model(config.model, config.device, config.dtype, progress, auto_pull=auto_pull,
                             weight_format=config.weights)
         return cls(config, loaded)
 
@@ -369,7 +367,7 @@ class LLMEngine:
                 "model": model_fingerprint(self.loaded.path),
                 "config": repr(self.model_config),
                 "weights": model.weight_format,
-                "dtype": str(model.dtype).removeprefix("torch."),
+                "dtype": model.dtype_name,
                 "device": model.device.type,
                 "kernels": self.kernels,
                 "layout": self.storage.layout(),

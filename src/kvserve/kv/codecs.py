@@ -26,34 +26,37 @@ from __future__ import annotations
 import math
 from functools import cache
 
-import torch
-
 from kvserve.kv.cache_types import GROUP, KV_TYPES, keys_rotated, kv_type
+from kvserve.lazy_torch import torch
+
+# bytes of each stored element type
+ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
 
 
 class KVCodec:
     """Base: full-precision storage in ``dtype``. Subclasses override the parts and the transforms."""
 
     name = "f32"
-    dtype = torch.float32
+    dtype = "float32"  # the stored element type's name (torch's and numpy's spelling)
     rotated = False
 
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim
 
-    def part_specs(self) -> list[tuple[int, torch.dtype]]:
-        """(width, dtype) of each stored part, per head-vector."""
+    def part_specs(self) -> list[tuple[int, str]]:
+        """(width, element type name) of each stored part, per head-vector: names, so that sizing and
+        allocating a pool on the CPU needs no torch."""
         return [(self.head_dim, self.dtype)]
 
     def bytes_per_vector(self) -> int:
-        return sum(w * torch.empty(0, dtype=d).element_size() for w, d in self.part_specs())
+        return sum(w * ITEM_SIZES[d] for w, d in self.part_specs())
 
     def bits_per_element(self) -> float:
         return self.bytes_per_vector() * 8 / self.head_dim
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: [..., head_dim] float -> parts [..., width_i]."""
-        return [x.to(self.dtype)]
+        return [x.to(getattr(torch, self.dtype))]
 
     def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Parts [..., width_i] -> [..., head_dim] in ``dtype`` (rotated domain for rotated codecs)."""
@@ -67,11 +70,11 @@ class KVCodec:
 
 
 class F16Codec(KVCodec):
-    name, dtype = "f16", torch.float16
+    name, dtype = "f16", "float16"
 
 
 class BF16Codec(KVCodec):
-    name, dtype = "bf16", torch.bfloat16
+    name, dtype = "bf16", "bfloat16"
 
 
 def _grouped(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,7 @@ class Q8_0Codec(KVCodec):
     name = "q8_0"
 
     def part_specs(self):
-        return [(self.head_dim, torch.int8), (self.head_dim // GROUP, torch.float16)]
+        return [(self.head_dim, "int8"), (self.head_dim // GROUP, "float16")]
 
     def encode(self, x):
         g = _grouped(x)
@@ -103,7 +106,7 @@ class Q4_0Codec(KVCodec):
     name = "q4_0"
 
     def part_specs(self):
-        return [(self.head_dim // 2, torch.uint8), (self.head_dim // GROUP, torch.float16)]
+        return [(self.head_dim // 2, "uint8"), (self.head_dim // GROUP, "float16")]
 
     def encode(self, x):
         g = _grouped(x)
@@ -125,7 +128,7 @@ class FP8Codec(KVCodec):
     name = "fp8"
 
     def part_specs(self):
-        return [(self.head_dim, torch.uint8), (1, torch.float16)]
+        return [(self.head_dim, "uint8"), (1, "float16")]
 
     def encode(self, x):
         x = x.float()
@@ -249,7 +252,7 @@ class RotatedCodec(KVCodec):
         return self._cache[key]
 
     def part_specs(self):
-        return [(self.head_dim * self.bits // 8, torch.uint8), (1, torch.float16)]
+        return [(self.head_dim * self.bits // 8, "uint8"), (1, "float16")]
 
     def rotate(self, x):
         return x @ self._tensors(x.device, x.dtype)[0]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-import torch
+import numpy as np
 
 from kvserve.kv.disk_tier import BlockKey, DiskTier
 from kvserve.kv.hashing import salt_digest
@@ -43,8 +43,7 @@ class DiskOffload:
                 break
             payloads.append(payload)
         if payloads:
-            data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(
-                len(payloads), size)
+            data = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(payloads), size)
             self.storage.import_blocks(block_ids[: len(payloads)], data, kv_group)
         return len(payloads)
 
@@ -80,5 +79,5 @@ class DiskOffload:
         if not todo:
             return
         data = self.storage.export_blocks([b.block_id for b, _ in todo], kv_group)
-        for (_, key), row in zip(todo, data.numpy(), strict=True):
+        for (_, key), row in zip(todo, data, strict=True):
             self.tier.put(key, memoryview(row), owner=data)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from kvserve.errors import KVServeError
 from kvserve.kv.cache import KVCache
@@ -68,8 +68,9 @@ def save_prompt_cache(cache: KVCache, token_ids: list[int], path: str | os.PathL
         header["window_blocks"] = [i for i, _ in parts]
         storage = cache.storage
         window_data = storage.export_blocks([b.block_id for _, b in parts], storage.window_kv_group)
-        data = torch.cat([data.view(-1), window_data.view(-1)])
-    write_atomically(Path(path), pack(MAGIC, header, memoryview(data.numpy()).cast("B"), _key()))
+        data = np.concatenate([data.reshape(-1), window_data.reshape(-1)])
+    write_atomically(Path(path), pack(MAGIC, header, memoryview(np.ascontiguousarray(data)).cast("B"),
+                                      _key()))
     return num_tokens
 
 
@@ -91,10 +92,10 @@ class _FileBlocks:
     def __init__(self, storage, payload: memoryview, block_hashes: list[int],
                  window_blocks: list[int]) -> None:
         self.storage = storage
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = np.frombuffer(payload, dtype=np.uint8)
         full_bytes = len(block_hashes) * storage.bytes_per_block
-        self.rows = data[:full_bytes].view(len(block_hashes), -1)
-        self.window_rows = data[full_bytes:].view(len(window_blocks), -1) if window_blocks else None
+        self.rows = data[:full_bytes].reshape(len(block_hashes), -1)
+        self.window_rows = data[full_bytes:].reshape(len(window_blocks), -1) if window_blocks else None
         self.window_row_of = {index: row for row, index in enumerate(window_blocks)}
         self.hashes = set(block_hashes) | {window_part_hash(block_hashes[i]) for i in window_blocks}
 

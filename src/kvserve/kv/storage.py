@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import torch
 
 from kvserve.config import ModelConfig
 from kvserve.host_memory import arena, array_arena
 from kvserve.kv.cache_types import kv_type
 from kvserve.kv.codecs import KVCodec, make_codec
+from kvserve.lazy_torch import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +101,7 @@ class PagedKVStorage:
         self.device = device
         self._num_k_parts = len(self.k_codec.part_specs())
         flat = [spec for layer in layer_specs for spec in layer]
-        self._part_names = [str(d).removeprefix("torch.") for _, d in flat]
+        self._part_names = [d for _, d in flat]
         self.k_arrays: list[list[np.ndarray]] | None = None
         self.v_arrays: list[list[np.ndarray]] | None = None
         self._k: list[list[torch.Tensor]] | None = None
@@ -111,7 +111,8 @@ class PagedKVStorage:
                 flat, self._part_names, strict=True)])
             self.k_arrays, self.v_arrays = self._by_layer(arrays, layer_specs)
         else:
-            self._k, self._v = self._by_layer(arena(flat, device), layer_specs)
+            self._k, self._v = self._by_layer(
+                arena([(shape, getattr(torch, d)) for shape, d in flat], device), layer_specs)
         self._kv_group_offsets_np = [np.arange(heads, dtype=np.int64)[:, None] * n
                                      for n in self.kv_group_blocks]
 
@@ -206,31 +207,50 @@ class PagedKVStorage:
             else {}
         )
 
-    def _kv_group_parts(self, kv_group: int) -> list[torch.Tensor]:
-        return [p for layer in self.kv_group_layers(kv_group) for p in self.k[layer] + self.v[layer]]
+    def _kv_group_parts(self, kv_group: int) -> list:
+        """Every part of the group's layers, K's then V's per layer: numpy on the CPU, else tensors."""
+        k, v = (self.k_arrays, self.v_arrays) if self.k_arrays is not None else (self.k, self.v)
+        return [p for layer in self.kv_group_layers(kv_group) for p in k[layer] + v[layer]]
 
-    def export_blocks(self, block_ids: list[int], kv_group: int = 0) -> torch.Tensor:
+    def export_blocks(self, block_ids: list[int], kv_group: int = 0) -> np.ndarray:
         """The stored bytes of whole blocks of ``kv_group``, as they are held (a q8_0 block stays q8_0): a
-        CPU ``[len(block_ids), kv_group_bytes_per_block(group)]`` uint8 copy, layer by layer, K's parts then
+        host ``[len(block_ids), kv_group_bytes_per_block(group)]`` uint8 copy, layer by layer, K's parts then
         V's, each part ``[kv_heads, block_size, width]``. One gather per part, whatever the number of
         blocks."""
+        if self.k_arrays is not None:
+            ids = np.asarray(block_ids, dtype=np.int64)
+            # gathering blocks from the block-major view writes each block's heads in order: one pass
+            return np.concatenate([p.transpose(1, 0, 2, 3)[ids].view(np.uint8).reshape(len(ids), -1)
+                                   for p in self._kv_group_parts(kv_group)], axis=1)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        # gathering from the transposed view writes each block's heads in order: one pass, no reorder copy
         rows = [
             p.transpose(0, 1).index_select(0, ids).view(torch.uint8).flatten(1)
             for p in self._kv_group_parts(kv_group)
         ]
-        return torch.cat(rows, dim=1).cpu()
+        return torch.cat(rows, dim=1).cpu().numpy()
 
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor, kv_group: int = 0) -> None:
-        """Store ``export_blocks``' bytes ``data`` [len(block_ids), kv_group_bytes_per_block(group)] into
-        the given blocks of ``kv_group``."""
+    def import_blocks(self, block_ids: list[int], data: np.ndarray | torch.Tensor, kv_group: int = 0) -> None:
+        """Store ``export_blocks``' bytes ``data`` [len(block_ids), kv_group_bytes_per_block(group)] (uint8,
+        host memory) into the given blocks of ``kv_group``."""
+        data = np.asarray(data)
         size = self.kv_group_bytes_per_block(kv_group)
         if data.shape != (len(block_ids), size):
             raise ValueError(f"expected {len(block_ids)} blocks of {size} bytes, got {tuple(data.shape)}")
+        if self.k_arrays is None:
+            self._import_to_device(block_ids, data, kv_group)
+            return
+        ids, offset = np.asarray(block_ids, dtype=np.int64), 0
+        for p in self._kv_group_parts(kv_group):
+            heads, _, bs, width = p.shape
+            size = heads * bs * width * p.itemsize
+            chunk = np.ascontiguousarray(data[:, offset : offset + size]).view(p.dtype)
+            p[:, ids] = chunk.reshape(len(ids), heads, bs, width).transpose(1, 0, 2, 3)
+            offset += size
+
+    def _import_to_device(self, block_ids: list[int], data: np.ndarray, kv_group: int) -> None:
         device = self.device
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        data = data.to(device)
+        data = torch.from_numpy(np.ascontiguousarray(data)).to(device)
         offset = 0
         for p in self._kv_group_parts(kv_group):
             heads, _, bs, width = p.shape
@@ -302,8 +322,9 @@ class PagedKVStorage:
                 self._read(self.v[layer], self.v_codec, block_rows, dtype))
 
     def gather(
-        self, layer: int, block_rows: BlockRows, num_tokens: int, dtype: torch.dtype = torch.float32
+        self, layer: int, block_rows: BlockRows, num_tokens: int, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``num_tokens`` K/V of one sequence: head-major [num_kv_heads, num_tokens, head_dim]."""
-        k, v = self.read_blocks(layer, block_rows, dtype)
+        """The first ``num_tokens`` K/V of one sequence: head-major [num_kv_heads, num_tokens, head_dim]
+        (f32 unless ``dtype`` says otherwise)."""
+        k, v = self.read_blocks(layer, block_rows, dtype or torch.float32)
         return k[:, :num_tokens], v[:, :num_tokens]

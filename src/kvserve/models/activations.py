@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from functools import cache
 
-import torch
-import torch.nn.functional as F
-
 from kvserve import native
+from kvserve.lazy_torch import F, torch
 
 GATE_KERNELS = {"silu": ("silu_mul", "silu_mul"), "gelu_tanh": ("gelu_mul", "gelu_tanh_mul")}
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Protocol
 
-import torch
-
 from kvserve.config import ModelConfig
+from kvserve.lazy_torch import Device, dtype_name, inference_mode, torch, torch_dtype
 from kvserve.models.activations import gated
 from kvserve.models.decoder_weights import DecoderWeights, LayerWeights
 from kvserve.models.key_balance import key_balance
@@ -44,11 +43,12 @@ class DecoderLM:
     """The forward of a decoder whose weights ``models.decoder_weights`` built: it holds and runs them,
     and loads nothing itself."""
 
-    def __init__(self, config: ModelConfig, weights: DecoderWeights, device: torch.device, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, weights: DecoderWeights, device: Device, dtype: str,
                  weight_format: str = "f32") -> None:
+        """dtype: the activations' element type by name ("float32"); ``dtype`` gives torch's."""
         self.config = config
         self.device = device
-        self.dtype = dtype
+        self.dtype_name = dtype_name(dtype)
         self.weight_format = weight_format
         self.final_norm = weights.final_norm
         self.layers = weights.layers
@@ -58,6 +58,11 @@ class DecoderLM:
         self.scale = config.attn_scale or config.head_dim**-0.5
         self.q_dim = config.num_heads * config.head_dim
         self.kv_dim = config.num_kv_heads * config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' torch dtype (for torch code: the CPU runtime reads ``dtype_name``)."""
+        return torch_dtype(self.dtype_name)
 
     def embed_tokens(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The embedding rows of input_ids [num_tokens] (into out when given): from the f32 table, or from
@@ -94,8 +99,9 @@ class DecoderLM:
             if bias is None or layer.k_norm is not None:  # a norm after the bias: nothing fixed to take out
                 centres.append(None)
                 continue
-            k_bias = bias[self.q_dim : self.q_dim + self.kv_dim].float().cpu().view(cfg.num_kv_heads, -1)
-            inv_freq = (self.rope_local if cfg.is_sliding(i) else self.rope).inv_freq.cpu()
+            k_bias = torch.as_tensor(bias[self.q_dim : self.q_dim + self.kv_dim]).float().cpu().view(
+                cfg.num_kv_heads, -1)
+            inv_freq = torch.from_numpy((self.rope_local if cfg.is_sliding(i) else self.rope).inv_freq)
             still = (inv_freq * span < max_angle).float()  # per pair (j, j + rotated / 2)
             keep = torch.ones(cfg.head_dim)  # dims past the rotated ones never turn
             keep[: 2 * len(still)] = torch.cat([still, still])
@@ -143,7 +149,7 @@ class DecoderLM:
             steps += scale
         return steps + [("norm", self.final_norm, True)]
 
-    @torch.inference_mode()
+    @inference_mode
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
@@ -175,7 +181,7 @@ class DecoderLM:
         k = rms_norm(k.reshape(n, -1), layer.k_norm, eps).view(k.shape)
         return torch.cat([q, k, v], 1)
 
-    @torch.inference_mode()
+    @inference_mode
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_seqs, hidden] -> float32 logits [num_seqs, vocab] (granite's divided, gemma2's
         soft-capped)."""

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Union
 
 import numpy as np
-import torch
 
 from kvserve.config import ModelConfig
 from kvserve.host_memory import packing_arena
+from kvserve.lazy_torch import Device, dtype_name, torch, torch_dtype
 from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_into_arena
 from kvserve.models.moe import MoE
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kvserve.models.file_linears import FileLinears
     from kvserve.models.gguf_file import QuantRows
 
-Grid16 = Callable[[], tuple[torch.Tensor, ...]]
+Grid16 = Callable[[], tuple["torch.Tensor", ...]]
 
 
 class WeightSource(Protocol):
@@ -52,8 +52,8 @@ class WeightSource(Protocol):
         """The grid the file states for the tensor, decoded when called (``GGUFWeights.grid16``)."""
         ...
 
-    def file_linears(self, weight_format: str, device: torch.device,
-                     dtype: torch.dtype) -> FileLinears | None:
+    def file_linears(self, weight_format: str, device: Device,
+                     dtype: str) -> FileLinears | None:
         """What makes weights straight from the file's blocks for this load; None: everything through f32."""
         ...
 
@@ -79,12 +79,12 @@ class TensorWeights:
     def grid16(self, name: str) -> Grid16 | None:
         return None
 
-    def file_linears(self, weight_format: str, device: torch.device,
-                     dtype: torch.dtype) -> FileLinears | None:
+    def file_linears(self, weight_format: str, device: Device,
+                     dtype: str) -> FileLinears | None:
         return None
 
 
-Vector = np.ndarray | torch.Tensor  # a norm's weights
+Vector = Union[np.ndarray, "torch.Tensor"]  # a norm's weights (a string: naming it imports no torch)
 
 
 @dataclass(slots=True)
@@ -121,7 +121,7 @@ class DecoderWeights:
     rope_local: RotaryEmbedding  # the sliding layers' (gemma3's local theta), else ``rope``
 
 
-def build_weights(config: ModelConfig, weights: WeightSource, device: torch.device, dtype: torch.dtype,
+def build_weights(config: ModelConfig, weights: WeightSource, device: Device, dtype: str,
                   weight_format: str = "f32") -> DecoderWeights:
     """Every weight of the decoder from ``weights``, in ``weight_format`` (``models.linear.WEIGHT_FORMATS``).
     A tensor the architecture needs and the source lacks is a ``KeyError`` naming it."""
@@ -129,13 +129,13 @@ def build_weights(config: ModelConfig, weights: WeightSource, device: torch.devi
 
 
 class _Builder:
-    def __init__(self, config: ModelConfig, weights: WeightSource, device: torch.device, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, weights: WeightSource, device: Device, dtype: str,
                  weight_format: str) -> None:
         self.config, self.weights = config, weights
         self.device, self.dtype, self.weight_format = device, dtype, weight_format
         self.held = weights.file_linears(weight_format, device, dtype)
         # the CPU runtime's f32 (the one-call step's): vectors as numpy arrays, which torch sees through
-        self.host = device.type == "cpu" and dtype == torch.float32
+        self.host = device.type == "cpu" and dtype_name(dtype) == "float32"
 
     def build(self) -> DecoderWeights:
         config, weights = self.config, self.weights
@@ -158,13 +158,20 @@ class _Builder:
         return make_linear(weight, bias, self.weight_format, self.device, self.dtype)
 
     def _w(self, name: str) -> torch.Tensor:
-        return self.weights.pop(name).to(device=self.device, dtype=self.dtype)
+        return self.weights.pop(name).to(device=self.device, dtype=torch_dtype(self.dtype))
 
     def _norm(self, name: str) -> torch.Tensor | np.ndarray:
         """A norm's weight vector: numpy f32 for the CPU runtime, else a tensor on the device."""
         if not self.host:
             return self._w(name)
         return np.ascontiguousarray(self.weights.pop_array(name), dtype=np.float32)
+
+    def _bias(self, names: list[str]) -> Vector:
+        """The biases ``names`` stacked: numpy f32 for the CPU runtime (its kernels add them), else a
+        tensor on the device."""
+        if not self.host:
+            return torch.cat([self._w(n) for n in names])
+        return np.concatenate([self.weights.pop_array(n) for n in names]).astype(np.float32)
 
     def _opt_norm(self, name: str) -> torch.Tensor | np.ndarray | None:
         return self._norm(name) if name in self.weights else None
@@ -218,8 +225,7 @@ class _Builder:
         and up stacked (or phi3's fused ffn_up), or the experts of a mixture."""
         bias = None
         if p + "attn_q.bias" in self.weights:
-            bias = torch.cat([self._w(p + "attn_q.bias"), self._w(p + "attn_k.bias"),
-                              self._w(p + "attn_v.bias")])
+            bias = self._bias([p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"])
         fused_qkv = p + "attn_qkv.weight" in self.weights
         qkv = [p + "attn_qkv.weight"] if fused_qkv else [p + "attn_q.weight", p + "attn_k.weight",
                                                          p + "attn_v.weight"]

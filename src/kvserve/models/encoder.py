@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import torch
-
 from kvserve.errors import ModelLoadError
+from kvserve.lazy_torch import inference_mode, torch
 from kvserve.models.encoder_config import read_encoder_config
 
 # f32: sentence-transformers' vectors (cosine 1.000000 on bench/embed_throughput.py's 512 sentences);
@@ -164,7 +163,7 @@ class Encoder:
     async def ascore(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
         return await asyncio.to_thread(self.score, pairs)
 
-    @torch.inference_mode()
+    @inference_mode
     def embed(self, batch: list[list[int]]) -> torch.Tensor:
         """[len(batch), dimensions] float32, pooled (and normalized) as the folder says."""
         x, mask = self._hidden(batch, None)
@@ -175,7 +174,7 @@ class Encoder:
             pooled = (x * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, dim=-1) if self.config.normalize else pooled
 
-    @torch.inference_mode()
+    @inference_mode
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
         """[len(pairs)] relevance in [0, 1] of each (ids, types) pair (``tokenize_pairs``), by a
         cross-encoder."""

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvserve import native
 from kvserve.host_memory import packed_bytes
+from kvserve.lazy_torch import Device, dtype_name, torch
 from kvserve.models.layouts import INT8_SOURCES, holder, runs
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, Linear, StackedLinear
 
@@ -44,10 +43,10 @@ class FileLinears:
         self.arena_bytes = 2 * file_bytes if self.projections else 0
 
     @classmethod
-    def of(cls, weights: GGUFWeights, weight_format: str, device: torch.device,
-           dtype: torch.dtype) -> FileLinears | None:
+    def of(cls, weights: GGUFWeights, weight_format: str, device: Device,
+           dtype: str) -> FileLinears | None:
         """For a load on the CPU in f32 in an integer format; None otherwise."""
-        if device.type != "cpu" or dtype != torch.float32 or weight_format not in INT8_HEAD_FORMATS:
+        if device.type != "cpu" or dtype_name(dtype) != "float32" or weight_format not in INT8_HEAD_FORMATS:
             return None
         return cls(weights, weight_format)
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from kvserve.errors import ModelLoadError
+from kvserve.lazy_torch import torch
 from kvserve.models.encoder_config import EncoderConfig, is_encoder_folder
 
 PHANTOM = "\u2581"

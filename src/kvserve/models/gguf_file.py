@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
 from kvserve.host_memory import HeapTrimmer
+from kvserve.lazy_torch import torch
 from kvserve.models import layouts
 from kvserve.models.arch import ARCHS
 from kvserve.models.file_linears import FileLinears

@@ -25,7 +25,7 @@ so near-even heads are left as they are.
 
 from __future__ import annotations
 
-import torch
+from kvserve.lazy_torch import torch
 
 MIN_GAIN = 1.5
 

@@ -35,11 +35,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from kvserve import native
 from kvserve.host_memory import host_array, rehome
+from kvserve.lazy_torch import Device, F, is_tensor, torch, torch_dtype
 from kvserve.models import block_layouts
 from kvserve.models.layouts import GGUF_LAYOUTS, QL_F16, QL_F32
 from kvserve.models.weight_grids import (
@@ -146,7 +145,7 @@ class Int8GroupLinear(Int8Linear):
             super().__init__(weight, bias)
             return
         self.out_features, self.in_features = weight.shape
-        self.bias = None if bias is None else bias.float()
+        self.bias = host_vector(bias)
         groups = int8_groups(weight, exact=True)  # the smaller layout wherever it holds the tensor exactly
         if groups is None:  # the file's grid, else one found from the values: f32 scales (offsets) per 16
             grid16 = (grid16() if callable(grid16) else grid16) or int8_groups16(weight)
@@ -165,26 +164,27 @@ class Int8GroupLinear(Int8Linear):
 
     @classmethod
     def from_packed(cls, rows: int, cols: int, packed: np.ndarray | torch.Tensor,
-                    bias: torch.Tensor | None = None) -> Int8GroupLinear:
+                    bias: np.ndarray | torch.Tensor | None = None) -> Int8GroupLinear:
         """Around weights already in the g32 layout (``file_linears.int8_groups`` repacks a file's blocks
         into it). Needs the kernel."""
         lin = cls.__new__(cls)
         lin.kernel, lin.layout = _int8_matmul_kernel(), "g32"
         lin.out_features, lin.in_features = rows, cols
-        lin.bias = None if bias is None else bias.float()
+        lin.bias = host_vector(bias)
         lin.packed = host_array(packed)
         lin.nbytes = lin.packed.nbytes
         return lin
 
     @classmethod
-    def from_grid32(cls, rows: int, cols: int, chunks, bias: torch.Tensor | None = None) -> Int8GroupLinear:
+    def from_grid32(cls, rows: int, cols: int, chunks,
+                    bias: np.ndarray | torch.Tensor | None = None) -> Int8GroupLinear:
         """Straight from a Q8_0 / Q5_0 / Q4_0 grid (``gguf_file.symmetric_grid``: its size and chunks of
         int8 codes with their f32 scales per 32), never through f32 weights: the reference the tests hold
         ``file_linears.int8_groups``' native repack to. Needs the kernel."""
         lin = cls.__new__(cls)
         lin.kernel, lin.layout = _int8_matmul_kernel(), "g32"
         lin.out_features, lin.in_features = rows, cols
-        lin.bias = None if bias is None else bias.float()
+        lin.bias = host_vector(bias)
         lin.packed = host_array(pack_int8_groups_by_rows(rows, cols, chunks, huge_pages=True))
         lin.nbytes = lin.packed.nbytes
         return lin
@@ -249,7 +249,7 @@ class Int4Linear:
     ) -> None:
         self.out_features, self.in_features = codes.shape
         self.digits = 1 if fast else 2
-        self.bias = None if bias is None else bias.float().contiguous()
+        self.bias = host_vector(bias)
         self.kernel = _int4_matmul_kernel()
         # f32 where f16 cannot hold a scale or offset exactly: 20% more bytes
         f32_scales = not all(torch.equal(t, t.half().float()) for t in (scale, lo))
@@ -264,14 +264,15 @@ class Int4Linear:
         self.nbytes = self.packed.numel() + self.scales_zeros.numel() * 2
 
     @classmethod
-    def from_blocks(cls, raw, type_name: str, rows: int, cols: int, bias: torch.Tensor | None = None,
+    def from_blocks(cls, raw, type_name: str, rows: int, cols: int,
+                    bias: np.ndarray | torch.Tensor | None = None,
                     fast: bool = False, on_rows: Callable[[int], None] | None = None) -> Int4Linear:
         """A GGUF tensor straight from its file bytes (``block_layouts.pack_blocks``, which tells ``on_rows``
         of its progress), never through f32 weights. Needs the kernel (``native()``)."""
         lin = cls.__new__(cls)
         lin.kernel = _int4_matmul_kernel()
         lin.out_features, lin.in_features, lin.digits = rows, cols, 1 if fast else 2
-        lin.bias = None if bias is None else bias.float().contiguous()
+        lin.bias = host_vector(bias)
         lin.layout = GGUF_LAYOUTS[type_name][0]
         lin.packed = block_layouts.pack_blocks(raw, type_name, rows, cols, on_rows=on_rows)
         lin.nbytes = lin.packed.nbytes
@@ -296,7 +297,7 @@ class Int4Linear:
         if self.kernel is None:
             x = x.to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
-            return y if self.bias is None else y + self.bias
+            return y if self.bias is None else y + torch.from_numpy(self.bias)
         return _run_matmul(self.kernel, x, (self.packed,), self.bias, self.out_features,
                            (self.digits, self.layout))
 
@@ -343,7 +344,7 @@ def _int4_matmul_kernel():
 
 
 def _run_matmul(
-    kernel, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None, out_features: int,
+    kernel, x: torch.Tensor, weights: tuple, bias: np.ndarray | torch.Tensor | None, out_features: int,
     options: tuple = (), out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [tokens, out] f32 = kernel(x, *weights, bias, M, N, K, y, threads, *options, ldy), the calling
@@ -353,11 +354,27 @@ def _run_matmul(
     m, k = xf.shape
     y = torch.empty(m, out_features, dtype=torch.float32) if out is None else out
     addresses = (host_array(w).ctypes.data for w in weights)
-    rc = kernel(xf.data_ptr(), *addresses, 0 if bias is None else bias.data_ptr(), m, out_features, k,
+    rc = kernel(xf.data_ptr(), *addresses, bias_address(bias), m, out_features, k,
                 y.data_ptr(), native.num_threads(), *options, y.stride(0))
     if rc != 0:
         raise MemoryError("native matmul: could not allocate the activation digits")
     return y
+
+
+def host_vector(v: np.ndarray | torch.Tensor | None) -> np.ndarray | None:
+    """A bias for the C kernels: f32, contiguous numpy (a tensor is copied to the host)."""
+    if v is None:
+        return None
+    if is_tensor(v):
+        v = v.detach().float().cpu().numpy()
+    return np.ascontiguousarray(v, dtype=np.float32)
+
+
+def bias_address(bias: np.ndarray | torch.Tensor | None) -> int:
+    """What the kernels take for a bias (f32, contiguous): its address, or 0 for none."""
+    if bias is None:
+        return 0
+    return bias.data_ptr() if is_tensor(bias) else bias.ctypes.data
 
 
 def pack_into_arena(linears: list) -> None:
@@ -370,7 +387,7 @@ def pack_into_arena(linears: list) -> None:
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device, dtype: torch.dtype,
+    weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: Device, dtype: str | torch.dtype,
     grid16: Callable[[], tuple[torch.Tensor, ...] | None] | tuple[torch.Tensor, ...] | None = None,
 ) -> Linear:
     """``fmt``'s projection: 4-bit groups for a tensor that is a 4-bit grid already (q4, q4-fast), int8
@@ -379,7 +396,7 @@ def make_linear(
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     weight = weight.to(device)
-    bias = None if bias is None else bias.to(device)
+    bias = None if bias is None else torch.as_tensor(bias).to(device)
     if fmt in ("int8", "q4", "q4-fast") and device.type != "cpu":
         raise ValueError(
             f"--weights {fmt} uses torch's CPU integer kernels; use f32 or bf16 on {device.type}"
@@ -393,4 +410,4 @@ def make_linear(
             return Int4Linear(*groups, bias, fast=fmt == "q4-fast")
     if fmt in ("int8", "q4", "q4-fast"):
         return Int8GroupLinear(weight, bias, grid16)
-    return DenseLinear(weight, bias, torch.bfloat16 if fmt == "bf16" else dtype)
+    return DenseLinear(weight, bias, torch.bfloat16 if fmt == "bf16" else torch_dtype(dtype))

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
 from kvserve.host_memory import release_freed_memory
+from kvserve.lazy_torch import dtype_name, pick_device, torch
 from kvserve.models.decoder import DecoderLM
 from kvserve.models.decoder_weights import TensorWeights, build_weights
 from kvserve.models.registry import resolve
@@ -35,16 +34,10 @@ class LoadedModel:
     file_type: int | None = None  # a GGUF's general.file_type (llama.cpp's name for its mix of types)
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def load_model(
     model: str,
     device: str = "auto",
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "float32",
     progress: Progress | None = None,
     auto_pull: bool = False,
     weight_format: str = "f32",
@@ -53,6 +46,7 @@ def load_model(
     """weight_format: one of ``models.linear.WEIGHT_FORMATS``, or "auto": ``models.weight_choice.choose``'s
     (q4 or q4-fast for a GGUF file on the CPU, f32 otherwise), its reason kept as ``weights_why``."""
     start = time.perf_counter()
+    dtype = dtype_name(dtype)
     path = resolve(model, auto_pull=auto_pull)
     dev = pick_device(device)
     from kvserve.models.encoder_config import is_encoder_folder

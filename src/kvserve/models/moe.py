@@ -12,8 +12,7 @@ not all of them (``expert_calls`` counts the runs; tests check it).
 
 from __future__ import annotations
 
-import torch
-
+from kvserve.lazy_torch import torch
 from kvserve.models.activations import gated
 from kvserve.models.linear import Linear
 

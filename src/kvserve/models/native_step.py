@@ -25,11 +25,11 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-import torch
 
 from kvserve import native
 from kvserve.attention import native_paged
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.lazy_torch import torch
 from kvserve.models import activations, step_io
 from kvserve.models.decoder import DecoderLM
 from kvserve.models.linear import Int4Linear, Int8GroupLinear, StackedLinear
@@ -64,7 +64,7 @@ def supports(model: DecoderLM) -> bool:
     head_norms = all(layer.q_norm is None or cfg.qk_norm_per_head for layer in model.layers)
     plain_config = (cfg.residual_scale == 1.0 and cfg.rotary_dim is None and not cfg.num_experts
                     and activations.gate_kernel(cfg.hidden_act) is not None)
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and native_matmuls and head_norms
+    return (model.device.type == "cpu" and model.dtype_name == "float32" and native_matmuls and head_norms
             and plain_config)
 
 
@@ -183,8 +183,6 @@ class NativeStep:
         logits."""
         if self.head is not None:
             return self.head(hidden)
-        import torch
-
         return self.model.compute_logits(torch.from_numpy(np.ascontiguousarray(hidden))).numpy()
 
     def _batch(self, decodes: StepDecodes | None, sequences: list[StepSequence]) -> tuple[np.ndarray, ...]:
@@ -258,7 +256,7 @@ class _StepOperations:
         """One operation a projection; a stacked one's parts each write their columns of y."""
         first = 0
         for part in lin.parts if isinstance(lin, StackedLinear) else [lin]:
-            bias = None if part.bias is None else part.bias.data_ptr()
+            bias = None if part.bias is None else part.bias.ctypes.data
             kernel = _kernel_name(part)
             options = {"digits": part.digits, "layout": part.layout} if kernel == "int4_matmul" else {}
             self.op(kernel, x=self.ptr[x], w=part.packed.ctypes.data, bias=bias, N=part.out_features,

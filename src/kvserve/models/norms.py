@@ -11,10 +11,9 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from kvserve import native
+from kvserve.lazy_torch import F, torch
 
 
 @cache  # looked up on every call (~120 a decode step): one cache hit without arguments

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvserve import native
-from kvserve.models.linear import Int4Linear, StackedLinear
+from kvserve.models.linear import Int4Linear, StackedLinear, bias_address
 
 if TYPE_CHECKING:
     from kvserve.models.decoder import DecoderLM
@@ -57,7 +57,7 @@ class HeadMatmul:
         parts, first = [], 0
         for part in head.parts if isinstance(head, StackedLinear) else [head]:
             options = (part.digits, part.layout) if isinstance(part, Int4Linear) else ()
-            bias = 0 if part.bias is None else part.bias.data_ptr()
+            bias = bias_address(part.bias)
             parts.append((part.kernel, part.packed.ctypes.data, bias, part.out_features, first, options))
             first += part.out_features
         return cls(parts, head.in_features, head.out_features)

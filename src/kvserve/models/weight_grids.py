@@ -7,10 +7,8 @@ called here.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 from kvserve.host_memory import empty_bytes
+from kvserve.lazy_torch import F, torch
 
 INT4_GROUP = 32
 ROW_BLOCK = 4096  # rows converted at a time: f32 temporaries of a few MiB, not of a whole tensor

@@ -15,11 +15,11 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Literal
 
-import torch
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from kvserve.embedding.decoder_encoder import DecoderEncoder
+from kvserve.lazy_torch import torch
 from kvserve.models.encoder import Encoder, length_batches
 from kvserve.server.api_errors import APIError, engine_error
 from kvserve.server.openapi_docs import ok, openai_errors

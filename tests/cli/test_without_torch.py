@@ -1,0 +1,38 @@
+"""The CPU runtime needs no torch: ``kvserve run`` of each model we ship answers in a process where torch
+cannot be imported (as on an install without it), with the text a process that has torch gives."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+MODELS = ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"]
+# None in sys.modules makes every `import torch` raise ImportError, as on a machine without it
+NO_TORCH = "import sys; sys.modules['torch'] = None\n"
+
+
+def kvserve(args: list[str], without_torch: bool) -> subprocess.CompletedProcess:
+    code = (NO_TORCH if without_torch else "") + (
+        "import runpy, sys\n"
+        f"sys.argv = ['kvserve', *{args!r}]\n"
+        "try:\n"
+        "    runpy.run_module('kvserve', run_name='__main__')\n"
+        "finally:\n"
+        "    print('torch imported:', sys.modules.get('torch') is not None, file=sys.stderr)\n")
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_run_answers_without_torch(model):
+    args = ["run", model, "Write a haiku about the sea.", "-n", "12", "--temperature", "0"]
+    alone = kvserve(args, without_torch=True)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "torch imported: False" in alone.stderr
+    assert alone.stdout.strip()
+    beside = kvserve(args, without_torch=False)
+    assert beside.returncode == 0, beside.stderr[-3000:]
+    assert "torch imported: False" in beside.stderr  # nothing on the path asks for it even when it is there
+    assert alone.stdout == beside.stdout
