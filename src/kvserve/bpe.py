@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvserve.errors import ModelLoadError
+from kvserve.lazy_torch import require
 from kvserve.pretokenizers import PreTokenizer, build_normalizer, build_pre_tokenizer
 from kvserve.string_array import spans
 from kvserve.vocabulary import HFVocabulary, KernelVocabulary, Vocabulary
@@ -39,6 +40,7 @@ def hf_byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types:
                       pre: PreTokenizer) -> HFVocabulary:
     """The vocabulary as a `tokenizers` BPE, set up as the model's own tokenizer.json is: the reference the
     kernel's ids are held to."""
+    require("tokenizers")
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     vocab = {tok: i for i, tok in enumerate(tokens)}

@@ -51,13 +51,24 @@ def _import(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name != "torch":
+        if e.name != name.partition(".")[0] or e.name not in BACKEND_MODULES:
             raise
         from kvserve.errors import TorchMissingError
 
         raise TorchMissingError(
-            "this needs torch, kvserve's optional backend (GPUs, Hugging Face folders, encoders, quantized "
-            "keys' transforms): pip install 'kvserve[torch]'", name="torch") from None
+            f"this needs {e.name}, part of kvserve's optional torch backend (GPUs, Hugging Face folders, "
+            "sentence encoders, fp8 KV, kvserve eval): pip install 'kvserve[torch]'",
+            name=e.name) from None
+
+
+# what the `torch` extra installs: torch, and the libraries Hugging Face folders and encoders are read with
+BACKEND_MODULES = ("torch", "tokenizers", "safetensors")
+
+
+def require(name: str) -> ModuleType:
+    """The backend module ``name`` (one of BACKEND_MODULES), imported; missing, a ``TorchMissingError``
+    that says how to install it."""
+    return _import(name)
 
 
 torch: Any = _Lazy("torch")
@@ -73,6 +84,14 @@ def is_tensor(x: object) -> bool:
     """``isinstance(x, torch.Tensor)`` without importing torch: a tensor exists only once torch does."""
     module = sys.modules.get("torch")
     return module is not None and isinstance(x, module.Tensor)
+
+
+def as_numpy(x: Any) -> Any:
+    """An array or tensor (any device, f32/f16 or integer) as numpy; numpy passes through."""
+    if not is_tensor(x):
+        return x
+    x = x.detach().cpu()
+    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
 
 def inference_mode(fn: _Fn) -> _Fn:

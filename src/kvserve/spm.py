@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvserve.errors import ModelLoadError
+from kvserve.lazy_torch import require
 from kvserve.native import cache_root
 from kvserve.string_array import spans
 from kvserve.vocabulary import KernelVocabulary
@@ -56,6 +57,7 @@ def build_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_typ
     """The vocabulary as a `tokenizers` BPE; kept in the cache directory under a digest of everything it is
     built from, since deriving the merges of a large vocabulary takes seconds (Gemma 3's 262k pieces: ~2 s
     of a 3 s load) and reading the built tokenizer back ~0.2. A cache file that does not read is rebuilt."""
+    require("tokenizers")
     from tokenizers import Tokenizer
 
     tokens = list(tokens)  # the header's StringArray too

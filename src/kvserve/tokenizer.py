@@ -18,6 +18,7 @@ from typing import Any
 from kvserve.bpe import byte_level_bpe
 from kvserve.errors import ModelLoadError
 from kvserve.fim import FimTokens, fim_prompt, find_fim_tokens
+from kvserve.lazy_torch import require
 from kvserve.pretokenizers import pre_tokenizer_for
 from kvserve.vocabulary import HFVocabulary, Vocabulary
 
@@ -264,6 +265,7 @@ class Tokenizer:
 
     @classmethod
     def from_hf_folder(cls, folder: Path) -> Tokenizer:
+        require("tokenizers")
         from tokenizers import Tokenizer as HFTokenizer
 
         path = folder / "tokenizer.json"

@@ -282,7 +282,7 @@ def test_the_c_writer_encodes_rotated_codecs_as_the_codec_does(cache_type, head_
                              head_dim).int() for p in (parts_ours, parts_theirs)]
         y = x.double().transpose(0, 1).flatten(0, 1) @ codec.matrix.double()  # head-major, as rows
         unit = y / y.norm(dim=-1, keepdim=True)
-        cb = codec.codebook.double()
+        cb = torch.from_numpy(codec.codebook).double()
         near_edge = ((unit.unsqueeze(-1) - (cb[1:] + cb[:-1]) / 2).abs() < 1e-5).any(-1)
         differ = codes[0] != codes[1]
         assert not (differ & ~near_edge).any()

@@ -1,5 +1,6 @@
 """The CPU runtime needs no torch: ``kvserve run`` of each model we ship answers in a process where torch
-cannot be imported (as on an install without it), with the text a process that has torch gives."""
+cannot be imported (as on an install without it), with the text a process that has torch gives; with
+quantized KV too (rotated, centred and balanced keys; a rotated low-bit codebook)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 
 import pytest
 
-MODELS = ["smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"]
+RUNS = [("smollm2", []), ("gemma3-270m", []), ("qwen2.5-coder-0.5b", []),
+        ("qwen2.5-coder-0.5b", ["--cache-type", "q8_0"]), ("gemma3-270m", ["-ctk", "q4_0", "-ctv", "tq3"])]
 # None in sys.modules makes every `import torch` raise ImportError, as on a machine without it
 NO_TORCH = "import sys; sys.modules['torch'] = None\n"
 
@@ -25,9 +27,9 @@ def kvserve(args: list[str], without_torch: bool) -> subprocess.CompletedProcess
                           timeout=300)
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_run_answers_without_torch(model):
-    args = ["run", model, "Write a haiku about the sea.", "-n", "12", "--temperature", "0"]
+@pytest.mark.parametrize("model, kv", RUNS)
+def test_run_answers_without_torch(model, kv):
+    args = ["run", model, "Write a haiku about the sea.", "-n", "12", "--temperature", "0", *kv]
     alone = kvserve(args, without_torch=True)
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert "torch imported: False" in alone.stderr

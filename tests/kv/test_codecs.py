@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -57,8 +58,8 @@ def test_zero_vectors_stay_zero():
 
 def test_lloyd_max_levels_match_published_values():
     # Max (1960): 1 bit +-0.7979; 2 bits +-0.4528, +-1.5104; 3 bits outermost +-2.1519
-    assert torch.allclose(lloyd_max_codebook(1), torch.tensor([-0.7979, 0.7979]), atol=1e-4)
-    assert torch.allclose(lloyd_max_codebook(2), torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104]), atol=1e-4)
+    assert np.allclose(lloyd_max_codebook(1), [-0.7979, 0.7979], atol=1e-4)
+    assert np.allclose(lloyd_max_codebook(2), [-1.5104, -0.4528, 0.4528, 1.5104], atol=1e-4)
     assert abs(float(lloyd_max_codebook(3)[-1]) - 2.1519) < 1e-3
 
 
@@ -140,7 +141,7 @@ def test_rotated_decode_reads_the_codes_pack_bits_wrote(bits):
                           dtype=torch.uint8)
     packed = pack_bits(codes, bits)
     assert torch.equal(unpack_bits(packed, bits, 64), codes)
-    assert torch.equal(codec._values(packed, torch.float32), codec.codebook[codes.long()])
+    assert torch.equal(codec._values(packed, torch.float32), torch.from_numpy(codec.codebook)[codes.long()])
 
 
 def test_nibble_unpacking_equals_bit_unpacking():
@@ -149,3 +150,27 @@ def test_nibble_unpacking_equals_bit_unpacking():
     codes = torch.randint(0, 16, (7, 2, 64), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
     packed = pack_bits(codes, 4)
     assert torch.equal(unpack_nibbles(packed), codes)
+
+
+def test_the_tables_the_kernels_take_are_torchs():
+    """What the CPU runtime computes without torch is what torch computed when the formats were set: the
+    rotation's signs (``SIGN_BITS``, drawn by torch's generator), the Lloyd-Max levels (numpy's erf and exp
+    against torch.distributions), the e4m3 code values (against torch's float8 type)."""
+    import math
+
+    from kvserve.kv.codecs import SIGN_BITS, FP8Codec, hadamard_signs
+
+    for head_dim in SIGN_BITS:
+        drawn = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(0x5EED + head_dim))
+        assert np.array_equal(hadamard_signs(head_dim), drawn.float().numpy() * 2 - 1)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for bits in (1, 2, 3, 4):
+        levels = torch.linspace(-2.5, 2.5, 2**bits, dtype=torch.float64) * (1 if bits > 1 else 0.4)
+        for _ in range(200):
+            edges = torch.cat([torch.tensor([-math.inf]), (levels[1:] + levels[:-1]) / 2,
+                               torch.tensor([math.inf])])
+            pdf = torch.exp(normal.log_prob(edges)).nan_to_num(0.0)
+            levels = (pdf[:-1] - pdf[1:]) / (normal.cdf(edges)[1:] - normal.cdf(edges)[:-1]).clamp_min(1e-30)
+        assert np.array_equal(lloyd_max_codebook(bits), levels.float().numpy())
+    e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(FP8Codec(64).code_table(), e4m3, equal_nan=True)

@@ -100,7 +100,7 @@ def test_arm_hadamard_rotation_same_bits_as_x86_portable(arm_programs, tmp_path,
 
     for dim in (2, 16, 64, 256):
         x = torch.randn(5, 3, dim, generator=torch.Generator().manual_seed(dim)) * 5
-        signs = hadamard_signs(dim)
+        signs = torch.from_numpy(hadamard_signs(dim))
         header = np.array([32, 5, 3, 3 * dim, 0, 0, 4 * dim, 0], dtype=np.int32)
         (tmp_path / "in").write_bytes(header.tobytes() + x.numpy().tobytes() + signs.numpy().tobytes())
         subprocess.run([QEMU, str(arm_programs[path]), str(tmp_path / "in"), str(tmp_path / "out")],

@@ -137,7 +137,7 @@ def test_hadamard_rotation_same_bits_as_portable(isa, dim):
     from kvserve.kv.codecs import hadamard_signs, signed_hadamard
 
     x = torch.randn(7, 3, dim, generator=torch.Generator().manual_seed(dim)) * 5
-    signs = hadamard_signs(dim)
+    signs = torch.from_numpy(hadamard_signs(dim))
     ours = _rotated_rows(isa, x, signs)
     assert torch.equal(ours, _rotated_rows("portable", x, signs))
     exact = (x.double() @ signed_hadamard(signs).double()).float()

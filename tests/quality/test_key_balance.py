@@ -4,6 +4,7 @@ moves to the coordinates the queries weigh least."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,9 +41,9 @@ def skewed(n, g):
     v = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g)
     group = cfg.num_heads // cfg.num_kv_heads
     q = torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g) * q_rms.repeat_interleave(group, 0)
-    balance = head_scales(q_rms.square(), k_rms.square())
+    balance = head_scales(q_rms.square().numpy(), k_rms.square().numpy())
     assert balance is not None
-    return k, v, q, centre, balance
+    return k, v, q, centre, torch.from_numpy(balance)
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -84,8 +85,9 @@ def test_head_scales_balance_only_where_it_pays():
     k_ms[1, :2] = 100.0  # head 1: keys large where queries are not
     k_ms[2, 0] = 1.5  # head 2: nearly even, gain < MIN_GAIN
     q_ms[1, 6] = 0.0  # a coordinate no query uses: left at 1
-    scales = head_scales(q_ms, k_ms)
-    assert scales is not None
+    scales = head_scales(q_ms.numpy(), k_ms.numpy())
+    assert scales is not None and scales.dtype == np.float32
+    scales = torch.from_numpy(scales)
     assert torch.equal(scales[0], torch.ones(8)) and torch.equal(scales[2], torch.ones(8))
     assert scales[1, 6] == 1.0
     used = torch.tensor([0, 1, 2, 3, 4, 5, 7])
@@ -93,7 +95,7 @@ def test_head_scales_balance_only_where_it_pays():
     # balanced: divided queries and scaled keys in the same ratio on every used coordinate
     ratio = (q_ms[1].sqrt() / scales[1]) / (k_ms[1].sqrt() * scales[1])
     assert torch.allclose(ratio[used], ratio[used][0].expand(7), rtol=1e-5)
-    assert head_scales(torch.ones(2, 8), torch.ones(2, 8) * 3) is None  # gain 1 < MIN_GAIN
+    assert head_scales(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32) * 3) is None  # gain 1
     assert MIN_GAIN > 1
 
 

@@ -60,7 +60,7 @@ def test_qwen_key_centres_are_its_k_bias_where_rope_barely_turns(qwen):
     model = qwen.model
     centres = model.key_centres()
     assert centres is not None and len(centres) == model.config.num_layers
-    layer0 = centres[0]
+    layer0 = torch.from_numpy(centres[0])
     assert layer0.shape == (model.config.num_kv_heads, model.config.head_dim)
     assert layer0.abs().max() > 100  # the bias outliers (up to ~145)
     half = model.config.head_dim // 2

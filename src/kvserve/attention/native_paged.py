@@ -45,9 +45,9 @@ class NativePagedAttention:
         self._tables = [self._table(c) for c in (storage.k_codec, storage.v_codec)]  # kept alive
         # rotated codecs: the query's rotation (keys) and the output's un-rotation (values), kept alive
         self._rotations = [rotation_signs(storage.k_codec), rotation_signs(storage.v_codec)]
-        self.rotation_args = tuple(0 if m is None else m.data_ptr() for m in self._rotations)
+        self.rotation_args = tuple(_address(m) for m in self._rotations)
         # per layer, the queries' balance (balanced keys) or 0; the storage's tensors, alive as long as it
-        self.balance_args = [0 if b is None else b.data_ptr() for b in storage.q_balance]
+        self.balance_args = [_address(b) for b in storage.q_balance]
         self.layer_args = [
             (*self._part(storage.k_arrays[layer], storage.k_codec, self._tables[0]),
              *self._part(storage.v_arrays[layer], storage.v_codec, self._tables[1]))
@@ -55,12 +55,12 @@ class NativePagedAttention:
         ]
 
     @staticmethod
-    def _table(codec: KVCodec) -> torch.Tensor | None:
+    def _table(codec: KVCodec) -> np.ndarray | None:
         table = getattr(codec, "code_table", None)
-        return None if table is None else table().contiguous()
+        return None if table is None else np.ascontiguousarray(table(), dtype=np.float32)
 
     @staticmethod
-    def _part(parts: list[np.ndarray], codec: KVCodec, table: torch.Tensor | None) -> tuple:
+    def _part(parts: list[np.ndarray], codec: KVCodec, table: np.ndarray | None) -> tuple:
         codes, scales, code_stride, scale_stride = _layout(parts)
         return (
             KV_KIND_CODES[codec.name],
@@ -68,7 +68,7 @@ class NativePagedAttention:
             scales,
             code_stride,
             scale_stride,
-            0 if table is None else table.data_ptr(),
+            _address(table),
         )
 
     @staticmethod
@@ -139,23 +139,24 @@ class NativeKVWrite:
         ]
 
     @staticmethod
-    def _rotation(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _rotation(codec: KVCodec) -> tuple[np.ndarray, np.ndarray | None] | None:
         """A rotated codec's signs and codebook (None for rotated q8_0/q4_0 keys) as the writer takes them
         (f32, contiguous)."""
         if not codec.rotated:
             return None
         codebook = getattr(codec, "codebook", None)
-        return rotation_signs(codec), None if codebook is None else codebook.float().contiguous()
+        return rotation_signs(codec), None if codebook is None else np.ascontiguousarray(codebook,
+                                                                                         dtype=np.float32)
 
     @staticmethod
     def _part(parts: list[np.ndarray], codec: KVCodec, tables: tuple | None,
-              centre: torch.Tensor | None, balance: torch.Tensor | None) -> tuple | None:
+              centre: np.ndarray | None, balance: np.ndarray | None) -> tuple | None:
         if codec.name not in WRITABLE:
             return None
         codes, scales, code_stride, scale_stride = _layout(parts)
-        rotation, levels = (0 if t is None else t.data_ptr() for t in tables) if tables else (0, 0)
+        rotation, levels = (_address(t) for t in tables) if tables else (0, 0)
         return (KV_KIND_CODES[codec.name], codes, code_stride, scales, scale_stride, rotation, levels,
-                *(0 if t is None else t.data_ptr() for t in (centre, balance)))
+                _address(centre), _address(balance))
 
     def __call__(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_args, v_args = self.layer_args[layer]
@@ -169,13 +170,18 @@ class NativeKVWrite:
                         scales, scale_stride, rotation, levels, centre, balance)
 
 
-def rotation_signs(codec: KVCodec) -> torch.Tensor | None:
+def rotation_signs(codec: KVCodec) -> np.ndarray | None:
     """A rotated codec's rotation as the kernels take it: the D signs of its signed Hadamard matrix
     (native/hadamard.h rotates with them, and un-rotates where the kernel's parameter says so), f32,
     contiguous; None for other codecs."""
     if not codec.rotated:
         return None
-    return codec.signs.float().contiguous()
+    return np.ascontiguousarray(codec.signs, dtype=np.float32)
+
+
+def _address(array: np.ndarray | None) -> int:
+    """A host array's address for a kernel, 0 for none."""
+    return 0 if array is None else array.ctypes.data
 
 
 def _layout(parts: list[np.ndarray]) -> tuple[int, int, int, int]:

@@ -23,8 +23,12 @@ not.
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import cache
+
+import numpy as np
+from numpy.typing import ArrayLike
 
 from kvserve.kv.cache_types import GROUP, KV_TYPES, keys_rotated, kv_type
 from kvserve.lazy_torch import torch
@@ -141,29 +145,34 @@ class FP8Codec(KVCodec):
         codes, scale = parts
         return codes.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
 
-    def code_table(self) -> torch.Tensor:
-        """The f32 value of each of the 256 codes (for kernels that decode by lookup)."""
-        return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    def code_table(self) -> np.ndarray:
+        """The f32 value of each of the 256 e4m3 codes (for kernels that decode by lookup): sign, 4 exponent
+        bits (bias 7, 0: subnormal), 3 mantissa bits; S.1111.111 is NaN (e4m3fn has no infinities)."""
+        code = np.arange(256)
+        exponent, mantissa = (code >> 3) & 15, (code & 7).astype(np.float64)
+        magnitude = np.where(exponent == 0, mantissa / 8 * 2.0**-6,
+                             (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+        magnitude[(code & 0x7F) == 0x7F] = np.nan
+        return np.where(code >> 7, -magnitude, magnitude).astype(np.float32)
 
 
 # --- rotated low-bit codecs -----------------------------------------------------------------------
 
 
 @cache
-def lloyd_max_codebook(bits: int, iterations: int = 200) -> torch.Tensor:
-    """Optimal ``2**bits`` reconstruction levels for a standard normal variable (Lloyd's algorithm
-    on the exact Gaussian density): the MSE-optimal scalar quantizer for rotated coordinates."""
+def lloyd_max_codebook(bits: int, iterations: int = 200) -> np.ndarray:
+    """Optimal ``2**bits`` reconstruction levels (f32) for a standard normal variable (Lloyd's algorithm
+    on the exact Gaussian density, in float64): the MSE-optimal scalar quantizer for rotated coordinates."""
     n = 2**bits
-    levels = torch.linspace(-2.5, 2.5, n, dtype=torch.float64) * (1 if bits > 1 else 0.4)
-    normal = torch.distributions.Normal(0.0, 1.0)
+    levels = np.linspace(-2.5, 2.5, n, dtype=np.float64) * (1 if bits > 1 else 0.4)
+    erf = np.vectorize(math.erf, otypes=[np.float64])
     for _ in range(iterations):
-        edges = torch.cat([torch.tensor([-math.inf]), (levels[1:] + levels[:-1]) / 2,
-                           torch.tensor([math.inf])])
-        cdf = normal.cdf(edges)
-        pdf = torch.exp(normal.log_prob(edges)).nan_to_num(0.0)
-        mass = (cdf[1:] - cdf[:-1]).clamp_min(1e-30)
+        edges = np.concatenate([[-math.inf], (levels[1:] + levels[:-1]) / 2, [math.inf]])
+        cdf = 0.5 * (1 + erf(edges / math.sqrt(2)))
+        pdf = np.exp(-(edges**2) / 2 - math.log(math.sqrt(2 * math.pi)))
+        mass = np.maximum(cdf[1:] - cdf[:-1], 1e-30)
         levels = (pdf[:-1] - pdf[1:]) / mass  # E[X | X in cell]
-    return levels.float()
+    return levels.astype(np.float32)
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -174,16 +183,36 @@ def hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
-def hadamard_signs(head_dim: int, seed: int = 0x5EED) -> torch.Tensor:
-    """The seeded random signs of ``signed_hadamard``: what the C kernels take (native/hadamard.h applies
-    the rotation as a fast transform, D log D additions instead of a D x D product)."""
-    g = torch.Generator().manual_seed(seed + head_dim)
-    return torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
+DEFAULT_SEED = 0x5EED
+# hadamard_signs(D) of the head sizes models have, as torch's generator first drew them (bit i of the
+# little-endian bytes set: +1), so that a cache's rotation needs no torch (tests/kv check the table)
+SIGN_BITS = {
+    32: "5c86f2de",
+    64: "e2f60745f6b2ab7d",
+    128: "89079c40a30942d83640accb5af29d65",
+    256: "28e5ae044d9547d6d80ad702cfc2b4f773c5ecf0d908300f8ddbf57644a00ace",
+    512: "c814614705d82b8ad8e600d1b34320447347f1d8da9d984fadce6900158b1ce30412f949624e23c11cd45984225a3c45"
+         "3d80a7b78acdc93de98a6ba9dab56135",
+}
 
 
-def signed_hadamard(signs: torch.Tensor) -> torch.Tensor:
+def hadamard_signs(head_dim: int, seed: int = DEFAULT_SEED) -> np.ndarray:
+    """The seeded random signs (f32 +-1) of ``signed_hadamard``: what the C kernels take (native/hadamard.h
+    applies the rotation as a fast transform, D log D additions instead of a D x D product). Drawn by
+    torch's generator seeded ``seed + head_dim``; the usual sizes read from ``SIGN_BITS``."""
+    if seed == DEFAULT_SEED and head_dim in SIGN_BITS:
+        bits = np.unpackbits(np.frombuffer(bytes.fromhex(SIGN_BITS[head_dim]), dtype=np.uint8),
+                             bitorder="little")
+    else:
+        g = torch.Generator().manual_seed(seed + head_dim)
+        bits = torch.randint(0, 2, (head_dim,), generator=g).numpy()
+    return bits.astype(np.float32) * 2 - 1
+
+
+def signed_hadamard(signs: ArrayLike) -> torch.Tensor:
     """R with x @ R = H (signs * x): a Walsh-Hadamard transform after the signs (``hadamard_signs``),
     orthogonal."""
+    signs = torch.as_tensor(np.asarray(signs, dtype=np.float32))
     return signs[:, None] * hadamard(signs.shape[0])
 
 
@@ -200,8 +229,12 @@ class RotatedKeys(KVCodec):
         super().__init__(base.head_dim)
         self.base, self.name = base, base.name
         self.signs = hadamard_signs(base.head_dim)  # what the C kernels take
-        self.matrix = signed_hadamard(self.signs)
         self._matrices: dict[tuple, torch.Tensor] = {}
+
+    @functools.cached_property
+    def matrix(self) -> torch.Tensor:
+        """The rotation as a matrix, for torch code (the kernels take ``signs``)."""
+        return signed_hadamard(self.signs)
 
     def _matrix(self, x: torch.Tensor) -> torch.Tensor:
         key = (x.device, x.dtype)
@@ -239,15 +272,19 @@ class RotatedCodec(KVCodec):
         self.bits = bits
         self.name = f"tq{bits}"
         self.signs = hadamard_signs(head_dim, seed)  # what the C kernels take
-        self.matrix = signed_hadamard(self.signs)  # x @ matrix = H (signs * x)
-        self.codebook = lloyd_max_codebook(bits) / math.sqrt(head_dim)
+        self.codebook = lloyd_max_codebook(bits) / np.float32(math.sqrt(head_dim))  # f32
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._byte_tables: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> [256, codes per byte]
+
+    @functools.cached_property
+    def matrix(self) -> torch.Tensor:
+        """x @ matrix = H (signs * x), for torch code (the kernels take ``signs``)."""
+        return signed_hadamard(self.signs)
 
     def _tensors(self, device, dtype):
         key = (device, dtype)
         if key not in self._cache:
-            cb = self.codebook.to(device)
+            cb = torch.from_numpy(self.codebook).to(device)
             self._cache[key] = (self.matrix.to(device, dtype), cb, (cb[1:] + cb[:-1]) / 2)
         return self._cache[key]
 
@@ -275,12 +312,14 @@ class RotatedCodec(KVCodec):
         packed, scale = parts
         return self._values(packed, dtype) * scale.to(dtype)
 
-    def code_table(self) -> torch.Tensor:
-        """For kernels that decode by lookup: 2-/4-bit codes -> [256, codes per byte] values of each
+    def code_table(self) -> np.ndarray:
+        """For kernels that decode by lookup (f32): 2-/4-bit codes -> [256, codes per byte] values of each
         byte; 3-bit codes -> the 8 levels (unit-norm domain, times the stored norm)."""
         if 8 % self.bits:
-            return self._tensors(torch.device("cpu"), torch.float32)[1]
-        return self._byte_table(torch.device("cpu"), torch.float32)
+            return self.codebook
+        byte = np.arange(256)[:, None]
+        shifts = np.arange(8 // self.bits) * self.bits
+        return self.codebook[(byte >> shifts) & ((1 << self.bits) - 1)]
 
     def _byte_table(self, device, dtype) -> torch.Tensor:
         key = (device, dtype)

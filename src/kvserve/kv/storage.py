@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Union
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from kvserve.config import ModelConfig
 from kvserve.host_memory import arena, array_arena
 from kvserve.kv.cache_types import kv_type
 from kvserve.kv.codecs import KVCodec, make_codec
-from kvserve.lazy_torch import torch
+from kvserve.lazy_torch import Device, as_numpy, torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,16 @@ UNCENTRED_KEYS = ("f32", "f16", "bf16")
 # a stored part's element type -> the numpy type that holds its bits on the CPU (numpy has no bf16)
 _HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8,
                 "uint8": np.uint8}
+
+
+Vector = Union[np.ndarray, "torch.Tensor"]  # a layer's key centres or balance [kv_heads, head_dim]
+
+
+def _vector(v: Vector, device: Device) -> Vector:
+    """``v`` as f32, contiguous: numpy on the CPU, a tensor on another device."""
+    if device.type == "cpu":
+        return np.ascontiguousarray(as_numpy(v), dtype=np.float32)
+    return torch.as_tensor(v).float().to(device).contiguous()
 
 
 def _nbytes(part: np.ndarray | torch.Tensor) -> int:
@@ -66,23 +77,24 @@ class PagedKVStorage:
         cache_type_v: str | None = None,
         window_layers: frozenset[int] = frozenset(),
         num_window_blocks: int = 0,
-        key_centres: list[torch.Tensor | None] | None = None,
-        key_balance: list[torch.Tensor | None] | None = None,
+        key_centres: list[Vector | None] | None = None,
+        key_balance: list[Vector | None] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = heads = config.num_kv_heads
         self.k_codec: KVCodec = make_codec(cache_type, config.head_dim, keys=True)
         self.v_codec: KVCodec = make_codec(cache_type_v or cache_type, config.head_dim)
-        # per layer [kv_heads, head_dim] f32 or None: kept only for quantized keys (f16 keys stay exact)
+        # per layer [kv_heads, head_dim] f32 or None: kept only for quantized keys (f16 keys stay exact),
+        # numpy on the CPU (the C writer and attention read them), tensors on the device
         quantized = self.k_codec.name not in UNCENTRED_KEYS
         def per_layer(vectors):
-            return [None if c is None else c.float().to(device).contiguous()
+            return [None if c is None else _vector(c, device)
                     for c in vectors] if vectors and quantized else [None] * config.num_layers
 
         self.k_centres = per_layer(key_centres)
         self.k_balance = per_layer(key_balance)  # keys stored times it, queries times its inverse:
-        self.q_balance = [None if b is None else (1 / b).contiguous() for b in self.k_balance]
+        self.q_balance = [None if b is None else _vector(1 / b, device) for b in self.k_balance]
         if window_layers and num_window_blocks < 1:
             raise ValueError("a window group needs at least one block")
         self.window_layers = frozenset(window_layers)
@@ -283,7 +295,7 @@ class PagedKVStorage:
         balanced = [i for i, b in enumerate(self.k_balance) if b is not None]
         rotated = self.k_codec.rotated and not kv_type(self.k_codec.name).rotated
         # the balance is computed by code that may change while the weights do not: its values are named
-        digest = hashlib.sha256(b"".join(self.k_balance[i].cpu().numpy().tobytes() for i in balanced))
+        digest = hashlib.sha256(b"".join(as_numpy(self.k_balance[i]).tobytes() for i in balanced))
         return (({"keys_rotated": True} if rotated else {}) | ({"keys_centred": centred} if centred else {})
                 | ({"keys_balanced": [balanced, digest.hexdigest()[:16]]} if balanced else {}))
 
@@ -291,9 +303,9 @@ class PagedKVStorage:
         """k, v: [num_tokens, num_kv_heads, head_dim] encoded (k centred and balanced first) and stored at
         their ``slot_rows``."""
         if self.k_centres[layer] is not None:
-            k = k.float() - self.k_centres[layer]
+            k = k.float() - torch.as_tensor(self.k_centres[layer])
         if self.k_balance[layer] is not None:
-            k = k.float() * self.k_balance[layer]
+            k = k.float() * torch.as_tensor(self.k_balance[layer])
         for parts, codec, x in ((self.k[layer], self.k_codec, k), (self.v[layer], self.v_codec, v)):
             for stored, encoded in zip(parts, codec.encode(x), strict=True):
                 stored.view(-1, stored.shape[-1]).index_copy_(0, slot_rows,
@@ -304,6 +316,7 @@ class PagedKVStorage:
         KV head's group of query heads), then rotated with rotated keys. What the C kernels do to q."""
         balance = self.q_balance[layer]
         if balance is not None:
+            balance = torch.as_tensor(balance)
             n, heads, d = q.shape
             q = (q.float().view(n, self.num_kv_heads, heads // self.num_kv_heads, d) * balance[:, None]).view(
                 n, heads, d).to(q.dtype)

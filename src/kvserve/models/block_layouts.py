@@ -21,15 +21,11 @@ the tests hold bit for bit against ``gguf.quants.dequantize``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvserve import native
 from kvserve.host_memory import packed_bytes
-
-if TYPE_CHECKING:  # the packed weights are numpy: torch only for unpack_weight's tensor
-    import torch
 from kvserve.models.layouts import (
     CODE_BITS,
     GGUF_LAYOUTS,
@@ -301,11 +297,9 @@ def _half_scales(layout: int, sp: np.ndarray, rows: int, d, dmin):
     return scale, scale * np.float32(-32.0 if layout == QL_Q6_K else -4.0)
 
 
-def unpack_weight(packed: np.ndarray, layout: int, rows: int, cols: int) -> torch.Tensor:
+def unpack_weight(packed: np.ndarray, layout: int, rows: int, cols: int) -> np.ndarray:
     """A packed tensor's weights [rows, cols] f32, each scale * code + offset computed in f32 as the gguf
     library's dequantization computes the file's weight."""
-    import torch
-
     data = np.asarray(packed).reshape(-1)
     panels, groups = -(-rows // 16), cols // 32
     blocks, d, dmin = _unpack_blocks(data, layout, rows, panels, groups)
@@ -314,7 +308,7 @@ def unpack_weight(packed: np.ndarray, layout: int, rows: int, cols: int) -> torc
     if layout in HALVES:
         scale, lo = _half_scales(layout, sp, rows, d, dmin)
         w = codes.reshape(rows, groups, 2, 16) * scale + lo
-        return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32))
+        return np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32)
     scale, lo = _group_scales(layout, sp, rows, d, dmin)
     w = codes * scale[..., None] + lo[..., None]
-    return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32))
+    return np.ascontiguousarray(w.reshape(rows, cols), dtype=np.float32)

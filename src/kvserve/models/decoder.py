@@ -17,8 +17,10 @@ from __future__ import annotations
 import functools
 from typing import Protocol
 
+import numpy as np
+
 from kvserve.config import ModelConfig
-from kvserve.lazy_torch import Device, dtype_name, inference_mode, torch, torch_dtype
+from kvserve.lazy_torch import Device, as_numpy, dtype_name, inference_mode, torch, torch_dtype
 from kvserve.models.activations import gated
 from kvserve.models.decoder_weights import DecoderWeights, LayerWeights
 from kvserve.models.key_balance import key_balance
@@ -84,7 +86,7 @@ class DecoderLM:
         if self.rope_local is not self.rope:
             self.rope_local.fit_context(num_ctx)
 
-    def key_centres(self, span: int = 32768, max_angle: float = 3.0) -> list[torch.Tensor | None] | None:
+    def key_centres(self, span: int = 32768, max_angle: float = 3.0) -> list[np.ndarray | None] | None:
         """Per layer, the vector quantized keys are stored centred on ([kv_heads, head_dim] f32, see
         ``kv.storage``), or None for a layer without a K bias; None when no layer has one.
 
@@ -99,21 +101,20 @@ class DecoderLM:
             if bias is None or layer.k_norm is not None:  # a norm after the bias: nothing fixed to take out
                 centres.append(None)
                 continue
-            k_bias = torch.as_tensor(bias[self.q_dim : self.q_dim + self.kv_dim]).float().cpu().view(
-                cfg.num_kv_heads, -1)
-            inv_freq = torch.from_numpy((self.rope_local if cfg.is_sliding(i) else self.rope).inv_freq)
-            still = (inv_freq * span < max_angle).float()  # per pair (j, j + rotated / 2)
-            keep = torch.ones(cfg.head_dim)  # dims past the rotated ones never turn
-            keep[: 2 * len(still)] = torch.cat([still, still])
-            centres.append(k_bias * keep)
+            k_bias = np.asarray(as_numpy(bias), dtype=np.float32)[self.q_dim : self.q_dim + self.kv_dim]
+            inv_freq = (self.rope_local if cfg.is_sliding(i) else self.rope).inv_freq
+            still = (inv_freq * span < max_angle).astype(np.float32)  # per pair (j, j + rotated / 2)
+            keep = np.ones(cfg.head_dim, dtype=np.float32)  # dims past the rotated ones never turn
+            keep[: 2 * len(still)] = np.concatenate([still, still])
+            centres.append(k_bias.reshape(cfg.num_kv_heads, -1) * keep)
         return centres if any(c is not None for c in centres) else None
 
-    def key_balance(self) -> list[torch.Tensor | None] | None:
+    def key_balance(self) -> list[np.ndarray | None] | None:
         """Per layer, the scales quantized keys are stored times (the queries divided by them), or None:
         see ``models.key_balance``."""
         return key_balance(self, self.key_centres())
 
-    def key_transforms(self) -> dict[str, list[torch.Tensor | None] | None]:
+    def key_transforms(self) -> dict[str, list[np.ndarray | None] | None]:
         """``PagedKVStorage``'s keyword arguments for quantized keys: their centres and balance (the
         balance is measured on the centred keys, so it takes the centres computed once here)."""
         centres = self.key_centres()

@@ -21,7 +21,7 @@ import asyncio
 from pathlib import Path
 
 from kvserve.errors import ModelLoadError
-from kvserve.lazy_torch import inference_mode, torch
+from kvserve.lazy_torch import inference_mode, require, torch
 from kvserve.models.encoder_config import read_encoder_config
 
 # f32: sentence-transformers' vectors (cosine 1.000000 on bench/embed_throughput.py's 512 sentences);
@@ -44,6 +44,8 @@ def length_batches(inputs: list[list[int]], size: int) -> list[list[int]]:
 
 def _read_folder(path: Path):
     """(EncoderConfig, weights by name, tokenizers.Tokenizer) of a Hugging Face folder."""
+    for backend in ("torch", "safetensors", "tokenizers"):
+        require(backend)
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvserve.errors import ModelLoadError
-from kvserve.lazy_torch import torch
+from kvserve.lazy_torch import require, torch
 from kvserve.models.encoder_config import EncoderConfig, is_encoder_folder
 
 PHANTOM = "\u2581"
@@ -151,6 +151,7 @@ def wordpiece_tokenizer(gf):
     """The file's vocabulary as a ``tokenizers`` WordPiece tokenizer: BERT's normalizer (lowercased, as
     llama.cpp's WPM tokenizer reads every BERT vocabulary), its pre-tokenizer, [CLS] ... [SEP] around each
     input (and [SEP] between a pair)."""
+    require("tokenizers")
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
 

@@ -25,62 +25,69 @@ so near-even heads are left as they are.
 
 from __future__ import annotations
 
-from kvserve.lazy_torch import torch
+import numpy as np
+
+from kvserve.lazy_torch import as_numpy
+from kvserve.models.linear import weight_array
 
 MIN_GAIN = 1.5
 
 
-def pair_mean(x: torch.Tensor, rotated: int) -> torch.Tensor:
+def pair_mean(x: np.ndarray, rotated: int) -> np.ndarray:
     """x [..., D] with its first ``rotated`` coordinates in RoPE pairs (j, j + rotated / 2): each pair's
     two values replaced by their mean."""
     half = rotated // 2
-    out = x.clone()
+    out = x.copy()
     mean = (x[..., :half] + x[..., half:rotated]) / 2
     out[..., :half] = mean
     out[..., half:rotated] = mean
     return out
 
 
-def head_scales(q_ms: torch.Tensor, k_ms: torch.Tensor) -> torch.Tensor | None:
+def head_scales(q_ms: np.ndarray, k_ms: np.ndarray) -> np.ndarray | None:
     """Per KV head, mean squares of the queries [kv_heads, D] (over the head's group) and of the keys:
-    the scales [kv_heads, D] (geometric mean 1 per head; 1 where a head gains less than ``MIN_GAIN``),
+    the scales [kv_heads, D] f32 (geometric mean 1 per head; 1 where a head gains less than ``MIN_GAIN``),
     or None when no head is worth it."""
-    q_rms, k_rms = q_ms.clamp_min(0).sqrt(), k_ms.clamp_min(0).sqrt()
-    gain = q_ms.sum(-1) * k_ms.sum(-1) / (q_rms * k_rms).sum(-1).square().clamp_min(1e-30)
+    q_rms, k_rms = np.sqrt(np.maximum(q_ms, 0)), np.sqrt(np.maximum(k_ms, 0))
+    gain = q_ms.sum(-1) * k_ms.sum(-1) / np.maximum(np.square((q_rms * k_rms).sum(-1)), 1e-30)
     usable = (q_rms > 0) & (k_rms > 0)
-    scales = torch.where(usable, (q_rms / k_rms.clamp_min(1e-30)).sqrt(), torch.ones_like(q_rms))
-    log = torch.where(usable, scales.log(), torch.zeros_like(scales))
-    scales = scales / (log.sum(-1, keepdim=True) / usable.sum(-1, keepdim=True).clamp_min(1)).exp()
-    scales = torch.where(usable & (gain >= MIN_GAIN)[:, None], scales, torch.ones_like(scales))
-    return scales if bool((gain >= MIN_GAIN).any()) else None
+    scales = np.where(usable, np.sqrt(q_rms / np.maximum(k_rms, 1e-30)), 1.0)
+    log = np.log(np.where(usable, scales, 1.0))
+    scales = scales / np.exp(log.sum(-1, keepdims=True) / np.maximum(usable.sum(-1, keepdims=True), 1))
+    scales = np.where(usable & (gain >= MIN_GAIN)[:, None], scales, 1.0)
+    return scales.astype(np.float32) if bool((gain >= MIN_GAIN).any()) else None
 
 
 def layer_mean_squares(layer, q_dim: int, kv_dim: int, heads: int, kv_heads: int, head_dim: int,
-                       centre: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The estimated mean squares of one layer's queries [heads, D] and keys [kv_heads, D], or None
+                       centre: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The estimated mean squares of one layer's queries [heads, D] and keys [kv_heads, D] (f32), or None
     where the weights do not say (no readable projection, one of q/k normed without the other)."""
     if layer.q_norm is not None or layer.k_norm is not None:
         if layer.q_norm is None or layer.k_norm is None:
             return None
-        q_ms, k_ms = (torch.as_tensor(w).float().square().flatten() for w in (layer.q_norm, layer.k_norm))
+        q_ms, k_ms = (np.square(_f32(w)).ravel() for w in (layer.q_norm, layer.k_norm))
         # per-head weights [D] shared by every head, or one weight per coordinate of all heads (olmoe)
-        return (q_ms.repeat(q_dim // q_ms.numel()).view(heads, head_dim),
-                k_ms.repeat(kv_dim // k_ms.numel()).view(kv_heads, head_dim))
-    weight = getattr(layer.qkv, "weight", None)
+        return (np.tile(q_ms, q_dim // q_ms.size).reshape(heads, head_dim),
+                np.tile(k_ms, kv_dim // k_ms.size).reshape(kv_heads, head_dim))
+    weight = weight_array(layer.qkv)
     if weight is None:
         return None
-    rows = weight[: q_dim + kv_dim].float() * torch.as_tensor(layer.attn_norm).float()
-    ms = rows.square().sum(-1)
+    rows = weight[: q_dim + kv_dim] * _f32(layer.attn_norm)
+    ms = np.square(rows).sum(-1)
     bias = getattr(layer.qkv, "bias", None)
     if bias is not None:
-        b = bias[: q_dim + kv_dim].float().clone()
+        b = _f32(bias)[: q_dim + kv_dim].copy()
         if centre is not None:
-            b[q_dim:] -= centre.float().flatten()
-        ms = ms + b.square()
-    return ms[:q_dim].view(heads, head_dim), ms[q_dim:].view(kv_heads, head_dim)
+            b[q_dim:] -= _f32(centre).ravel()
+        ms = ms + np.square(b)
+    return ms[:q_dim].reshape(heads, head_dim), ms[q_dim:].reshape(kv_heads, head_dim)
 
 
-def key_balance(model, centres: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+def _f32(v) -> np.ndarray:
+    return np.asarray(as_numpy(v), dtype=np.float32)
+
+
+def key_balance(model, centres: list[np.ndarray | None] | None) -> list[np.ndarray | None] | None:
     """Per layer of a ``DecoderLM``, the keys' scales [kv_heads, head_dim] f32 (None: the layer as it
     is); None when no layer is balanced. ``centres``: the model's ``key_centres()``."""
     cfg = model.config
@@ -94,5 +101,5 @@ def key_balance(model, centres: list[torch.Tensor | None] | None) -> list[torch.
             continue
         rotated = 2 * len((model.rope_local if cfg.is_sliding(i) else model.rope).inv_freq)
         q_ms, k_ms = (pair_mean(x, rotated) for x in ms)
-        out.append(head_scales(q_ms.view(kv_heads, heads // kv_heads, d).mean(1), k_ms))
+        out.append(head_scales(q_ms.reshape(kv_heads, heads // kv_heads, d).mean(1), k_ms))
     return out if any(s is not None for s in out) else None

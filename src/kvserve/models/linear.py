@@ -38,7 +38,7 @@ import numpy as np
 
 from kvserve import native
 from kvserve.host_memory import host_array, rehome
-from kvserve.lazy_torch import Device, F, is_tensor, torch, torch_dtype
+from kvserve.lazy_torch import Device, F, as_numpy, is_tensor, torch, torch_dtype
 from kvserve.models import block_layouts
 from kvserve.models.layouts import GGUF_LAYOUTS, QL_F16, QL_F32
 from kvserve.models.weight_grids import (
@@ -214,6 +214,16 @@ class Int8GroupLinear(Int8Linear):
         rows(self.packed.ctypes.data, ids.data_ptr(), ids.shape[0], self.in_features, out.data_ptr())
         return out
 
+    def weight_array(self) -> np.ndarray:
+        """``weight`` in numpy: every row through the kernel, without torch."""
+        if self.kernel is None:
+            return self.weight.numpy()
+        out = np.empty((self.out_features, self.in_features), dtype=np.float32)
+        ids = np.arange(self.out_features, dtype=np.int64)
+        rows = _int8_rows_kernel("int8_rows_g16" if self.layout == "g16" else "int8_rows")
+        rows(self.packed.ctypes.data, ids.ctypes.data, len(ids), self.in_features, out.ctypes.data)
+        return out
+
     def holds(self, weight: torch.Tensor) -> bool:
         """Whether ``rows`` gives ``weight`` back exactly (a Q8_0 tensor does), by blocks of rows."""
         if self.kernel is None or tuple(weight.shape) != (self.out_features, self.in_features):
@@ -286,12 +296,16 @@ class Int4Linear:
     @property
     def weight(self) -> torch.Tensor:
         """[out, in] f32: scale * code + offset per group, as the file's dequantization rounds it."""
+        return torch.from_numpy(self.weight_array())
+
+    def weight_array(self) -> np.ndarray:
+        """``weight`` in numpy (unpacked without torch)."""
         if self.layout not in (QL_F16, QL_F32):
             return block_layouts.unpack_weight(self.packed, self.layout, self.out_features, self.in_features)
-        packed = torch.from_numpy(self.packed).view(self.packed.shape[0], self.in_features // INT4_GROUP, -1)
+        packed = self.packed.reshape(self.packed.shape[0], self.in_features // INT4_GROUP, -1)
         codes, scale, lo = unpack_int4(packed, self.out_features, self.layout == QL_F32)
-        groups = codes.view(self.out_features, -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]
-        return groups.view(self.out_features, -1)
+        groups = codes.reshape(self.out_features, -1, INT4_GROUP).astype(np.float32) * scale[..., None]
+        return (groups + lo[..., None]).reshape(self.out_features, -1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
@@ -327,6 +341,9 @@ class StackedLinear:
     def weight(self) -> torch.Tensor:
         return torch.cat([p.weight for p in self.parts])
 
+    def weight_array(self) -> np.ndarray:
+        return np.concatenate([weight_array(p) for p in self.parts])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         self.into(x, y)
@@ -359,6 +376,16 @@ def _run_matmul(
     if rc != 0:
         raise MemoryError("native matmul: could not allocate the activation digits")
     return y
+
+
+def weight_array(linear) -> np.ndarray | None:
+    """A projection's weights [out, in] as f32 numpy (without torch for the kernels' layouts), or None for
+    one that has none to show."""
+    method = getattr(linear, "weight_array", None)
+    if method is not None:
+        return method()
+    weight = getattr(linear, "weight", None)
+    return None if weight is None else as_numpy(weight).astype(np.float32)
 
 
 def host_vector(v: np.ndarray | torch.Tensor | None) -> np.ndarray | None:

@@ -7,6 +7,8 @@ called here.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvserve.host_memory import empty_bytes
 from kvserve.lazy_torch import F, torch
 
@@ -183,21 +185,22 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
     return torch.cat([nibbles, halves(scale), halves(lo)], -1).contiguous()
 
 
-def unpack_int4(packed: torch.Tensor, n: int, f32_scales: bool) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_int4's inverse: (codes uint8 [n, in], scale, lo f32 [n, groups])."""
+def unpack_int4(packed: np.ndarray, n: int, f32_scales: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """pack_int4's inverse, in numpy: packed uint8 [panels, groups, bytes] -> (codes uint8 [n, in], scale,
+    lo f32 [n, groups])."""
     panels, groups, _ = packed.shape
-    nibbles = packed[..., :256].view(panels, groups, 4, 16, 4)  # P G chunk lane i
-    q = torch.stack([nibbles & 0x0F, nibbles >> 4], 3)  # P G chunk half lane i
-    codes = q.permute(0, 4, 1, 2, 3, 5).reshape(panels * 16, groups * INT4_GROUP)[:n]
+    nibbles = packed[..., :256].reshape(panels, groups, 4, 16, 4)  # P G chunk lane i
+    q = np.stack([nibbles & 0x0F, nibbles >> 4], 3)  # P G chunk half lane i
+    codes = q.transpose(0, 4, 1, 2, 3, 5).reshape(panels * 16, groups * INT4_GROUP)[:n]
+    width = 64 if f32_scales else 32
 
-    def part(start: int) -> torch.Tensor:
-        width = 64 if f32_scales else 32
-        raw = packed[...,
-                     start : start + width].contiguous().view(torch.float32 if f32_scales else torch.float16)
-        return raw.view(panels, groups, 16).transpose(1, 2).reshape(panels * 16, groups)[:n].float()
+    def part(start: int) -> np.ndarray:
+        raw = np.ascontiguousarray(packed[..., start : start + width]).view(
+            np.float32 if f32_scales else np.float16)
+        return raw.reshape(panels, groups, 16).transpose(0, 2, 1).reshape(panels * 16, groups)[:n].astype(
+            np.float32)
 
-    return codes, part(256), part(256 + (64 if f32_scales else 32))
+    return codes, part(256), part(256 + width)
 
 
 def int4_grid_from16(grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[
