@@ -4,7 +4,7 @@ The CPU runtime is numpy buffers and our kernels; torch is an optional backend (
 the reference forward the tests compare with). Modules that serve both take ``torch`` (and ``F``) from
 here, so importing them costs nothing: a ``kvserve run`` of a GGUF on the CPU never touches an attribute
 of either, so it neither needs torch installed nor pays its ~2 s import and ~220 MiB. Code on the CPU path
-asks ``is_tensor`` / ``loaded`` instead of ``isinstance(x, torch.Tensor)``, which would import it.
+asks ``is_tensor`` instead of ``isinstance(x, torch.Tensor)``, which would import it.
 
 The proxy looks each attribute up on the real module (no copy kept), so a test's ``monkeypatch`` of a torch
 function is seen here too. Annotations stay strings (``from __future__ import annotations``).
@@ -73,11 +73,6 @@ def require(name: str) -> ModuleType:
 
 torch: Any = _Lazy("torch")
 F: Any = _Lazy("torch.nn.functional")
-
-
-def loaded() -> bool:
-    """Whether torch has been imported (by us or by anyone else in the process)."""
-    return "torch" in sys.modules
 
 
 def is_tensor(x: object) -> bool:

@@ -46,7 +46,10 @@ class WeightSource(Protocol):
         """``pop`` as a numpy f32 array."""
         ...
 
-    def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None: ...
+    def get_array(self, name: str) -> np.ndarray | None:
+        """A tensor read as numbers rather than weights (RoPE's frequency factors) as f32 numpy, left in the
+        source; None where the source has none of that name."""
+        ...
 
     def grid16(self, name: str) -> Grid16 | None:
         """The grid the file states for the tensor, decoded when called (``GGUFWeights.grid16``)."""
@@ -73,8 +76,9 @@ class TensorWeights:
     def pop_array(self, name: str) -> np.ndarray:
         return self.tensors.pop(name).detach().float().cpu().numpy()
 
-    def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
-        return self.tensors.get(name, default)
+    def get_array(self, name: str) -> np.ndarray | None:
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tensor.detach().float().cpu().numpy()
 
     def grid16(self, name: str) -> Grid16 | None:
         return None

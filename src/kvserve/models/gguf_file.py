@@ -322,8 +322,8 @@ class GGUFWeights:
         self._take(name)
         return QuantRows(self.gf.tensor_bytes(stored), t.type_name, t.dims[1], t.dims[0])
 
-    def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
-        return self._load(name) if name in self.names else default
+    def get_array(self, name: str) -> np.ndarray | None:
+        return self._load_array(name) if name in self.names else None
 
     def _load(self, name: str) -> torch.Tensor:
         return torch.from_numpy(self._load_array(name))

@@ -57,10 +57,10 @@ def rotary_embedding(config: ModelConfig, weights, device: Device, dtype: str) -
     factors; ``RotaryEmbedding.fit_context`` moves to the long ones for a context past the original."""
     scale = attention_factor(config)
     if config.rope_scaling.rope_type != "longrope":
-        return RotaryEmbedding(inverse_frequencies(config, config.rope_theta, weights.get("rope_freqs")),
-                               device, dtype, scale)
-    short = inverse_frequencies(config, config.rope_theta, weights.get("rope_factors_short.weight"))
-    long_factors = weights.get("rope_factors_long.weight")
+        inv_freq = inverse_frequencies(config, config.rope_theta, weights.get_array("rope_freqs"))
+        return RotaryEmbedding(inv_freq, device, dtype, scale)
+    short = inverse_frequencies(config, config.rope_theta, weights.get_array("rope_factors_short.weight"))
+    long_factors = weights.get_array("rope_factors_long.weight")
     if long_factors is None and not config.rope_scaling.long_factor:
         return RotaryEmbedding(short, device, dtype, scale)
     long = inverse_frequencies(config, config.rope_theta, long_factors, long_context=True)
