@@ -38,3 +38,13 @@ def test_run_answers_without_torch(model, kv):
     assert beside.returncode == 0, beside.stderr[-3000:]
     assert "torch imported: False" in beside.stderr  # nothing on the path asks for it even when it is there
     assert alone.stdout == beside.stdout
+
+
+@pytest.mark.parametrize("args", [["eval", "smollm2", "--ctx", "64"],
+                                  ["serve", "smollm2", "--embedding-model", "all-minilm", "--port", "1"]])
+def test_what_needs_torch_says_so_without_it(args):
+    """The torch backend's features fail with one line that says how to get it, not a traceback."""
+    done = kvserve(args, without_torch=True)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "error: this needs torch" in done.stderr and "pip install 'kvserve[torch]'" in done.stderr
+    assert "Traceback" not in done.stderr

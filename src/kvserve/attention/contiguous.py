@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from kvserve.attention.ops import sequence_attention
+from kvserve.lazy_torch import torch
 
 
 class ContiguousKVCache:

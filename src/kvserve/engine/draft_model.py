@@ -12,10 +12,9 @@ one saves a target decode step.
 
 from __future__ import annotations
 
-import torch
-
 from kvserve.attention.ops import sequence_attention
 from kvserve.config import SpeculativeConfig
+from kvserve.lazy_torch import inference_mode, torch
 from kvserve.models.decoder import DecoderLM
 from kvserve.models.loader import LoadedModel
 
@@ -75,7 +74,7 @@ class DraftModelProposer:
         check_same_tokenizer(target, draft)
         return cls(config, draft)
 
-    @torch.inference_mode()
+    @inference_mode
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` greedy guesses of the draft after ``tokens``."""
         if limit < 1:

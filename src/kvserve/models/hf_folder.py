@@ -7,10 +7,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelLoadError
+from kvserve.lazy_torch import require, torch
 from kvserve.models.arch import ARCHS, HF_CLASSES, sliding_layers, switches
 
 ARCHITECTURES = HF_CLASSES  # config.json class -> arch
@@ -161,6 +160,8 @@ def _rope_scaling(rs: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
 
 
 def load_hf_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    require("torch")
+    require("safetensors")
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))

@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from kvserve.engine.scheduler import shifted_context
+from kvserve.lazy_torch import torch
 from kvserve.models.decoder import DecoderLM
 from kvserve.quality.teacher_forced import chunk_logprobs
 

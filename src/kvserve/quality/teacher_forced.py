@@ -11,10 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from kvserve.attention.paged import PagedAttention, PagedAttentionMetadata, SequenceSlice
 from kvserve.kv.storage import PagedKVStorage
+from kvserve.lazy_torch import torch
 from kvserve.models.decoder import DecoderLM
 
 BLOCK_SIZE = 16
