@@ -23,9 +23,8 @@ not.
 
 from __future__ import annotations
 
-import functools
 import math
-from functools import cache
+from functools import cache, cached_property
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -231,7 +230,7 @@ class RotatedKeys(KVCodec):
         self.signs = hadamard_signs(base.head_dim)  # what the C kernels take
         self._matrices: dict[tuple, torch.Tensor] = {}
 
-    @functools.cached_property
+    @cached_property
     def matrix(self) -> torch.Tensor:
         """The rotation as a matrix, for torch code (the kernels take ``signs``)."""
         return signed_hadamard(self.signs)
@@ -276,7 +275,7 @@ class RotatedCodec(KVCodec):
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._byte_tables: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> [256, codes per byte]
 
-    @functools.cached_property
+    @cached_property
     def matrix(self) -> torch.Tensor:
         """x @ matrix = H (signs * x), for torch code (the kernels take ``signs``)."""
         return signed_hadamard(self.signs)
