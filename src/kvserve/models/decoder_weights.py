@@ -20,7 +20,7 @@ import numpy as np
 
 from kvserve.config import ModelConfig
 from kvserve.host_memory import packing_arena
-from kvserve.lazy_torch import Device, dtype_name, torch, torch_dtype
+from kvserve.lazy_torch import Device, as_numpy, dtype_name, torch, torch_dtype
 from kvserve.models.linear import Int8GroupLinear, Linear, make_linear, pack_into_arena
 from kvserve.models.moe import MoE
 from kvserve.models.rope import RotaryEmbedding, inverse_frequencies, rotary_embedding
@@ -74,11 +74,11 @@ class TensorWeights:
         return self.tensors.pop(name)
 
     def pop_array(self, name: str) -> np.ndarray:
-        return self.tensors.pop(name).detach().float().cpu().numpy()
+        return np.asarray(as_numpy(self.tensors.pop(name)), dtype=np.float32)
 
     def get_array(self, name: str) -> np.ndarray | None:
         tensor = self.tensors.get(name)
-        return None if tensor is None else tensor.detach().float().cpu().numpy()
+        return None if tensor is None else np.asarray(as_numpy(tensor), dtype=np.float32)
 
     def grid16(self, name: str) -> Grid16 | None:
         return None

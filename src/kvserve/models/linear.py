@@ -390,11 +390,7 @@ def weight_array(linear) -> np.ndarray | None:
 
 def host_vector(v: np.ndarray | torch.Tensor | None) -> np.ndarray | None:
     """A bias for the C kernels: f32, contiguous numpy (a tensor is copied to the host)."""
-    if v is None:
-        return None
-    if is_tensor(v):
-        v = v.detach().float().cpu().numpy()
-    return np.ascontiguousarray(v, dtype=np.float32)
+    return None if v is None else np.ascontiguousarray(as_numpy(v), dtype=np.float32)
 
 
 def bias_address(bias: np.ndarray | torch.Tensor | None) -> int:
